@@ -1,0 +1,81 @@
+"""The attention-backend seam: how new K/V enter the paged pool and how queries read it.
+
+Ownership: the model runner builds one `AttentionBatch` per forward pass and asks the backend to
+`plan` it once; the model then calls `forward` once per layer with that plan. The backend owns the
+write of the step's K/V into the pool (a GPU backend such as flashinfer has its own append
+kernel) and the attention itself. It never allocates pages or touches the scheduler.
+
+Threading: `plan` and `forward` are called from the engine thread only, inside the forward pass.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """The sequences of one forward pass, as attention sees them.
+
+    Sequences 0..num_decode-1 have exactly one query (decodes); the rest are prefill chunks.
+    Query rows of sequence s are query_start[s]:query_start[s+1] of the flat token axis.
+    context_lens[s] counts the tokens of s in the cache after this step's tokens are written, so
+    query i of s sits at position context_lens[s] - q_len_s + i and attends to positions <= it.
+    """
+
+    query_start: torch.Tensor    # [S + 1] int32
+    context_lens: torch.Tensor   # [S] int32
+    block_tables: torch.Tensor   # [S, max_pages] int32, padded with a padding block id
+    slot_pages: torch.Tensor     # [T] int64: page of each new token's K/V
+    slot_offsets: torch.Tensor   # [T] int64: slot inside that page
+    num_decode: int
+    q_lens: tuple[int, ...]      # host copies, for per-sequence loops
+    ctx_lens: tuple[int, ...]
+    page_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_pages.shape[0])
+
+
+class AttentionBackend(abc.ABC):
+    """One implementation per device family; selected by name through `get_backend`."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def plan(self, batch: AttentionBatch) -> object:
+        """Precompute what every layer of this pass reuses (masks, index tensors)."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,       # [T, Hq, D]
+        k: torch.Tensor,       # [T, Hkv, D]
+        v: torch.Tensor,       # [T, Hkv, D]
+        k_pool: torch.Tensor,  # [N, Hkv, P, D]
+        v_pool: torch.Tensor,  # [N, Hkv, P, D]
+        plan: object,
+        scale: float,
+    ) -> torch.Tensor:         # [T, Hq, D]
+        """Write k, v into their slots, then attend every query over its sequence's pages."""
+
+
+def write_kv(
+    k: torch.Tensor,          # [T, Hkv, D]
+    v: torch.Tensor,          # [T, Hkv, D]
+    k_pool: torch.Tensor,     # [N, Hkv, P, D]
+    v_pool: torch.Tensor,     # [N, Hkv, P, D]
+    batch: AttentionBatch,
+) -> None:
+    """Scatter the step's K/V rows into their pages (HND: page, head, slot, dim)."""
+    # Advanced indices on dims 0 and 2 around a slice put the token axis first: [T, Hkv, D].
+    k_pool[batch.slot_pages, :, batch.slot_offsets] = k
+    v_pool[batch.slot_pages, :, batch.slot_offsets] = v

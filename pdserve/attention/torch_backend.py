@@ -1,0 +1,97 @@
+"""Attention with plain torch ops on gathered pages (the CPU reference backend).
+
+Decodes are batched: their pages are gathered into [B, Hkv, L, D] and one SDPA call with a
+padding mask serves all of them. Prefill chunks run one SDPA call each over their own pages
+(selective batching, E2). Query heads are folded per KV head ([Hkv, q_len * G, D]) so that K/V
+are never repeated for grouped-query attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.attention.base import AttentionBackend, AttentionBatch, write_kv
+
+
+@dataclass(frozen=True)
+class _PrefillSeq:
+    q_start: int
+    q_len: int
+    ctx_len: int
+    pages: torch.Tensor        # [num_pages] int64
+    mask: torch.Tensor | None  # [q_len, ctx_len] bool (True = attend); None = plain causal from 0
+
+
+@dataclass(frozen=True)
+class TorchPlan:
+    batch: AttentionBatch
+    decode_pages: torch.Tensor | None   # [B, max_pages] int64
+    decode_mask: torch.Tensor | None    # [B, 1, 1, max_pages * P] bool
+    prefills: tuple[_PrefillSeq, ...]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def plan(self, batch: AttentionBatch) -> TorchPlan:
+        P = batch.page_size
+        nd = batch.num_decode
+        decode_pages = decode_mask = None
+        if nd:
+            max_ctx = max(batch.ctx_lens[:nd])
+            max_pages = -(-max_ctx // P)
+            decode_pages = batch.block_tables[:nd, :max_pages].long()
+            pos = torch.arange(max_pages * P)                                   # [L]
+            decode_mask = (pos[None, :] < batch.context_lens[:nd, None]).view(nd, 1, 1, -1)
+        prefills = []
+        for s in range(nd, batch.num_seqs):
+            q_len, ctx = batch.q_lens[s], batch.ctx_lens[s]
+            pages = batch.block_tables[s, : -(-ctx // P)].long()
+            mask = None
+            if ctx != q_len:
+                q_pos = torch.arange(ctx - q_len, ctx)                           # [q_len]
+                mask = torch.arange(ctx)[None, :] <= q_pos[:, None]             # [q_len, ctx]
+            prefills.append(_PrefillSeq(int(batch.query_start[s]), q_len, ctx, pages, mask))
+        return TorchPlan(batch, decode_pages, decode_mask, tuple(prefills))
+
+    def forward(self, q, k, v, k_pool, v_pool, plan: object, scale: float) -> torch.Tensor:
+        assert isinstance(plan, TorchPlan)
+        write_kv(k, v, k_pool, v_pool, plan.batch)
+        T, Hq, D = q.shape
+        Hkv = k_pool.shape[1]
+        G = Hq // Hkv
+        out = torch.empty_like(q)                                                # [T, Hq, D]
+        nd = plan.batch.num_decode
+        if nd:
+            B, max_pages = plan.decode_pages.shape
+            # kd, vd: [B, Hkv, max_pages * P, D]
+            kd = k_pool[plan.decode_pages].permute(0, 2, 1, 3, 4).reshape(B, Hkv, -1, D)
+            vd = v_pool[plan.decode_pages].permute(0, 2, 1, 3, 4).reshape(B, Hkv, -1, D)
+            qd = q[:nd].view(nd, Hkv, G, D)                                      # [B, Hkv, G, D]
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=scale)
+            out[:nd] = od.reshape(nd, Hq, D)
+        for seq in plan.prefills:
+            rows = slice(seq.q_start, seq.q_start + seq.q_len)
+            if seq.mask is None:
+                # Fresh prompt chunk: its own k, v are the whole context.
+                ks = k[rows].transpose(0, 1)                                     # [Hkv, n, D]
+                vs = v[rows].transpose(0, 1)
+            else:
+                ks = k_pool[seq.pages].transpose(0, 1).reshape(Hkv, -1, D)[:, : seq.ctx_len]  # [Hkv, ctx, D]
+                vs = v_pool[seq.pages].transpose(0, 1).reshape(Hkv, -1, D)[:, : seq.ctx_len]
+            qs = q[rows].view(seq.q_len, Hkv, G, D).transpose(0, 1)              # [Hkv, n, G, D]
+            if seq.mask is None:
+                o = F.scaled_dot_product_attention(
+                    qs.transpose(1, 2), ks[:, None], vs[:, None], is_causal=True, scale=scale
+                )                                                                # [Hkv, G, n, D]
+                o = o.permute(2, 0, 1, 3)                                        # [n, Hkv, G, D]
+            else:
+                qf = qs.reshape(Hkv, seq.q_len * G, D)                           # [Hkv, n*G, D]
+                mask = seq.mask.repeat_interleave(G, dim=0)                      # [n*G, ctx]
+                o = F.scaled_dot_product_attention(qf, ks, vs, attn_mask=mask, scale=scale)
+                o = o.view(Hkv, seq.q_len, G, D).transpose(0, 1)                 # [n, Hkv, G, D]
+            out[rows] = o.reshape(seq.q_len, Hq, D)
+        return out

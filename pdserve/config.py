@@ -1,0 +1,141 @@
+"""Engine configuration: one frozen, validated dataclass per component.
+
+Names follow Hugging Face's ContinuousBatchingConfig where a setting exists there
+(page_size, num_blocks, max_batch_tokens, max_requests_per_batch, max_memory_percent,
+scheduler_type, safety_margin). Every invalid value raises ValueError naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+SchedulerType = Literal["fifo", "prefill_first"]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache (E7, E9).
+
+    page_size: tokens per page (a page is one layer's K or V for page_size tokens).
+    num_blocks: blocks in the pool (a block is one page per layer); None sizes the pool from
+        available memory x max_memory_percent after weights (E9).
+    max_memory_percent: fraction of available memory the KV pool may take when num_blocks is None.
+    num_padding_blocks: blocks reserved for padding that requests never get (block ids 0..n-1).
+    """
+
+    page_size: int = 16
+    num_blocks: int | None = None
+    max_memory_percent: float = 0.3
+    num_padding_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        _positive_int("page_size", self.page_size)
+        if self.num_blocks is not None:
+            _positive_int("num_blocks", self.num_blocks)
+            if self.num_blocks <= self.num_padding_blocks:
+                raise ValueError(
+                    f"num_blocks={self.num_blocks} must exceed num_padding_blocks={self.num_padding_blocks}"
+                )
+        m = self.max_memory_percent
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not (0.0 < m <= 1.0):
+            raise ValueError(f"max_memory_percent must be in (0, 1], got {m!r}")
+        _positive_int("num_padding_blocks", self.num_padding_blocks)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Iteration-level scheduling (E2-E6, E10, E11).
+
+    max_batch_tokens: query tokens per forward pass (token budget, E4).
+    max_requests_per_batch: sequences per forward pass (request cap, E4).
+    scheduler_type: "fifo" (decodes, then running prefills, then waiting) or "prefill_first".
+    safety_margin: fraction of free blocks below which no new prefill is admitted (E11);
+        None picks the scheduler's default: 0.15 for fifo, 0.0 for prefill_first.
+    """
+
+    max_batch_tokens: int = 512
+    max_requests_per_batch: int = 32
+    scheduler_type: SchedulerType = "fifo"
+    safety_margin: float | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("max_batch_tokens", self.max_batch_tokens)
+        _positive_int("max_requests_per_batch", self.max_requests_per_batch)
+        if self.scheduler_type not in ("fifo", "prefill_first"):
+            raise ValueError(f"scheduler_type must be 'fifo' or 'prefill_first', got {self.scheduler_type!r}")
+        if self.safety_margin is not None:
+            s = self.safety_margin
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not (0.0 <= s < 1.0):
+                raise ValueError(f"safety_margin must be in [0, 1), got {s!r}")
+
+    @property
+    def effective_safety_margin(self) -> float:
+        if self.safety_margin is not None:
+            return float(self.safety_margin)
+        return 0.15 if self.scheduler_type == "fifo" else 0.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine needs.
+
+    model: local Hugging Face checkpoint directory or .gguf file; None = the default model.
+    dtype: "float32" (reference-exact) or "bfloat16".
+    num_threads: torch intra-op threads; None leaves torch's default.
+    max_model_len: longest sequence (prompt + output); None = the model's max_position_embeddings.
+    seed: seed of the sampler's default generator (requests without their own seed).
+    attention_backend: name of a registered attention backend ("torch" on CPU).
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    num_threads: int | None = None
+    max_model_len: int | None = None
+    seed: int = 0
+    attention_backend: str = "torch"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.num_threads is not None:
+            _positive_int("num_threads", self.num_threads)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @classmethod
+    def from_options(cls, **options: object) -> "EngineConfig":
+        """Build from flat keyword options (LLM(**engine_options), CLI flags).
+
+        Cache and scheduler settings may be given flat (page_size=..., max_batch_tokens=...);
+        unknown names raise ValueError listing what is accepted.
+        """
+        cache_names = set(CacheConfig.__dataclass_fields__)
+        sched_names = set(SchedulerConfig.__dataclass_fields__)
+        engine_names = set(cls.__dataclass_fields__) - {"cache", "scheduler"}
+        cache_kw, sched_kw, engine_kw = {}, {}, {}
+        for key, value in options.items():
+            if key in cache_names:
+                cache_kw[key] = value
+            elif key in sched_names:
+                sched_kw[key] = value
+            elif key in engine_names:
+                engine_kw[key] = value
+            else:
+                accepted = sorted(cache_names | sched_names | engine_names)
+                raise ValueError(f"unknown engine option {key!r}; accepted: {', '.join(accepted)}")
+        return cls(cache=CacheConfig(**cache_kw), scheduler=SchedulerConfig(**sched_kw), **engine_kw)

@@ -1,0 +1,289 @@
+"""The engine every pdserve node runs: one step = schedule -> run -> update.
+
+    sched = scheduler.schedule()          # which tokens of which requests (E2-E6, E10, E11)
+    out = runner.execute(sched)           # one forward pass over all of them
+    return self._update(sched, out)       # sample, append, detokenize, stop, free
+
+Hooks let the KV messenger plug in without the engine knowing about it: `on_schedule` sees each
+pass before it runs (D6), `on_layer_done` fires after each layer's attention output projection
+(D7), `on_prefill_done` receives a prefill-only request's final hidden state and logits (D12).
+
+Threading: an engine is driven by one thread (the caller of `step`); `AsyncEngine` runs that
+thread for servers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.attention import get_backend
+from pdserve.cache.block_pool import BlockPool
+from pdserve.cache.kv_cache import KVCacheShape, PagedKVCache
+from pdserve.cache.manager import KVCacheManager
+from pdserve.config import EngineConfig
+from pdserve.model.arch import ModelArch
+from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.loader import ModelSource, iter_weights, load_config, load_generation_eos, load_tokenizer, resolve_model
+from pdserve.outputs import CompletionOutput, RequestOutput
+from pdserve.request import FinishReason, Request, RequestStatus
+from pdserve.runner import ModelOutput, ModelRunner
+from pdserve.sampling.detokenizer import IncrementalDetokenizer
+from pdserve.sampling.sampler import SampleLogprobs, Sampler
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler import SchedulerOutput, make_scheduler
+from pdserve.sizing import size_pool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineHooks:
+    """Callbacks into the engine's step; all run on the engine thread and must not block long."""
+
+    on_schedule: Callable[[SchedulerOutput], None] | None = None
+    on_layer_done: Callable[[int], None] | None = None
+    on_prefill_done: Callable[[Request, torch.Tensor, torch.Tensor], None] | None = None
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    detok: IncrementalDetokenizer
+    logprobs: list[SampleLogprobs]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, hooks: EngineHooks | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.hooks = hooks or EngineHooks()
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.source: ModelSource = resolve_model(config.model)
+        hf_config = load_config(self.source)
+        self.arch = ModelArch.from_hf_config(hf_config)
+        self.tokenizer = load_tokenizer(self.source)
+        self.eos_token_ids = frozenset(load_generation_eos(self.source))
+        self.max_model_len = min(config.max_model_len or self.arch.max_position_embeddings,
+                                 self.arch.max_position_embeddings)
+        if self.arch.sliding_window is not None and self.arch.sliding_window < self.max_model_len:
+            logger.warning("model has a sliding window of %d tokens; capping max_model_len %d -> %d "
+                           "(sliding-window attention is not implemented yet)",
+                           self.arch.sliding_window, self.max_model_len, self.arch.sliding_window)
+            self.max_model_len = self.arch.sliding_window
+        dtype = config.torch_dtype
+        self.model = LlamaForCausalLM(self.arch, hf_config, dtype, self.max_model_len)
+        self.model.load_weights(iter_weights(self.source))
+        self.model.eval()
+
+        P = config.cache.page_size
+        probe = KVCacheShape(self.arch.num_layers, 1, self.arch.num_kv_heads, P, self.arch.head_dim)
+        max_useful = config.scheduler.max_requests_per_batch * -(-self.max_model_len // P)
+        size = size_pool(config.cache, probe.block_nbytes(dtype), max_useful)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB each block, %.2f GiB total): %s",
+                    size.num_blocks, P, size.block_nbytes / 2**20, size.num_blocks * size.block_nbytes / 2**30,
+                    size.reason)
+        shape = KVCacheShape(self.arch.num_layers, size.num_blocks, self.arch.num_kv_heads, P, self.arch.head_dim)
+        self.kv_cache = PagedKVCache(shape, dtype)
+        self.pool = BlockPool(size.num_blocks, config.cache.num_padding_blocks)
+        self.cache_manager = KVCacheManager(self.pool, P)
+        self.scheduler = make_scheduler(config.scheduler, self.cache_manager)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.cache_manager, get_backend(config.attention_backend))
+        self.sampler = Sampler()
+        self._default_generator = torch.Generator().manual_seed(config.seed)
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.num_forward_tokens = 0
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        ids = list(prompt)
+        vocab = self.arch.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        return ids
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prefill_only: bool = False,
+    ) -> Request:
+        """Validate and queue a request; raises ValueError (nothing queued) for bad input."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but the model's context is {self.max_model_len} tokens "
+                f"(at least one must be left to generate)"
+            )
+        need = self.cache_manager.num_blocks_for(len(ids) + 1)
+        if need > self.pool.num_usable_blocks:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens needs {need} KV blocks but the cache has only "
+                f"{self.pool.num_usable_blocks}"
+            )
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling=params,
+            max_total_tokens=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            prefill_only=prefill_only,
+        )
+        self._tracked[request_id] = _Tracked(request, IncrementalDetokenizer(self.tokenizer, ids, params), [])
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None
+        return self._finish(tracked, FinishReason.ABORT, new_ids=(), delta="")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._tracked)
+
+    # --- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return self._stalled()
+        if self.hooks.on_schedule is not None:
+            self.hooks.on_schedule(sched)
+        out = self.runner.execute(sched, self.hooks.on_layer_done)
+        return self._update(sched, out)
+
+    def _update(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
+        self.num_steps += 1
+        self.num_forward_tokens += sched.num_batched_tokens
+        sampling_chunks = [c for c in sched.chunks if c.samples]
+        sampled = None
+        if sampling_chunks:
+            rows = torch.tensor([out.chunk_rows[c.request_id] for c in sampling_chunks])
+            sampled = self.sampler.sample(
+                out.logits[rows],
+                [c.request.sampling for c in sampling_chunks],
+                [c.request.generator or self._default_generator for c in sampling_chunks],
+            )
+        results: list[RequestOutput] = []
+        k = 0
+        for c in sched.chunks:
+            r = c.request
+            r.num_computed_tokens = c.end
+            tracked = self._tracked[r.request_id]
+            if r.prefill_only and c.end == r.target_computed_tokens:
+                row = out.chunk_rows[r.request_id]
+                if self.hooks.on_prefill_done is not None:
+                    self.hooks.on_prefill_done(r, out.hidden[row], out.logits[row])
+                results.append(self._finish(tracked, FinishReason.PREFILLED, new_ids=(), delta=""))
+                continue
+            if not c.samples:
+                continue
+            token = sampled.token_ids[k]
+            lp = sampled.logprobs[k]
+            k += 1
+            results.append(self._append_token(tracked, token, lp))
+        return results
+
+    def _append_token(self, tracked: _Tracked, token: int, lp: SampleLogprobs | None) -> RequestOutput:
+        r = tracked.request
+        r.output_token_ids.append(token)
+        r.status = RequestStatus.DECODING
+        if lp is not None:
+            tracked.logprobs.append(lp)
+        step = tracked.detok.push(token)
+        params = r.sampling
+        reason: FinishReason | None = None
+        if step.stop_string is not None:
+            reason, r.stop_reason = FinishReason.STOP, step.stop_string
+        elif token in params.stop_token_ids:
+            reason, r.stop_reason = FinishReason.STOP, token
+        elif not params.ignore_eos and token in r.eos_token_ids:
+            reason = FinishReason.STOP
+        elif params.max_tokens is not None and len(r.output_token_ids) >= params.max_tokens:
+            reason = FinishReason.LENGTH
+        elif r.num_tokens >= r.max_total_tokens:
+            reason = FinishReason.LENGTH
+        new_lp = (lp,) if lp is not None else ()
+        if reason is not None:
+            return self._finish(tracked, reason, new_ids=(token,), delta=step.delta_text, new_logprobs=new_lp)
+        return RequestOutput(
+            request_id=r.request_id,
+            new_token_ids=(token,),
+            delta_text=step.delta_text,
+            finished=False,
+            num_prompt_tokens=r.num_prompt_tokens_original,
+            num_output_tokens=len(r.output_token_ids),
+            new_logprobs=new_lp,
+        )
+
+    def _finish(
+        self,
+        tracked: _Tracked,
+        reason: FinishReason,
+        new_ids: tuple[int, ...],
+        delta: str,
+        new_logprobs: tuple[SampleLogprobs, ...] = (),
+        error: str | None = None,
+    ) -> RequestOutput:
+        r = tracked.request
+        self.scheduler.remove_request(r)
+        r.status = RequestStatus.FINISHED
+        r.finish_reason = reason
+        del self._tracked[r.request_id]
+        delta += tracked.detok.finish()
+        completion = CompletionOutput(
+            text=tracked.detok.text,
+            token_ids=tuple(r.output_token_ids),
+            finish_reason=reason.value,
+            logprobs=tuple(tracked.logprobs) if r.sampling.logprobs is not None else None,
+            stop_reason=r.stop_reason,
+        )
+        return RequestOutput(
+            request_id=r.request_id,
+            new_token_ids=new_ids,
+            delta_text=delta,
+            finished=True,
+            num_prompt_tokens=r.num_prompt_tokens_original,
+            num_output_tokens=len(r.output_token_ids),
+            new_logprobs=new_logprobs,
+            completion=completion,
+            error=error,
+        )
+
+    def _stalled(self) -> list[RequestOutput]:
+        """Nothing could be scheduled. If requests wait that can never fit, fail them explicitly."""
+        if self.scheduler.running or not self.scheduler.waiting:
+            return []
+        # Nothing runs, so the whole pool is free: a waiting head that still cannot start never will.
+        head = self.scheduler.waiting[0]
+        tracked = self._tracked[head.request_id]
+        msg = (f"request {head.request_id} needs {self.cache_manager.num_blocks_for(head.num_tokens)} KV blocks "
+               f"but only {self.pool.num_free_blocks} exist")
+        logger.error(msg)
+        return [self._finish(tracked, FinishReason.ERROR, new_ids=(), delta="", error=msg)]
+
+    def check_integrity(self) -> None:
+        """free + used == total and every block is held by exactly the requests that hold it."""
+        self.cache_manager.check_integrity()

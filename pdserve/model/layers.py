@@ -1,0 +1,129 @@
+"""Building blocks of decoder models, laid out for tensor parallelism.
+
+Linear layers come in the two Megatron flavours so that a later TP split is a matter of
+`tp_rank`/`tp_size`: `MergedColumnLinear` (several logical outputs stacked, e.g. q|k|v or
+gate|up, each split by output rows) and `RowLinear` (split by input columns; its partial outputs
+are summed across ranks). With tp_size == 1 both are plain linear layers. Weights are loaded one
+logical part at a time with `load_part`, which slices the rank's share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MergedColumnLinear(nn.Module):
+    """y = x W^T (+ b) with W = [W_0; W_1; ...] stacked by output rows, each part split across ranks."""
+
+    def __init__(
+        self,
+        in_features: int,
+        part_sizes: Sequence[int],
+        bias: bool,
+        dtype: torch.dtype,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        for size in part_sizes:
+            if size % tp_size:
+                raise ValueError(f"output part of size {size} does not split over tp_size={tp_size}")
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.shard_sizes = [s // tp_size for s in part_sizes]
+        self.offsets = [sum(self.shard_sizes[:i]) for i in range(len(self.shard_sizes))]
+        out = sum(self.shard_sizes)
+        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)  # [out, in]
+        self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
+
+    def load_part(self, index: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        size, off = self.shard_sizes[index], self.offsets[index]
+        full = size * self.tp_size
+        if weight.shape != (full, self.weight.shape[1]):
+            raise ValueError(f"part {index}: expected weight {(full, self.weight.shape[1])}, got {tuple(weight.shape)}")
+        shard = weight[self.tp_rank * size : (self.tp_rank + 1) * size]
+        self.weight.data[off : off + size].copy_(shard)
+        if bias is not None:
+            if self.bias is None:
+                raise ValueError(f"part {index}: checkpoint has a bias but the layer was built without one")
+            self.bias.data[off : off + size].copy_(bias[self.tp_rank * size : (self.tp_rank + 1) * size])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
+        return F.linear(x, self.weight, self.bias)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:  # y: [T, out] -> one [T, size] per part
+        return torch.split(y, self.shard_sizes, dim=-1)
+
+
+class RowLinear(nn.Module):
+    """y = x W^T (+ b) with W split by input columns across ranks (partial sums reduced by the caller)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        super().__init__()
+        if in_features % tp_size:
+            raise ValueError(f"input size {in_features} does not split over tp_size={tp_size}")
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.in_shard = in_features // tp_size
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_shard, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        expected = (self.weight.shape[0], self.in_shard * self.tp_size)
+        if weight.shape != expected:
+            raise ValueError(f"expected weight {expected}, got {tuple(weight.shape)}")
+        self.weight.data.copy_(weight[:, self.tp_rank * self.in_shard : (self.tp_rank + 1) * self.in_shard])
+        if bias is not None:
+            if self.bias is None:
+                raise ValueError("checkpoint has a bias but the layer was built without one")
+            # The bias is added once, by rank 0, so the sum across ranks counts it once.
+            self.bias.data.copy_(bias if self.tp_rank == 0 else torch.zeros_like(bias))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_shard] -> [T, out]
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as the reference implementation does."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., size]
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        var = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(var + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half convention) with a precomputed cos/sin table."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int, dtype: torch.dtype):
+        super().__init__()
+        # inv_freq: [D/2]; positions: [max_positions]
+        t = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq.float())                                # [max_positions, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                                 # [max_positions, D]
+        self.register_buffer("cos", (emb.cos() * attention_scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * attention_scaling).to(dtype), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
+        cos = self.cos[positions].unsqueeze(1)                                  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

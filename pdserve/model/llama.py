@@ -1,0 +1,179 @@
+"""Our Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3) over the paged KV cache.
+
+The forward pass takes the flat token axis of a whole batch ([T] ids and positions): token-wise
+work (norms, projections, MLP) runs over all tokens of all sequences at once, attention runs per
+sequence through the attention backend (E2). After each layer's attention output projection the
+layer hook is called (D7: the KV messenger learns that layer L's KV is in the pool).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.attention.base import AttentionBackend
+from pdserve.model.arch import ModelArch, rope_inv_freq
+from pdserve.model.layers import MergedColumnLinear, RMSNorm, RotaryEmbedding, RowLinear
+
+LayerHook = Callable[[int], None]
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedColumnLinear(arch.hidden_size, [q_size, kv_size, kv_size], arch.attention_bias, dtype)
+        self.o_proj = RowLinear(q_size, arch.hidden_size, False, dtype)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,             # [T, hidden]
+        positions: torch.Tensor,     # [T]
+        rope: RotaryEmbedding,
+        k_pool: torch.Tensor,        # [N, Hkv, P, D]
+        v_pool: torch.Tensor,        # [N, Hkv, P, D]
+        backend: AttentionBackend,
+        plan: object,
+    ) -> torch.Tensor:               # [T, hidden]
+        T = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(T, self.num_heads, self.head_dim)                           # [T, Hq, D]
+        k = k.view(T, self.num_kv_heads, self.head_dim)                        # [T, Hkv, D]
+        v = v.view(T, self.num_kv_heads, self.head_dim)                        # [T, Hkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        o = backend.forward(q.contiguous(), k, v, k_pool, v_pool, plan, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = arch.intermediate_size
+        self.gate_up_proj = MergedColumnLinear(arch.hidden_size, [inter, inter], arch.mlp_bias, dtype)
+        self.down_proj = RowLinear(inter, arch.hidden_size, arch.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))              # [T, inter] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.self_attn = Attention(arch, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.mlp = MLP(arch, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArch, hf_config: object, dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        inv_freq, scaling = rope_inv_freq(hf_config, arch.head_dim)
+        self.rope = RotaryEmbedding(inv_freq, scaling, max_positions, dtype)
+        if arch.tie_word_embeddings:
+            self.lm_head_weight = self.embed_tokens.weight                     # [V, hidden]
+        else:
+            self.lm_head_weight = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype),
+                                               requires_grad=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,        # [T]
+        positions: torch.Tensor,        # [T]
+        k_pools: list[torch.Tensor],    # per layer [N, Hkv, P, D]
+        v_pools: list[torch.Tensor],
+        backend: AttentionBackend,
+        plan: object,
+        logits_indices: torch.Tensor,   # [S] rows whose next-token logits are wanted
+        layer_hook: LayerHook | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [S, V] float32, final hidden [S, hidden]
+        h = self.embed_tokens(input_ids)                                       # [T, hidden]
+        for i, layer in enumerate(self.layers):
+            residual = h
+            h = layer.self_attn(layer.input_layernorm(h), positions, self.rope, k_pools[i], v_pools[i], backend, plan)
+            if layer_hook is not None:
+                layer_hook(i)
+            h = residual + h
+            residual = h
+            h = residual + layer.mlp(layer.post_attention_layernorm(h))
+        last = self.norm(h[logits_indices])                                    # [S, hidden]
+        logits = F.linear(last, self.lm_head_weight).float()                   # [S, V]
+        return logits, last
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into our layout.
+
+        Every parameter must be found and every checkpoint tensor must be used; otherwise a
+        ValueError lists what is missing or unexpected.
+        """
+        ckpt = {name.removeprefix("model."): t for name, t in weights}
+        used: set[str] = set()
+        missing: list[str] = []
+
+        def take(name: str, required: bool = True) -> torch.Tensor | None:
+            if name in ckpt:
+                used.add(name)
+                return ckpt[name]
+            if required:
+                missing.append(name)
+            return None
+
+        def copy(param: torch.Tensor, name: str) -> None:
+            t = take(name)
+            if t is not None:
+                if t.shape != param.shape:
+                    raise ValueError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(t.shape)}")
+                param.data.copy_(t)
+
+        arch = self.arch
+        copy(self.embed_tokens.weight, "embed_tokens.weight")
+        copy(self.norm.weight, "norm.weight")
+        if arch.tie_word_embeddings:
+            take("lm_head.weight", required=False)  # some tied checkpoints still store a copy
+        else:
+            copy(self.lm_head_weight, "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            for j, part in enumerate(("q_proj", "k_proj", "v_proj")):
+                w = take(f"{p}self_attn.{part}.weight")
+                b = take(f"{p}self_attn.{part}.bias", required=arch.attention_bias)
+                if w is not None:
+                    attn.qkv_proj.load_part(j, w, b)
+            w = take(f"{p}self_attn.o_proj.weight")
+            if w is not None:
+                attn.o_proj.load(w, take(f"{p}self_attn.o_proj.bias", required=False))
+            for j, part in enumerate(("gate_proj", "up_proj")):
+                w = take(f"{p}mlp.{part}.weight")
+                if w is not None:
+                    mlp.gate_up_proj.load_part(j, w, take(f"{p}mlp.{part}.bias", required=arch.mlp_bias))
+            w = take(f"{p}mlp.down_proj.weight")
+            if w is not None:
+                mlp.down_proj.load(w, take(f"{p}mlp.down_proj.bias", required=arch.mlp_bias))
+            copy(layer.input_layernorm.weight, f"{p}input_layernorm.weight")
+            copy(layer.post_attention_layernorm.weight, f"{p}post_attention_layernorm.weight")
+            if arch.qk_norm:
+                copy(attn.q_norm.weight, f"{p}self_attn.q_norm.weight")
+                copy(attn.k_norm.weight, f"{p}self_attn.k_norm.weight")
+        unexpected = sorted(n for n in set(ckpt) - used if "rotary_emb" not in n)
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint does not match model_type {arch.model_type!r}: "
+                f"{len(missing)} missing (e.g. {missing[:4]}), {len(unexpected)} unexpected (e.g. {unexpected[:4]})"
+            )

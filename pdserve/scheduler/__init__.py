@@ -1,0 +1,13 @@
+"""Iteration-level scheduling: which tokens of which requests run in the next forward pass."""
+
+from pdserve.scheduler.output import ScheduledChunk, SchedulerOutput
+from pdserve.scheduler.scheduler import FifoScheduler, PrefillFirstScheduler, Scheduler, make_scheduler
+
+__all__ = [
+    "FifoScheduler",
+    "PrefillFirstScheduler",
+    "ScheduledChunk",
+    "Scheduler",
+    "SchedulerOutput",
+    "make_scheduler",
+]
