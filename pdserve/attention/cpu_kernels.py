@@ -1,0 +1,218 @@
+"""Python wrapper of the C paged-attention kernel (csrc/paged_attention.c, built with cffi).
+
+`paged_attention` runs decode and chunked-prefill attention straight from the paged KV pool
+(no gather copies); `paged_attention_reference` is the pure-torch definition the tests compare
+against. `available()` says whether the compiled module could be imported; importing this module
+never raises.
+
+Semantics (both functions): Hq = Hkv * G and query head h reads kv head h // G. Query i of
+sequence s (q_len = query_start[s+1] - query_start[s]) sits at absolute position
+p = context_lens[s] - q_len + i and attends to key positions 0..p. Key position t of s is slot
+t % P of page block_tables[s, t // P]. Softmax in float32; output cast to q's dtype. Rows of q
+that belong to no sequence are left untouched in `out`.
+
+Threads: the kernel uses OpenMP with exactly `num_threads` threads per call (default
+torch.get_num_threads()). It links libgomp; when torch is imported first (as here), the process
+keeps a single libgomp (torch's), so the two share one runtime. The C call releases the GIL.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+try:
+    from pdserve.attention import _cpu_kernels  # built by _kernels_build.py
+
+    _ffi = _cpu_kernels.ffi
+    _lib = _cpu_kernels.lib
+    _IMPORT_ERROR: str | None = None
+except ImportError as exc:  # not compiled (or built for another interpreter)
+    _ffi = None
+    _lib = None
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+    logger.info(
+        "CPU attention kernels unavailable (%s); build them with "
+        "`python pdserve/attention/_kernels_build.py` or `pip install -e .`",
+        _IMPORT_ERROR,
+    )
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def available() -> bool:
+    """True when the compiled kernel module imported."""
+    return _lib is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the compiled module is missing (None when it is available)."""
+    return _IMPORT_ERROR
+
+
+def has_openmp() -> bool:
+    """True when the compiled module was built with OpenMP (else it runs single-threaded)."""
+    return _lib is not None and bool(_lib.pa_has_openmp())
+
+
+def _shapes(**tensors: torch.Tensor) -> str:
+    return ", ".join(f"{name}={tuple(t.shape)}/{t.dtype}" for name, t in tensors.items())
+
+
+def _validate(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> None:
+    """Cheap shape / dtype / layout checks; raises ValueError naming every tensor's shape."""
+    names = _shapes(
+        out=out, q=q, k_pool=k_pool, v_pool=v_pool, block_tables=block_tables,
+        query_start=query_start, context_lens=context_lens,
+    )
+
+    def fail(why: str) -> None:
+        raise ValueError(f"paged_attention: {why} ({names})")
+
+    if q.dim() != 3 or k_pool.dim() != 4:
+        fail("q must be [T, Hq, D] and k_pool [N, Hkv, P, D]")
+    if q.dtype not in _DTYPES:
+        fail(f"dtype {q.dtype} unsupported (float32 or bfloat16)")
+    for name, t in (("out", out), ("k_pool", k_pool), ("v_pool", v_pool)):
+        if t.dtype != q.dtype:
+            fail(f"{name} dtype {t.dtype} != q dtype {q.dtype}")
+    if out.shape != q.shape:
+        fail(f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
+    if v_pool.shape != k_pool.shape:
+        fail(f"v_pool shape {tuple(v_pool.shape)} != k_pool shape {tuple(k_pool.shape)}")
+    _, hq, d = q.shape
+    _, hkv, _, dk = k_pool.shape
+    if dk != d:
+        fail(f"head dim of k_pool ({dk}) != head dim of q ({d})")
+    if hkv == 0 or hq % hkv != 0:
+        fail(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    if d % 8 != 0:
+        fail(f"head dim {d} must be a multiple of 8")
+    for name, t in (("block_tables", block_tables), ("query_start", query_start),
+                    ("context_lens", context_lens)):
+        if t.dtype != torch.int32:
+            fail(f"{name} must be int32, got {t.dtype}")
+    if block_tables.dim() != 2 or context_lens.dim() != 1 or query_start.dim() != 1:
+        fail("block_tables must be [S, max_pages], context_lens [S], query_start [S + 1]")
+    s = context_lens.shape[0]
+    if block_tables.shape[0] != s or query_start.shape[0] != s + 1:
+        fail(f"S={s} from context_lens disagrees with block_tables / query_start")
+    for name, t in (("out", out), ("q", q), ("k_pool", k_pool), ("v_pool", v_pool),
+                    ("block_tables", block_tables), ("query_start", query_start),
+                    ("context_lens", context_lens)):
+        if t.device.type != "cpu":
+            fail(f"{name} is on {t.device}, expected cpu")
+        if not t.is_contiguous():
+            fail(f"{name} must be contiguous (strides {t.stride()})")
+
+
+_ERRORS = {
+    "PA_ERR_SHAPE": "bad head counts / head dim: hq={}, hkv={}, head_dim={}",
+    "PA_ERR_QUERY_START": "query_start not monotonic within [0, T]: seq {} has [{}, {})",
+    "PA_ERR_CONTEXT_LEN": "seq {}: context_len {} is below its q_len {} or beyond max_pages * P",
+    "PA_ERR_PAGE_ID": "seq {}: block_tables entry {} holds page id {} outside [0, N)",
+    "PA_ERR_ALLOC": "out of memory for scratch buffers ({} {} {})",
+}
+
+
+def paged_attention(
+    out: torch.Tensor,           # [T, Hq, D] written in place, same dtype as q
+    q: torch.Tensor,             # [T, Hq, D] contiguous, float32 or bfloat16
+    k_pool: torch.Tensor,        # [N, Hkv, P, D] contiguous (HND pages)
+    v_pool: torch.Tensor,        # [N, Hkv, P, D]
+    block_tables: torch.Tensor,  # [S, max_pages] int32
+    query_start: torch.Tensor,   # [S + 1] int32
+    context_lens: torch.Tensor,  # [S] int32, including this step's queries
+    scale: float,
+    num_threads: int | None = None,
+) -> None:
+    """Paged attention with the C kernel; see the module docstring for the semantics.
+
+    Raises RuntimeError when the kernel is not built, ValueError for bad shapes / dtypes /
+    layouts and for out-of-range metadata values (checked in C before any page is read).
+    """
+    if _lib is None:
+        raise RuntimeError(f"CPU attention kernels are not built: {_IMPORT_ERROR}")
+    _validate(out, q, k_pool, v_pool, block_tables, query_start, context_lens)
+    if num_threads is None:
+        num_threads = torch.get_num_threads()
+    t, hq, d = q.shape
+    n, hkv, p, _ = k_pool.shape
+    ptr = "uint16_t *" if q.dtype == torch.bfloat16 else "float *"
+    err = _ffi.new("int64_t[3]")
+    rc = _lib.pa_forward(
+        _ffi.cast(ptr, out.data_ptr()),
+        _ffi.cast(ptr, q.data_ptr()),
+        _ffi.cast(ptr, k_pool.data_ptr()),
+        _ffi.cast(ptr, v_pool.data_ptr()),
+        _ffi.cast("int32_t *", block_tables.data_ptr()),
+        _ffi.cast("int32_t *", query_start.data_ptr()),
+        _ffi.cast("int32_t *", context_lens.data_ptr()),
+        t, context_lens.shape[0], block_tables.shape[1], n, hq, hkv, p, d,
+        float(scale), _DTYPES[q.dtype], int(num_threads), err,
+    )
+    if rc != _lib.PA_OK:
+        for name, template in _ERRORS.items():
+            if rc == getattr(_lib, name):
+                msg = template.format(err[0], err[1], err[2])
+                break
+        else:
+            msg = f"unknown error code {rc}"
+        shapes = _shapes(q=q, k_pool=k_pool, block_tables=block_tables, query_start=query_start,
+                         context_lens=context_lens)
+        if rc == _lib.PA_ERR_ALLOC:
+            raise MemoryError(f"paged_attention: {msg} ({shapes})")
+        raise ValueError(f"paged_attention: {msg} ({shapes})")
+
+
+def paged_attention_reference(
+    out: torch.Tensor,           # [T, Hq, D]
+    q: torch.Tensor,             # [T, Hq, D]
+    k_pool: torch.Tensor,        # [N, Hkv, P, D]
+    v_pool: torch.Tensor,        # [N, Hkv, P, D]
+    block_tables: torch.Tensor,  # [S, max_pages] int32
+    query_start: torch.Tensor,   # [S + 1] int32
+    context_lens: torch.Tensor,  # [S] int32
+    scale: float,
+    num_threads: int | None = None,
+) -> None:
+    """Pure-torch definition (float32 math, per sequence); same contract as `paged_attention`.
+
+    `num_threads` is accepted for signature parity and ignored.
+    """
+    del num_threads
+    _validate(out, q, k_pool, v_pool, block_tables, query_start, context_lens)
+    _, hq, d = q.shape
+    _, hkv, p, _ = k_pool.shape
+    g = hq // hkv
+    starts = query_start.tolist()
+    for s, ctx in enumerate(context_lens.tolist()):
+        a, b = starts[s], starts[s + 1]
+        q_len = b - a
+        if q_len == 0:
+            continue
+        n_pages = math.ceil(ctx / p)
+        pages = block_tables[s, :n_pages].long()                       # [n_pages]
+        k = k_pool[pages].float().permute(1, 0, 2, 3).reshape(hkv, n_pages * p, d)[:, :ctx]
+        v = v_pool[pages].float().permute(1, 0, 2, 3).reshape(hkv, n_pages * p, d)[:, :ctx]
+        k = k.repeat_interleave(g, dim=0)                              # [Hq, ctx, D]
+        v = v.repeat_interleave(g, dim=0)                              # [Hq, ctx, D]
+        qs = q[a:b].float().transpose(0, 1)                            # [Hq, q_len, D]
+        scores = torch.matmul(qs, k.transpose(1, 2)) * scale           # [Hq, q_len, ctx]
+        pos = torch.arange(ctx - q_len, ctx).unsqueeze(1)              # [q_len, 1]
+        keys = torch.arange(ctx).unsqueeze(0)                          # [1, ctx]
+        scores = scores.masked_fill(keys > pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[a:b] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)  # [q_len, Hq, D]

@@ -1,0 +1,682 @@
+/*
+ * CPU paged attention for pdserve (decode and chunked prefill in one call).
+ *
+ * Layouts (all row-major, contiguous):
+ *   q, out        [T, Hq, D]        float32 or bfloat16 (uint16_t bits)
+ *   k_pool,v_pool [N, Hkv, P, D]    same dtype as q (HND pages)
+ *   block_tables  [S, max_pages]    int32 page ids
+ *   query_start   [S + 1]           int32 row offsets into q
+ *   context_lens  [S]               int32 tokens in the cache, including this step's queries
+ *
+ * Query i of sequence s (q_len = query_start[s+1] - query_start[s]) sits at absolute position
+ * p = context_lens[s] - q_len + i and attends causally to key positions 0..p. Query head h uses
+ * kv head h / G with G = Hq / Hkv.
+ *
+ * Work is split into items (sequence, kv head, tile of query rows); each item holds the G query
+ * heads of its rows together ("rows" below are (query, head-in-group) pairs, M = n_queries * G),
+ * so every K/V row read from a page is used M times. Pages are read in place. Softmax is the
+ * streaming (online) form in float32, one page at a time. Items run in parallel with OpenMP
+ * (dynamic schedule, largest first). Long decode contexts with too few items for the threads are
+ * split along the keys (flash-decoding) and merged with their log-sum-exp.
+ *
+ * Vector code uses GCC vector extensions (8 x float), which compile to AVX2/AVX-512/SSE as the
+ * -march flags allow; there is no scalar-only path to keep in sync. D must be a multiple of 8.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "paged_attention.h"
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v8f_u __attribute__((vector_size(32), aligned(4)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h_u __attribute__((vector_size(16), aligned(2)));
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* Query tile: about this many rows (queries x G) per work item for prefill. */
+#define TARGET_ROWS 32
+/* Split a decode item along its keys only when it has at least this many pages per split. */
+#define MIN_PAGES_PER_SPLIT 8
+
+ALWAYS_INLINE v8f ld8(const float *p) { return *(const v8f_u *)p; }
+ALWAYS_INLINE void st8(float *p, v8f v) { *(v8f_u *)p = v; }
+ALWAYS_INLINE v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+ALWAYS_INLINE v8f select8(v8i mask, v8f a, v8f b) {
+    return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
+}
+
+ALWAYS_INLINE v8f max8(v8f a, v8f b) { return select8(a > b, a, b); }
+
+ALWAYS_INLINE float hsum8(v8f a) {
+    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+ALWAYS_INLINE float hmax8(v8f a) {
+    float m = a[0];
+    for (int i = 1; i < 8; i++) m = a[i] > m ? a[i] : m;
+    return m;
+}
+
+/* bf16 bits -> float32 (exact: bf16 is the top half of an fp32). */
+ALWAYS_INLINE v8f bf16x8_to_f32(const uint16_t *p) {
+    v8h_u h = *(const v8h_u *)p;
+    v8u u = __builtin_convertvector(h, v8u) << 16;
+    return (v8f)u;
+}
+
+/* float32 -> bf16 bits, round to nearest even, NaN kept quiet. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/*
+ * exp(x) for 8 floats (Cephes expf polynomial, ~1-2 ulp in the normal range). Inputs below -87
+ * (including -inf from masking) give exactly 0; inputs are never above 0 here (x = s - max).
+ */
+ALWAYS_INLINE v8f exp8(v8f x) {
+    const v8i keep = x > splat8(-87.0f);
+    x = select8(keep, x, splat8(-87.0f));
+    x = select8(x < splat8(88.0f), x, splat8(88.0f));
+    v8f fx = x * 1.44269504088896341f + 0.5f;
+    v8i n = __builtin_convertvector(fx, v8i); /* truncates toward zero */
+    v8f tf = __builtin_convertvector(n, v8f);
+    v8i gt = tf > fx;                          /* floor for negatives */
+    n = n + gt;                                /* gt is -1 where true */
+    tf = __builtin_convertvector(n, v8f);
+    x = x - tf * 0.693359375f;
+    x = x - tf * -2.12194440e-4f;
+    v8f y = splat8(1.9875691500e-4f);
+    y = y * x + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * (x * x) + x + 1.0f;
+    v8i e = (n + 127) << 23;
+    y = y * (v8f)e;
+    return select8(keep, y, splat8(0.0f));
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Scores: S[r, j] = Q[r, :] . K[j, :] for R rows (R <= 4, compile-time) and nk keys.          */
+
+ALWAYS_INLINE void score_rows(const int R, const float *Q, int D, const float *K, int nk,
+                              float *S, int ldS) {
+    int j = 0;
+    for (; j + 2 <= nk; j += 2) {
+        v8f a0[4], a1[4];
+        for (int r = 0; r < R; r++) a0[r] = a1[r] = splat8(0.0f);
+        const float *k0 = K + (size_t)j * D;
+        const float *k1 = k0 + D;
+        for (int d = 0; d < D; d += 8) {
+            v8f kv0 = ld8(k0 + d), kv1 = ld8(k1 + d);
+            for (int r = 0; r < R; r++) {
+                v8f qv = ld8(Q + (size_t)r * D + d);
+                a0[r] += qv * kv0;
+                a1[r] += qv * kv1;
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            S[r * ldS + j] = hsum8(a0[r]);
+            S[r * ldS + j + 1] = hsum8(a1[r]);
+        }
+    }
+    if (j < nk) {
+        v8f a0[4];
+        for (int r = 0; r < R; r++) a0[r] = splat8(0.0f);
+        const float *k0 = K + (size_t)j * D;
+        for (int d = 0; d < D; d += 8) {
+            v8f kv0 = ld8(k0 + d);
+            for (int r = 0; r < R; r++) a0[r] += ld8(Q + (size_t)r * D + d) * kv0;
+        }
+        for (int r = 0; r < R; r++) S[r * ldS + j] = hsum8(a0[r]);
+    }
+}
+
+static void scores(const float *Q, int M, int D, const float *K, int nk, float *S, int ldS) {
+    int r = 0;
+    for (; r + 4 <= M; r += 4) score_rows(4, Q + (size_t)r * D, D, K, nk, S + r * ldS, ldS);
+    switch (M - r) {
+    case 3: score_rows(3, Q + (size_t)r * D, D, K, nk, S + r * ldS, ldS); break;
+    case 2: score_rows(2, Q + (size_t)r * D, D, K, nk, S + r * ldS, ldS); break;
+    case 1: score_rows(1, Q + (size_t)r * D, D, K, nk, S + r * ldS, ldS); break;
+    default: break;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Accumulate: O[r, :] += sum_j Pm[r, j] * V[j, :] for R rows (R <= 2) and nk keys.             */
+
+ALWAYS_INLINE void pv_rows(const int R, const float *Pm, int ldP, const float *V, int nk, int D,
+                           float *O) {
+    int d = 0;
+    for (; d + 32 <= D; d += 32) {
+        v8f acc[2][4];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < 4; c++) acc[r][c] = ld8(O + (size_t)r * D + d + 8 * c);
+        for (int j = 0; j < nk; j++) {
+            const float *vr = V + (size_t)j * D + d;
+            v8f v0 = ld8(vr), v1 = ld8(vr + 8), v2 = ld8(vr + 16), v3 = ld8(vr + 24);
+            for (int r = 0; r < R; r++) {
+                float p = Pm[r * ldP + j];
+                acc[r][0] += p * v0;
+                acc[r][1] += p * v1;
+                acc[r][2] += p * v2;
+                acc[r][3] += p * v3;
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < 4; c++) st8(O + (size_t)r * D + d + 8 * c, acc[r][c]);
+    }
+    for (; d < D; d += 8) {
+        v8f acc[2];
+        for (int r = 0; r < R; r++) acc[r] = ld8(O + (size_t)r * D + d);
+        for (int j = 0; j < nk; j++) {
+            v8f v0 = ld8(V + (size_t)j * D + d);
+            for (int r = 0; r < R; r++) acc[r] += Pm[r * ldP + j] * v0;
+        }
+        for (int r = 0; r < R; r++) st8(O + (size_t)r * D + d, acc[r]);
+    }
+}
+
+static void pv(const float *Pm, int ldP, int M, const float *V, int nk, int D, float *O) {
+    int r = 0;
+    for (; r + 2 <= M; r += 2) pv_rows(2, Pm + r * ldP, ldP, V, nk, D, O + (size_t)r * D);
+    if (r < M) pv_rows(1, Pm + r * ldP, ldP, V, nk, D, O + (size_t)r * D);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Work items and per-thread scratch.                                                          */
+
+typedef struct {
+    int seq;       /* sequence index */
+    int head;      /* kv head */
+    int q0;        /* first query (within the sequence) of the tile */
+    int nq;        /* queries in the tile */
+    int split;     /* key split index (0 when not split) */
+    int nsplit;    /* number of key splits of this (seq, head, tile); 1 when not split */
+    int64_t cost;  /* rough work estimate for ordering */
+} work_item;
+
+typedef struct {
+    float *q;    /* [Mmax, D] scaled queries */
+    float *o;    /* [Mmax, D] unnormalized output */
+    float *s;    /* [Mmax, ldS] scores / probabilities for one page */
+    float *m;    /* [Mmax] running max */
+    float *l;    /* [Mmax] running sum */
+    int *lim;    /* [Mmax] number of visible keys per row */
+    float *kb;   /* [P, D] bf16 page converted to fp32 */
+    float *vb;   /* [P, D] */
+} scratch;
+
+static int cmp_cost_desc(const void *a, const void *b) {
+    int64_t ca = ((const work_item *)a)->cost, cb = ((const work_item *)b)->cost;
+    return (ca < cb) - (ca > cb);
+}
+
+typedef struct {
+    const void *q;
+    const void *k_pool;
+    const void *v_pool;
+    const int32_t *block_tables;
+    const int32_t *query_start;
+    const int32_t *context_lens;
+    int max_pages, hq, hkv, P, D, G, is_bf16, ldS;
+    float scale;
+    /* split-K partial results: [n_partials, G, D] outputs and [n_partials, G] max / sum */
+    float *part_o;
+    float *part_m;
+    float *part_l;
+} params;
+
+ALWAYS_INLINE const float *page_rows(const params *pr, const void *pool, int32_t page, int h,
+                                     int nk, float *buf) {
+    size_t base = ((size_t)page * pr->hkv + h) * pr->P * pr->D;
+    if (!pr->is_bf16) return (const float *)pool + base;
+    const uint16_t *src = (const uint16_t *)pool + base;
+    size_t n = (size_t)nk * pr->D;
+    for (size_t i = 0; i < n; i += 8) st8(buf + i, bf16x8_to_f32(src + i));
+    return buf;
+}
+
+static void prefetch_page(const params *pr, const void *pool, int32_t page, int h) {
+    size_t elt = pr->is_bf16 ? 2 : 4;
+    const char *p = (const char *)pool + ((size_t)page * pr->hkv + h) * pr->P * pr->D * elt;
+    size_t bytes = (size_t)pr->P * pr->D * elt;
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+/*
+ * Runs one item: rows (query i of the tile, head g of the group) over key pages
+ * [page_lo, page_hi). Writes either the final output (nsplit == 1) or a partial result.
+ */
+static void run_item(const params *pr, const work_item *it, int64_t part_index, scratch *sc,
+                     void *out) {
+    const int D = pr->D, G = pr->G, P = pr->P, ldS = pr->ldS;
+    const int s = it->seq, h = it->head;
+    const int32_t qs = pr->query_start[s];
+    const int q_len = pr->query_start[s + 1] - qs;
+    const int ctx = pr->context_lens[s];
+    const int M = it->nq * G;
+
+    /* Rows: r = i * G + g -> token qs + q0 + i, head h * G + g (G heads of a token are adjacent). */
+    for (int i = 0; i < it->nq; i++) {
+        size_t tok = (size_t)qs + it->q0 + i;
+        int lim = ctx - q_len + it->q0 + i + 1;
+        for (int g = 0; g < G; g++) {
+            int r = i * G + g;
+            size_t off = (tok * pr->hq + (size_t)h * G + g) * D;
+            float *dst = sc->q + (size_t)r * D;
+            if (pr->is_bf16) {
+                const uint16_t *src = (const uint16_t *)pr->q + off;
+                for (int d = 0; d < D; d += 8) st8(dst + d, bf16x8_to_f32(src + d) * pr->scale);
+            } else {
+                const float *src = (const float *)pr->q + off;
+                for (int d = 0; d < D; d += 8) st8(dst + d, ld8(src + d) * pr->scale);
+            }
+            sc->lim[r] = lim;
+            sc->m[r] = -INFINITY;
+            sc->l[r] = 0.0f;
+        }
+    }
+    memset(sc->o, 0, sizeof(float) * (size_t)M * D);
+
+    const int kmax = sc->lim[M - 1];        /* last row sees the most */
+    const int n_pages = (kmax + P - 1) / P;
+    int page_lo = 0, page_hi = n_pages;
+    if (it->nsplit > 1) {
+        int per = (n_pages + it->nsplit - 1) / it->nsplit;
+        page_lo = it->split * per;
+        page_hi = page_lo + per < n_pages ? page_lo + per : n_pages;
+    }
+    const int32_t *bt = pr->block_tables + (size_t)s * pr->max_pages;
+
+    for (int pg = page_lo; pg < page_hi; pg++) {
+        const int t0 = pg * P;
+        const int nk = kmax - t0 < P ? kmax - t0 : P;
+        const int32_t page = bt[pg];
+        if (pg + 1 < page_hi) {
+            prefetch_page(pr, pr->k_pool, bt[pg + 1], h);
+            prefetch_page(pr, pr->v_pool, bt[pg + 1], h);
+        }
+        const float *K = page_rows(pr, pr->k_pool, page, h, nk, sc->kb);
+        scores(sc->q, M, D, K, nk, sc->s, ldS);
+
+        /* Pad columns nk..round8(nk) with -inf, mask causal positions, streaming softmax. */
+        const int nk8 = (nk + 7) & ~7;
+        for (int r = 0; r < M; r++) {
+            float *sr = sc->s + (size_t)r * ldS;
+            int vis = sc->lim[r] - t0; /* keys of this page visible to row r */
+            if (vis > nk) vis = nk;
+            if (vis <= 0) { /* fully masked row on this page: probabilities are all 0 */
+                memset(sr, 0, sizeof(float) * nk8);
+                continue;
+            }
+            for (int j = vis; j < nk8; j++) sr[j] = -INFINITY;
+            v8f mv = splat8(-INFINITY);
+            for (int j = 0; j < nk8; j += 8) mv = max8(mv, ld8(sr + j));
+            const float mblk = hmax8(mv);
+            const float mold = sc->m[r];
+            if (mblk > mold) {
+                const float alpha = expf(mold - mblk); /* 0 on the first page (mold = -inf) */
+                float *o = sc->o + (size_t)r * D;
+                for (int d = 0; d < D; d += 8) st8(o + d, ld8(o + d) * alpha);
+                sc->l[r] *= alpha;
+                sc->m[r] = mblk;
+            }
+            const v8f mnew = splat8(sc->m[r]);
+            v8f sum = splat8(0.0f);
+            for (int j = 0; j < nk8; j += 8) {
+                v8f p = exp8(ld8(sr + j) - mnew);
+                st8(sr + j, p);
+                sum += p;
+            }
+            sc->l[r] += hsum8(sum);
+        }
+
+        const float *V = page_rows(pr, pr->v_pool, page, h, nk, sc->vb);
+        pv(sc->s, ldS, M, V, nk, D, sc->o);
+    }
+
+    if (it->nsplit > 1) {
+        /* Partial result for the merge pass (decode only: nq == 1, M == G). */
+        memcpy(pr->part_o + (size_t)part_index * G * D, sc->o, sizeof(float) * (size_t)G * D);
+        memcpy(pr->part_m + (size_t)part_index * G, sc->m, sizeof(float) * G);
+        memcpy(pr->part_l + (size_t)part_index * G, sc->l, sizeof(float) * G);
+        return;
+    }
+    for (int i = 0; i < it->nq; i++) {
+        size_t tok = (size_t)qs + it->q0 + i;
+        for (int g = 0; g < G; g++) {
+            int r = i * G + g;
+            size_t off = (tok * pr->hq + (size_t)h * G + g) * D;
+            const float inv = 1.0f / sc->l[r];
+            const float *o = sc->o + (size_t)r * D;
+            if (pr->is_bf16) {
+                uint16_t *dst = (uint16_t *)out + off;
+                for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(o[d] * inv);
+            } else {
+                float *dst = (float *)out + off;
+                for (int d = 0; d < D; d += 8) st8(dst + d, ld8(o + d) * inv);
+            }
+        }
+    }
+}
+
+/* Merge the nsplit partials of one split decode item into the output rows. */
+static void merge_item(const params *pr, const work_item *it, int64_t part_index, void *out) {
+    const int D = pr->D, G = pr->G;
+    const size_t tok = (size_t)pr->query_start[it->seq] + it->q0;
+    for (int g = 0; g < G; g++) {
+        float m = -INFINITY;
+        for (int k = 0; k < it->nsplit; k++) {
+            float mk = pr->part_m[(part_index + k) * G + g];
+            m = mk > m ? mk : m;
+        }
+        float l = 0.0f;
+        float acc[D];
+        memset(acc, 0, sizeof(acc));
+        for (int k = 0; k < it->nsplit; k++) {
+            float mk = pr->part_m[(part_index + k) * G + g];
+            if (mk == -INFINITY) continue;
+            float w = expf(mk - m);
+            l += w * pr->part_l[(part_index + k) * G + g];
+            const float *o = pr->part_o + ((size_t)(part_index + k) * G + g) * D;
+            for (int d = 0; d < D; d++) acc[d] += w * o[d];
+        }
+        const float inv = 1.0f / l;
+        size_t off = (tok * pr->hq + (size_t)it->head * G + g) * D;
+        if (pr->is_bf16) {
+            uint16_t *dst = (uint16_t *)out + off;
+            for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(acc[d] * inv);
+        } else {
+            float *dst = (float *)out + off;
+            for (int d = 0; d < D; d++) dst[d] = acc[d] * inv;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+
+int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
+               const int32_t *block_tables, const int32_t *query_start,
+               const int32_t *context_lens, int num_tokens, int num_seqs, int max_pages,
+               int num_pages, int hq, int hkv, int page_size, int head_dim, float scale,
+               int is_bf16, int num_threads, int64_t *err_info) {
+    err_info[0] = err_info[1] = err_info[2] = 0;
+    if (hkv <= 0 || hq % hkv != 0 || head_dim <= 0 || head_dim % 8 != 0 || page_size <= 0) {
+        err_info[0] = hq;
+        err_info[1] = hkv;
+        err_info[2] = head_dim;
+        return PA_ERR_SHAPE;
+    }
+    if (num_threads < 1) num_threads = 1;
+    const int G = hq / hkv;
+    const int P = page_size;
+
+    /* Validate the per-sequence metadata and page ids before any thread reads a page. */
+    if (query_start[0] < 0) {
+        err_info[0] = 0;
+        err_info[1] = query_start[0];
+        return PA_ERR_QUERY_START;
+    }
+    for (int s = 0; s < num_seqs; s++) {
+        int32_t a = query_start[s], b = query_start[s + 1];
+        if (b < a || b > num_tokens) {
+            err_info[0] = s;
+            err_info[1] = a;
+            err_info[2] = b;
+            return PA_ERR_QUERY_START;
+        }
+        int32_t ctx = context_lens[s];
+        if (ctx < b - a || ctx > (int64_t)max_pages * P) {
+            err_info[0] = s;
+            err_info[1] = ctx;
+            err_info[2] = b - a;
+            return PA_ERR_CONTEXT_LEN;
+        }
+        if (b == a) continue;
+        int need = (ctx + P - 1) / P;
+        for (int pg = 0; pg < need; pg++) {
+            int32_t page = block_tables[(size_t)s * max_pages + pg];
+            if (page < 0 || page >= num_pages) {
+                err_info[0] = s;
+                err_info[1] = pg;
+                err_info[2] = page;
+                return PA_ERR_PAGE_ID;
+            }
+        }
+    }
+
+    /* Build work items: query tiles x kv heads. */
+    int tile_q = TARGET_ROWS / G;
+    if (tile_q < 1) tile_q = 1;
+    int64_t n_tiles = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        int q_len = query_start[s + 1] - query_start[s];
+        n_tiles += (q_len + tile_q - 1) / tile_q;
+    }
+    int64_t n_base = n_tiles * hkv;
+    if (n_base == 0) return PA_OK;
+
+    /*
+     * Split decode items along the keys when there are fewer items than about 4 per thread,
+     * so that batch-1 long-context decode still uses every thread.
+     */
+    int nsplit_max = 1;
+    if (num_threads > 1 && n_base < 4 * (int64_t)num_threads) {
+        nsplit_max = (int)((4 * (int64_t)num_threads + n_base - 1) / n_base);
+    }
+
+    /* Count items (a split decode item becomes nsplit items). */
+    int64_t n_items = 0, n_parts = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        int q_len = query_start[s + 1] - query_start[s];
+        int ntile = (q_len + tile_q - 1) / tile_q;
+        if (ntile == 0) continue;
+        int nsplit = 1;
+        if (q_len == 1 && nsplit_max > 1) {
+            int pages = (context_lens[s] + P - 1) / P;
+            nsplit = pages / MIN_PAGES_PER_SPLIT;
+            if (nsplit > nsplit_max) nsplit = nsplit_max;
+            if (nsplit < 1) nsplit = 1;
+        }
+        n_items += (int64_t)ntile * hkv * nsplit;
+        if (nsplit > 1) n_parts += (int64_t)hkv * nsplit;
+    }
+
+    work_item *items = (work_item *)malloc(sizeof(work_item) * (size_t)n_items);
+    int64_t *part_of = (int64_t *)malloc(sizeof(int64_t) * (size_t)n_items);
+    float *part_o = NULL, *part_m = NULL, *part_l = NULL;
+    if (n_parts > 0) {
+        part_o = (float *)malloc(sizeof(float) * (size_t)n_parts * G * head_dim);
+        part_m = (float *)malloc(sizeof(float) * (size_t)n_parts * G);
+        part_l = (float *)malloc(sizeof(float) * (size_t)n_parts * G);
+    }
+    if (!items || !part_of || (n_parts > 0 && (!part_o || !part_m || !part_l))) {
+        free(items);
+        free(part_of);
+        free(part_o);
+        free(part_m);
+        free(part_l);
+        return PA_ERR_ALLOC;
+    }
+
+    /* Split items first (grouped so a merge finds its partials), then sort by cost. */
+    int64_t k = 0, parts_used = 0;
+    work_item *merges = NULL;
+    int64_t n_merges = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int s = 0; s < num_seqs; s++) {
+            int q_len = query_start[s + 1] - query_start[s];
+            if (q_len == 0) continue;
+            int ctx = context_lens[s];
+            int nsplit = 1;
+            if (q_len == 1 && nsplit_max > 1) {
+                int pages = (ctx + P - 1) / P;
+                nsplit = pages / MIN_PAGES_PER_SPLIT;
+                if (nsplit > nsplit_max) nsplit = nsplit_max;
+                if (nsplit < 1) nsplit = 1;
+            }
+            if ((pass == 0) != (nsplit > 1)) continue;
+            for (int q0 = 0; q0 < q_len; q0 += tile_q) {
+                int nq = q_len - q0 < tile_q ? q_len - q0 : tile_q;
+                /* keys seen by the tile ~ position of its middle row */
+                int64_t keys = (int64_t)ctx - q_len + q0 + (nq + 1) / 2;
+                for (int h = 0; h < hkv; h++) {
+                    for (int sp = 0; sp < nsplit; sp++) {
+                        work_item *it = &items[k];
+                        it->seq = s;
+                        it->head = h;
+                        it->q0 = q0;
+                        it->nq = nq;
+                        it->split = sp;
+                        it->nsplit = nsplit;
+                        it->cost = (keys + 64) * nq / nsplit;
+                        part_of[k] = nsplit > 1 ? parts_used + sp : -1;
+                        k++;
+                    }
+                    if (nsplit > 1) parts_used += nsplit;
+                }
+            }
+        }
+        if (pass == 0) n_merges = k;
+    }
+    /* part index is stored in 'split' slot via part_of; keep items and part ids together. */
+    if (n_merges > 0) {
+        merges = (work_item *)malloc(sizeof(work_item) * (size_t)(n_merges));
+        if (!merges) {
+            free(items);
+            free(part_of);
+            free(part_o);
+            free(part_m);
+            free(part_l);
+            return PA_ERR_ALLOC;
+        }
+    }
+    /* Record merge descriptors: one per (seq, head) split group (first split of each group). */
+    int64_t n_groups = 0;
+    int64_t *group_part = n_merges > 0 ? (int64_t *)malloc(sizeof(int64_t) * (size_t)n_merges)
+                                       : NULL;
+    for (int64_t i = 0; i < n_merges; i++) {
+        if (items[i].split == 0) {
+            merges[n_groups] = items[i];
+            if (group_part) group_part[n_groups] = part_of[i];
+            n_groups++;
+        }
+    }
+    /* Encode each item's partial slot in its cost-sorted copy: pack into cost's low bits is
+     * fragile, so sort an index array instead. */
+    typedef struct {
+        work_item it;
+        int64_t part;
+    } sorted_item;
+    sorted_item *order = (sorted_item *)malloc(sizeof(sorted_item) * (size_t)n_items);
+    if (!order || (n_merges > 0 && !group_part)) {
+        free(items);
+        free(part_of);
+        free(part_o);
+        free(part_m);
+        free(part_l);
+        free(merges);
+        free(group_part);
+        free(order);
+        return PA_ERR_ALLOC;
+    }
+    for (int64_t i = 0; i < n_items; i++) {
+        order[i].it = items[i];
+        order[i].part = part_of[i];
+    }
+    qsort(order, (size_t)n_items, sizeof(sorted_item), cmp_cost_desc);
+
+    params pr;
+    pr.q = q;
+    pr.k_pool = k_pool;
+    pr.v_pool = v_pool;
+    pr.block_tables = block_tables;
+    pr.query_start = query_start;
+    pr.context_lens = context_lens;
+    pr.max_pages = max_pages;
+    pr.hq = hq;
+    pr.hkv = hkv;
+    pr.P = P;
+    pr.D = head_dim;
+    pr.G = G;
+    pr.is_bf16 = is_bf16;
+    pr.ldS = (P + 7) & ~7;
+    pr.scale = scale;
+    pr.part_o = part_o;
+    pr.part_m = part_m;
+    pr.part_l = part_l;
+
+    int max_nq = 0;
+    for (int64_t i = 0; i < n_items; i++) max_nq = items[i].nq > max_nq ? items[i].nq : max_nq;
+    const int Mmax = max_nq * G;
+    int nthreads = num_threads;
+    if ((int64_t)nthreads > n_items) nthreads = (int)n_items;
+    int alloc_failed = 0;
+
+#pragma omp parallel num_threads(nthreads)
+    {
+        scratch sc = {0};
+        size_t D = (size_t)head_dim;
+        size_t floats = (size_t)Mmax * D * 2 + (size_t)Mmax * pr.ldS + (size_t)Mmax * 2 +
+                        (is_bf16 ? (size_t)P * D * 2 : 0) + 64;
+        float *buf = (float *)aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64 +
+                                                    sizeof(int) * (size_t)Mmax + 64);
+        if (!buf) {
+#pragma omp atomic write
+            alloc_failed = 1;
+        }
+        if (buf) {
+            sc.q = buf;
+            sc.o = sc.q + (size_t)Mmax * D;
+            sc.s = sc.o + (size_t)Mmax * D;
+            sc.m = sc.s + (size_t)Mmax * pr.ldS;
+            sc.l = sc.m + Mmax;
+            sc.kb = sc.l + Mmax;
+            sc.vb = is_bf16 ? sc.kb + (size_t)P * D : sc.kb;
+            sc.lim = (int *)(is_bf16 ? sc.vb + (size_t)P * D : sc.kb);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_items; i++) {
+            if (buf) run_item(&pr, &order[i].it, order[i].part, &sc, out);
+        }
+        /* implicit barrier: all partials written */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_groups; i++) {
+            if (buf) merge_item(&pr, &merges[i], group_part[i], out);
+        }
+        free(buf);
+    }
+
+    free(items);
+    free(part_of);
+    free(part_o);
+    free(part_m);
+    free(part_l);
+    free(merges);
+    free(group_part);
+    free(order);
+    return alloc_failed ? PA_ERR_ALLOC : PA_OK;
+}
+
+int pa_has_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}

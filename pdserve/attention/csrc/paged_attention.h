@@ -1,0 +1,24 @@
+/* Public entry point of the CPU paged-attention kernel (see paged_attention.c for layouts). */
+#ifndef PDSERVE_PAGED_ATTENTION_H
+#define PDSERVE_PAGED_ATTENTION_H
+
+#include <stdint.h>
+
+/* Return codes of pa_forward; err_info[0..2] carries the offending values. */
+#define PA_OK 0
+#define PA_ERR_SHAPE 1       /* err_info = {hq, hkv, head_dim} */
+#define PA_ERR_QUERY_START 2 /* err_info = {seq, query_start[seq], query_start[seq + 1]} */
+#define PA_ERR_CONTEXT_LEN 3 /* err_info = {seq, context_len, q_len} */
+#define PA_ERR_PAGE_ID 4     /* err_info = {seq, page index in the row, page id} */
+#define PA_ERR_ALLOC 5
+
+int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
+               const int32_t *block_tables, const int32_t *query_start,
+               const int32_t *context_lens, int num_tokens, int num_seqs, int max_pages,
+               int num_pages, int hq, int hkv, int page_size, int head_dim, float scale,
+               int is_bf16, int num_threads, int64_t *err_info);
+
+/* 1 when compiled with OpenMP, else 0 (the kernel then runs on one thread). */
+int pa_has_openmp(void);
+
+#endif
