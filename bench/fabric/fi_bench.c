@@ -1,0 +1,264 @@
+/*
+ * fi_bench.c - reference for `python -m fabric.bench`: windowed fi_writedata
+ * between two processes, written directly against libfabric.
+ *
+ * The process forks: the child receives (registers a pool, busy-polls its CQ
+ * counting immediate data), the parent sends (keeps `window` writes in
+ * flight, every write carries immediate data, as imm_mode="every").
+ * Addresses and keys travel over pipes.  Prints one JSON line per run:
+ *   {"provider":..., "size":..., "writes":..., "seconds":..., "gbps":..., "lat_us":...}
+ * Bandwidth: time from the first post to the last local completion.
+ * Latency: one write at a time, post to local completion, averaged.
+ *
+ * Build: cc -O2 -o fi_bench fi_bench.c -lfabric
+ * Usage: fi_bench PROVIDER NODE SIZE TOTAL_BYTES WINDOW LAT_ITERS HUGE(0|1)
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#define CHECK(call)                                                                      \
+    do {                                                                                 \
+        int _r = (int)(call);                                                            \
+        if (_r) {                                                                        \
+            fprintf(stderr, "%s:%d %s = %d (%s)\n", __FILE__, __LINE__, #call, _r,        \
+                    fi_strerror(_r < 0 ? -_r : _r));                                      \
+            exit(2);                                                                     \
+        }                                                                                \
+    } while (0)
+
+#define POOL_BYTES (64ull << 20)
+
+struct ctx {
+    struct fi_info *info;
+    struct fid_fabric *fabric;
+    struct fid_domain *domain;
+    struct fid_av *av;
+    struct fid_cq *cq;
+    struct fid_ep *ep;
+    struct fid_mr *mr;
+    char *pool;
+    void *desc;
+};
+
+struct remote {
+    uint8_t addr[256];
+    size_t addrlen;
+    uint64_t base;
+    uint64_t key;
+};
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void xwrite(int fd, const void *buf, size_t len)
+{
+    const char *p = buf;
+    while (len) {
+        ssize_t r = write(fd, p, len);
+        if (r <= 0) {
+            perror("write");
+            exit(2);
+        }
+        p += r;
+        len -= (size_t)r;
+    }
+}
+
+static void xread(int fd, void *buf, size_t len)
+{
+    char *p = buf;
+    while (len) {
+        ssize_t r = read(fd, p, len);
+        if (r <= 0) {
+            perror("read");
+            exit(2);
+        }
+        p += r;
+        len -= (size_t)r;
+    }
+}
+
+static void open_ctx(struct ctx *c, const char *prov, const char *node, int huge)
+{
+    struct fi_info *hints = fi_allocinfo();
+    hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE;
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->mode = FI_CONTEXT | FI_CONTEXT2;
+    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+    hints->domain_attr->threading = FI_THREAD_DOMAIN;
+    hints->domain_attr->av_type = FI_AV_TABLE;
+    hints->fabric_attr->prov_name = strdup(prov);
+    int use_node = strcmp(prov, "shm") != 0 && node[0];
+    CHECK(fi_getinfo(FI_VERSION(1, 17), use_node ? node : NULL, NULL, use_node ? FI_SOURCE : 0, hints, &c->info));
+    fi_freeinfo(hints);
+    CHECK(fi_fabric(c->info->fabric_attr, &c->fabric, NULL));
+    CHECK(fi_domain(c->fabric, c->info, &c->domain, NULL));
+    struct fi_av_attr av_attr = {.type = FI_AV_TABLE, .count = 4};
+    CHECK(fi_av_open(c->domain, &av_attr, &c->av, NULL));
+    struct fi_cq_attr cq_attr = {.format = FI_CQ_FORMAT_DATA, .wait_obj = FI_WAIT_NONE,
+                                 .size = c->info->tx_attr->size + c->info->rx_attr->size};
+    CHECK(fi_cq_open(c->domain, &cq_attr, &c->cq, NULL));
+    CHECK(fi_endpoint(c->domain, c->info, &c->ep, NULL));
+    CHECK(fi_ep_bind(c->ep, &c->av->fid, 0));
+    CHECK(fi_ep_bind(c->ep, &c->cq->fid, FI_TRANSMIT | FI_RECV));
+    CHECK(fi_enable(c->ep));
+    c->pool = mmap(NULL, POOL_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (c->pool == MAP_FAILED) {
+        perror("mmap");
+        exit(2);
+    }
+    if (huge)
+        madvise(c->pool, POOL_BYTES, MADV_HUGEPAGE);
+    memset(c->pool, 0x5a, POOL_BYTES);
+    CHECK(fi_mr_reg(c->domain, c->pool, POOL_BYTES, FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE, 0, 1, 0,
+                    &c->mr, NULL));
+    c->desc = fi_mr_desc(c->mr);
+}
+
+static void close_ctx(struct ctx *c)
+{
+    fi_close(&c->ep->fid);
+    fi_close(&c->mr->fid);
+    fi_close(&c->cq->fid);
+    fi_close(&c->av->fid);
+    fi_close(&c->domain->fid);
+    fi_close(&c->fabric->fid);
+    fi_freeinfo(c->info);
+    munmap(c->pool, POOL_BYTES);
+}
+
+/* Poll the CQ; returns completions seen (remote data or local). */
+static long poll_cq(struct ctx *c, long *imm)
+{
+    struct fi_cq_data_entry ent[64];
+    ssize_t r = fi_cq_read(c->cq, ent, 64);
+    if (r == -FI_EAGAIN)
+        return 0;
+    if (r == -FI_EAVAIL) {
+        struct fi_cq_err_entry err = {0};
+        fi_cq_readerr(c->cq, &err, 0);
+        fprintf(stderr, "cq error: %s\n", fi_strerror(err.err));
+        exit(3);
+    }
+    if (r < 0) {
+        fprintf(stderr, "fi_cq_read: %s\n", fi_strerror((int)-r));
+        exit(3);
+    }
+    long local = 0;
+    for (ssize_t i = 0; i < r; i++) {
+        if (ent[i].flags & FI_REMOTE_CQ_DATA)
+            (*imm)++;
+        else
+            local++;
+    }
+    return local;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 8) {
+        fprintf(stderr, "usage: %s PROVIDER NODE SIZE TOTAL_BYTES WINDOW LAT_ITERS HUGE\n", argv[0]);
+        return 1;
+    }
+    const char *prov = argv[1];
+    const char *node = argv[2];
+    uint64_t size = strtoull(argv[3], NULL, 0);
+    uint64_t total = strtoull(argv[4], NULL, 0);
+    long window = strtol(argv[5], NULL, 0);
+    long lat_iters = strtol(argv[6], NULL, 0);
+    int huge = atoi(argv[7]);
+    long nwrites = (long)(total / size);
+    uint64_t slots = POOL_BYTES / size;
+    if (size == 0 || size > POOL_BYTES || nwrites == 0) {
+        fprintf(stderr, "bad size %llu / total %llu\n", (unsigned long long)size, (unsigned long long)total);
+        return 1;
+    }
+
+    int r2s[2], s2r[2];
+    if (pipe(r2s) || pipe(s2r)) {
+        perror("pipe");
+        return 2;
+    }
+    pid_t pid = fork();
+    if (pid == 0) { /* receiver */
+        struct ctx c;
+        open_ctx(&c, prov, node, huge);
+        struct remote me = {.addrlen = sizeof(me.addr)};
+        CHECK(fi_getname(&c.ep->fid, me.addr, &me.addrlen));
+        me.base = (c.info->domain_attr->mr_mode & FI_MR_VIRT_ADDR) ? (uint64_t)(uintptr_t)c.pool : 0;
+        me.key = fi_mr_key(c.mr);
+        xwrite(r2s[1], &me, sizeof(me));
+        long expect = nwrites + lat_iters, imm = 0;
+        while (imm < expect)
+            poll_cq(&c, &imm);
+        char done;
+        xread(s2r[0], &done, 1); /* keep the endpoint until the sender is done */
+        close_ctx(&c);
+        _exit(0);
+    }
+    struct ctx c;
+    open_ctx(&c, prov, node, huge);
+    struct remote peer;
+    xread(r2s[0], &peer, sizeof(peer));
+    fi_addr_t dest;
+    if (fi_av_insert(c.av, peer.addr, 1, &dest, 0, NULL) != 1) {
+        fprintf(stderr, "fi_av_insert failed\n");
+        return 2;
+    }
+    struct fi_context2 *ctxs = calloc((size_t)window, sizeof(*ctxs));
+    long posted = 0, done = 0, imm = 0;
+    double t0 = now_s();
+    while (done < nwrites) {
+        while (posted < nwrites && posted - done < window) {
+            uint64_t off = (uint64_t)(posted % (long)slots) * size;
+            ssize_t r = fi_writedata(c.ep, c.pool + off, size, c.desc, 7, dest, peer.base + off, peer.key,
+                                     &ctxs[posted % window]);
+            if (r == -FI_EAGAIN)
+                break;
+            CHECK(r);
+            posted++;
+        }
+        done += poll_cq(&c, &imm);
+    }
+    double bw_s = now_s() - t0;
+    double lat_total = 0;
+    for (long i = 0; i < lat_iters; i++) {
+        double t = now_s();
+        ssize_t r;
+        while ((r = fi_writedata(c.ep, c.pool, size, c.desc, 8, dest, peer.base, peer.key, &ctxs[0])) == -FI_EAGAIN)
+            poll_cq(&c, &imm);
+        CHECK(r);
+        while (poll_cq(&c, &imm) == 0)
+            ;
+        lat_total += now_s() - t;
+    }
+    xwrite(s2r[1], "x", 1);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    printf("{\"provider\": \"%s\", \"size\": %llu, \"writes\": %ld, \"window\": %ld, \"seconds\": %.6f, "
+           "\"gbps\": %.4f, \"lat_us\": %.3f, \"receiver_status\": %d}\n",
+           prov, (unsigned long long)size, nwrites, window, bw_s, (double)nwrites * (double)size / bw_s / 1e9,
+           lat_iters ? lat_total / (double)lat_iters * 1e6 : 0.0, status);
+    close_ctx(&c);
+    free(ctxs);
+    return status ? 4 : 0;
+}

@@ -1,0 +1,84 @@
+"""FabricConfig: the frozen, validated configuration of a TransferEngine."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+IMM_MODES = ("last", "every")
+LOCALITIES = ("cluster", "host")
+DEFAULT_PROVIDERS = {"cluster": "tcp;ofi_rxm", "host": "shm"}
+PRODUCTION_PROVIDERS = ("efa", "verbs;ofi_rxm")
+
+
+@dataclass(frozen=True)
+class FabricConfig:
+    """How a TransferEngine opens its endpoint and schedules work.
+
+    provider: libfabric provider name ("tcp;ofi_rxm", "shm", "efa",
+        "verbs;ofi_rxm"). None: the FI_PROVIDER environment variable, else
+        the default for ``locality``.
+    locality: "cluster" (peers on other hosts: tcp;ofi_rxm) or "host" (all
+        peers on this host: shm). Only used to pick the default provider.
+    node: local address to bind (e.g. "127.0.0.1", "10.251.0.1"); None lets
+        the provider choose. Ignored by shm.
+    imm_mode: "last": one write per batch carries the immediate data, posted
+        only after every other write of the batch completed with
+        FI_DELIVERY_COMPLETE, so the receiver counts one per write_pages call
+        and contiguous runs may be coalesced. "every": each page write carries
+        it and the receiver counts one per page (no coalescing).
+    coalesce: merge writes contiguous at both ends (only with imm_mode "last").
+    max_write_bytes: split or stop merging above this size; 0 = provider max.
+    tx_depth: most writes posted at once; 0 = the provider's tx queue size.
+    control_slots / control_msg_size: receive buffers for control messages.
+    spin_us: how long the progress thread spins after the last activity
+        before sleeping; sleep_max_us: longest sleep between idle polls.
+    peer_timeout_s: a peer with outstanding writes and no completion for
+        this long is declared failed (its batches get on_error); 0 disables.
+    close_timeout_s: how long close() waits for outstanding writes.
+    """
+
+    provider: str | None = None
+    locality: str = "cluster"
+    node: str | None = None
+    imm_mode: str = "last"
+    coalesce: bool = True
+    max_write_bytes: int = 0
+    tx_depth: int = 0
+    control_slots: int = 64
+    control_msg_size: int = 4096
+    spin_us: int = 200
+    sleep_max_us: int = 1000
+    peer_timeout_s: float = 5.0
+    close_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.locality not in LOCALITIES:
+            raise ValueError(f"locality={self.locality!r}: expected one of {LOCALITIES}")
+        if self.imm_mode not in IMM_MODES:
+            raise ValueError(f"imm_mode={self.imm_mode!r}: expected one of {IMM_MODES}")
+        if self.provider is not None and (not isinstance(self.provider, str) or not self.provider.strip()):
+            raise ValueError(f"provider={self.provider!r}: expected a non-empty provider name or None")
+        for name in ("max_write_bytes", "tx_depth", "spin_us"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r}: expected an int >= 0")
+        if not isinstance(self.control_slots, int) or not 1 <= self.control_slots <= 4096:
+            raise ValueError(f"control_slots={self.control_slots!r}: expected 1..4096")
+        if not isinstance(self.control_msg_size, int) or not 256 <= self.control_msg_size <= 65536:
+            raise ValueError(f"control_msg_size={self.control_msg_size!r}: expected 256..65536")
+        if not isinstance(self.sleep_max_us, int) or not 1 <= self.sleep_max_us <= 1_000_000:
+            raise ValueError(f"sleep_max_us={self.sleep_max_us!r}: expected 1..1000000")
+        if not (isinstance(self.peer_timeout_s, (int, float)) and 0 <= self.peer_timeout_s <= 3600):
+            raise ValueError(f"peer_timeout_s={self.peer_timeout_s!r}: expected 0..3600 seconds")
+        if not (isinstance(self.close_timeout_s, (int, float)) and 0 <= self.close_timeout_s <= 3600):
+            raise ValueError(f"close_timeout_s={self.close_timeout_s!r}: expected 0..3600 seconds")
+
+    def resolved_provider(self) -> str:
+        """The provider to open: explicit, else $FI_PROVIDER, else by locality."""
+        if self.provider:
+            return self.provider
+        env = os.environ.get("FI_PROVIDER", "").strip()
+        if env:
+            return env
+        return DEFAULT_PROVIDERS[self.locality]

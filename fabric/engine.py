@@ -1,0 +1,663 @@
+"""TransferEngine: one-sided writes over a libfabric FI_EP_RDM endpoint.
+
+The native half (csrc/pdf_core.c, inside the cffi extension
+``fabric._libfabric``) owns the endpoint and does all posting and polling;
+this module validates requests, keeps the Python-side bookkeeping (callbacks
+per batch, peers, regions) and runs the progress thread that dispatches
+events. Primitives: register/deregister, connect/disconnect, write_pages,
+send, wait_peer_gone, close; plus the receiver's ImmCounter.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from fabric import control
+from fabric._libfabric import ffi, lib
+from fabric.backend import OnDone, OnError, TransferBackend
+from fabric.config import FabricConfig
+from fabric.descriptors import PeerDescriptor, RemoteDescriptor
+from fabric.errors import FabricError
+from fabric.imm import IMM_MAX, ImmCounter
+from fabric.liveness import host_id, process_alive, process_start_time
+from fabric.memory import MemoryRegion, buffer_address
+
+logger = logging.getLogger(__name__)
+
+_EVENT_CAP = 1024
+_PROGRESS_SLICE_US = 100_000
+_IMM_MODES = {"last": lib.PDF_IMM_LAST, "every": lib.PDF_IMM_EVERY}
+
+# Process-wide memory of what is stale, so that descriptors of engines and
+# regions closed in this process are refused before anything is posted.
+_CLOSED_ENGINES: set[str] = set()
+_REVOKED_REGIONS: set[tuple[str, int]] = set()
+_STALE_LOCK = threading.Lock()
+
+
+@dataclass
+class _Batch:
+    on_done: OnDone
+    on_error: OnError
+    region: MemoryRegion
+    dst: RemoteDescriptor
+    writes: int
+
+
+@dataclass
+class _Probe:
+    event: threading.Event
+    alive: bool = False
+    failed: bool = False
+
+
+def _as_offsets(values: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
+    """Validate a 1-D sequence of non-negative ints; return it as uint64."""
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"{name}: expected integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "i" and arr.size:
+        neg = np.flatnonzero(arr < 0)
+        if neg.size:
+            i = int(neg[0])
+            raise ValueError(f"{name}[{i}]={int(arr[i])}: offsets and lengths must be >= 0")
+    return np.ascontiguousarray(arr, dtype=np.uint64)
+
+
+class TransferEngine(TransferBackend):
+    """libfabric implementation of TransferBackend (see its rules).
+
+    One endpoint, one CQ, one progress thread. ``on_message(peer, payload)``
+    receives messages sent with ``send`` by other engines.
+    """
+
+    def __init__(
+        self,
+        config: FabricConfig | None = None,
+        *,
+        on_message: Callable[[PeerDescriptor, bytes], None] | None = None,
+    ) -> None:
+        self.config = config or FabricConfig()
+        provider = self.config.resolved_provider()
+        node = self.config.node if provider != "shm" else None
+        out = ffi.new("pdf_engine **")
+        errbuf = ffi.new("char[256]")
+        rc = lib.pdf_open(
+            provider.encode(),
+            node.encode() if node else ffi.NULL,
+            self.config.tx_depth,
+            self.config.control_slots,
+            self.config.control_msg_size,
+            self.config.spin_us,
+            self.config.sleep_max_us,
+            int(self.config.peer_timeout_s * 1000),
+            out,
+            errbuf,
+            len(errbuf),
+        )
+        if rc:
+            raise FabricError(rc, f"opening provider {provider!r} (node={node!r}) failed at {ffi.string(errbuf).decode()}")
+        self._h = out[0]
+        info = ffi.new("pdf_info *")
+        rc = lib.pdf_get_info(self._h, info)
+        if rc:
+            lib.pdf_close(self._h)
+            raise FabricError(rc, "fi_getname")
+        self.provider: str = ffi.string(info.provider).decode()
+        self.domain: str = ffi.string(info.domain).decode()
+        self.mr_mode: int = int(info.mr_mode)
+        self.tx_credits: int = int(info.tx_credits)
+        self.max_msg_size: int = int(info.max_msg_size)
+        self.engine_id = uuid.uuid4().hex
+        self._peer = PeerDescriptor(
+            provider=self.provider,
+            address=bytes(ffi.buffer(info.addr, info.addrlen)),
+            engine_id=self.engine_id,
+            host_id=host_id(),
+            pid=os.getpid(),
+            start_time=process_start_time(os.getpid()),
+        )
+        self._max_write = self.config.max_write_bytes or min(self.max_msg_size, 1 << 62)
+        self._on_message = on_message
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._batches: dict[int, _Batch] = {}
+        self._regions: dict[int, MemoryRegion] = {}
+        self._fi_addr: dict[bytes, int] = {}
+        self._peers: dict[int, PeerDescriptor] = {}
+        self._failed: set[int] = set()
+        self._gone: set[str] = set()
+        self._revoked: set[tuple[str, int]] = set()
+        self._probes: dict[int, _Probe] = {}
+        self._sends: dict[int, Callable[[FabricError | None], None]] = {}
+        self._imm = ImmCounter()
+        self._closing = False
+        self._closed = False
+        self._generation = 0
+        self._thread = threading.Thread(
+            target=self._run, name=f"fabric-progress-{self.engine_id[:8]}", daemon=True
+        )
+        self._thread.start()
+        logger.info(
+            "engine %s: provider=%s domain=%s mr_mode=0x%x tx_credits=%d",
+            self.engine_id[:8], self.provider, self.domain, self.mr_mode, self.tx_credits,
+        )
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def peer_descriptor(self) -> PeerDescriptor:
+        return self._peer
+
+    @property
+    def imm_counter(self) -> ImmCounter:
+        return self._imm
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closing or self._closed:
+            raise FabricError(lib.FI_ESHUTDOWN, f"engine {self.engine_id[:8]} is closed")
+
+    # --------------------------------------------------------------- memory
+
+    def register(
+        self, buffer: object | None = None, *, address: int | None = None, length: int | None = None
+    ) -> MemoryRegion:
+        """Register ``buffer`` (writable buffer protocol) or raw ``address``/``length``.
+
+        Raw registration is for memory the caller keeps alive itself, e.g. a
+        torch tensor's ``data_ptr()`` and ``nbytes``.
+        """
+        self._check_open()
+        if buffer is not None:
+            if address is not None or length is not None:
+                raise ValueError("register: pass either a buffer or address/length, not both")
+            addr, nbytes, keepalive = buffer_address(buffer)
+        else:
+            if not isinstance(address, int) or address <= 0:
+                raise ValueError(f"register: address={address!r}: expected a positive int")
+            if not isinstance(length, int) or length <= 0:
+                raise ValueError(f"register: length={length!r}: expected a positive int")
+            addr, nbytes, keepalive = address, length, None
+        key = ffi.new("uint64_t *")
+        desc = ffi.new("uint64_t *")
+        mr = ffi.new("uint64_t *")
+        rc = lib.pdf_mr_reg(self._h, addr, nbytes, key, desc, mr)
+        if rc:
+            raise FabricError(rc, f"fi_mr_reg(address=0x{addr:x}, length={nbytes})")
+        region_id = next(self._ids)
+        base = addr if self.mr_mode & lib.FI_MR_VIRT_ADDR else 0
+        remote = RemoteDescriptor(peer=self._peer, region_id=region_id, base=base, key=int(key[0]), length=nbytes)
+        region = MemoryRegion(
+            engine_id=self.engine_id, region_id=region_id, address=addr, length=nbytes, key=int(key[0]),
+            descriptor=remote, _desc=int(desc[0]), _mr=int(mr[0]), _keepalive=keepalive,
+        )
+        with self._lock:
+            self._regions[region_id] = region
+        logger.debug("registered region %d: %d bytes at 0x%x key=%d", region_id, nbytes, addr, region.key)
+        return region
+
+    def deregister(self, region: MemoryRegion) -> None:
+        """Close the registration; peers we know are told its descriptor is stale."""
+        self._check_region(region, "deregister")
+        with self._lock:
+            if region.inflight:
+                raise FabricError(
+                    lib.FI_EBUSY, f"deregister region {region.region_id}: {region.inflight} write batches in flight"
+                )
+            region.closed = True
+            del self._regions[region.region_id]
+        with _STALE_LOCK:
+            _REVOKED_REGIONS.add((self.engine_id, region.region_id))
+        rc = lib.pdf_mr_close(self._h, region._mr)
+        region._keepalive = None
+        if rc:
+            raise FabricError(rc, f"fi_close(mr of region {region.region_id})")
+        for peer in self._known_peers():
+            self._send_control(peer, control.REVOKE, region.region_id)
+
+    def _check_region(self, region: MemoryRegion, what: str) -> None:
+        if not isinstance(region, MemoryRegion):
+            raise TypeError(f"{what}: expected a MemoryRegion, got {type(region).__name__}")
+        if region.engine_id != self.engine_id:
+            raise FabricError(
+                lib.FI_EINVAL,
+                f"{what}: region {region.region_id} belongs to engine {region.engine_id[:8]}, "
+                f"not {self.engine_id[:8]}",
+            )
+        if region.closed:
+            raise FabricError(lib.FI_ENOENT, f"{what}: region {region.region_id} is deregistered")
+
+    # ---------------------------------------------------------------- peers
+
+    def connect(self, peer: PeerDescriptor) -> None:
+        self._check_open()
+        self._resolve(peer, hello=True)
+
+    def disconnect(self, peer: PeerDescriptor) -> None:
+        """Remove ``peer`` from the AV; its outstanding work is failed."""
+        with self._lock:
+            fi_addr = self._fi_addr.pop(peer.address, None)
+            if fi_addr is None:
+                return
+            self._peers.pop(fi_addr, None)
+        self._fail_peer(fi_addr, lib.FI_ECANCELED)
+        rc = lib.pdf_av_remove(self._h, fi_addr)
+        if rc:
+            raise FabricError(rc, f"fi_av_remove({peer!r})")
+
+    def _resolve(self, peer: PeerDescriptor, hello: bool = False) -> int:
+        if peer.provider != self.provider:
+            raise FabricError(
+                lib.FI_EINVAL, f"peer {peer!r} uses provider {peer.provider!r}, this engine {self.provider!r}"
+            )
+        with self._lock:
+            fi_addr = self._fi_addr.get(peer.address)
+            if fi_addr is not None and fi_addr not in self._failed:
+                return fi_addr
+        addr = ffi.new("uint8_t[]", peer.address)
+        out = ffi.new("uint64_t *")
+        rc = lib.pdf_av_insert(self._h, addr, out)
+        if rc:
+            raise FabricError(rc, f"fi_av_insert({peer!r})")
+        fi_addr = int(out[0])
+        with self._lock:
+            self._fi_addr[peer.address] = fi_addr
+            self._peers[fi_addr] = peer
+            self._failed.discard(fi_addr)
+        if hello and peer.engine_id != self.engine_id:
+            self._send_control(peer, control.HELLO, 0)
+        return fi_addr
+
+    def _known_peers(self) -> list[PeerDescriptor]:
+        with self._lock:
+            return [p for a, p in self._peers.items() if a not in self._failed and p.engine_id != self.engine_id]
+
+    def _fail_peer(self, fi_addr: int, code: int) -> None:
+        evs = ffi.new("pdf_event[]", _EVENT_CAP)
+        n = lib.pdf_fail_peer(self._h, fi_addr, code, evs, _EVENT_CAP)
+        for i in range(n):
+            self._dispatch(evs[i])
+
+    def peer_gone(self, peer: PeerDescriptor) -> bool:
+        """True if ``peer`` said goodbye, or (same host) its process has ended."""
+        if peer.engine_id in self._gone:
+            return True
+        if peer.host_id == self._peer.host_id and not process_alive(peer.pid, peer.start_time):
+            return True
+        return False
+
+    def wait_peer_gone(self, peer: PeerDescriptor, timeout: float) -> bool:
+        """Wait until no write from ``peer`` can land here any more.
+
+        True when ``peer`` closed its engine (goodbye message), its process
+        ended (same host), or a probe to it failed at the transport (its
+        endpoint no longer exists); then what it had already sent has been
+        drained by our progress thread. False when ``timeout`` passes while
+        the peer still answers or cannot be judged: its writes may still land,
+        so memory it targets must stay reserved (or be deregistered).
+        """
+        if not isinstance(timeout, (int, float)) or timeout < 0:
+            raise ValueError(f"timeout={timeout!r}: expected seconds >= 0")
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.peer_gone(peer):
+                self._quiesce()
+                self._gone.add(peer.engine_id)
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            probe = self._probe(peer, min(remaining, 0.5))
+            if probe is not None and probe.failed:
+                self._quiesce()
+                self._gone.add(peer.engine_id)
+                return True
+            if probe is not None and probe.alive:
+                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    def _probe(self, peer: PeerDescriptor, timeout: float) -> _Probe | None:
+        nonce = next(self._ids)
+        probe = _Probe(threading.Event())
+        with self._lock:
+            self._probes[nonce] = probe
+        try:
+            self._send_control(peer, control.PING, nonce, on_result=lambda err: self._probe_sent(nonce, err))
+        except FabricError as exc:
+            logger.info("probe of %r not sent: %s", peer, exc)
+            probe.failed = True
+            return probe
+        probe.event.wait(timeout)
+        with self._lock:
+            self._probes.pop(nonce, None)
+        return probe if probe.event.is_set() else None
+
+    def _probe_sent(self, nonce: int, err: FabricError | None) -> None:
+        if err is None:
+            return
+        with self._lock:
+            probe = self._probes.get(nonce)
+        if probe is not None:
+            probe.failed = True
+            probe.event.set()
+
+    def _quiesce(self) -> None:
+        """Let the progress thread drain what already arrived (two passes)."""
+        start = self._generation
+        deadline = time.monotonic() + 1.0
+        time.sleep(0.05)
+        while self._generation < start + 2 and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.005)
+
+    # -------------------------------------------------------------- writes
+
+    def write_pages(
+        self,
+        src_region: MemoryRegion,
+        src_offsets: Sequence[int] | np.ndarray,
+        dst: RemoteDescriptor,
+        dst_offsets: Sequence[int] | np.ndarray,
+        lengths: Sequence[int] | np.ndarray,
+        imm: int | None,
+        on_done: OnDone,
+        on_error: OnError,
+        *,
+        imm_mode: str | None = None,
+    ) -> int:
+        """Write ``lengths[i]`` bytes from ``src_region+src_offsets[i]`` to ``dst+dst_offsets[i]``.
+
+        ``imm`` (32 bits) is delivered to the receiver's ImmCounter: once per
+        call with imm_mode "last", once per page with "every" (config
+        default). ``imm=None`` sends no immediate data. Exactly one of
+        ``on_done()`` / ``on_error(FabricError)`` runs later on the progress
+        thread. Everything is validated before anything is posted: bad
+        values raise ValueError, bad handles FabricError. Returns the batch id.
+        """
+        self._check_open()
+        self._check_region(src_region, "write_pages")
+        self._check_remote(dst)
+        src = _as_offsets(src_offsets, "src_offsets")
+        dsto = _as_offsets(dst_offsets, "dst_offsets")
+        lens = _as_offsets(lengths, "lengths")
+        n = src.size
+        if n == 0:
+            raise ValueError("write_pages: empty batch (no offsets)")
+        if dsto.size != n or lens.size != n:
+            raise ValueError(
+                f"write_pages: lengths differ: src_offsets={n}, dst_offsets={dsto.size}, lengths={lens.size}"
+            )
+        mode = imm_mode or self.config.imm_mode
+        if mode not in _IMM_MODES:
+            raise ValueError(f"imm_mode={mode!r}: expected one of {tuple(_IMM_MODES)}")
+        if imm is not None and (not isinstance(imm, int) or not 0 <= imm <= IMM_MAX):
+            raise ValueError(f"imm={imm!r}: expected None or an int in 0..{IMM_MAX}")
+        if not callable(on_done) or not callable(on_error):
+            raise TypeError("write_pages: on_done and on_error must be callable")
+        self._check_bounds(lens, "lengths", 1, self._max_write if mode == "every" else None)
+        self._check_range(src, lens, src_region.length, "src_offsets", f"source region {src_region.region_id}")
+        self._check_range(dsto, lens, dst.length, "dst_offsets", f"destination region {dst.region_id}")
+        fi_addr = self._resolve(dst.peer, hello=True)
+        with self._lock:
+            if fi_addr in self._failed:
+                raise FabricError(lib.FI_EHOSTUNREACH, f"write_pages: peer {dst.peer!r} has failed")
+            batch_id = next(self._ids)
+            self._batches[batch_id] = _Batch(on_done, on_error, src_region, dst, n)
+            src_region.inflight += 1
+        imm_flag = lib.PDF_IMM_NONE if imm is None else _IMM_MODES[mode]
+        if mode == "last" and not self.config.coalesce and imm is not None:
+            imm_flag = lib.PDF_IMM_LAST
+        rc = lib.pdf_submit_writes(
+            self._h, batch_id, fi_addr, src_region.address, src_region._desc, dst.base, dst.key,
+            ffi.from_buffer("uint64_t[]", src), ffi.from_buffer("uint64_t[]", dsto),
+            ffi.from_buffer("uint64_t[]", lens), n, imm or 0, imm_flag,
+            self._max_write if (self.config.coalesce or mode == "every") else 0,
+        )
+        if rc < 0:
+            with self._lock:
+                self._batches.pop(batch_id, None)
+                src_region.inflight -= 1
+            raise FabricError(int(rc), f"write_pages batch of {n} writes to {dst!r}")
+        return batch_id
+
+    def _check_remote(self, dst: RemoteDescriptor) -> None:
+        if not isinstance(dst, RemoteDescriptor):
+            raise TypeError(f"write_pages: expected a RemoteDescriptor, got {type(dst).__name__}")
+        eid = dst.peer.engine_id
+        with _STALE_LOCK:
+            stale_engine = eid in _CLOSED_ENGINES
+            stale_region = (eid, dst.region_id) in _REVOKED_REGIONS
+        if stale_engine or eid in self._gone:
+            raise FabricError(lib.FI_ENOENT, f"write_pages: stale {dst!r}: its engine {eid[:8]} is closed")
+        if stale_region or (eid, dst.region_id) in self._revoked:
+            raise FabricError(lib.FI_ENOENT, f"write_pages: stale {dst!r}: region {dst.region_id} was deregistered")
+        if dst.peer.provider != self.provider:
+            raise FabricError(
+                lib.FI_EINVAL, f"write_pages: {dst!r} is on provider {dst.peer.provider!r}, not {self.provider!r}"
+            )
+
+    @staticmethod
+    def _check_bounds(arr: np.ndarray, name: str, low: int, high: int | None) -> None:
+        bad = np.flatnonzero(arr < low) if high is None else np.flatnonzero((arr < low) | (arr > high))
+        if bad.size:
+            i = int(bad[0])
+            limit = f">= {low}" if high is None else f"in {low}..{high}"
+            raise ValueError(f"{name}[{i}]={int(arr[i])}: expected {limit}")
+
+    @staticmethod
+    def _check_range(offs: np.ndarray, lens: np.ndarray, size: int, name: str, what: str) -> None:
+        # offs <= size and lens <= size - offs, without uint64 overflow
+        over = offs > size
+        over |= lens > (size - np.minimum(offs, size))
+        bad = np.flatnonzero(over)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"{name}[{i}]={int(offs[i])} + lengths[{i}]={int(lens[i])} = {int(offs[i]) + int(lens[i])} "
+                f"exceeds {what} of {size} bytes"
+            )
+
+    # ------------------------------------------------------------ messages
+
+    def send(self, peer: PeerDescriptor, payload: bytes) -> None:
+        """Send ``payload`` to ``peer``'s ``on_message`` handler (best effort, ordered)."""
+        self._check_open()
+        self._send_control(peer, control.USER, 0, bytes(payload))
+
+    def _send_control(
+        self,
+        peer: PeerDescriptor,
+        kind: int,
+        value: int,
+        payload: bytes = b"",
+        on_result: Callable[[FabricError | None], None] | None = None,
+    ) -> None:
+        data = control.encode(kind, value, self._peer, payload)
+        if len(data) > self.config.control_msg_size:
+            raise ValueError(
+                f"message of {len(payload)} bytes too large: {len(data)} > control_msg_size "
+                f"{self.config.control_msg_size}"
+            )
+        fi_addr = self._resolve(peer)
+        send_id = next(self._ids)
+        if on_result is not None:
+            with self._lock:
+                self._sends[send_id] = on_result
+        buf = ffi.from_buffer("uint8_t[]", data)
+        rc = lib.pdf_submit_send(self._h, send_id, fi_addr, buf, len(data))
+        if rc:
+            with self._lock:
+                self._sends.pop(send_id, None)
+            raise FabricError(rc, f"send {control.KINDS[kind]} to {peer!r}")
+
+    def _on_control(self, data: bytes) -> None:
+        try:
+            msg = control.decode(data)
+        except ValueError as exc:
+            logger.warning("dropping malformed control message (%d bytes): %s", len(data), exc)
+            return
+        if msg.sender.provider != self.provider:
+            logger.warning("dropping control message from provider %s", msg.sender.provider)
+            return
+        if msg.kind == control.BYE:
+            logger.info("peer %r said goodbye", msg.sender)
+            self._gone.add(msg.sender.engine_id)
+            with self._lock:
+                fi_addr = self._fi_addr.get(msg.sender.address)
+            if fi_addr is not None:
+                self._fail_peer(fi_addr, lib.FI_ESHUTDOWN)
+            return
+        if msg.kind == control.REVOKE:
+            self._revoked.add((msg.sender.engine_id, msg.value))
+            return
+        if msg.kind == control.PONG:
+            with self._lock:
+                probe = self._probes.get(msg.value)
+            if probe is not None:
+                probe.alive = True
+                probe.event.set()
+            return
+        try:
+            if msg.kind == control.PING:
+                self._send_control(msg.sender, control.PONG, msg.value)
+            elif msg.kind == control.HELLO:
+                self._resolve(msg.sender)
+            elif msg.kind == control.USER and self._on_message is not None:
+                self._on_message(msg.sender, msg.payload)
+        except FabricError as exc:
+            logger.warning("control message %s from %r not handled: %s", control.KINDS[msg.kind], msg.sender, exc)
+
+    # ------------------------------------------------------------ progress
+
+    def _run(self) -> None:
+        evs = ffi.new("pdf_event[]", _EVENT_CAP)
+        while True:
+            n = lib.pdf_progress(self._h, evs, _EVENT_CAP, _PROGRESS_SLICE_US)
+            for i in range(n):
+                self._dispatch(evs[i])
+            self._generation += 1
+            if self._closed:
+                return
+
+    def _dispatch(self, ev) -> None:
+        kind = ev.kind
+        try:
+            if kind == lib.PDF_EV_IMM:
+                self._imm.on_landed(int(ev.id), int(ev.count))
+            elif kind == lib.PDF_EV_BATCH_DONE:
+                rec = self._finish_batch(int(ev.id))
+                if rec is not None:
+                    rec.on_done()
+            elif kind == lib.PDF_EV_BATCH_FAILED:
+                rec = self._finish_batch(int(ev.id))
+                if rec is not None:
+                    rec.on_error(
+                        FabricError(
+                            ev.code,
+                            f"write_pages batch {int(ev.id)} to {rec.dst!r}: {int(ev.count)} of "
+                            f"{int(ev.aux)} writes not completed",
+                        )
+                    )
+            elif kind == lib.PDF_EV_RECV:
+                data = bytes(ffi.buffer(lib.pdf_recv_buf(self._h, ev.id), ev.count))
+                lib.pdf_recv_release(self._h, ev.id)
+                self._on_control(data)
+            elif kind in (lib.PDF_EV_SEND_DONE, lib.PDF_EV_SEND_FAILED):
+                with self._lock:
+                    cb = self._sends.pop(int(ev.id), None)
+                err = None
+                if kind == lib.PDF_EV_SEND_FAILED:
+                    err = FabricError(ev.code, f"send {int(ev.id)} to fi_addr {int(ev.aux)}")
+                    logger.info("%s", err)
+                if cb is not None:
+                    cb(err)
+            elif kind == lib.PDF_EV_PEER_FAILED:
+                with self._lock:
+                    self._failed.add(int(ev.id))
+                    peer = self._peers.get(int(ev.id))
+                level = logging.INFO if ev.code == lib.FI_ESHUTDOWN else logging.WARNING
+                logger.log(level, "peer %r failed: %s", peer, FabricError(ev.code, "transport"))
+            elif kind == lib.PDF_EV_CQ_ERROR:
+                logger.error("completion queue error: %s (prov_errno %d)", FabricError(ev.code, "fi_cq_read"), ev.count)
+        except Exception:  # a user callback raised: report it, keep progressing
+            logger.exception("fabric callback for event kind %d id %d raised", kind, int(ev.id))
+
+    def _finish_batch(self, batch_id: int) -> _Batch | None:
+        with self._lock:
+            rec = self._batches.pop(batch_id, None)
+            if rec is not None:
+                rec.region.inflight -= 1
+        return rec
+
+    # ------------------------------------------------------------ shutdown
+
+    def outstanding(self) -> int:
+        """Batches and sends not finished yet, plus operations the provider holds."""
+        return int(lib.pdf_outstanding(self._h)) if not self._closed else 0
+
+    def close(self) -> None:
+        """Drain for up to close_timeout_s, say goodbye, fail the rest, release everything."""
+        if self._closed or self._closing:
+            return
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("TransferEngine.close() called from a fabric callback")
+        self._closing = True
+        deadline = time.monotonic() + self.config.close_timeout_s
+        while lib.pdf_outstanding(self._h) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        peers = self._known_peers()
+        for peer in peers:
+            try:
+                self._send_control(peer, control.BYE, 0)
+            except FabricError as exc:
+                logger.info("goodbye to %r not sent: %s", peer, exc)
+        bye_deadline = time.monotonic() + min(1.0, self.config.close_timeout_s)
+        while lib.pdf_outstanding(self._h) and time.monotonic() < bye_deadline:
+            time.sleep(0.002)
+        self._closed = True
+        lib.pdf_stop(self._h)
+        self._thread.join()
+        evs = ffi.new("pdf_event[]", _EVENT_CAP)
+        while True:
+            n = lib.pdf_fail_all(self._h, lib.FI_ECANCELED, evs, _EVENT_CAP)
+            for i in range(n):
+                self._dispatch(evs[i])
+            if n < _EVENT_CAP - 1:
+                break
+        with _STALE_LOCK:
+            _CLOSED_ENGINES.add(self.engine_id)
+        with self._lock:
+            regions = list(self._regions.values())
+            self._regions.clear()
+        lib.pdf_close_ep(self._h)  # the endpoint goes first, then the MRs it used
+        for region in regions:
+            region.closed = True
+            rc = lib.pdf_mr_close(self._h, region._mr)
+            if rc:
+                logger.warning("%s", FabricError(rc, f"fi_close(mr of region {region.region_id})"))
+            region._keepalive = None
+        lib.pdf_close(self._h)
+        self._h = ffi.NULL
+        logger.info("engine %s closed", self.engine_id[:8])
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TransferEngine({self.provider}, engine={self.engine_id[:8]})"

@@ -1,0 +1,117 @@
+"""ImmCounter: receiver-side counting of writes by their 32-bit immediate data."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+IMM_MAX = 0xFFFFFFFF
+_MAX_TOMBSTONES = 65536
+
+
+@dataclass
+class _Expectation:
+    count: int
+    on_complete: Callable[[int], None]
+
+
+class ImmCounter:
+    """Counts landed writes per tag (the write's immediate data).
+
+    ``expect(tag, count, on_complete)`` fires ``on_complete(tag)`` exactly
+    once, when ``count`` writes carrying ``tag`` have landed, in any order.
+    Writes may land before ``expect``: counts for unknown tags are kept until
+    claimed. ``cancel(tag)`` forgets the tag; writes for it that land later
+    are dropped (they do not count towards a later ``expect`` of the tag)
+    until the tag is expected again.
+
+    Thread rules: any thread may call ``expect``/``cancel``/``landed``; the
+    engine's progress thread reports arrivals. ``on_complete`` runs on the
+    progress thread, or on the caller's thread when ``expect`` finds the count
+    already reached; it must be short and must not block.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._landed: dict[int, int] = {}
+        self._expect: dict[int, _Expectation] = {}
+        self._cancelled: OrderedDict[int, int] = OrderedDict()
+        self.dropped = 0  # writes that landed for cancelled tags
+
+    @staticmethod
+    def _check_tag(tag: int) -> None:
+        if not isinstance(tag, int) or not 0 <= tag <= IMM_MAX:
+            raise ValueError(f"tag={tag!r}: expected an int in 0..{IMM_MAX}")
+
+    def expect(self, tag: int, count: int, on_complete: Callable[[int], None]) -> None:
+        """Call ``on_complete(tag)`` once ``count`` writes with ``tag`` landed."""
+        self._check_tag(tag)
+        if not isinstance(count, int) or count < 1:
+            raise ValueError(f"count={count!r} for tag {tag}: expected an int >= 1")
+        if not callable(on_complete):
+            raise TypeError(f"on_complete for tag {tag} is not callable: {on_complete!r}")
+        with self._lock:
+            if tag in self._expect:
+                raise ValueError(f"tag {tag} is already expected ({self._expect[tag].count} writes)")
+            self._cancelled.pop(tag, None)
+            landed = self._landed.get(tag, 0)
+            if landed < count:
+                self._expect[tag] = _Expectation(count, on_complete)
+                return
+            self._settle(tag, landed - count)
+        on_complete(tag)
+
+    def cancel(self, tag: int) -> int:
+        """Forget ``tag``; return how many of its writes had landed.
+
+        The memory those writes target may be reused only once no write can
+        still land: see ``TransferEngine.wait_peer_gone``.
+        """
+        self._check_tag(tag)
+        with self._lock:
+            self._expect.pop(tag, None)
+            landed = self._landed.pop(tag, 0)
+            self._cancelled[tag] = landed
+            self._cancelled.move_to_end(tag)
+            while len(self._cancelled) > _MAX_TOMBSTONES:
+                self._cancelled.popitem(last=False)
+        return landed
+
+    def landed(self, tag: int) -> int:
+        """Writes with ``tag`` landed and not yet claimed by a completed expect."""
+        with self._lock:
+            return self._landed.get(tag, 0)
+
+    def expected_tags(self) -> list[int]:
+        with self._lock:
+            return sorted(self._expect)
+
+    def _settle(self, tag: int, surplus: int) -> None:
+        if surplus:
+            logger.warning("tag %d: %d more writes landed than expected; kept as unclaimed", tag, surplus)
+            self._landed[tag] = surplus
+        else:
+            self._landed.pop(tag, None)
+
+    def on_landed(self, tag: int, count: int) -> None:
+        """Record ``count`` arrivals of ``tag`` (called by the progress thread)."""
+        fire: _Expectation | None = None
+        with self._lock:
+            if tag in self._cancelled:
+                self.dropped += count
+                return
+            landed = self._landed.get(tag, 0) + count
+            exp = self._expect.get(tag)
+            if exp is not None and landed >= exp.count:
+                del self._expect[tag]
+                self._settle(tag, landed - exp.count)
+                fire = exp
+            else:
+                self._landed[tag] = landed
+        if fire is not None:
+            fire.on_complete(tag)
