@@ -7,7 +7,9 @@ setup.py lists ``"pdserve/attention/_kernels_build.py:ffibuilder"`` in ``cffi_mo
 
 Flags: ``-O3`` always; ``-march=native`` (the module is built on the machine that runs it) and
 ``-fopenmp`` each only when the compiler accepts them (probed with a tiny compile), so a compiler
-without them still yields a working, slower module. No ``-ffast-math``: the kernel relies on
+without them still yields a working, slower module. ``PDSERVE_KERNEL_CFLAGS`` appends flags
+(development only, e.g. ``-DPA_PROFILE`` to keep the stages out of line for perf). No
+``-ffast-math``: the kernel relies on
 -inf for masking.
 """
 
@@ -75,6 +77,7 @@ def _flags() -> tuple[list[str], list[str]]:
     if _accepts(["-fopenmp"], omp_probe):
         compile_args.append("-fopenmp")
         link_args.append("-fopenmp")
+    compile_args += os.environ.get("PDSERVE_KERNEL_CFLAGS", "").split()
     return compile_args, link_args
 
 

@@ -73,12 +73,12 @@ def _validate(
     context_lens: torch.Tensor,
 ) -> None:
     """Cheap shape / dtype / layout checks; raises ValueError naming every tensor's shape."""
-    names = _shapes(
-        out=out, q=q, k_pool=k_pool, v_pool=v_pool, block_tables=block_tables,
-        query_start=query_start, context_lens=context_lens,
-    )
 
     def fail(why: str) -> None:
+        names = _shapes(
+            out=out, q=q, k_pool=k_pool, v_pool=v_pool, block_tables=block_tables,
+            query_start=query_start, context_lens=context_lens,
+        )
         raise ValueError(f"paged_attention: {why} ({names})")
 
     if q.dim() != 3 or k_pool.dim() != 4:
@@ -109,13 +109,14 @@ def _validate(
     s = context_lens.shape[0]
     if block_tables.shape[0] != s or query_start.shape[0] != s + 1:
         fail(f"S={s} from context_lens disagrees with block_tables / query_start")
-    for name, t in (("out", out), ("q", q), ("k_pool", k_pool), ("v_pool", v_pool),
-                    ("block_tables", block_tables), ("query_start", query_start),
-                    ("context_lens", context_lens)):
-        if t.device.type != "cpu":
-            fail(f"{name} is on {t.device}, expected cpu")
-        if not t.is_contiguous():
-            fail(f"{name} must be contiguous (strides {t.stride()})")
+    tensors = (out, q, k_pool, v_pool, block_tables, query_start, context_lens)
+    if not all(t.is_cpu and t.is_contiguous() for t in tensors):
+        for name, t in zip(("out", "q", "k_pool", "v_pool", "block_tables", "query_start",
+                            "context_lens"), tensors):
+            if t.device.type != "cpu":
+                fail(f"{name} is on {t.device}, expected cpu")
+            if not t.is_contiguous():
+                fail(f"{name} must be contiguous (strides {t.stride()})")
 
 
 _ERRORS = {

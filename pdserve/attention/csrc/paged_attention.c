@@ -39,11 +39,26 @@ typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h_u __attribute__((vector_size(16), aligned(2)));
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+#ifdef PA_PROFILE
+#define PROF_NOINLINE __attribute__((noinline))
+#else
+#define PROF_NOINLINE
+#endif
 
 /* Query tile: about this many rows (queries x G) per work item for prefill. */
 #define TARGET_ROWS 32
 /* Split a decode item along its keys only when it has at least this many pages per split. */
 #define MIN_PAGES_PER_SPLIT 8
+/* Software prefetch: pages ahead (0 = off) and cache lines per K or V page block (0 = all). */
+#ifndef PA_PREFETCH_DIST
+#define PA_PREFETCH_DIST 1
+#endif
+#ifndef PA_PREFETCH_HINT
+#define PA_PREFETCH_HINT 3
+#endif
+#ifndef PA_PREFETCH_LINES
+#define PA_PREFETCH_LINES 0
+#endif
 
 ALWAYS_INLINE v8f ld8(const float *p) { return *(const v8f_u *)p; }
 ALWAYS_INLINE void st8(float *p, v8f v) { *(v8f_u *)p = v; }
@@ -110,91 +125,131 @@ ALWAYS_INLINE v8f exp8(v8f x) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Scores: S[r, j] = Q[r, :] . K[j, :] for R rows (R <= 4, compile-time) and nk keys.          */
+/* Scores: S[r, j] = Q[r, :] . K[j, :] for M rows and nk keys (keys padded to a multiple of 8).  */
 
-ALWAYS_INLINE void score_rows(const int R, const float *Q, int D, const float *K, int nk,
-                              float *S, int ldS) {
-    int j = 0;
-    for (; j + 2 <= nk; j += 2) {
-        v8f a0[4], a1[4];
-        for (int r = 0; r < R; r++) a0[r] = a1[r] = splat8(0.0f);
-        const float *k0 = K + (size_t)j * D;
-        const float *k1 = k0 + D;
-        for (int d = 0; d < D; d += 8) {
-            v8f kv0 = ld8(k0 + d), kv1 = ld8(k1 + d);
-            for (int r = 0; r < R; r++) {
-                v8f qv = ld8(Q + (size_t)r * D + d);
-                a0[r] += qv * kv0;
-                a1[r] += qv * kv1;
-            }
-        }
-        for (int r = 0; r < R; r++) {
-            S[r * ldS + j] = hsum8(a0[r]);
-            S[r * ldS + j + 1] = hsum8(a1[r]);
-        }
+#if defined(__AVX__)
+#include <immintrin.h>
+/* [sum(a0), ..., sum(a7)]: transposing reduction with horizontal adds. */
+ALWAYS_INLINE v8f reduce8x8(v8f a0, v8f a1, v8f a2, v8f a3, v8f a4, v8f a5, v8f a6, v8f a7) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_permute2f128_ps(u0, u1, 0x20) + _mm256_permute2f128_ps(u0, u1, 0x31);
+}
+/* Writes sum(a0..a3) to s[0..3]. */
+ALWAYS_INLINE void reduce4x8(v8f a0, v8f a1, v8f a2, v8f a3, float *s) {
+    __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    _mm_storeu_ps(s, _mm256_castps256_ps128(u) + _mm256_extractf128_ps(u, 1));
+}
+#else
+ALWAYS_INLINE v8f reduce8x8(v8f a0, v8f a1, v8f a2, v8f a3, v8f a4, v8f a5, v8f a6, v8f a7) {
+    return (v8f){hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3),
+                 hsum8(a4), hsum8(a5), hsum8(a6), hsum8(a7)};
+}
+ALWAYS_INLINE void reduce4x8(v8f a0, v8f a1, v8f a2, v8f a3, float *s) {
+    s[0] = hsum8(a0);
+    s[1] = hsum8(a1);
+    s[2] = hsum8(a2);
+    s[3] = hsum8(a3);
+}
+#endif
+
+/* One row x 8 keys (8 independent FMA chains). */
+ALWAYS_INLINE void score_1x8(const float *Q, int D, const float *K, float *S) {
+    v8f a[8];
+    for (int k = 0; k < 8; k++) a[k] = splat8(0.0f);
+    for (int d = 0; d < D; d += 8) {
+        v8f qv = ld8(Q + d);
+        for (int k = 0; k < 8; k++) a[k] += qv * ld8(K + (size_t)k * D + d);
     }
-    if (j < nk) {
-        v8f a0[4];
-        for (int r = 0; r < R; r++) a0[r] = splat8(0.0f);
-        const float *k0 = K + (size_t)j * D;
-        for (int d = 0; d < D; d += 8) {
-            v8f kv0 = ld8(k0 + d);
-            for (int r = 0; r < R; r++) a0[r] += ld8(Q + (size_t)r * D + d) * kv0;
-        }
-        for (int r = 0; r < R; r++) S[r * ldS + j] = hsum8(a0[r]);
-    }
+    st8(S, reduce8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
 }
 
-static void scores(const float *Q, int M, int D, const float *K, int nk, float *S, int ldS) {
-    int r = 0;
-    for (; r + 4 <= M; r += 4) score_rows(4, Q + (size_t)r * D, D, K, nk, S + r * ldS, ldS);
-    switch (M - r) {
-    case 3: score_rows(3, Q + (size_t)r * D, D, K, nk, S + r * ldS, ldS); break;
-    case 2: score_rows(2, Q + (size_t)r * D, D, K, nk, S + r * ldS, ldS); break;
-    case 1: score_rows(1, Q + (size_t)r * D, D, K, nk, S + r * ldS, ldS); break;
-    default: break;
+/* Two rows x 4 keys (8 chains; each K load feeds 2 FMAs). */
+ALWAYS_INLINE void score_2x4(const float *Q, int D, const float *K, float *S, int ldS) {
+    v8f a[4], b[4];
+    for (int k = 0; k < 4; k++) a[k] = b[k] = splat8(0.0f);
+    for (int d = 0; d < D; d += 8) {
+        v8f q0 = ld8(Q + d), q1 = ld8(Q + D + d);
+        for (int k = 0; k < 4; k++) {
+            v8f kv = ld8(K + (size_t)k * D + d);
+            a[k] += q0 * kv;
+            b[k] += q1 * kv;
+        }
     }
+    reduce4x8(a[0], a[1], a[2], a[3], S);
+    reduce4x8(b[0], b[1], b[2], b[3], S + ldS);
+}
+
+/* Single score (only for keys past a page whose size is not a multiple of 8). */
+ALWAYS_INLINE float score_1x1(const float *Q, int D, const float *K) {
+    v8f a = splat8(0.0f);
+    for (int d = 0; d < D; d += 8) a += ld8(Q + d) * ld8(K + d);
+    return hsum8(a);
+}
+
+/*
+ * S[r, j] for r < M, j < round8(nk). Keys nk..round8(nk) are read from the page's own rows
+ * (their scores are garbage and get masked) when the page has room for them (kcap >= round8);
+ * otherwise the tail is computed key by key.
+ */
+static PROF_NOINLINE void scores(const float *Q, int M, int D, const float *K, int nk, int kcap,
+                                 float *S, int ldS) {
+    int nk8 = (nk + 7) & ~7;
+    int full = nk8 <= kcap ? nk8 : (nk & ~7);
+    for (int j = 0; j < full; j += 8) {
+        const float *Kj = K + (size_t)j * D;
+        int r = 0;
+        for (; r + 2 <= M; r += 2) {
+            score_2x4(Q + (size_t)r * D, D, Kj, S + r * ldS + j, ldS);
+            score_2x4(Q + (size_t)r * D, D, Kj + 4 * (size_t)D, S + r * ldS + j + 4, ldS);
+        }
+        if (r < M) score_1x8(Q + (size_t)r * D, D, Kj, S + r * ldS + j);
+    }
+    for (int j = full; j < nk; j++)
+        for (int r = 0; r < M; r++)
+            S[r * ldS + j] = score_1x1(Q + (size_t)r * D, D, K + (size_t)j * D);
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* Accumulate: O[r, :] += sum_j Pm[r, j] * V[j, :] for R rows (R <= 2) and nk keys.             */
+/* Accumulate: O[r, :] += sum_j Pm[r, j] * V[j, :] for M rows and nk keys.                      */
 
-ALWAYS_INLINE void pv_rows(const int R, const float *Pm, int ldP, const float *V, int nk, int D,
-                           float *O) {
-    int d = 0;
-    for (; d + 32 <= D; d += 32) {
-        v8f acc[2][4];
-        for (int r = 0; r < R; r++)
-            for (int c = 0; c < 4; c++) acc[r][c] = ld8(O + (size_t)r * D + d + 8 * c);
-        for (int j = 0; j < nk; j++) {
-            const float *vr = V + (size_t)j * D + d;
-            v8f v0 = ld8(vr), v1 = ld8(vr + 8), v2 = ld8(vr + 16), v3 = ld8(vr + 24);
-            for (int r = 0; r < R; r++) {
-                float p = Pm[r * ldP + j];
-                acc[r][0] += p * v0;
-                acc[r][1] += p * v1;
-                acc[r][2] += p * v2;
-                acc[r][3] += p * v3;
-            }
+/* R rows x C columns (R * C / 8 = 8 accumulators), compile-time R and C. */
+ALWAYS_INLINE void pv_block(const int R, const int C, const float *Pm, int ldP, const float *V,
+                            int nk, int D, float *O) {
+    v8f acc[8];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C / 8; c++) acc[r * (C / 8) + c] = ld8(O + (size_t)r * D + 8 * c);
+    for (int j = 0; j < nk; j++) {
+        const float *vr = V + (size_t)j * D;
+        v8f v[8];
+        for (int c = 0; c < C / 8; c++) v[c] = ld8(vr + 8 * c);
+        for (int r = 0; r < R; r++) {
+            float p = Pm[r * ldP + j];
+            for (int c = 0; c < C / 8; c++) acc[r * (C / 8) + c] += p * v[c];
         }
-        for (int r = 0; r < R; r++)
-            for (int c = 0; c < 4; c++) st8(O + (size_t)r * D + d + 8 * c, acc[r][c]);
     }
-    for (; d < D; d += 8) {
-        v8f acc[2];
-        for (int r = 0; r < R; r++) acc[r] = ld8(O + (size_t)r * D + d);
-        for (int j = 0; j < nk; j++) {
-            v8f v0 = ld8(V + (size_t)j * D + d);
-            for (int r = 0; r < R; r++) acc[r] += Pm[r * ldP + j] * v0;
-        }
-        for (int r = 0; r < R; r++) st8(O + (size_t)r * D + d, acc[r]);
-    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C / 8; c++) st8(O + (size_t)r * D + 8 * c, acc[r * (C / 8) + c]);
 }
 
-static void pv(const float *Pm, int ldP, int M, const float *V, int nk, int D, float *O) {
+static PROF_NOINLINE void pv(const float *Pm, int ldP, int M, const float *V, int nk, int D,
+                             float *O) {
     int r = 0;
-    for (; r + 2 <= M; r += 2) pv_rows(2, Pm + r * ldP, ldP, V, nk, D, O + (size_t)r * D);
-    if (r < M) pv_rows(1, Pm + r * ldP, ldP, V, nk, D, O + (size_t)r * D);
+    for (; r + 2 <= M; r += 2) {
+        const float *Pr = Pm + r * ldP;
+        float *Or = O + (size_t)r * D;
+        int d = 0;
+        for (; d + 32 <= D; d += 32) pv_block(2, 32, Pr, ldP, V + d, nk, D, Or + d);
+        for (; d < D; d += 8) pv_block(2, 8, Pr, ldP, V + d, nk, D, Or + d);
+    }
+    if (r < M) {
+        const float *Pr = Pm + r * ldP;
+        float *Or = O + (size_t)r * D;
+        int d = 0;
+        for (; d + 64 <= D; d += 64) pv_block(1, 64, Pr, ldP, V + d, nk, D, Or + d);
+        for (; d + 32 <= D; d += 32) pv_block(1, 32, Pr, ldP, V + d, nk, D, Or + d);
+        for (; d < D; d += 8) pv_block(1, 8, Pr, ldP, V + d, nk, D, Or + d);
+    }
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -217,8 +272,8 @@ typedef struct {
     float *m;    /* [Mmax] running max */
     float *l;    /* [Mmax] running sum */
     int *lim;    /* [Mmax] number of visible keys per row */
-    float *kb;   /* [P, D] bf16 page converted to fp32 */
-    float *vb;   /* [P, D] */
+    float *kb;   /* [round8(P), D] bf16 page converted to fp32 */
+    float *vb;   /* [round8(P), D] */
 } scratch;
 
 static int cmp_cost_desc(const void *a, const void *b) {
@@ -255,7 +310,48 @@ static void prefetch_page(const params *pr, const void *pool, int32_t page, int 
     size_t elt = pr->is_bf16 ? 2 : 4;
     const char *p = (const char *)pool + ((size_t)page * pr->hkv + h) * pr->P * pr->D * elt;
     size_t bytes = (size_t)pr->P * pr->D * elt;
-    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+    if (PA_PREFETCH_LINES > 0 && bytes > 64 * (size_t)PA_PREFETCH_LINES)
+        bytes = 64 * (size_t)PA_PREFETCH_LINES;
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, PA_PREFETCH_HINT);
+}
+
+/*
+ * Streaming-softmax step for one page: masks keys beyond each row's limit, updates the running
+ * max / sum, rescales the output rows when the max grows, and turns scores into probabilities
+ * (columns nk..round8(nk) and masked keys become 0).
+ */
+static PROF_NOINLINE void softmax_page(scratch *sc, int M, int D, int ldS, int t0, int nk) {
+    /* Pad columns nk..round8(nk) with -inf, mask causal positions, streaming softmax. */
+    const int nk8 = (nk + 7) & ~7;
+    for (int r = 0; r < M; r++) {
+        float *sr = sc->s + (size_t)r * ldS;
+        int vis = sc->lim[r] - t0; /* keys of this page visible to row r */
+        if (vis > nk) vis = nk;
+        if (vis <= 0) { /* fully masked row on this page: probabilities are all 0 */
+            memset(sr, 0, sizeof(float) * nk8);
+            continue;
+        }
+        for (int j = vis; j < nk8; j++) sr[j] = -INFINITY;
+        v8f mv = splat8(-INFINITY);
+        for (int j = 0; j < nk8; j += 8) mv = max8(mv, ld8(sr + j));
+        const float mblk = hmax8(mv);
+        const float mold = sc->m[r];
+        if (mblk > mold) {
+            const float alpha = expf(mold - mblk); /* 0 on the first page (mold = -inf) */
+            float *o = sc->o + (size_t)r * D;
+            for (int d = 0; d < D; d += 8) st8(o + d, ld8(o + d) * alpha);
+            sc->l[r] *= alpha;
+            sc->m[r] = mblk;
+        }
+        const v8f mnew = splat8(sc->m[r]);
+        v8f sum = splat8(0.0f);
+        for (int j = 0; j < nk8; j += 8) {
+            v8f p = exp8(ld8(sr + j) - mnew);
+            st8(sr + j, p);
+            sum += p;
+        }
+        sc->l[r] += hsum8(sum);
+    }
 }
 
 /*
@@ -303,48 +399,22 @@ static void run_item(const params *pr, const work_item *it, int64_t part_index, 
     }
     const int32_t *bt = pr->block_tables + (size_t)s * pr->max_pages;
 
+    for (int pg = page_lo; pg < page_lo + PA_PREFETCH_DIST && pg < page_hi; pg++) {
+        prefetch_page(pr, pr->k_pool, bt[pg], h);
+        prefetch_page(pr, pr->v_pool, bt[pg], h);
+    }
     for (int pg = page_lo; pg < page_hi; pg++) {
         const int t0 = pg * P;
         const int nk = kmax - t0 < P ? kmax - t0 : P;
         const int32_t page = bt[pg];
-        if (pg + 1 < page_hi) {
-            prefetch_page(pr, pr->k_pool, bt[pg + 1], h);
-            prefetch_page(pr, pr->v_pool, bt[pg + 1], h);
+        if (PA_PREFETCH_DIST > 0 && pg + PA_PREFETCH_DIST < page_hi) {
+            prefetch_page(pr, pr->k_pool, bt[pg + PA_PREFETCH_DIST], h);
+            prefetch_page(pr, pr->v_pool, bt[pg + PA_PREFETCH_DIST], h);
         }
         const float *K = page_rows(pr, pr->k_pool, page, h, nk, sc->kb);
-        scores(sc->q, M, D, K, nk, sc->s, ldS);
+        scores(sc->q, M, D, K, nk, pr->is_bf16 ? ldS : P, sc->s, ldS);
 
-        /* Pad columns nk..round8(nk) with -inf, mask causal positions, streaming softmax. */
-        const int nk8 = (nk + 7) & ~7;
-        for (int r = 0; r < M; r++) {
-            float *sr = sc->s + (size_t)r * ldS;
-            int vis = sc->lim[r] - t0; /* keys of this page visible to row r */
-            if (vis > nk) vis = nk;
-            if (vis <= 0) { /* fully masked row on this page: probabilities are all 0 */
-                memset(sr, 0, sizeof(float) * nk8);
-                continue;
-            }
-            for (int j = vis; j < nk8; j++) sr[j] = -INFINITY;
-            v8f mv = splat8(-INFINITY);
-            for (int j = 0; j < nk8; j += 8) mv = max8(mv, ld8(sr + j));
-            const float mblk = hmax8(mv);
-            const float mold = sc->m[r];
-            if (mblk > mold) {
-                const float alpha = expf(mold - mblk); /* 0 on the first page (mold = -inf) */
-                float *o = sc->o + (size_t)r * D;
-                for (int d = 0; d < D; d += 8) st8(o + d, ld8(o + d) * alpha);
-                sc->l[r] *= alpha;
-                sc->m[r] = mblk;
-            }
-            const v8f mnew = splat8(sc->m[r]);
-            v8f sum = splat8(0.0f);
-            for (int j = 0; j < nk8; j += 8) {
-                v8f p = exp8(ld8(sr + j) - mnew);
-                st8(sr + j, p);
-                sum += p;
-            }
-            sc->l[r] += hsum8(sum);
-        }
+        softmax_page(sc, M, D, ldS, t0, nk);
 
         const float *V = page_rows(pr, pr->v_pool, page, h, nk, sc->vb);
         pv(sc->s, ldS, M, V, nk, D, sc->o);
@@ -633,7 +703,7 @@ int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
         scratch sc = {0};
         size_t D = (size_t)head_dim;
         size_t floats = (size_t)Mmax * D * 2 + (size_t)Mmax * pr.ldS + (size_t)Mmax * 2 +
-                        (is_bf16 ? (size_t)P * D * 2 : 0) + 64;
+                        (is_bf16 ? (size_t)pr.ldS * D * 2 : 0) + 64;
         float *buf = (float *)aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64 +
                                                     sizeof(int) * (size_t)Mmax + 64);
         if (!buf) {
@@ -647,8 +717,8 @@ int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
             sc.m = sc.s + (size_t)Mmax * pr.ldS;
             sc.l = sc.m + Mmax;
             sc.kb = sc.l + Mmax;
-            sc.vb = is_bf16 ? sc.kb + (size_t)P * D : sc.kb;
-            sc.lim = (int *)(is_bf16 ? sc.vb + (size_t)P * D : sc.kb);
+            sc.vb = is_bf16 ? sc.kb + (size_t)pr.ldS * D : sc.kb;
+            sc.lim = (int *)(is_bf16 ? sc.vb + (size_t)pr.ldS * D : sc.kb);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_items; i++) {

@@ -1,0 +1,255 @@
+"""Benchmark: C paged-attention kernel vs torch gather + SDPA (CPU).
+
+Shapes follow SmolLM2-135M (Hq=9, Hkv=3, D=64, P=16). Decode: batch 1/8/32 x context
+128/512/2048, one query per sequence, pages scattered at random through a pool of >= 4000 pages.
+Prefill: one sequence, chunk of 128/512 queries with 0/512 earlier tokens in the cache; torch
+gets an explicit causal mask (the chunk's rows are the last rows of the context).
+
+Cache state: a model has ~30 layers, each with its own pool, so a layer's pages are normally
+not in cache when its attention runs. The benchmark therefore cycles through several pools
+("layers") whose total size is well above the L3 cache, for both implementations.
+
+Run:
+    cd /work/main && .venv/bin/python bench/attention_kernels.py [--threads 2] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+
+from pdserve.attention import cpu_kernels  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+HQ, HKV, D, P = 9, 3, 64, 16
+MIN_POOL_PAGES = 4000
+POOL_BYTES_TARGET = 512 << 20  # pools cycled per measurement: >> 32 MiB L3
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def cpu_flags() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = line.split(":", 1)[1].split()
+                keep = [x for x in flags if x.startswith(("avx", "fma", "amx"))]
+                return " ".join(sorted(keep))
+    return ""
+
+
+def timeit(fn, reps: int, warmup: int = 2) -> float:
+    """Median seconds per call of fn(i) over `reps` calls (i = call index, for pool rotation)."""
+    for i in range(warmup):
+        fn(i)
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bandwidth() -> tuple[float, float]:
+    """(memcpy GB/s counting read + write bytes, read-only GB/s via sum), 256 MiB buffers."""
+    n = (256 << 20) // 4
+    src = torch.randn(n)                                                   # [n]
+    dst = torch.empty_like(src)                                            # [n]
+    t_copy = timeit(lambda i: dst.copy_(src), reps=10)
+    t_read = timeit(lambda i: src.sum(), reps=10)
+    return 2 * src.numel() * 4 / t_copy / 1e9, src.numel() * 4 / t_read / 1e9
+
+
+class Pools:
+    """Several per-"layer" K/V pools ([N, Hkv, P, D] each) cycled so reads come from DRAM."""
+
+    def __init__(self, n_pages: int, dtype: torch.dtype) -> None:
+        page_bytes = 2 * HKV * P * D * torch.tensor([], dtype=dtype).element_size()
+        self.count = max(2, POOL_BYTES_TARGET // (n_pages * page_bytes))
+        self.k = [torch.randn(n_pages, HKV, P, D).to(dtype) for _ in range(self.count)]
+        self.v = [torch.randn(n_pages, HKV, P, D).to(dtype) for _ in range(self.count)]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[i % self.count], self.v[i % self.count]
+
+
+def torch_decode(q, k_pool, v_pool, block_tables, ctx: int, scale: float) -> torch.Tensor:
+    """Gather + SDPA for equal-length decode. q: [B, Hq, D] -> [B, Hq, D]."""
+    b = q.shape[0]
+    k = k_pool[block_tables.long()]                       # [B, pages, Hkv, P, D]
+    v = v_pool[block_tables.long()]                       # [B, pages, Hkv, P, D]
+    k = k.permute(0, 2, 1, 3, 4).reshape(b, HKV, -1, D)[:, :, :ctx]   # [B, Hkv, ctx, D]
+    v = v.permute(0, 2, 1, 3, 4).reshape(b, HKV, -1, D)[:, :, :ctx]   # [B, Hkv, ctx, D]
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)
+    return o.squeeze(2)                                   # [B, Hq, D]
+
+
+def torch_prefill(q, k_pool, v_pool, pages, ctx: int, mask, scale: float) -> torch.Tensor:
+    """Gather + SDPA with an explicit causal mask. q: [q_len, Hq, D] -> [q_len, Hq, D]."""
+    k = k_pool[pages].permute(1, 0, 2, 3).reshape(HKV, -1, D)[:, :ctx]   # [Hkv, ctx, D]
+    v = v_pool[pages].permute(1, 0, 2, 3).reshape(HKV, -1, D)[:, :ctx]   # [Hkv, ctx, D]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale,
+                                       enable_gqa=True)                 # [Hq, q_len, D]
+    return o.transpose(0, 1)
+
+
+def bench_decode(batch: int, ctx: int, dtype: torch.dtype, threads: int) -> dict:
+    pages_per_seq = -(-ctx // P)
+    n_pages = max(MIN_POOL_PAGES, 2 * batch * pages_per_seq)
+    pools = Pools(n_pages, dtype)
+    gen = torch.Generator().manual_seed(batch * 7919 + ctx)
+    perm = torch.randperm(n_pages, generator=gen)[: batch * pages_per_seq]
+    block_tables = perm.reshape(batch, pages_per_seq).to(torch.int32).contiguous()  # [B, pages]
+    query_start = torch.arange(batch + 1, dtype=torch.int32)                       # [B + 1]
+    context_lens = torch.full((batch,), ctx, dtype=torch.int32)                     # [B]
+    q = torch.randn(batch, HQ, D).to(dtype)                                         # [B, Hq, D]
+    out = torch.empty_like(q)                                                       # [B, Hq, D]
+    scale = D ** -0.5
+    reps = max(20, min(200, int(2e8 / (batch * ctx * HKV * D * 8))))
+
+    def kernel(i: int) -> None:
+        k_pool, v_pool = pools.layer(i)
+        cpu_kernels.paged_attention(out, q, k_pool, v_pool, block_tables, query_start,
+                                    context_lens, scale, num_threads=threads)
+
+    def reference(i: int) -> torch.Tensor:
+        k_pool, v_pool = pools.layer(i)
+        return torch_decode(q, k_pool, v_pool, block_tables, ctx, scale)
+
+    kernel(0)
+    expected = reference(0)
+    err = (out.float() - expected.float()).abs().max().item()
+    t_kernel = timeit(kernel, reps)
+    t_torch = timeit(reference, max(5, reps // 4))
+    kv_bytes = 2 * batch * ctx * HKV * D * q.element_size()
+    return dict(batch=batch, ctx=ctx, dtype=str(dtype).replace("torch.", ""), t_kernel=t_kernel,
+                t_torch=t_torch, gbps=kv_bytes / t_kernel / 1e9, kv_mb=kv_bytes / 1e6, err=err)
+
+
+def bench_prefill(q_len: int, earlier: int, dtype: torch.dtype, threads: int) -> dict:
+    ctx = earlier + q_len
+    pages_per_seq = -(-ctx // P)
+    n_pages = MIN_POOL_PAGES
+    pools = Pools(n_pages, dtype)
+    gen = torch.Generator().manual_seed(q_len * 31 + earlier)
+    pages = torch.randperm(n_pages, generator=gen)[:pages_per_seq]                # [pages]
+    block_tables = pages.to(torch.int32).unsqueeze(0).contiguous()                 # [1, pages]
+    query_start = torch.tensor([0, q_len], dtype=torch.int32)                      # [2]
+    context_lens = torch.tensor([ctx], dtype=torch.int32)                          # [1]
+    q = torch.randn(q_len, HQ, D).to(dtype)                                        # [q_len, Hq, D]
+    out = torch.empty_like(q)
+    pos = torch.arange(earlier, ctx).unsqueeze(1)                                  # [q_len, 1]
+    mask = torch.arange(ctx).unsqueeze(0) <= pos                                   # [q_len, ctx]
+    scale = D ** -0.5
+    reps = 20 if q_len >= 512 else 50
+
+    def kernel(i: int) -> None:
+        k_pool, v_pool = pools.layer(i)
+        cpu_kernels.paged_attention(out, q, k_pool, v_pool, block_tables, query_start,
+                                    context_lens, scale, num_threads=threads)
+
+    def reference(i: int) -> torch.Tensor:
+        k_pool, v_pool = pools.layer(i)
+        return torch_prefill(q, k_pool, v_pool, pages, ctx, mask, scale)
+
+    kernel(0)
+    err = (out.float() - reference(0).float()).abs().max().item()
+    t_kernel = timeit(kernel, reps)
+    t_torch = timeit(reference, reps)
+    # causal attention FLOPs: 2 matmuls x 2 FLOP x Hq x D x (visible keys summed over rows)
+    visible = q_len * earlier + q_len * (q_len + 1) // 2
+    gflops = 4 * HQ * D * visible / t_kernel / 1e9
+    return dict(q_len=q_len, earlier=earlier, dtype=str(dtype).replace("torch.", ""),
+                t_kernel=t_kernel, t_torch=t_torch, gflops=gflops, err=err)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                      "attention_kernels.md"))
+    parser.add_argument("--quick", action="store_true", help="fewer cases (smoke run)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not cpu_kernels.available():
+        raise SystemExit(f"CPU kernels not built: {cpu_kernels.unavailable_reason()}")
+    torch.set_num_threads(args.threads)
+
+    lines: list[str] = []
+
+    def emit(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    copy_gbps, read_gbps = bandwidth()
+    emit("# Attention kernels: C paged attention vs torch gather + SDPA")
+    emit()
+    emit(f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}")
+    emit(f"- machine: {cpu_model()}, nproc={os.cpu_count()}, flags: {cpu_flags()}")
+    emit(f"- torch {torch.__version__}, threads={args.threads}, "
+         f"kernel OpenMP={cpu_kernels.has_openmp()}")
+    emit(f"- shapes: Hq={HQ}, Hkv={HKV}, D={D}, P={P}; pools cycled (> L3) so K/V come from DRAM")
+    emit(f"- memory bandwidth ({args.threads} threads, 256 MiB): memcpy {copy_gbps:.1f} GB/s "
+         f"(read + write bytes), read-only (sum) {read_gbps:.1f} GB/s")
+    emit("- times are medians per call (one layer); ratio = torch / kernel")
+    emit("- command: `.venv/bin/python bench/attention_kernels.py`")
+    emit()
+    emit("## Decode (one query per sequence)")
+    emit()
+    emit("| dtype | batch | ctx | K+V MB | kernel ms | torch ms | ratio | kernel GB/s "
+         "| % memcpy | % read | max err |")
+    emit("|---|---|---|---|---|---|---|---|---|---|---|")
+    cases = [(b, c) for b in (1, 8, 32) for c in (128, 512, 2048)]
+    if args.quick:
+        cases = [(32, 512)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for b, c in cases:
+            if dtype == torch.bfloat16 and (b, c) not in ((32, 512), (32, 2048), (1, 2048)):
+                continue
+            r = bench_decode(b, c, dtype, args.threads)
+            emit(f"| {r['dtype']} | {b} | {c} | {r['kv_mb']:.1f} | {r['t_kernel'] * 1e3:.3f} "
+                 f"| {r['t_torch'] * 1e3:.3f} | {r['t_torch'] / r['t_kernel']:.1f}x "
+                 f"| {r['gbps']:.1f} | {100 * r['gbps'] / copy_gbps:.0f}% "
+                 f"| {100 * r['gbps'] / read_gbps:.0f}% | {r['err']:.1e} |")
+    emit()
+    emit("## Prefill chunk (one sequence; torch with explicit causal mask)")
+    emit()
+    emit("| dtype | q_len | earlier ctx | kernel ms | torch ms | ratio | kernel GFLOP/s "
+         "| max err |")
+    emit("|---|---|---|---|---|---|---|---|")
+    pcases = [(128, 0), (128, 512), (512, 0), (512, 512)]
+    if args.quick:
+        pcases = [(128, 512)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for q_len, earlier in pcases:
+            r = bench_prefill(q_len, earlier, dtype, args.threads)
+            emit(f"| {r['dtype']} | {q_len} | {earlier} | {r['t_kernel'] * 1e3:.3f} "
+                 f"| {r['t_torch'] * 1e3:.3f} | {r['t_torch'] / r['t_kernel']:.1f}x "
+                 f"| {r['gflops']:.1f} | {r['err']:.1e} |")
+    if not args.quick:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        logger.info("wrote %s", args.out)
+
+
+if __name__ == "__main__":
+    main()
