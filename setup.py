@@ -1,10 +1,14 @@
-"""Build hook: compiles the cffi libfabric bindings (fabric/_ffi_build.py) at install time."""
-import os
+"""Build hook: compiles the cffi extensions at install time.
+
+- fabric/_ffi_build.py: libfabric bindings (needs libfabric-dev, see scripts/setup.sh)
+- pdserve/attention/_kernels_build.py: the C paged-attention kernel (OpenMP)
+"""
 
 from setuptools import setup
 
-cffi_modules = []
-if os.path.exists(os.path.join(os.path.dirname(os.path.abspath(__file__)), "fabric", "_ffi_build.py")):
-    cffi_modules.append("fabric/_ffi_build.py:ffibuilder")
-
-setup(cffi_modules=cffi_modules)
+setup(
+    cffi_modules=[
+        "fabric/_ffi_build.py:ffibuilder",
+        "pdserve/attention/_kernels_build.py:ffibuilder",
+    ]
+)

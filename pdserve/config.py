@@ -93,7 +93,7 @@ class EngineConfig:
     num_threads: torch intra-op threads; None leaves torch's default.
     max_model_len: longest sequence (prompt + output); None = the model's max_position_embeddings.
     seed: seed of the sampler's default generator (requests without their own seed).
-    attention_backend: name of a registered attention backend ("torch" on CPU).
+    attention_backend: "auto" (the C kernel where built, else torch), "cpu" or "torch".
     """
 
     model: str | None = None
@@ -101,7 +101,7 @@ class EngineConfig:
     num_threads: int | None = None
     max_model_len: int | None = None
     seed: int = 0
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

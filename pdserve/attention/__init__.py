@@ -1,9 +1,14 @@
 """Attention backends behind one seam (`AttentionBackend`), chosen by name."""
 
+from pdserve.attention import cpu_kernels
 from pdserve.attention.base import AttentionBackend, AttentionBatch
+from pdserve.attention.cpu_backend import CpuKernelAttentionBackend
 from pdserve.attention.torch_backend import TorchAttentionBackend
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {TorchAttentionBackend.name: TorchAttentionBackend}
+_BACKENDS: dict[str, type[AttentionBackend]] = {
+    TorchAttentionBackend.name: TorchAttentionBackend,
+    CpuKernelAttentionBackend.name: CpuKernelAttentionBackend,
+}
 
 
 def register_backend(cls: type[AttentionBackend]) -> None:
@@ -11,6 +16,9 @@ def register_backend(cls: type[AttentionBackend]) -> None:
 
 
 def get_backend(name: str) -> AttentionBackend:
+    """"auto" picks the C kernel backend where it is built, else plain torch."""
+    if name == "auto":
+        name = CpuKernelAttentionBackend.name if cpu_kernels.available() else TorchAttentionBackend.name
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
     return _BACKENDS[name]()
