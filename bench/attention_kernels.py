@@ -56,8 +56,12 @@ def cpu_flags() -> str:
     return ""
 
 
-def timeit(fn, reps: int, warmup: int = 2) -> float:
-    """Median seconds per call of fn(i) over `reps` calls (i = call index, for pool rotation)."""
+def timeit(fn, reps: int, warmup: int = 2) -> tuple[float, float]:
+    """(min, median) seconds per call of fn(i) over `reps` calls (i = call index, for pools).
+
+    Both are reported because a shared machine's load inflates the median (a preempted OpenMP
+    thread stalls the whole call); the minimum is the uncontended estimate.
+    """
     for i in range(warmup):
         fn(i)
     times = []
@@ -65,7 +69,7 @@ def timeit(fn, reps: int, warmup: int = 2) -> float:
         t0 = time.perf_counter()
         fn(i)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times), statistics.median(times)
 
 
 def bandwidth() -> tuple[float, float]:
@@ -73,8 +77,8 @@ def bandwidth() -> tuple[float, float]:
     n = (256 << 20) // 4
     src = torch.randn(n)                                                   # [n]
     dst = torch.empty_like(src)                                            # [n]
-    t_copy = timeit(lambda i: dst.copy_(src), reps=10)
-    t_read = timeit(lambda i: src.sum(), reps=10)
+    t_copy = timeit(lambda i: dst.copy_(src), reps=10)[0]
+    t_read = timeit(lambda i: src.sum(), reps=10)[0]
     return 2 * src.numel() * 4 / t_copy / 1e9, src.numel() * 4 / t_read / 1e9
 
 
@@ -141,7 +145,7 @@ def bench_decode(batch: int, ctx: int, dtype: torch.dtype, threads: int) -> dict
     t_torch = timeit(reference, max(5, reps // 4))
     kv_bytes = 2 * batch * ctx * HKV * D * q.element_size()
     return dict(batch=batch, ctx=ctx, dtype=str(dtype).replace("torch.", ""), t_kernel=t_kernel,
-                t_torch=t_torch, gbps=kv_bytes / t_kernel / 1e9, kv_mb=kv_bytes / 1e6, err=err)
+                t_torch=t_torch, gbps=kv_bytes / t_kernel[0] / 1e9, kv_mb=kv_bytes / 1e6, err=err)
 
 
 def bench_prefill(q_len: int, earlier: int, dtype: torch.dtype, threads: int) -> dict:
@@ -176,9 +180,14 @@ def bench_prefill(q_len: int, earlier: int, dtype: torch.dtype, threads: int) ->
     t_torch = timeit(reference, reps)
     # causal attention FLOPs: 2 matmuls x 2 FLOP x Hq x D x (visible keys summed over rows)
     visible = q_len * earlier + q_len * (q_len + 1) // 2
-    gflops = 4 * HQ * D * visible / t_kernel / 1e9
+    gflops = 4 * HQ * D * visible / t_kernel[0] / 1e9
     return dict(q_len=q_len, earlier=earlier, dtype=str(dtype).replace("torch.", ""),
                 t_kernel=t_kernel, t_torch=t_torch, gflops=gflops, err=err)
+
+
+def ms(t: tuple[float, float]) -> str:
+    """'min / median' in milliseconds."""
+    return f"{t[0] * 1e3:.3f} / {t[1] * 1e3:.3f}"
 
 
 def main() -> None:
@@ -209,13 +218,15 @@ def main() -> None:
     emit(f"- shapes: Hq={HQ}, Hkv={HKV}, D={D}, P={P}; pools cycled (> L3) so K/V come from DRAM")
     emit(f"- memory bandwidth ({args.threads} threads, 256 MiB): memcpy {copy_gbps:.1f} GB/s "
          f"(read + write bytes), read-only (sum) {read_gbps:.1f} GB/s")
-    emit("- times are medians per call (one layer); ratio = torch / kernel")
+    emit(f"- load average at start (other processes share this machine): "
+         f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    emit("- times per call (one layer): min / median over the reps; ratio and GB/s use the mins")
     emit("- command: `.venv/bin/python bench/attention_kernels.py`")
     emit()
     emit("## Decode (one query per sequence)")
     emit()
-    emit("| dtype | batch | ctx | K+V MB | kernel ms | torch ms | ratio | kernel GB/s "
-         "| % memcpy | % read | max err |")
+    emit("| dtype | batch | ctx | K+V MB | kernel ms min / med | torch ms min / med | ratio "
+         "| kernel GB/s | % memcpy | % read | max err |")
     emit("|---|---|---|---|---|---|---|---|---|---|---|")
     cases = [(b, c) for b in (1, 8, 32) for c in (128, 512, 2048)]
     if args.quick:
@@ -225,15 +236,15 @@ def main() -> None:
             if dtype == torch.bfloat16 and (b, c) not in ((32, 512), (32, 2048), (1, 2048)):
                 continue
             r = bench_decode(b, c, dtype, args.threads)
-            emit(f"| {r['dtype']} | {b} | {c} | {r['kv_mb']:.1f} | {r['t_kernel'] * 1e3:.3f} "
-                 f"| {r['t_torch'] * 1e3:.3f} | {r['t_torch'] / r['t_kernel']:.1f}x "
+            emit(f"| {r['dtype']} | {b} | {c} | {r['kv_mb']:.1f} | {ms(r['t_kernel'])} "
+                 f"| {ms(r['t_torch'])} | {r['t_torch'][0] / r['t_kernel'][0]:.1f}x "
                  f"| {r['gbps']:.1f} | {100 * r['gbps'] / copy_gbps:.0f}% "
                  f"| {100 * r['gbps'] / read_gbps:.0f}% | {r['err']:.1e} |")
     emit()
     emit("## Prefill chunk (one sequence; torch with explicit causal mask)")
     emit()
-    emit("| dtype | q_len | earlier ctx | kernel ms | torch ms | ratio | kernel GFLOP/s "
-         "| max err |")
+    emit("| dtype | q_len | earlier ctx | kernel ms min / med | torch ms min / med | ratio "
+         "| kernel GFLOP/s | max err |")
     emit("|---|---|---|---|---|---|---|---|")
     pcases = [(128, 0), (128, 512), (512, 0), (512, 512)]
     if args.quick:
@@ -241,8 +252,8 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for q_len, earlier in pcases:
             r = bench_prefill(q_len, earlier, dtype, args.threads)
-            emit(f"| {r['dtype']} | {q_len} | {earlier} | {r['t_kernel'] * 1e3:.3f} "
-                 f"| {r['t_torch'] * 1e3:.3f} | {r['t_torch'] / r['t_kernel']:.1f}x "
+            emit(f"| {r['dtype']} | {q_len} | {earlier} | {ms(r['t_kernel'])} "
+                 f"| {ms(r['t_torch'])} | {r['t_torch'][0] / r['t_kernel'][0]:.1f}x "
                  f"| {r['gflops']:.1f} | {r['err']:.1e} |")
     if not args.quick:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

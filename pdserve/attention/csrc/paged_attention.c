@@ -81,11 +81,19 @@ ALWAYS_INLINE float hmax8(v8f a) {
 }
 
 /* bf16 bits -> float32 (exact: bf16 is the top half of an fp32). */
+#if defined(__AVX2__)
+#include <immintrin.h>
+ALWAYS_INLINE v8f bf16x8_to_f32(const uint16_t *p) {
+    __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)); /* one vpmovzxwd */
+    return (v8f)_mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+#else
 ALWAYS_INLINE v8f bf16x8_to_f32(const uint16_t *p) {
     v8h_u h = *(const v8h_u *)p;
     v8u u = __builtin_convertvector(h, v8u) << 16;
     return (v8f)u;
 }
+#endif
 
 /* float32 -> bf16 bits, round to nearest even, NaN kept quiet. */
 static inline uint16_t f32_to_bf16(float f) {
@@ -153,25 +161,31 @@ ALWAYS_INLINE void reduce4x8(v8f a0, v8f a1, v8f a2, v8f a3, float *s) {
 }
 #endif
 
+/* 8 K/V elements at element index idx of a float32 or bf16 (compile-time flag) array. */
+ALWAYS_INLINE v8f ldkv(const void *base, size_t idx, const int bf16) {
+    return bf16 ? bf16x8_to_f32((const uint16_t *)base + idx) : ld8((const float *)base + idx);
+}
+
 /* One row x 8 keys (8 independent FMA chains). */
-ALWAYS_INLINE void score_1x8(const float *Q, int D, const float *K, float *S) {
+ALWAYS_INLINE void score_1x8(const float *Q, int D, const void *K, float *S, const int bf16) {
     v8f a[8];
     for (int k = 0; k < 8; k++) a[k] = splat8(0.0f);
     for (int d = 0; d < D; d += 8) {
         v8f qv = ld8(Q + d);
-        for (int k = 0; k < 8; k++) a[k] += qv * ld8(K + (size_t)k * D + d);
+        for (int k = 0; k < 8; k++) a[k] += qv * ldkv(K, (size_t)k * D + d, bf16);
     }
     st8(S, reduce8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
 }
 
 /* Two rows x 4 keys (8 chains; each K load feeds 2 FMAs). */
-ALWAYS_INLINE void score_2x4(const float *Q, int D, const float *K, float *S, int ldS) {
+ALWAYS_INLINE void score_2x4(const float *Q, int D, const void *K, float *S, int ldS,
+                             const int bf16) {
     v8f a[4], b[4];
     for (int k = 0; k < 4; k++) a[k] = b[k] = splat8(0.0f);
     for (int d = 0; d < D; d += 8) {
         v8f q0 = ld8(Q + d), q1 = ld8(Q + D + d);
         for (int k = 0; k < 4; k++) {
-            v8f kv = ld8(K + (size_t)k * D + d);
+            v8f kv = ldkv(K, (size_t)k * D + d, bf16);
             a[k] += q0 * kv;
             b[k] += q1 * kv;
         }
@@ -181,9 +195,9 @@ ALWAYS_INLINE void score_2x4(const float *Q, int D, const float *K, float *S, in
 }
 
 /* Single score (only for keys past a page whose size is not a multiple of 8). */
-ALWAYS_INLINE float score_1x1(const float *Q, int D, const float *K) {
+ALWAYS_INLINE float score_1x1(const float *Q, int D, const void *K, size_t k0, const int bf16) {
     v8f a = splat8(0.0f);
-    for (int d = 0; d < D; d += 8) a += ld8(Q + d) * ld8(K + d);
+    for (int d = 0; d < D; d += 8) a += ld8(Q + d) * ldkv(K, k0 + d, bf16);
     return hsum8(a);
 }
 
@@ -192,37 +206,48 @@ ALWAYS_INLINE float score_1x1(const float *Q, int D, const float *K) {
  * (their scores are garbage and get masked) when the page has room for them (kcap >= round8);
  * otherwise the tail is computed key by key.
  */
-static PROF_NOINLINE void scores(const float *Q, int M, int D, const float *K, int nk, int kcap,
-                                 float *S, int ldS) {
+ALWAYS_INLINE void scores(const float *Q, int M, int D, const void *K, int nk, int kcap,
+                          float *S, int ldS, const int bf16) {
     int nk8 = (nk + 7) & ~7;
     int full = nk8 <= kcap ? nk8 : (nk & ~7);
     for (int j = 0; j < full; j += 8) {
-        const float *Kj = K + (size_t)j * D;
+        const size_t esz = bf16 ? 2 : 4;
+        const char *Kj = (const char *)K + (size_t)j * D * esz;
+        const char *Kj4 = Kj + 4 * (size_t)D * esz;
         int r = 0;
         for (; r + 2 <= M; r += 2) {
-            score_2x4(Q + (size_t)r * D, D, Kj, S + r * ldS + j, ldS);
-            score_2x4(Q + (size_t)r * D, D, Kj + 4 * (size_t)D, S + r * ldS + j + 4, ldS);
+            score_2x4(Q + (size_t)r * D, D, Kj, S + r * ldS + j, ldS, bf16);
+            score_2x4(Q + (size_t)r * D, D, Kj4, S + r * ldS + j + 4, ldS, bf16);
         }
-        if (r < M) score_1x8(Q + (size_t)r * D, D, Kj, S + r * ldS + j);
+        if (r < M) score_1x8(Q + (size_t)r * D, D, Kj, S + r * ldS + j, bf16);
     }
     for (int j = full; j < nk; j++)
         for (int r = 0; r < M; r++)
-            S[r * ldS + j] = score_1x1(Q + (size_t)r * D, D, K + (size_t)j * D);
+            S[r * ldS + j] = score_1x1(Q + (size_t)r * D, D, K, (size_t)j * D, bf16);
+}
+
+static PROF_NOINLINE void scores_f32(const float *Q, int M, int D, const void *K, int nk,
+                                     int kcap, float *S, int ldS) {
+    scores(Q, M, D, K, nk, kcap, S, ldS, 0);
+}
+
+static PROF_NOINLINE void scores_bf16(const float *Q, int M, int D, const void *K, int nk,
+                                      int kcap, float *S, int ldS) {
+    scores(Q, M, D, K, nk, kcap, S, ldS, 1);
 }
 
 /* ------------------------------------------------------------------------------------------ */
 /* Accumulate: O[r, :] += sum_j Pm[r, j] * V[j, :] for M rows and nk keys.                      */
 
 /* R rows x C columns (R * C / 8 = 8 accumulators), compile-time R and C. */
-ALWAYS_INLINE void pv_block(const int R, const int C, const float *Pm, int ldP, const float *V,
-                            int nk, int D, float *O) {
+ALWAYS_INLINE void pv_block(const int R, const int C, const float *Pm, int ldP, const void *V,
+                            int d0, int nk, int D, float *O, const int bf16) {
     v8f acc[8];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C / 8; c++) acc[r * (C / 8) + c] = ld8(O + (size_t)r * D + 8 * c);
     for (int j = 0; j < nk; j++) {
-        const float *vr = V + (size_t)j * D;
         v8f v[8];
-        for (int c = 0; c < C / 8; c++) v[c] = ld8(vr + 8 * c);
+        for (int c = 0; c < C / 8; c++) v[c] = ldkv(V, (size_t)j * D + d0 + 8 * c, bf16);
         for (int r = 0; r < R; r++) {
             float p = Pm[r * ldP + j];
             for (int c = 0; c < C / 8; c++) acc[r * (C / 8) + c] += p * v[c];
@@ -232,24 +257,34 @@ ALWAYS_INLINE void pv_block(const int R, const int C, const float *Pm, int ldP, 
         for (int c = 0; c < C / 8; c++) st8(O + (size_t)r * D + 8 * c, acc[r * (C / 8) + c]);
 }
 
-static PROF_NOINLINE void pv(const float *Pm, int ldP, int M, const float *V, int nk, int D,
-                             float *O) {
+ALWAYS_INLINE void pv(const float *Pm, int ldP, int M, const void *V, int nk, int D, float *O,
+                      const int bf16) {
     int r = 0;
     for (; r + 2 <= M; r += 2) {
         const float *Pr = Pm + r * ldP;
         float *Or = O + (size_t)r * D;
         int d = 0;
-        for (; d + 32 <= D; d += 32) pv_block(2, 32, Pr, ldP, V + d, nk, D, Or + d);
-        for (; d < D; d += 8) pv_block(2, 8, Pr, ldP, V + d, nk, D, Or + d);
+        for (; d + 32 <= D; d += 32) pv_block(2, 32, Pr, ldP, V, d, nk, D, Or + d, bf16);
+        for (; d < D; d += 8) pv_block(2, 8, Pr, ldP, V, d, nk, D, Or + d, bf16);
     }
     if (r < M) {
         const float *Pr = Pm + r * ldP;
         float *Or = O + (size_t)r * D;
         int d = 0;
-        for (; d + 64 <= D; d += 64) pv_block(1, 64, Pr, ldP, V + d, nk, D, Or + d);
-        for (; d + 32 <= D; d += 32) pv_block(1, 32, Pr, ldP, V + d, nk, D, Or + d);
-        for (; d < D; d += 8) pv_block(1, 8, Pr, ldP, V + d, nk, D, Or + d);
+        for (; d + 64 <= D; d += 64) pv_block(1, 64, Pr, ldP, V, d, nk, D, Or + d, bf16);
+        for (; d + 32 <= D; d += 32) pv_block(1, 32, Pr, ldP, V, d, nk, D, Or + d, bf16);
+        for (; d < D; d += 8) pv_block(1, 8, Pr, ldP, V, d, nk, D, Or + d, bf16);
     }
+}
+
+static PROF_NOINLINE void pv_f32(const float *Pm, int ldP, int M, const void *V, int nk, int D,
+                                 float *O) {
+    pv(Pm, ldP, M, V, nk, D, O, 0);
+}
+
+static PROF_NOINLINE void pv_bf16(const float *Pm, int ldP, int M, const void *V, int nk, int D,
+                                  float *O) {
+    pv(Pm, ldP, M, V, nk, D, O, 1);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -272,8 +307,6 @@ typedef struct {
     float *m;    /* [Mmax] running max */
     float *l;    /* [Mmax] running sum */
     int *lim;    /* [Mmax] number of visible keys per row */
-    float *kb;   /* [round8(P), D] bf16 page converted to fp32 */
-    float *vb;   /* [round8(P), D] */
 } scratch;
 
 static int cmp_cost_desc(const void *a, const void *b) {
@@ -296,14 +329,11 @@ typedef struct {
     float *part_l;
 } params;
 
-ALWAYS_INLINE const float *page_rows(const params *pr, const void *pool, int32_t page, int h,
-                                     int nk, float *buf) {
+/* Base of the [P, D] block of kv head h in page `page` of a pool (float32 or bf16 elements). */
+ALWAYS_INLINE const void *page_block(const params *pr, const void *pool, int32_t page, int h) {
     size_t base = ((size_t)page * pr->hkv + h) * pr->P * pr->D;
-    if (!pr->is_bf16) return (const float *)pool + base;
-    const uint16_t *src = (const uint16_t *)pool + base;
-    size_t n = (size_t)nk * pr->D;
-    for (size_t i = 0; i < n; i += 8) st8(buf + i, bf16x8_to_f32(src + i));
-    return buf;
+    return pr->is_bf16 ? (const void *)((const uint16_t *)pool + base)
+                       : (const void *)((const float *)pool + base);
 }
 
 static void prefetch_page(const params *pr, const void *pool, int32_t page, int h) {
@@ -411,13 +441,19 @@ static void run_item(const params *pr, const work_item *it, int64_t part_index, 
             prefetch_page(pr, pr->k_pool, bt[pg + PA_PREFETCH_DIST], h);
             prefetch_page(pr, pr->v_pool, bt[pg + PA_PREFETCH_DIST], h);
         }
-        const float *K = page_rows(pr, pr->k_pool, page, h, nk, sc->kb);
-        scores(sc->q, M, D, K, nk, pr->is_bf16 ? ldS : P, sc->s, ldS);
+        const void *K = page_block(pr, pr->k_pool, page, h);
+        if (pr->is_bf16)
+            scores_bf16(sc->q, M, D, K, nk, P, sc->s, ldS);
+        else
+            scores_f32(sc->q, M, D, K, nk, P, sc->s, ldS);
 
         softmax_page(sc, M, D, ldS, t0, nk);
 
-        const float *V = page_rows(pr, pr->v_pool, page, h, nk, sc->vb);
-        pv(sc->s, ldS, M, V, nk, D, sc->o);
+        const void *V = page_block(pr, pr->v_pool, page, h);
+        if (pr->is_bf16)
+            pv_bf16(sc->s, ldS, M, V, nk, D, sc->o);
+        else
+            pv_f32(sc->s, ldS, M, V, nk, D, sc->o);
     }
 
     if (it->nsplit > 1) {
@@ -702,10 +738,9 @@ int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
     {
         scratch sc = {0};
         size_t D = (size_t)head_dim;
-        size_t floats = (size_t)Mmax * D * 2 + (size_t)Mmax * pr.ldS + (size_t)Mmax * 2 +
-                        (is_bf16 ? (size_t)pr.ldS * D * 2 : 0) + 64;
-        float *buf = (float *)aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64 +
-                                                    sizeof(int) * (size_t)Mmax + 64);
+        /* q, o: [Mmax, D]; s: [Mmax, ldS]; m, l: [Mmax]; lim: [Mmax] ints (4 bytes each) */
+        size_t words = (size_t)Mmax * D * 2 + (size_t)Mmax * pr.ldS + (size_t)Mmax * 3 + 16;
+        float *buf = (float *)aligned_alloc(64, (words * sizeof(float) + 63) & ~(size_t)63);
         if (!buf) {
 #pragma omp atomic write
             alloc_failed = 1;
@@ -716,9 +751,7 @@ int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
             sc.s = sc.o + (size_t)Mmax * D;
             sc.m = sc.s + (size_t)Mmax * pr.ldS;
             sc.l = sc.m + Mmax;
-            sc.kb = sc.l + Mmax;
-            sc.vb = is_bf16 ? sc.kb + (size_t)pr.ldS * D : sc.kb;
-            sc.lim = (int *)(is_bf16 ? sc.vb + (size_t)pr.ldS * D : sc.kb);
+            sc.lim = (int *)(sc.l + Mmax);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_items; i++) {
