@@ -162,3 +162,32 @@ def test_bad_inputs_raise_value_error_naming_shapes() -> None:
     with pytest.raises(ValueError, match="query_start"):
         cpu_kernels.paged_attention(
             out, **{**case, "query_start": torch.tensor([0, 2, 1], dtype=torch.int32)})
+
+
+def test_runs_beside_torch_threads_without_hang() -> None:
+    # The kernel's OpenMP team and torch's intra-op pool share one libgomp; calling the kernel
+    # from another Python thread while torch ops run must neither crash nor deadlock.
+    import threading
+
+    case = make_case([1] * 8 + [40], [300] * 8 + [90], hkv=3, g=3, d=64, p=16)
+    ref = torch.empty_like(case["q"])
+    cpu_kernels.paged_attention_reference(ref, **case)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            for _ in range(50):
+                out = torch.empty_like(case["q"])
+                cpu_kernels.paged_attention(out, **case, num_threads=2)
+                check(out, ref)
+        except BaseException as exc:  # re-raised in the main thread below
+            errors.append(exc)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    a = torch.randn(256, 256)
+    for _ in range(50):
+        a = torch.tanh(a @ a)
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "kernel thread hung"
+    assert not errors, errors
