@@ -1,13 +1,14 @@
 """Benchmark: C paged-attention kernel vs torch gather + SDPA (CPU).
 
 Shapes follow SmolLM2-135M (Hq=9, Hkv=3, D=64, P=16). Decode: batch 1/8/32 x context
-128/512/2048, one query per sequence, pages scattered at random through a pool of >= 4000 pages.
+128/512/2048, one query per sequence, pages scattered at random through a pool of 8192 pages.
 Prefill: one sequence, chunk of 128/512 queries with 0/512 earlier tokens in the cache; torch
 gets an explicit causal mask (the chunk's rows are the last rows of the context).
 
 Cache state: a model has ~30 layers, each with its own pool, so a layer's pages are normally
 not in cache when its attention runs. The benchmark therefore cycles through several pools
-("layers") whose total size is well above the L3 cache, for both implementations.
+("layers") whose total size is well above the L3 cache, and for decode also rotates disjoint
+page sets, for both implementations.
 
 Run:
     cd /work/main && .venv/bin/python bench/attention_kernels.py [--threads 2] [--out PATH]
@@ -34,7 +35,7 @@ from pdserve.attention import cpu_kernels  # noqa: E402
 logger = logging.getLogger(__name__)
 
 HQ, HKV, D, P = 9, 3, 64, 16
-MIN_POOL_PAGES = 4000
+POOL_PAGES = 8192  # >= 4000 and >= 2x the pages of the largest decode case (32 x 2048 / 16)
 POOL_BYTES_TARGET = 512 << 20  # pools cycled per measurement: >> 32 MiB L3
 
 
@@ -82,6 +83,16 @@ def bandwidth() -> tuple[float, float]:
     return 2 * src.numel() * 4 / t_copy / 1e9, src.numel() * 4 / t_read / 1e9
 
 
+_POOLS: dict[torch.dtype, "Pools"] = {}
+
+
+def pools_for(dtype: torch.dtype) -> "Pools":
+    """One set of pools per dtype, shared by all cases (allocating 0.5 GB per case is slow)."""
+    if dtype not in _POOLS:
+        _POOLS[dtype] = Pools(POOL_PAGES, dtype)
+    return _POOLS[dtype]
+
+
 class Pools:
     """Several per-"layer" K/V pools ([N, Hkv, P, D] each) cycled so reads come from DRAM."""
 
@@ -117,11 +128,14 @@ def torch_prefill(q, k_pool, v_pool, pages, ctx: int, mask, scale: float) -> tor
 
 def bench_decode(batch: int, ctx: int, dtype: torch.dtype, threads: int) -> dict:
     pages_per_seq = -(-ctx // P)
-    n_pages = max(MIN_POOL_PAGES, 2 * batch * pages_per_seq)
-    pools = Pools(n_pages, dtype)
+    n_pages = POOL_PAGES
+    pools = pools_for(dtype)
     gen = torch.Generator().manual_seed(batch * 7919 + ctx)
-    perm = torch.randperm(n_pages, generator=gen)[: batch * pages_per_seq]
-    block_tables = perm.reshape(batch, pages_per_seq).to(torch.int32).contiguous()  # [B, pages]
+    # Disjoint page sets, rotated with the pools, so small batches do not stay in L3 either.
+    n_sets = max(1, min(16, n_pages // (batch * pages_per_seq)))
+    perm = torch.randperm(n_pages, generator=gen)[: n_sets * batch * pages_per_seq]
+    tables = [t.reshape(batch, pages_per_seq).to(torch.int32).contiguous()      # [B, pages]
+              for t in perm.chunk(n_sets)]
     query_start = torch.arange(batch + 1, dtype=torch.int32)                       # [B + 1]
     context_lens = torch.full((batch,), ctx, dtype=torch.int32)                     # [B]
     q = torch.randn(batch, HQ, D).to(dtype)                                         # [B, Hq, D]
@@ -131,12 +145,12 @@ def bench_decode(batch: int, ctx: int, dtype: torch.dtype, threads: int) -> dict
 
     def kernel(i: int) -> None:
         k_pool, v_pool = pools.layer(i)
-        cpu_kernels.paged_attention(out, q, k_pool, v_pool, block_tables, query_start,
-                                    context_lens, scale, num_threads=threads)
+        cpu_kernels.paged_attention(out, q, k_pool, v_pool, tables[(i // pools.count) % n_sets],
+                                    query_start, context_lens, scale, num_threads=threads)
 
     def reference(i: int) -> torch.Tensor:
         k_pool, v_pool = pools.layer(i)
-        return torch_decode(q, k_pool, v_pool, block_tables, ctx, scale)
+        return torch_decode(q, k_pool, v_pool, tables[(i // pools.count) % n_sets], ctx, scale)
 
     kernel(0)
     expected = reference(0)
@@ -151,8 +165,8 @@ def bench_decode(batch: int, ctx: int, dtype: torch.dtype, threads: int) -> dict
 def bench_prefill(q_len: int, earlier: int, dtype: torch.dtype, threads: int) -> dict:
     ctx = earlier + q_len
     pages_per_seq = -(-ctx // P)
-    n_pages = MIN_POOL_PAGES
-    pools = Pools(n_pages, dtype)
+    n_pages = POOL_PAGES
+    pools = pools_for(dtype)
     gen = torch.Generator().manual_seed(q_len * 31 + earlier)
     pages = torch.randperm(n_pages, generator=gen)[:pages_per_seq]                # [pages]
     block_tables = pages.to(torch.int32).unsqueeze(0).contiguous()                 # [1, pages]
@@ -163,7 +177,7 @@ def bench_prefill(q_len: int, earlier: int, dtype: torch.dtype, threads: int) ->
     pos = torch.arange(earlier, ctx).unsqueeze(1)                                  # [q_len, 1]
     mask = torch.arange(ctx).unsqueeze(0) <= pos                                   # [q_len, ctx]
     scale = D ** -0.5
-    reps = 20 if q_len >= 512 else 50
+    reps = 10 if q_len >= 512 else 20
 
     def kernel(i: int) -> None:
         k_pool, v_pool = pools.layer(i)
@@ -192,7 +206,8 @@ def ms(t: tuple[float, float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", default="2,1",
+                        help="comma-separated thread counts; one set of tables per count")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                       "attention_kernels.md"))
     parser.add_argument("--quick", action="store_true", help="fewer cases (smoke run)")
@@ -200,7 +215,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not cpu_kernels.available():
         raise SystemExit(f"CPU kernels not built: {cpu_kernels.unavailable_reason()}")
-    torch.set_num_threads(args.threads)
+    thread_counts = [int(x) for x in args.threads.split(",")]
 
     lines: list[str] = []
 
@@ -208,58 +223,67 @@ def main() -> None:
         print(line, flush=True)
         lines.append(line)
 
-    copy_gbps, read_gbps = bandwidth()
     emit("# Attention kernels: C paged attention vs torch gather + SDPA")
     emit()
     emit(f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}")
     emit(f"- machine: {cpu_model()}, nproc={os.cpu_count()}, flags: {cpu_flags()}")
-    emit(f"- torch {torch.__version__}, threads={args.threads}, "
-         f"kernel OpenMP={cpu_kernels.has_openmp()}")
+    emit(f"- torch {torch.__version__}, kernel OpenMP={cpu_kernels.has_openmp()}")
     emit(f"- shapes: Hq={HQ}, Hkv={HKV}, D={D}, P={P}; pools cycled (> L3) so K/V come from DRAM")
-    emit(f"- memory bandwidth ({args.threads} threads, 256 MiB): memcpy {copy_gbps:.1f} GB/s "
-         f"(read + write bytes), read-only (sum) {read_gbps:.1f} GB/s")
     emit(f"- load average at start (other processes share this machine): "
          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     emit("- times per call (one layer): min / median over the reps; ratio and GB/s use the mins")
     emit("- command: `.venv/bin/python bench/attention_kernels.py`")
-    emit()
-    emit("## Decode (one query per sequence)")
-    emit()
-    emit("| dtype | batch | ctx | K+V MB | kernel ms min / med | torch ms min / med | ratio "
-         "| kernel GB/s | % memcpy | % read | max err |")
-    emit("|---|---|---|---|---|---|---|---|---|---|---|")
-    cases = [(b, c) for b in (1, 8, 32) for c in (128, 512, 2048)]
-    if args.quick:
-        cases = [(32, 512)]
-    for dtype in (torch.float32, torch.bfloat16):
-        for b, c in cases:
-            if dtype == torch.bfloat16 and (b, c) not in ((32, 512), (32, 2048), (1, 2048)):
-                continue
-            r = bench_decode(b, c, dtype, args.threads)
-            emit(f"| {r['dtype']} | {b} | {c} | {r['kv_mb']:.1f} | {ms(r['t_kernel'])} "
-                 f"| {ms(r['t_torch'])} | {r['t_torch'][0] / r['t_kernel'][0]:.1f}x "
-                 f"| {r['gbps']:.1f} | {100 * r['gbps'] / copy_gbps:.0f}% "
-                 f"| {100 * r['gbps'] / read_gbps:.0f}% | {r['err']:.1e} |")
-    emit()
-    emit("## Prefill chunk (one sequence; torch with explicit causal mask)")
-    emit()
-    emit("| dtype | q_len | earlier ctx | kernel ms min / med | torch ms min / med | ratio "
-         "| kernel GFLOP/s | max err |")
-    emit("|---|---|---|---|---|---|---|---|")
-    pcases = [(128, 0), (128, 512), (512, 0), (512, 512)]
-    if args.quick:
-        pcases = [(128, 512)]
-    for dtype in (torch.float32, torch.bfloat16):
-        for q_len, earlier in pcases:
-            r = bench_prefill(q_len, earlier, dtype, args.threads)
-            emit(f"| {r['dtype']} | {q_len} | {earlier} | {ms(r['t_kernel'])} "
-                 f"| {ms(r['t_torch'])} | {r['t_torch'][0] / r['t_kernel'][0]:.1f}x "
-                 f"| {r['gflops']:.1f} | {r['err']:.1e} |")
+    for threads in thread_counts:
+        run_tables(threads, args.quick, emit)
     if not args.quick:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
         logger.info("wrote %s", args.out)
+
+
+def run_tables(threads: int, quick: bool, emit) -> None:
+    """Decode and prefill tables for one thread count (kernel and torch both use `threads`)."""
+    torch.set_num_threads(threads)
+    copy_gbps, read_gbps = bandwidth()
+    emit()
+    emit(f"## {threads} thread(s)")
+    emit()
+    emit(f"- memory bandwidth ({threads} threads, 256 MiB, best of 10): memcpy {copy_gbps:.1f} "
+         f"GB/s (read + write bytes), read-only (sum) {read_gbps:.1f} GB/s")
+    emit()
+    emit(f"### Decode (one query per sequence), {threads} thread(s)")
+    emit()
+    emit("| dtype | batch | ctx | K+V MB | kernel ms min / med | torch ms min / med | ratio "
+         "| kernel GB/s | % memcpy | % read | max err |")
+    emit("|---|---|---|---|---|---|---|---|---|---|---|")
+    cases = [(b, c) for b in (1, 8, 32) for c in (128, 512, 2048)]
+    if quick:
+        cases = [(32, 512)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for b, c in cases:
+            if dtype == torch.bfloat16 and (b, c) not in ((32, 512), (32, 2048), (1, 2048)):
+                continue
+            r = bench_decode(b, c, dtype, threads)
+            emit(f"| {r['dtype']} | {b} | {c} | {r['kv_mb']:.1f} | {ms(r['t_kernel'])} "
+                 f"| {ms(r['t_torch'])} | {r['t_torch'][0] / r['t_kernel'][0]:.1f}x "
+                 f"| {r['gbps']:.1f} | {100 * r['gbps'] / copy_gbps:.0f}% "
+                 f"| {100 * r['gbps'] / read_gbps:.0f}% | {r['err']:.1e} |")
+    emit()
+    emit(f"### Prefill chunk (one sequence; torch with explicit causal mask), {threads} thread(s)")
+    emit()
+    emit("| dtype | q_len | earlier ctx | kernel ms min / med | torch ms min / med | ratio "
+         "| kernel GFLOP/s | max err |")
+    emit("|---|---|---|---|---|---|---|---|")
+    pcases = [(128, 0), (128, 512), (512, 0), (512, 512)]
+    if quick:
+        pcases = [(128, 512)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for q_len, earlier in pcases:
+            r = bench_prefill(q_len, earlier, dtype, threads)
+            emit(f"| {r['dtype']} | {q_len} | {earlier} | {ms(r['t_kernel'])} "
+                 f"| {ms(r['t_torch'])} | {r['t_torch'][0] / r['t_kernel'][0]:.1f}x "
+                 f"| {r['gflops']:.1f} | {r['err']:.1e} |")
 
 
 if __name__ == "__main__":
