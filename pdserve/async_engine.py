@@ -59,12 +59,15 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        prefill_only: bool = False,
+        **options: bool,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; raises ValueError (from the engine's validation) for bad input."""
+        """Stream a request's outputs; raises ValueError (from the engine's validation) for bad input.
+
+        options: the engine's add_request flags (prefill_only, remote_prefill, hold_blocks).
+        """
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
-        rid = await self.call(lambda: self._add(prompt, params, request_id, prefill_only, stream))
+        rid = await self.call(lambda: self._add(prompt, params, request_id, stream, options))
         finished = False
         try:
             while True:
@@ -111,8 +114,8 @@ class AsyncEngine:
 
     # --- engine thread ---------------------------------------------------------------------------
 
-    def _add(self, prompt, params, request_id, prefill_only, stream: _Stream) -> str:
-        r = self.engine.add_request(prompt, params, request_id, prefill_only=prefill_only)
+    def _add(self, prompt, params, request_id, stream: _Stream, options: dict) -> str:
+        r = self.engine.add_request(prompt, params, request_id, **options)
         self._streams[r.request_id] = stream
         return r.request_id
 
@@ -142,7 +145,7 @@ class AsyncEngine:
                 except queue.Empty:
                     break
                 cmd()
-            if self.engine.has_unfinished_requests():
+            if self.engine.has_schedulable_work():
                 try:
                     outputs = self.engine.step()
                 except Exception as e:  # reported to every in-flight request, then we go on

@@ -48,6 +48,8 @@ class EngineHooks:
     on_schedule: Callable[[SchedulerOutput], None] | None = None
     on_layer_done: Callable[[int], None] | None = None
     on_prefill_done: Callable[[Request, torch.Tensor, torch.Tensor], None] | None = None
+    # A remote-prefill request got its pages (block ids in order) and now waits for its KV.
+    on_kv_wait: Callable[[Request, list[int]], None] | None = None
 
 
 @dataclass
@@ -96,6 +98,8 @@ class LLMEngine:
         self.sampler = Sampler()
         self._default_generator = torch.Generator().manual_seed(config.seed)
         self._tracked: dict[str, _Tracked] = {}
+        self._hold_on_finish: set[str] = set()
+        self._held: dict[str, Request] = {}  # finished, blocks kept until release_blocks
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_forward_tokens = 0
@@ -118,8 +122,19 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         prefill_only: bool = False,
+        remote_prefill: bool = False,
+        hold_blocks: bool = False,
     ) -> Request:
-        """Validate and queue a request; raises ValueError (nothing queued) for bad input."""
+        """Validate and queue a request; raises ValueError (nothing queued) for bad input.
+
+        prefill_only: compute the KV of every prompt token but the last, sample nothing (prefill nodes).
+        remote_prefill: the prompt's KV arrives from elsewhere (decode nodes): admission allocates
+            its pages and parks it in WAITING_FOR_KV until `kv_ready` (or `kv_abandoned`).
+        hold_blocks: when the request finishes or is aborted, keep its blocks until
+            `release_blocks` (a transfer may still read from them, D11).
+        """
+        if prefill_only and remote_prefill:
+            raise ValueError("a request cannot be both prefill_only and remote_prefill")
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._tracked:
@@ -145,19 +160,63 @@ class LLMEngine:
             max_total_tokens=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             prefill_only=prefill_only,
+            remote_prefill=remote_prefill,
         )
+        if prefill_only and len(ids) < 2:
+            raise ValueError(f"a prefill-only request needs at least 2 prompt tokens, got {len(ids)}")
+        if hold_blocks:
+            self._hold_on_finish.add(request_id)
         self._tracked[request_id] = _Tracked(request, IncrementalDetokenizer(self.tokenizer, ids, params), [])
         self.scheduler.add_request(request)
         return request
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        """End a request now (ABORT, or ERROR when `error` is given); None if it is not running."""
         tracked = self._tracked.get(request_id)
         if tracked is None:
             return None
-        return self._finish(tracked, FinishReason.ABORT, new_ids=(), delta="")
+        reason = FinishReason.ERROR if error is not None else FinishReason.ABORT
+        return self._finish(tracked, reason, new_ids=(), delta="", error=error)
+
+    def kv_ready(self, request_id: str) -> None:
+        """All of a remote-prefill request's KV writes have landed: schedule its first decode."""
+        self.scheduler.kv_ready(self._tracked[request_id].request)
+
+    def kv_abandoned(self, request_id: str, prefill_locally: bool, error: str) -> RequestOutput | None:
+        """The remote prefill failed and no write can land any more (S3, S5).
+
+        prefill_locally: compute the prompt here in the pages already held; otherwise the request
+        ends with `error` and its pages are freed.
+        """
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None
+        if prefill_locally:
+            logger.warning("request %s: remote prefill abandoned (%s); prefilling locally", request_id, error)
+            self.scheduler.prefill_locally(tracked.request)
+            return None
+        return self._finish(tracked, FinishReason.ERROR, new_ids=(), delta="", error=error)
+
+    def release_blocks(self, request_id: str) -> int:
+        """Free the blocks a finished hold_blocks request kept; returns how many."""
+        request = self._held.pop(request_id, None)
+        if request is None:
+            raise KeyError(f"request {request_id!r} holds no blocks")
+        return self.cache_manager.free(request)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return list(self.cache_manager.block_table(request_id))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked)
+
+    def has_schedulable_work(self) -> bool:
+        """True when step() can make progress (requests waiting for KV cannot)."""
+        return self.scheduler.has_work()
+
+    @property
+    def num_held_requests(self) -> int:
+        return len(self._held)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -167,6 +226,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        if self.hooks.on_kv_wait is not None:
+            for r in sched.kv_waits:
+                self.hooks.on_kv_wait(r, self.block_table(r.request_id))
         if sched.is_empty:
             return self._stalled()
         if self.hooks.on_schedule is not None:
@@ -253,7 +315,12 @@ class LLMEngine:
         error: str | None = None,
     ) -> RequestOutput:
         r = tracked.request
-        self.scheduler.remove_request(r)
+        if r.request_id in self._hold_on_finish:
+            self._hold_on_finish.discard(r.request_id)
+            self.scheduler.detach(r)
+            self._held[r.request_id] = r
+        else:
+            self.scheduler.remove_request(r)
         r.status = RequestStatus.FINISHED
         r.finish_reason = reason
         del self._tracked[r.request_id]
@@ -279,9 +346,10 @@ class LLMEngine:
 
     def _stalled(self) -> list[RequestOutput]:
         """Nothing could be scheduled. If requests wait that can never fit, fail them explicitly."""
-        if self.scheduler.running or not self.scheduler.waiting:
+        s = self.scheduler
+        if s.running or s.waiting_for_kv or self._held or not s.waiting:
             return []
-        # Nothing runs, so the whole pool is free: a waiting head that still cannot start never will.
+        # Nothing runs or holds pages, so the whole pool is free: a head that cannot start never will.
         head = self.scheduler.waiting[0]
         tracked = self._tracked[head.request_id]
         msg = (f"request {head.request_id} needs {self.cache_manager.num_blocks_for(head.num_tokens)} KV blocks "

@@ -49,6 +49,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     # Prefill-only requests (prefill nodes) stop one token short of the prompt and never sample.
     prefill_only: bool = False
+    # Remote-prefill requests (decode nodes): the prompt's KV (all tokens but the last) arrives
+    # over the fabric into pages allocated at admission; the request waits in WAITING_FOR_KV.
+    remote_prefill: bool = False
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -35,6 +35,9 @@ class SchedulerOutput:
 
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[Request, ...] = ()
+    # Remote-prefill requests admitted this step: their pages are allocated and they now wait
+    # for their KV (the decode node asks a prefill node to fill them).
+    kv_waits: tuple[Request, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:

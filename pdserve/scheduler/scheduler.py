@@ -38,6 +38,7 @@ class Scheduler(abc.ABC):
         self.running: list[Request] = []
         # Admitted requests whose KV is being filled from elsewhere (decode nodes, D4).
         self.waiting_for_kv: dict[str, Request] = {}
+        self._kv_waits: list[Request] = []
 
     # --- queues -----------------------------------------------------------------------------
 
@@ -59,7 +60,33 @@ class Scheduler(abc.ABC):
         return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
 
     def has_work(self) -> bool:
+        """True when a schedule() call can make progress (requests waiting for KV cannot)."""
         return bool(self.waiting or self.running)
+
+    def detach(self, request: Request) -> None:
+        """Take a request out of every queue but keep its blocks (their release comes later)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.waiting_for_kv.pop(request.request_id, None)
+
+    def kv_ready(self, request: Request) -> None:
+        """The request's prompt KV has landed: it decodes its last prompt token next step (D17)."""
+        if self.waiting_for_kv.pop(request.request_id, None) is None:
+            raise KeyError(f"request {request.request_id!r} is not waiting for KV")
+        request.num_computed_tokens = request.num_prompt_tokens - 1
+        request.status = RequestStatus.DECODING
+        self.running.append(request)
+
+    def prefill_locally(self, request: Request) -> None:
+        """The remote prefill was abandoned safely: compute the prompt here, in the pages already held."""
+        if self.waiting_for_kv.pop(request.request_id, None) is None:
+            raise KeyError(f"request {request.request_id!r} is not waiting for KV")
+        request.num_computed_tokens = 0
+        request.remote_prefill = False
+        request.status = RequestStatus.PREFILLING
+        self.running.append(request)
 
     # --- the step ----------------------------------------------------------------------------
 
@@ -67,9 +94,10 @@ class Scheduler(abc.ABC):
         budget = _Budget(self.config.max_batch_tokens, self.config.max_requests_per_batch)
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
+        self._kv_waits: list[Request] = []
         self._order(budget, chunks, preempted)
         chunks.sort(key=lambda c: c.num_tokens != 1)  # decodes first; stable within each group
-        return SchedulerOutput(chunks=tuple(chunks), preempted=tuple(preempted))
+        return SchedulerOutput(chunks=tuple(chunks), preempted=tuple(preempted), kv_waits=tuple(self._kv_waits))
 
     @abc.abstractmethod
     def _order(self, budget: "_Budget", chunks: list[ScheduledChunk], preempted: list[Request]) -> None:
@@ -111,6 +139,8 @@ class Scheduler(abc.ABC):
         if margin > 0 and pool.num_free_blocks < margin * pool.num_usable_blocks:
             return False
         request = self.waiting[0]
+        if request.remote_prefill and request.num_prompt_tokens > 1:
+            return self._admit_remote_prefill(request)
         n = min(request.num_remaining_tokens, budget.tokens)
         if n < 1:
             return False
@@ -121,6 +151,16 @@ class Scheduler(abc.ABC):
         request.status = RequestStatus.PREFILLING
         chunks.append(self._chunk(request, n))
         budget.take(n)
+        return True
+
+    def _admit_remote_prefill(self, request: Request) -> bool:
+        """Allocate pages for every prompt token but the last (D3); no compute, so no token budget."""
+        if self.cache.allocate_slots(request, request.num_prompt_tokens - 1) is None:
+            return False
+        self.waiting.popleft()
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.waiting_for_kv[request.request_id] = request
+        self._kv_waits.append(request)
         return True
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:

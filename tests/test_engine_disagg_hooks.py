@@ -1,0 +1,97 @@
+"""Engine-side disaggregation without the network: a prefill-only engine and a remote-prefill
+engine in one process, with the KV pages copied by hand between their pools.
+
+This pins the engine contract the KV messenger builds on: the decode engine allocates pages for
+all prompt tokens but the last at admission and never schedules the request before `kv_ready`
+(D3, D4); the prefill engine stops one token short, never samples, reports the last position's
+hidden state and logits, and keeps its pages until `release_blocks` (D11, D12, D17). The decode
+engine's first step runs the last prompt token over the copied KV, and greedy output equals a
+single engine's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine import EngineHooks
+from pdserve.request import RequestStatus
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived " * 5, "Hi"]
+
+
+def test_prefill_engine_to_decode_engine_by_page_copy():
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = LLM(num_blocks=128).generate(PROMPTS, params)
+
+    waits: dict[str, list[int]] = {}
+    prefilled: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    decode = LLM(num_blocks=128, hooks=EngineHooks(on_kv_wait=lambda r, blocks: waits.__setitem__(r.request_id, blocks))).engine
+    prefill = LLM(num_blocks=64, max_batch_tokens=32,
+                  hooks=EngineHooks(on_prefill_done=lambda r, h, lg: prefilled.__setitem__(r.request_id, (h, lg)))).engine
+
+    for i, p in enumerate(PROMPTS):
+        decode.add_request(p, params, request_id=f"r{i}", remote_prefill=True)
+    decode.step()  # admission only: nothing can run before the KV lands
+    multi = [f"r{i}" for i, p in enumerate(PROMPTS) if len(decode.tokenize(p)) > 1]
+    assert sorted(waits) == multi
+    for rid in multi:
+        r = decode._tracked[rid].request
+        assert r.status is RequestStatus.WAITING_FOR_KV
+        assert len(waits[rid]) == decode.cache_manager.num_blocks_for(r.num_prompt_tokens - 1)
+    for _ in range(3):
+        assert all(decode._tracked[rid].request.num_computed_tokens == 0 for rid in multi)
+        decode.step()  # the one-token prompt runs; the waiting ones are never scheduled (D4)
+
+    for rid in multi:
+        ids = decode._tracked[rid].request.prompt_token_ids
+        prefill.add_request(ids, SamplingParams(max_tokens=1), request_id=rid, prefill_only=True, hold_blocks=True)
+    outs = []
+    while prefill.has_unfinished_requests():
+        outs += [o for o in prefill.step() if o.finished]
+    assert {o.request_id for o in outs} == set(multi)
+    assert all(o.finish_reason == "prefilled" and o.completion.token_ids == () for o in outs)
+    assert prefill.num_held_requests == len(multi)
+
+    for rid in multi:
+        src = prefill.block_table(rid)
+        dst = waits[rid]
+        n_prompt = len(decode._tracked[rid].request.prompt_token_ids)
+        assert len(src) == len(dst)
+        # buffer: [layers, 2, pages, kv_heads, page_size, head_dim]
+        decode.kv_cache.buffer[:, :, dst] = prefill.kv_cache.buffer[:, :, src]
+        hidden, logits = prefilled[rid]
+        assert hidden.shape == (decode.arch.hidden_size,) and logits.shape == (decode.arch.vocab_size,)
+        assert prefill.release_blocks(rid) == len(src)
+        decode.kv_ready(rid)
+        assert n_prompt > 1
+    prefill.check_integrity()
+    assert prefill.pool.num_used_blocks == 0
+
+    done = {}
+    while decode.has_unfinished_requests():
+        for o in decode.step():
+            if o.finished:
+                done[o.request_id] = o.completion
+    for i, e in enumerate(expected):
+        assert done[f"r{i}"].token_ids == e.token_ids
+    decode.check_integrity()
+    assert decode.pool.num_used_blocks == 0
+
+
+def test_abandoned_remote_prefill_falls_back_to_local_or_fails_cleanly():
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = LLM(num_blocks=64).generate(["The capital of France is"], params)[0]
+    eng = LLM(num_blocks=64).engine
+    eng.add_request("The capital of France is", params, request_id="local", remote_prefill=True)
+    eng.add_request("The capital of France is", params, request_id="fail", remote_prefill=True)
+    eng.step()
+    assert eng.kv_abandoned("local", prefill_locally=True, error="prefill node unreachable") is None
+    out = eng.kv_abandoned("fail", prefill_locally=False, error="prefill node unreachable")
+    assert out.finished and out.finish_reason == "error" and out.error == "prefill node unreachable"
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o.completion for o in eng.step() if o.finished})
+    assert done["local"].token_ids == expected.token_ids
+    eng.check_integrity()
+    assert eng.pool.num_used_blocks == 0
