@@ -1,0 +1,41 @@
+from pdserve_api.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class NodeRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NODE_ROLE_UNSPECIFIED: _ClassVar[NodeRole]
+    NODE_ROLE_PREFILL: _ClassVar[NodeRole]
+    NODE_ROLE_DECODE: _ClassVar[NodeRole]
+    NODE_ROLE_COLOCATED: _ClassVar[NodeRole]
+NODE_ROLE_UNSPECIFIED: NodeRole
+NODE_ROLE_PREFILL: NodeRole
+NODE_ROLE_DECODE: NodeRole
+NODE_ROLE_COLOCATED: NodeRole
+
+class GetNodeInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "role", "model", "sharding", "load", "num_layers", "max_context_length")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SHARDING_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    role: NodeRole
+    model: str
+    sharding: _common_pb2.ShardingScheme
+    load: _common_pb2.NodeLoad
+    num_layers: int
+    max_context_length: int
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., model: _Optional[str] = ..., sharding: _Optional[_Union[_common_pb2.ShardingScheme, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., num_layers: _Optional[int] = ..., max_context_length: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,132 @@
+from pdserve_api.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FabricPeer(_message.Message):
+    __slots__ = ("provider", "descriptor")
+    PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    provider: str
+    descriptor: bytes
+    def __init__(self, provider: _Optional[str] = ..., descriptor: _Optional[bytes] = ...) -> None: ...
+
+class KvLayout(_message.Message):
+    __slots__ = ("num_layers", "num_pages", "kv_heads", "page_size", "head_dim", "dtype", "element_size", "base_offset", "layer_stride", "kv_stride", "page_stride", "head_stride", "token_stride")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ELEMENT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BASE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LAYER_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    KV_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_pages: int
+    kv_heads: int
+    page_size: int
+    head_dim: int
+    dtype: str
+    element_size: int
+    base_offset: int
+    layer_stride: int
+    kv_stride: int
+    page_stride: int
+    head_stride: int
+    token_stride: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_pages: _Optional[int] = ..., kv_heads: _Optional[int] = ..., page_size: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., element_size: _Optional[int] = ..., base_offset: _Optional[int] = ..., layer_stride: _Optional[int] = ..., kv_stride: _Optional[int] = ..., page_stride: _Optional[int] = ..., head_stride: _Optional[int] = ..., token_stride: _Optional[int] = ...) -> None: ...
+
+class KvMemory(_message.Message):
+    __slots__ = ("tp_rank", "descriptor", "layout")
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    tp_rank: int
+    descriptor: bytes
+    layout: KvLayout
+    def __init__(self, tp_rank: _Optional[int] = ..., descriptor: _Optional[bytes] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
+
+class ContextSlot(_message.Message):
+    __slots__ = ("descriptor", "offset", "capacity", "logits_top_k")
+    DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    descriptor: bytes
+    offset: int
+    capacity: int
+    logits_top_k: int
+    def __init__(self, descriptor: _Optional[bytes] = ..., offset: _Optional[int] = ..., capacity: _Optional[int] = ..., logits_top_k: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "peer", "kv_memory", "page_ids", "context", "sharding", "imm_tag", "expected_writes", "cached_tokens", "model", "deadline_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    KV_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    SHARDING_FIELD_NUMBER: _ClassVar[int]
+    IMM_TAG_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_WRITES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    peer: FabricPeer
+    kv_memory: _containers.RepeatedCompositeFieldContainer[KvMemory]
+    page_ids: _containers.RepeatedScalarFieldContainer[int]
+    context: ContextSlot
+    sharding: _common_pb2.ShardingScheme
+    imm_tag: int
+    expected_writes: int
+    cached_tokens: int
+    model: str
+    deadline_s: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., peer: _Optional[_Union[FabricPeer, _Mapping]] = ..., kv_memory: _Optional[_Iterable[_Union[KvMemory, _Mapping]]] = ..., page_ids: _Optional[_Iterable[int]] = ..., context: _Optional[_Union[ContextSlot, _Mapping]] = ..., sharding: _Optional[_Union[_common_pb2.ShardingScheme, _Mapping]] = ..., imm_tag: _Optional[int] = ..., expected_writes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., model: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class PrefillTimings(_message.Message):
+    __slots__ = ("queue_time_s", "compute_time_s", "last_layer_to_completion_s")
+    QUEUE_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_LAYER_TO_COMPLETION_S_FIELD_NUMBER: _ClassVar[int]
+    queue_time_s: float
+    compute_time_s: float
+    last_layer_to_completion_s: float
+    def __init__(self, queue_time_s: _Optional[float] = ..., compute_time_s: _Optional[float] = ..., last_layer_to_completion_s: _Optional[float] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("request_id", "num_writes", "bytes_written", "prefill_cached_tokens", "timings")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_WRITES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_writes: int
+    bytes_written: int
+    prefill_cached_tokens: int
+    timings: PrefillTimings
+    def __init__(self, request_id: _Optional[str] = ..., num_writes: _Optional[int] = ..., bytes_written: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ...) -> None: ...
+
+class AbortPrefillRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortPrefillResponse(_message.Message):
+    __slots__ = ("confirmed",)
+    CONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    confirmed: bool
+    def __init__(self, confirmed: _Optional[bool] = ...) -> None: ...
