@@ -1,0 +1,63 @@
+"""The context handed from prefill to decode (D12, D17): the final hidden state of the last
+prefilled position and the top-k of its next-token distribution, in a fixed-size slot.
+
+slot: [hidden_size float32][k int32 token ids][k float32 logprobs]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Context:
+    hidden: torch.Tensor          # [hidden_size] float32
+    top_ids: torch.Tensor         # [k] int32
+    top_logprobs: torch.Tensor    # [k] float32
+
+
+@dataclass
+class _Staging:
+    buffer: object                # an mmap from fabric.alloc_buffer
+    region: object                # its fabric.MemoryRegion
+    array: np.ndarray             # uint8 view
+
+
+class ContextCodec:
+    def __init__(self, hidden_size: int, top_k: int = 32) -> None:
+        self.hidden_size = hidden_size
+        self.top_k = top_k
+        self.slot_nbytes = hidden_size * 4 + top_k * 8
+
+    def slot_offset(self, slot: int) -> int:
+        return slot * self.slot_nbytes
+
+    def alloc_staging(self, fabric_engine, slots: int) -> _Staging:
+        """A registered buffer of `slots` context slots (sender staging or receiver landing area)."""
+        from fabric import alloc_buffer
+
+        buf = alloc_buffer(slots * self.slot_nbytes, huge_pages=False)
+        region = fabric_engine.register(buf)
+        return _Staging(buf, region, np.frombuffer(buf, dtype=np.uint8))
+
+    def encode_into(self, staging: _Staging, slot: int, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        # hidden: [hidden_size]; logits: [vocab]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        top = torch.topk(logprobs, self.top_k)
+        h = self.hidden_size
+        raw = staging.array[self.slot_offset(slot) : self.slot_offset(slot) + self.slot_nbytes]
+        raw[: h * 4] = np.frombuffer(hidden.float().numpy().tobytes(), dtype=np.uint8)
+        raw[h * 4 : h * 4 + self.top_k * 4] = np.frombuffer(top.indices.to(torch.int32).numpy().tobytes(), dtype=np.uint8)
+        raw[h * 4 + self.top_k * 4 :] = np.frombuffer(top.values.numpy().tobytes(), dtype=np.uint8)
+
+    def decode(self, staging: _Staging, slot: int) -> Context:
+        h, k = self.hidden_size, self.top_k
+        raw = staging.array[self.slot_offset(slot) : self.slot_offset(slot) + self.slot_nbytes].copy()
+        return Context(
+            hidden=torch.from_numpy(raw[: h * 4].view(np.float32).copy()),
+            top_ids=torch.from_numpy(raw[h * 4 : h * 4 + k * 4].view(np.int32).copy()),
+            top_logprobs=torch.from_numpy(raw[h * 4 + k * 4 :].view(np.float32).copy()),
+        )

@@ -1,0 +1,321 @@
+"""Prefill side of the KV messenger: pushes each finished layer's pages to the decode node.
+
+Primitives (D6-D8, D11-D13):
+- `add(target)`: a prefill request will send its KV to `target` (pages, tag, context slot).
+- engine hooks: `on_schedule(pass)` records which chunks the coming forward pass runs, before it
+  runs; `on_layer_done(layer)` bumps the per-layer counter after each layer's attention output
+  projection; `on_prefill_done(request, hidden, logits)` hands over the context (D12).
+- a dedicated messenger thread waits on the counter (a condition variable: no busy spin that
+  would steal the forward pass's core) and, as soon as layer L is done, posts the writes of the
+  pages each chunk completed in layer L: one write per page and side (K, V), each carrying the
+  request's 32-bit tag as immediate data, so the decode side counts them (D10).
+- when every write of a request has completed locally, its source pages are released (D11) and
+  its future resolves with a `TransferResult`; on a write error the future fails, after all
+  outstanding writes have reported (so nothing still reads freed pages).
+- `abort(request_id)`: stop posting; resolves once no write of the request is outstanding.
+
+Threads: hooks run on the engine thread and only record and notify; fabric callbacks run on the
+fabric progress thread; everything that posts runs on the messenger thread. `release` is called
+from the messenger or progress thread and must hand the release to the engine thread itself.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fabric import FabricError, MemoryRegion, RemoteDescriptor
+from kv_messenger.context import ContextCodec
+from kv_messenger.plan import KvLayout, completed_pages
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TransferTarget:
+    """Where one request's KV goes (from the decode node's Prefill call)."""
+
+    request_id: str
+    kv: RemoteDescriptor           # the decode node's registered KV buffer
+    layout: KvLayout               # its geometry
+    dst_pages: tuple[int, ...]     # destination page ids, in token order
+    context: RemoteDescriptor      # the decode node's context buffer
+    context_offset: int            # byte offset of this request's slot in it
+    imm_tag: int
+    expected_writes: int
+    num_prefill_tokens: int        # prompt tokens minus the last (D17)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    request_id: str
+    num_writes: int
+    bytes_written: int
+    first_post_time: float          # time.monotonic() of the first posted write
+    last_layer_time: float          # when the last layer of the last chunk finished computing
+    done_time: float                # when the last write completed locally
+    layer_post_times: tuple[float, ...]  # first post time of each layer (overlap evidence)
+
+
+@dataclass
+class _Transfer:
+    target: TransferTarget
+    future: concurrent.futures.Future
+    src_pages: list[int] = field(default_factory=list)  # filled at schedule time
+    posted_writes: int = 0
+    posted_bytes: int = 0
+    outstanding: int = 0       # write batches not yet completed
+    all_posted: bool = False
+    error: FabricError | None = None
+    aborted: bool = False
+    first_post: float = 0.0
+    last_layer: float = 0.0
+    layer_posts: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Item:
+    transfer: _Transfer
+    pages: range               # request-relative page indices this chunk completes
+    last_chunk: bool
+
+
+@dataclass
+class _Pass:
+    items: list[_Item]
+    layers_done: int = 0
+    layers_posted: int = 0
+
+
+class KvSender:
+    def __init__(
+        self,
+        fabric_engine,                     # fabric.TransferEngine
+        kv_region: MemoryRegion,           # the local KV buffer, registered
+        layout: KvLayout,
+        block_table: Callable[[str], list[int]],
+        release: Callable[[str], None],
+        codec: ContextCodec,
+    ) -> None:
+        self.fabric = fabric_engine
+        self.kv_region = kv_region
+        self.layout = layout
+        self._block_table = block_table
+        self._release = release
+        self.codec = codec
+        self._staging = codec.alloc_staging(fabric_engine, slots=256)
+        self._free_staging: deque[int] = deque(range(256))
+        self._lock = threading.Condition()
+        self._transfers: dict[str, _Transfer] = {}
+        self._passes: deque[_Pass] = deque()
+        self._current: _Pass | None = None  # the pass the engine is running now, if it sends anything
+        self._contexts: deque[tuple[_Transfer, int]] = deque()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
+        self._thread.start()
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def add(self, target: TransferTarget) -> concurrent.futures.Future:
+        target.layout.compatible_with(self.layout)
+        n_pages = -(-target.num_prefill_tokens // self.layout.page_size)
+        if len(target.dst_pages) != n_pages:
+            raise ValueError(f"request {target.request_id}: {len(target.dst_pages)} destination pages for "
+                             f"{target.num_prefill_tokens} tokens (needs {n_pages})")
+        bad = [p for p in target.dst_pages if not 0 <= p < target.layout.num_pages]
+        if bad:
+            raise ValueError(f"request {target.request_id}: destination pages out of range: {bad[:5]}")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if target.request_id in self._transfers:
+                raise ValueError(f"request {target.request_id!r} already has a transfer")
+            self._transfers[target.request_id] = _Transfer(target, fut)
+        return fut
+
+    def abort(self, request_id: str) -> bool:
+        """Stop posting for a request; True if it was known. Its future resolves when nothing is in flight."""
+        with self._lock:
+            t = self._transfers.get(request_id)
+            if t is None:
+                return False
+            t.aborted = True
+            self._maybe_finish(t)
+            return True
+
+    def outstanding_requests(self) -> int:
+        with self._lock:
+            return len(self._transfers)
+
+    # --- engine hooks (engine thread) ---------------------------------------------------------
+
+    def on_schedule(self, sched) -> None:
+        items = []
+        with self._lock:
+            for c in sched.chunks:
+                t = self._transfers.get(c.request_id)
+                if t is None or t.aborted:
+                    continue
+                final = t.target.num_prefill_tokens
+                pages = completed_pages(c.start, c.end, final, self.layout.page_size)
+                if not t.src_pages or len(t.src_pages) < pages.stop:
+                    t.src_pages = list(self._block_table(c.request_id))
+                items.append(_Item(t, pages, c.end == final))
+            self._current = _Pass(items) if items else None
+            if self._current is not None:
+                self._passes.append(self._current)
+
+    def on_layer_done(self, layer: int) -> None:
+        with self._lock:
+            p = self._current
+            if p is not None:
+                p.layers_done = layer + 1
+                if p.layers_done == self.layout.num_layers:
+                    now = time.monotonic()
+                    for it in p.items:
+                        if it.last_chunk:
+                            it.transfer.last_layer = now
+                self._lock.notify()
+
+    def on_prefill_done(self, request, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        with self._lock:
+            t = self._transfers.get(request.request_id)
+            if t is None or t.aborted:
+                return
+            if not self._free_staging:
+                raise RuntimeError("context staging slots exhausted (more than 256 prefills in flight)")
+            slot = self._free_staging.popleft()
+        self.codec.encode_into(self._staging, slot, hidden, logits)
+        with self._lock:
+            self._contexts.append((t, slot))
+            self._lock.notify()
+
+    # --- messenger thread ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self._has_work():
+                    self._lock.wait()
+                if self._stop:
+                    return
+                work = self._take_work()
+            for fn in work:
+                fn()
+
+    def _has_work(self) -> bool:
+        return bool(self._contexts) or any(p.layers_done > p.layers_posted for p in self._passes)
+
+    def _take_work(self) -> list[Callable[[], None]]:
+        """Under the lock: collect the posts that are ready, in pass and layer order."""
+        work: list[Callable[[], None]] = []
+        while self._passes:
+            p = self._passes[0]
+            for layer in range(p.layers_posted, p.layers_done):
+                for it in p.items:
+                    if it.pages and not it.transfer.aborted and it.transfer.error is None:
+                        work.append(lambda it=it, layer=layer: self._post_layer(it, layer))
+            p.layers_posted = p.layers_done
+            if p.layers_posted < self.layout.num_layers:
+                break
+            self._passes.popleft()
+        while self._contexts:
+            t, slot = self._contexts.popleft()
+            work.append(lambda t=t, slot=slot: self._post_context(t, slot))
+        return work
+
+    def _post_layer(self, it: _Item, layer: int) -> None:
+        t = it.transfer
+        src = np.asarray([t.src_pages[i] for i in it.pages], dtype=np.int64)
+        dst = np.asarray([t.target.dst_pages[i] for i in it.pages], dtype=np.int64)
+        sk, sv = self.layout.page_offsets(layer, src)
+        dk, dv = t.target.layout.page_offsets(layer, dst)
+        lengths = np.full(2 * len(src), self.layout.page_nbytes, dtype=np.uint64)
+        now = time.monotonic()
+        t.layer_posts.setdefault(layer, now)
+        self._post(t, np.concatenate([sk, sv]), t.target.kv, np.concatenate([dk, dv]), lengths, self.kv_region)
+
+    def _post_context(self, t: _Transfer, slot: int) -> None:
+        off = np.asarray([self.codec.slot_offset(slot)], dtype=np.uint64)
+        dst = np.asarray([t.target.context_offset], dtype=np.uint64)
+        lengths = np.asarray([self.codec.slot_nbytes], dtype=np.uint64)
+
+        def free_slot() -> None:
+            with self._lock:
+                self._free_staging.append(slot)
+
+        self._post(t, off, t.target.context, dst, lengths, self._staging.region, after=free_slot)
+        with self._lock:
+            t.all_posted = True
+            self._maybe_finish(t)
+
+    def _post(self, t: _Transfer, src, dst_desc, dst, lengths, region, after: Callable[[], None] | None = None) -> None:
+        with self._lock:
+            if t.aborted or t.error is not None:
+                if after:
+                    after()
+                return
+            t.outstanding += 1
+            if not t.first_post:
+                t.first_post = time.monotonic()
+
+        def done() -> None:
+            if after:
+                after()
+            with self._lock:
+                t.outstanding -= 1
+                self._maybe_finish(t)
+
+        def failed(err: FabricError) -> None:
+            if after:
+                after()
+            with self._lock:
+                t.outstanding -= 1
+                if t.error is None:
+                    t.error = err
+                    logger.warning("request %s: KV write failed: %s", t.target.request_id, err)
+                self._maybe_finish(t)
+
+        try:
+            self.fabric.write_pages(region, src, dst_desc, dst, lengths, t.target.imm_tag, done, failed,
+                                    imm_mode="every")
+        except (FabricError, ValueError) as err:
+            failed(err if isinstance(err, FabricError) else FabricError(22, str(err)))
+            return
+        with self._lock:
+            t.posted_writes += len(lengths)
+            t.posted_bytes += int(lengths.sum())
+
+    def _maybe_finish(self, t: _Transfer) -> None:
+        """Under the lock: resolve the transfer once nothing of it is in flight."""
+        if t.outstanding or t.future.done():
+            return
+        if not (t.all_posted or t.aborted or t.error is not None):
+            return
+        rid = t.target.request_id
+        self._transfers.pop(rid, None)
+        self._release(rid)
+        if t.error is not None:
+            t.future.set_exception(t.error)
+        elif t.aborted:
+            t.future.set_exception(concurrent.futures.CancelledError(f"transfer of {rid} aborted"))
+        else:
+            if t.posted_writes != t.target.expected_writes:
+                logger.error("request %s: posted %d writes but the decode side expects %d",
+                             rid, t.posted_writes, t.target.expected_writes)
+            posts = tuple(t.layer_posts.get(i, 0.0) for i in range(self.layout.num_layers))
+            t.future.set_result(TransferResult(rid, t.posted_writes, t.posted_bytes, t.first_post,
+                                               t.last_layer, time.monotonic(), posts))

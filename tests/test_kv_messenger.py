@@ -1,0 +1,124 @@
+"""The KV messenger between two real engines over real libfabric (shm) in one process.
+
+A prefill-only engine with a KvSender pushes pages layer by layer into a remote-prefill engine's
+pages through its KvReceiver; the decode engine becomes schedulable only when the immediate-data
+count completes, and its greedy output equals a single engine's. Writes of layer 0 are posted
+before the last layer of the same pass finishes (transfer overlaps compute, D8).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+import torch
+
+from fabric import FabricConfig, TransferEngine
+from kv_messenger import ContextCodec, KvLayout, KvReceiver, KvSender, ShardingScheme, TransferTarget
+from kv_messenger.plan import completed_pages, expected_writes
+from kv_messenger.wiring import layout_of, register_kv
+from pdserve import LLM, SamplingParams
+from pdserve.engine import EngineHooks
+from pdserve.request import RequestStatus
+
+
+def test_completed_pages_and_expected_counts():
+    # page_size 4, prefill of 10 tokens in chunks [0,3) [3,8) [8,10)
+    assert list(completed_pages(0, 3, 10, 4)) == []
+    assert list(completed_pages(3, 8, 10, 4)) == [0, 1]
+    assert list(completed_pages(8, 10, 10, 4)) == [2]          # last chunk sends the partial page
+    assert list(completed_pages(0, 10, 10, 4)) == [0, 1, 2]
+    assert list(completed_pages(0, 8, 8, 4)) == [0, 1]
+    layout = KvLayout(30, 100, 3, 16, 64, "float32")
+    assert expected_writes(511, layout, ShardingScheme(), ShardingScheme()) == 32 * 30 * 2 + 1
+    assert expected_writes(16, layout, ShardingScheme(), ShardingScheme()) == 1 * 60 + 1
+    with pytest.raises(ValueError, match="shard mismatch"):
+        expected_writes(16, layout, ShardingScheme(tp_size=2), ShardingScheme())
+    with pytest.raises(ValueError, match="differ in page_size"):
+        layout.compatible_with(KvLayout(30, 100, 3, 32, 64, "float32"))
+
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived " * 6]
+
+
+@pytest.mark.parametrize("provider", ["shm", "tcp;ofi_rxm"])
+def test_prefill_engine_pushes_kv_into_decode_engine(provider):
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = LLM(num_blocks=128).generate(PROMPTS, params)
+
+    cfg = FabricConfig(provider=provider, node="127.0.0.1" if provider != "shm" else None)
+    fab_p, fab_d = TransferEngine(cfg), TransferEngine(cfg)
+    engine_thread_jobs: queue.SimpleQueue = queue.SimpleQueue()
+    try:
+        # Decode side
+        tickets = {}
+        decode_hooks = EngineHooks(on_kv_wait=lambda r, blocks: tickets.__setitem__(r.request_id, blocks))
+        decode = LLM(num_blocks=128, hooks=decode_hooks).engine
+        codec = ContextCodec(decode.arch.hidden_size)
+        receiver = KvReceiver(fab_d, register_kv(fab_d, decode.kv_cache), layout_of(decode.kv_cache), codec,
+                              on_ready=lambda rid: engine_thread_jobs.put(("ready", rid)))
+        # Prefill side
+        hooks = EngineHooks()
+        prefill = LLM(num_blocks=64, max_batch_tokens=32, hooks=hooks).engine
+        sender = KvSender(fab_p, register_kv(fab_p, prefill.kv_cache), layout_of(prefill.kv_cache),
+                          block_table=prefill.block_table,
+                          release=lambda rid: engine_thread_jobs.put(("release", rid)), codec=codec)
+        hooks.on_schedule, hooks.on_layer_done, hooks.on_prefill_done = (
+            sender.on_schedule, sender.on_layer_done, sender.on_prefill_done)
+        fab_p.connect(fab_d.peer_descriptor)
+
+        for i, p in enumerate(PROMPTS):
+            decode.add_request(p, params, request_id=f"r{i}", remote_prefill=True)
+        decode.step()
+        futures = {}
+        for rid, blocks in tickets.items():
+            r = decode._tracked[rid].request
+            t = receiver.prepare(rid, r.num_prompt_tokens, blocks)
+            futures[rid] = sender.add(TransferTarget(rid, t.kv, t.layout, t.dst_pages, t.context, t.context_offset,
+                                                     t.imm_tag, t.expected_writes, t.num_prefill_tokens))
+            prefill.add_request(r.prompt_token_ids[:], SamplingParams(max_tokens=1), request_id=rid,
+                                prefill_only=True, hold_blocks=True)
+        while prefill.has_unfinished_requests():
+            prefill.step()
+        ready = set()
+        deadline = time.monotonic() + 30
+        while (len(ready) < len(tickets) or prefill.num_held_requests) and time.monotonic() < deadline:
+            assert all(decode._tracked[rid].request.status is RequestStatus.WAITING_FOR_KV
+                       for rid in tickets if rid not in ready)
+            try:
+                kind, rid = engine_thread_jobs.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if kind == "ready":
+                ready.add(rid)
+                ctx = receiver.context(rid)
+                assert ctx.hidden.shape == (decode.arch.hidden_size,) and torch.isfinite(ctx.hidden).all()
+                receiver.finish(rid)
+                decode.kv_ready(rid)
+            else:
+                prefill.release_blocks(rid)
+        assert ready == set(tickets)
+        results = {rid: f.result(timeout=10) for rid, f in futures.items()}
+        for rid, res in results.items():
+            assert res.num_writes == receiver_expected(decode, rid, tickets)
+            # Overlap: layer 0 of the last pass was posted before that pass's last layer finished.
+            assert res.layer_post_times[0] <= res.last_layer_time
+        prefill.check_integrity()
+        assert prefill.pool.num_used_blocks == 0
+
+        done = {}
+        while decode.has_unfinished_requests():
+            done.update({o.request_id: o.completion for o in decode.step() if o.finished})
+        for i, e in enumerate(expected):
+            assert done[f"r{i}"].token_ids == e.token_ids
+        decode.check_integrity()
+        sender.close()
+    finally:
+        fab_p.close()
+        fab_d.close()
+
+
+def receiver_expected(decode, rid, tickets):
+    n = len(decode.tokenize(PROMPTS[int(rid[1:])])) - 1
+    return -(-n // decode.kv_cache.shape.page_size) * decode.arch.num_layers * 2 + 1
