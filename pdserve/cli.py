@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pdserve.model.loader import DEFAULT_MODEL_NAME, default_cache_dir
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, metavar="PATH",
                    help=f"local Hugging Face checkpoint directory or .gguf file (default: {DEFAULT_MODEL_NAME}, "
@@ -34,7 +34,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
 
 
-def _engine_options(args: argparse.Namespace) -> dict[str, object]:
+def engine_options(args: argparse.Namespace) -> dict[str, object]:
     opts: dict[str, object] = {
         "dtype": args.dtype,
         "page_size": args.page_size,
@@ -64,7 +64,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop or ()),
         ignore_eos=args.ignore_eos,
     )
-    engine = LLMEngine(EngineConfig.from_options(model=args.model, **_engine_options(args)))
+    engine = LLMEngine(EngineConfig.from_options(model=args.model, **engine_options(args)))
     prompts: list[str | list[int]] = []
     for p in args.prompts:
         if args.chat:
@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template as a user turn")
     g.add_argument("--json", action="store_true",
                    help='print one JSON object per prompt: {"text", "token_ids" (generated only), "finish_reason"}')
-    _add_engine_args(g)
+    add_engine_args(g)
     g.set_defaults(func=_cmd_generate)
 
     s = sub.add_parser("simulate", help="run the real scheduler without a model: static vs continuous batching")
