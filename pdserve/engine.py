@@ -127,7 +127,8 @@ class LLMEngine:
     ) -> Request:
         """Validate and queue a request; raises ValueError (nothing queued) for bad input.
 
-        prefill_only: compute the KV of every prompt token but the last, sample nothing (prefill nodes).
+        prefill_only: compute the KV of every given token and sample nothing (prefill nodes: the
+            decode node sends the prompt minus its last token, D17).
         remote_prefill: the prompt's KV arrives from elsewhere (decode nodes): admission allocates
             its pages and parks it in WAITING_FOR_KV until `kv_ready` (or `kv_abandoned`).
         hold_blocks: when the request finishes or is aborted, keep its blocks until
@@ -162,8 +163,6 @@ class LLMEngine:
             prefill_only=prefill_only,
             remote_prefill=remote_prefill,
         )
-        if prefill_only and len(ids) < 2:
-            raise ValueError(f"a prefill-only request needs at least 2 prompt tokens, got {len(ids)}")
         if hold_blocks:
             self._hold_on_finish.add(request_id)
         self._tracked[request_id] = _Tracked(request, IncrementalDetokenizer(self.tokenizer, ids, params), [])

@@ -47,7 +47,8 @@ class Request:
     max_total_tokens: int  # prompt + output may not exceed this (model context)
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
-    # Prefill-only requests (prefill nodes) stop one token short of the prompt and never sample.
+    # Prefill-only requests (prefill nodes) compute the KV of every given token and never sample;
+    # the decode node sends the prompt minus its last token (D17).
     prefill_only: bool = False
     # Remote-prefill requests (decode nodes): the prompt's KV (all tokens but the last) arrives
     # over the fabric into pages allocated at admission; the request waits in WAITING_FOR_KV.
@@ -81,7 +82,7 @@ class Request:
     def target_computed_tokens(self) -> int:
         """How many tokens must be in the cache before this request samples (or ends, prefill-only)."""
         if self.prefill_only:
-            return self.num_prompt_tokens - 1
+            return self.num_prompt_tokens
         return self.num_tokens
 
     @property

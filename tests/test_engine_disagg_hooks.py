@@ -3,7 +3,7 @@ engine in one process, with the KV pages copied by hand between their pools.
 
 This pins the engine contract the KV messenger builds on: the decode engine allocates pages for
 all prompt tokens but the last at admission and never schedules the request before `kv_ready`
-(D3, D4); the prefill engine stops one token short, never samples, reports the last position's
+(D3, D4); the prefill engine computes the prompt minus its last token, never samples, reports the last position's
 hidden state and logits, and keeps its pages until `release_blocks` (D11, D12, D17). The decode
 engine's first step runs the last prompt token over the copied KV, and greedy output equals a
 single engine's.
@@ -45,7 +45,7 @@ def test_prefill_engine_to_decode_engine_by_page_copy():
 
     for rid in multi:
         ids = decode._tracked[rid].request.prompt_token_ids
-        prefill.add_request(ids, SamplingParams(max_tokens=1), request_id=rid, prefill_only=True, hold_blocks=True)
+        prefill.add_request(ids[:-1], SamplingParams(max_tokens=1), request_id=rid, prefill_only=True, hold_blocks=True)
     outs = []
     while prefill.has_unfinished_requests():
         outs += [o for o in prefill.step() if o.finished]

@@ -77,7 +77,7 @@ def test_prefill_engine_pushes_kv_into_decode_engine(provider):
             t = receiver.prepare(rid, r.num_prompt_tokens, blocks)
             futures[rid] = sender.add(TransferTarget(rid, t.kv, t.layout, t.dst_pages, t.context, t.context_offset,
                                                      t.imm_tag, t.expected_writes, t.num_prefill_tokens))
-            prefill.add_request(r.prompt_token_ids[:], SamplingParams(max_tokens=1), request_id=rid,
+            prefill.add_request(r.prompt_token_ids[:-1], SamplingParams(max_tokens=1), request_id=rid,
                                 prefill_only=True, hold_blocks=True)
         while prefill.has_unfinished_requests():
             prefill.step()

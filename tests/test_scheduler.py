@@ -143,14 +143,14 @@ def test_decode_out_of_blocks_preempts_newest_request_by_soft_reset():
     assert _plan(out) == [("b", 0, 9, True)]
 
 
-def test_prefill_only_request_stops_one_token_short_and_never_samples():
+def test_prefill_only_request_computes_every_given_token_and_never_samples():
     s, _ = _setup(max_batch_tokens=5)
-    r = Request("p", list(range(9)), SamplingParams(), max_total_tokens=100, prefill_only=True)
+    r = Request("p", list(range(8)), SamplingParams(), max_total_tokens=100, prefill_only=True)
     s.add_request(r)
     out = s.schedule()
     assert _plan(out) == [("p", 0, 5, False)]
     _apply(out)
     out = s.schedule()
-    assert _plan(out) == [("p", 5, 3, False)]           # 8 = 9 - 1 tokens in all
+    assert _plan(out) == [("p", 5, 3, False)]           # all 8 tokens, no sample
     _apply(out)
     assert r.num_remaining_tokens == 0

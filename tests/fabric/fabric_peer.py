@@ -30,7 +30,6 @@ def _serve(conn: Any, config: FabricConfig, pool_bytes: int, netns: str | None) 
 
     engine = TransferEngine(config)
     pool = alloc_buffer(pool_bytes)
-    view = memoryview(pool)
     region = engine.register(pool)
     fired: dict[int, int] = {}
     fired_lock = threading.Lock()
@@ -67,12 +66,39 @@ def _serve(conn: Any, config: FabricConfig, pool_bytes: int, netns: str | None) 
             peer, timeout = args
             conn.send(engine.wait_peer_gone(peer, timeout))
         elif cmd == "digests":
-            conn.send([digest(view, off, length) for off, length in args])
+            with memoryview(pool) as view:
+                conn.send([digest(view, off, length) for off, length in args])
+        elif cmd == "fill":
+            seed = args
+            rnd = hashlib.shake_256(str(seed).encode()).digest(1 << 16)
+            for off in range(0, len(pool), len(rnd)):
+                pool[off : off + len(rnd)] = rnd[: len(pool) - off]
+            conn.send(None)
+        elif cmd == "write":
+            dst, src_offs, dst_offs, lens, tag = args
+            done = threading.Event()
+            result: list[Any] = []
+
+            def ok() -> None:
+                result.append("done")
+                done.set()
+
+            def failed(err: Exception) -> None:
+                result.append(err)
+                done.set()
+
+            engine.write_pages(region, src_offs, dst, dst_offs, lens, tag, ok, failed)
+            conn.send(result[0] if done.wait(20) else TimeoutError("write did not complete"))
+        elif cmd == "deregister":
+            engine.deregister(region)
+            conn.send(None)
+        elif cmd == "close_engine":
+            engine.close()
+            conn.send(None)
         elif cmd == "zero":
             pool[:] = bytes(len(pool))
             conn.send(None)
         elif cmd == "close":
-            del view
             engine.close()
             conn.send(None)
             return
