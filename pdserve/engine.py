@@ -197,7 +197,7 @@ class LLMEngine:
         return self._finish(tracked, FinishReason.ERROR, new_ids=(), delta="", error=error)
 
     def release_blocks(self, request_id: str) -> int:
-        """Free the blocks a finished hold_blocks request kept; returns how many."""
+        """Free the blocks a finished request kept (hold_blocks, or aborted while waiting for KV)."""
         request = self._held.pop(request_id, None)
         if request is None:
             raise KeyError(f"request {request_id!r} holds no blocks")
@@ -314,7 +314,9 @@ class LLMEngine:
         error: str | None = None,
     ) -> RequestOutput:
         r = tracked.request
-        if r.request_id in self._hold_on_finish:
+        # A request still waiting for its KV may have writes in flight into its pages (S5): its
+        # blocks are kept until the owner has abandoned the transfer and calls release_blocks.
+        if r.request_id in self._hold_on_finish or r.status is RequestStatus.WAITING_FOR_KV:
             self._hold_on_finish.discard(r.request_id)
             self.scheduler.detach(r)
             self._held[r.request_id] = r

@@ -23,7 +23,7 @@ class GetNodeInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "role", "model", "sharding", "load", "num_layers", "max_context_length")
+    __slots__ = ("node_id", "role", "model", "sharding", "load", "num_layers", "max_context_length", "fabric_peer")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class NodeInfo(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FABRIC_PEER_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: NodeRole
     model: str
@@ -38,4 +39,5 @@ class NodeInfo(_message.Message):
     load: _common_pb2.NodeLoad
     num_layers: int
     max_context_length: int
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., model: _Optional[str] = ..., sharding: _Optional[_Union[_common_pb2.ShardingScheme, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., num_layers: _Optional[int] = ..., max_context_length: _Optional[int] = ...) -> None: ...
+    fabric_peer: bytes
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., model: _Optional[str] = ..., sharding: _Optional[_Union[_common_pb2.ShardingScheme, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., num_layers: _Optional[int] = ..., max_context_length: _Optional[int] = ..., fabric_peer: _Optional[bytes] = ...) -> None: ...
