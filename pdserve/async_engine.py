@@ -123,10 +123,11 @@ class AsyncEngine:
         out = self.engine.abort_request(request_id)
         if out is None:
             return False
-        self._deliver(out)
+        self.deliver(out)
         return True
 
-    def _deliver(self, out: RequestOutput) -> None:
+    def deliver(self, out: RequestOutput) -> None:
+        """Engine thread: route an output to its stream (for outputs produced outside step())."""
         stream = self._streams.get(out.request_id)
         if stream is None:
             return
@@ -154,7 +155,7 @@ class AsyncEngine:
                     self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                     continue
                 for out in outputs:
-                    self._deliver(out)
+                    self.deliver(out)
             else:
                 self.engine.check_integrity()
                 self._wake.wait(timeout=1.0)
@@ -165,7 +166,7 @@ class AsyncEngine:
         for rid in list(self._streams):
             out = self.engine.abort_request(rid)
             if out is not None:
-                self._deliver(RequestOutput(
+                self.deliver(RequestOutput(
                     request_id=out.request_id, new_token_ids=(), delta_text="", finished=True,
                     num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
                     completion=out.completion, error=message,

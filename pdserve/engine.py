@@ -203,6 +203,18 @@ class LLMEngine:
             raise KeyError(f"request {request_id!r} holds no blocks")
         return self.cache_manager.free(request)
 
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, if any."""
+        tracked = self._tracked.get(request_id)
+        return tracked.request if tracked is not None else None
+
+    def unfinished_requests(self) -> list[Request]:
+        return [t.request for t in self._tracked.values()]
+
+    def is_held(self, request_id: str) -> bool:
+        """True while a finished request's blocks wait for release_blocks."""
+        return request_id in self._held
+
     def block_table(self, request_id: str) -> list[int]:
         return list(self.cache_manager.block_table(request_id))
 

@@ -1,0 +1,6 @@
+"""Decode node: an engine in decode mode plus the receiving side of the KV messenger.
+
+It serves the client API (the router forwards to it), admits each request with non-evictable
+pages for its prompt, asks a prefill node to fill them over the fabric, and decodes once the
+immediate-data count completes (DESIGN section 1, D2-D4, D17, S3, S5).
+"""

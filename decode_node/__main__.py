@@ -1,0 +1,92 @@
+"""`python -m decode_node`: run one decode (or colocated) node."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import grpc
+from pdserve_api.servers import AioExceptionToStatusInterceptor, add_standard_services_aio
+from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc
+
+from decode_node.server import DecodeNode, GenerateServicer, NodeServicer
+from pdserve.cli import add_engine_args, engine_options
+from pdserve.config import EngineConfig
+
+logger = logging.getLogger("decode_node")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m decode_node",
+                                description="A pdserve decode node: serves the client API (for the router), "
+                                            "receives prompt KV from prefill nodes over libfabric, decodes.")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve gRPC on")
+    p.add_argument("--port", type=int, required=True, help="gRPC port")
+    p.add_argument("--node-id", default=None, help="name in logs and metrics (default decode-PORT)")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--prefill", help="comma-separated HOST:PORT of prefill nodes")
+    mode.add_argument("--colocated", action="store_true",
+                      help="prefill locally in mixed batches (no prefill nodes, no fabric; D18)")
+    p.add_argument("--provider", default=None,
+                   help='libfabric provider ("shm" on one host, "tcp;ofi_rxm" across hosts; default: $FI_PROVIDER, else tcp;ofi_rxm)')
+    p.add_argument("--fabric-node", default=None, help="local address for the fabric endpoint (tcp), e.g. 127.0.0.1")
+    p.add_argument("--prefill-timeout", type=float, default=60.0, help="deadline of one Prefill call, seconds")
+    p.add_argument("--local-prefill-fallback", action="store_true",
+                   help="when no prefill node can serve a request, prefill it here instead of failing it")
+    p.add_argument("--log-level", default="INFO")
+    add_engine_args(p)
+    return p
+
+
+async def serve(args: argparse.Namespace) -> None:
+    node_id = args.node_id or f"decode-{args.port}"
+    config = EngineConfig.from_options(model=args.model, **engine_options(args))
+    prefill = [a.strip() for a in (args.prefill or "").split(",") if a.strip()]
+    node = DecodeNode(config, node_id, args.colocated, prefill, args.provider, args.fabric_node,
+                      args.prefill_timeout, args.local_prefill_fallback)
+    server = grpc.aio.server(interceptors=[AioExceptionToStatusInterceptor()])
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(node), server)
+    node_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(node), server)
+    names = [generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name,
+             node_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name]
+    health = await add_standard_services_aio(server, names, serving=False)
+    bound = server.add_insecure_port(f"{args.host}:{args.port}")
+    if bound == 0:
+        raise SystemExit(f"decode node: cannot bind {args.host}:{args.port}")
+    await server.start()
+    await node.start()
+    for name in ("", *names):
+        await health.set(name, 1)  # SERVING
+    mode = "colocated" if args.colocated else f"prefill nodes {', '.join(prefill)}, provider {node.fabric.provider}"
+    line = f"decode node {node_id} serving on {args.host}:{args.port} ({mode})"
+    logger.info(line)
+    print(line, flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("decode node %s shutting down", node_id)
+    for name in ("", *names):
+        await health.set(name, 2)  # NOT_SERVING
+    await server.stop(grace=2.0)
+    await node.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The prefill nodes a decode node can use, and which one gets the next request.
+
+Selection is by least outstanding prompt tokens (R3): the tokens this decode node has sent to a
+node and not yet seen finish, plus the node's own reported load, refreshed by GetNodeInfo. A node
+whose calls fail is marked down and probed again later.
+
+Runs on the decode node's asyncio loop; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from pdserve_api.convert import peer_from_bytes
+from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+RETRY_DOWN_AFTER_S = 2.0
+
+
+@dataclass
+class PrefillNode:
+    address: str
+    channel: grpc.aio.Channel
+    prefill: prefill_pb2_grpc.PrefillServiceStub
+    info: node_pb2_grpc.NodeServiceStub
+    peer: object | None = None            # fabric PeerDescriptor, from NodeInfo
+    reported_tokens: int = 0              # outstanding tokens the node reports
+    sent_tokens: int = 0                  # tokens this decode node has in flight there
+    down_since: float | None = None
+    node_id: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def load(self) -> int:
+        return self.sent_tokens + self.reported_tokens
+
+
+class PrefillPool:
+    def __init__(self, addresses: list[str]) -> None:
+        if not addresses:
+            raise ValueError("a decode node needs at least one prefill node address (or --colocated)")
+        self.nodes: list[PrefillNode] = []
+        for addr in addresses:
+            ch = grpc.aio.insecure_channel(addr)
+            self.nodes.append(PrefillNode(addr, ch, prefill_pb2_grpc.PrefillServiceStub(ch),
+                                          node_pb2_grpc.NodeServiceStub(ch)))
+
+    async def refresh(self, timeout: float = 2.0) -> None:
+        """Poll every node's NodeInfo (load and fabric peer); failures mark a node down."""
+        for n in self.nodes:
+            try:
+                info = await n.info.GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=timeout)
+            except grpc.aio.AioRpcError as e:
+                self.mark_down(n, f"GetNodeInfo: {e.code().name}")
+                continue
+            n.node_id = info.node_id
+            n.reported_tokens = int(info.load.outstanding_tokens)
+            if info.fabric_peer:
+                n.peer = peer_from_bytes(info.fabric_peer)
+            if n.down_since is not None:
+                logger.info("prefill node %s is back", n.address)
+            n.down_since = None
+
+    def mark_down(self, node: PrefillNode, why: str) -> None:
+        if node.down_since is None:
+            logger.warning("prefill node %s marked down: %s", node.address, why)
+        node.down_since = time.monotonic()
+
+    def choose(self, exclude: set[str] = frozenset()) -> PrefillNode | None:
+        """The up node with the least outstanding prompt tokens (down nodes are retried after a while)."""
+        now = time.monotonic()
+        candidates = [n for n in self.nodes if n.address not in exclude
+                      and (n.down_since is None or now - n.down_since > RETRY_DOWN_AFTER_S)]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda n: n.load)
+
+    def by_address(self, address: str) -> PrefillNode:
+        for n in self.nodes:
+            if n.address == address:
+                return n
+        raise KeyError(address)
+
+    async def close(self) -> None:
+        for n in self.nodes:
+            await n.channel.close()

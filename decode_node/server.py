@@ -1,0 +1,331 @@
+"""The decode node's gRPC server and its transfer orchestration.
+
+Threads and tasks:
+- the engine thread (AsyncEngine) runs schedule -> run -> update; the engine hook `on_kv_wait`
+  fires there when a request has its pages, and hands a `PrefillTicket` to the asyncio loop;
+- the asyncio loop serves gRPC and runs one transfer task per request (the Prefill call, with a
+  deadline, retries and safe abandonment);
+- the fabric progress thread reports the completed immediate-data count, handed to the engine
+  thread, which makes the request schedulable (D4: never before).
+
+Abandonment (S3, S5): when a Prefill call fails, times out, or the client goes away, the pages
+are released only once no write can land any more: the prefill node confirmed AbortPrefill, or
+its fabric endpoint is gone, or the call never reached a node that was never reachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+from pdserve_api.convert import output_to_pb, peer_to_bytes, sampling_from_pb, ticket_to_pb
+from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc, prefill_pb2
+
+from decode_node.prefill_pool import PrefillNode, PrefillPool
+from pdserve.async_engine import AsyncEngine
+from pdserve.engine import EngineHooks
+from pdserve.request import RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Transfer:
+    request_id: str
+    token_ids: list[int]                      # prompt minus its last token
+    task: asyncio.Task | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    node: PrefillNode | None = None
+    started: float = field(default_factory=time.monotonic)
+    ready_time: float = 0.0
+
+
+class DecodeNode:
+    """Engine + receiver + prefill pool. Build it, then `await start()` on the serving loop."""
+
+    def __init__(self, engine_config, node_id: str, colocated: bool, prefill_addresses: list[str],
+                 provider: str | None, fabric_node: str | None, prefill_timeout_s: float = 60.0,
+                 local_prefill_fallback: bool = False) -> None:
+        self.node_id = node_id
+        self.colocated = colocated
+        self.prefill_timeout_s = prefill_timeout_s
+        self.local_prefill_fallback = local_prefill_fallback
+        self.hooks = EngineHooks(on_kv_wait=None if colocated else self._on_kv_wait)
+        self.engine = AsyncEngine(engine_config, self.hooks)
+        self.llm = self.engine.engine
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.transfers: dict[str, _Transfer] = {}
+        self.fabric = self.receiver = self.pool = None
+        if not colocated:
+            from fabric import FabricConfig, TransferEngine
+            from kv_messenger import ContextCodec, KvReceiver
+            from kv_messenger.wiring import layout_of, register_kv
+
+            self.fabric = TransferEngine(FabricConfig(provider=provider, node=fabric_node))
+            region = register_kv(self.fabric, self.llm.kv_cache)
+            self.receiver = KvReceiver(self.fabric, region, layout_of(self.llm.kv_cache),
+                                       ContextCodec(self.llm.arch.hidden_size), on_ready=self._on_count_complete)
+            self.pool = PrefillPool(prefill_addresses)
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        if self.pool is not None:
+            await self.pool.refresh()
+            self._refresher = asyncio.create_task(self._refresh_loop())
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            await self.pool.refresh()
+
+    async def close(self) -> None:
+        for t in list(self.transfers.values()):
+            if t.task is not None:
+                t.task.cancel()
+        self.engine.shutdown()
+        if self.pool is not None:
+            self._refresher.cancel()
+            await self.pool.close()
+        if self.fabric is not None:
+            self.fabric.close()
+
+    # --- engine thread ----------------------------------------------------------------------------
+
+    def _on_kv_wait(self, request, block_ids: list[int]) -> None:
+        """Engine hook: pages allocated (D3); hand the transfer to the loop."""
+        rid = request.request_id
+        try:
+            ticket = self.receiver.prepare(rid, request.num_prompt_tokens, block_ids)
+        except (ValueError, RuntimeError) as e:
+            self.engine.submit(lambda: self._fail_waiting(rid, f"cannot receive KV: {e}"))
+            return
+        tokens = list(request.prompt_token_ids[:-1])
+        self.loop.call_soon_threadsafe(self._start_transfer, rid, tokens, ticket)
+
+    def _on_count_complete(self, rid: str) -> None:
+        """Fabric progress thread: every write has landed."""
+        self.engine.submit(lambda: self._kv_ready(rid))
+
+    def _kv_ready(self, rid: str) -> None:
+        self.receiver.finish(rid)
+        r = self.llm.get_request(rid)
+        if r is not None and r.status is RequestStatus.WAITING_FOR_KV:
+            self.llm.kv_ready(rid)
+        elif self.llm.is_held(rid):
+            self.llm.release_blocks(rid)  # aborted while its KV was landing: now nothing can land
+        self.loop.call_soon_threadsafe(self._mark_ready, rid)
+
+    def _fail_waiting(self, rid: str, error: str) -> None:
+        """Engine thread: end a waiting request with an error and free its pages (abandonment is safe)."""
+        out = self.llm.kv_abandoned(rid, prefill_locally=False, error=error)
+        if out is not None:
+            self.engine.deliver(out)
+        if self.llm.is_held(rid):
+            self.llm.release_blocks(rid)
+
+    def _abandoned(self, rid: str, error: str, locally: bool) -> None:
+        """Engine thread: the transfer can no longer write; fall back to local prefill or fail."""
+        self.receiver.abandon(rid)
+        r = self.llm.get_request(rid)
+        if r is not None and r.status is RequestStatus.WAITING_FOR_KV and locally:
+            self.llm.kv_abandoned(rid, prefill_locally=True, error=error)
+            return
+        self._fail_waiting(rid, error)
+
+    # --- the loop: transfers ---------------------------------------------------------------------
+
+    def _start_transfer(self, rid: str, tokens: list[int], ticket) -> None:
+        t = _Transfer(rid, tokens)
+        self.transfers[rid] = t
+        t.task = asyncio.create_task(self._run_transfer(t, ticket))
+
+    def _mark_ready(self, rid: str) -> None:
+        t = self.transfers.get(rid)
+        if t is not None:
+            t.ready_time = time.monotonic()
+            t.ready.set()
+
+    async def _run_transfer(self, t: _Transfer, ticket) -> None:
+        tried: set[str] = set()
+        errors: list[str] = []
+        try:
+            while True:
+                node = self.pool.choose(exclude=tried)
+                if node is None:
+                    msg = f"no prefill node could prefill request {t.request_id}: " + "; ".join(errors or ["none up"])
+                    logger.warning(msg)
+                    self.engine.submit(lambda: self._abandoned(t.request_id, msg, self.local_prefill_fallback))
+                    return
+                tried.add(node.address)
+                t.node = node
+                ok, err = await self._prefill_on(node, t, ticket)
+                if ok:
+                    return
+                errors.append(f"{node.address}: {err}")
+                if not await self._abandon_on(node, t):
+                    # Writes may still land: the pages stay reserved until the endpoint is gone.
+                    msg = f"prefill on {node.address} failed ({err}); its writes may still land"
+                    self.engine.submit(lambda: self._hold_until_gone(t.request_id, node, msg))
+                    return
+                ticket = await self.engine.call(lambda: self._reprepare(t.request_id))
+                if ticket is None:
+                    return  # the request ended meanwhile (its pages were released)
+        except asyncio.CancelledError:
+            # The client went away: make sure nothing can still land before the pages are reused.
+            if t.node is not None and not t.ready.is_set():
+                safe = await asyncio.shield(self._abandon_on(t.node, t))
+                if safe:
+                    self.engine.submit(lambda: self._release_if_held(t.request_id))
+            raise
+        finally:
+            self.transfers.pop(t.request_id, None)
+
+    async def _prefill_on(self, node: PrefillNode, t: _Transfer, ticket) -> tuple[bool, str]:
+        req = ticket_to_pb(ticket, t.token_ids, self.fabric.peer_descriptor, "", self.prefill_timeout_s)
+        node.sent_tokens += len(t.token_ids)
+        try:
+            await node.prefill.Prefill(req, timeout=self.prefill_timeout_s)
+            await asyncio.wait_for(t.ready.wait(), timeout=10.0)  # writes delivered: the count follows
+            return True, ""
+        except grpc.aio.AioRpcError as e:
+            if t.ready.is_set():
+                return True, ""
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self.pool.mark_down(node, e.details() or "unavailable")
+            return False, f"{e.code().name}: {e.details()}"
+        except asyncio.TimeoutError:
+            return False, "Prefill returned but the write count did not complete within 10 s"
+        finally:
+            node.sent_tokens -= len(t.token_ids)
+
+    async def _abandon_on(self, node: PrefillNode, t: _Transfer) -> bool:
+        """True once no write for t can land any more (S5)."""
+        try:
+            resp = await node.prefill.AbortPrefill(prefill_pb2.AbortPrefillRequest(request_id=t.request_id),
+                                                   timeout=10.0)
+            if resp.confirmed:
+                return True
+        except grpc.aio.AioRpcError as e:
+            logger.info("AbortPrefill of %s on %s failed: %s", t.request_id, node.address, e.code().name)
+        if node.peer is None:
+            # We never learned this node's fabric endpoint, so it never answered us: it never got
+            # our memory descriptors through a live Prefill either.
+            return True
+        return await asyncio.to_thread(self.fabric.wait_peer_gone, node.peer, 10.0)
+
+    def _reprepare(self, rid: str):
+        """Engine thread: a fresh tag for a retry on another prefill node (same pages)."""
+        self.receiver.abandon(rid)
+        r = self.llm.get_request(rid)
+        if r is None or r.status is not RequestStatus.WAITING_FOR_KV:
+            self._release_if_held(rid)
+            return None
+        return self.receiver.prepare(rid, r.num_prompt_tokens, self.llm.block_table(rid))
+
+    def _release_if_held(self, rid: str) -> None:
+        self.receiver.abandon(rid)
+        if self.llm.is_held(rid):
+            self.llm.release_blocks(rid)
+
+    def _hold_until_gone(self, rid: str, node: PrefillNode, msg: str) -> None:
+        out = self.llm.kv_abandoned(rid, prefill_locally=False, error=msg)  # keeps the pages held
+        if out is not None:
+            self.engine.deliver(out)
+
+        async def wait_gone() -> None:
+            while not await asyncio.to_thread(self.fabric.wait_peer_gone, node.peer, 30.0):
+                logger.warning("request %s: pages held until prefill node %s's endpoint is gone", rid, node.address)
+            self.engine.submit(lambda: self._release_if_held(rid))
+
+        self.loop.call_soon_threadsafe(lambda: asyncio.create_task(wait_gone()))
+
+    # --- load ---------------------------------------------------------------------------------
+
+    def load_snapshot(self) -> node_pb2.NodeInfo:
+        """Engine thread: this node's load for the router."""
+        eng = self.llm
+        s = eng.scheduler
+        outstanding_tokens = 0
+        for r in eng.unfinished_requests():
+            left = (r.sampling.max_tokens or eng.max_model_len) - len(r.output_token_ids)
+            outstanding_tokens += max(0, r.num_tokens - r.num_computed_tokens) + max(0, left)
+        role = node_pb2.NODE_ROLE_COLOCATED if self.colocated else node_pb2.NODE_ROLE_DECODE
+        from pdserve_api.v1 import common_pb2
+
+        return node_pb2.NodeInfo(
+            node_id=self.node_id, role=role, model=eng.source.name,
+            sharding=common_pb2.ShardingScheme(tp_size=1, kv_heads_per_rank=eng.arch.num_kv_heads,
+                                               total_kv_heads=eng.arch.num_kv_heads),
+            load=common_pb2.NodeLoad(
+                outstanding_requests=eng.num_unfinished_requests, outstanding_tokens=outstanding_tokens,
+                waiting_requests=len(s.waiting) + len(s.waiting_for_kv), running_requests=len(s.running),
+                free_kv_blocks=eng.pool.num_free_blocks, total_kv_blocks=eng.pool.num_usable_blocks,
+                page_size=eng.cache_manager.page_size),
+            num_layers=eng.arch.num_layers, max_context_length=eng.max_model_len,
+            fabric_peer=peer_to_bytes(self.fabric.peer_descriptor) if self.fabric is not None else b"",
+        )
+
+
+class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
+    def __init__(self, node: DecodeNode) -> None:
+        self.node = node
+
+    async def Generate(self, request, context):
+        node = self.node
+        rid = request.request_id or f"{node.node_id}-{uuid.uuid4().hex[:12]}"
+        if request.model and request.model != node.llm.source.name:
+            raise LookupError(f"unknown model {request.model!r}; this node serves {node.llm.source.name!r}")
+        params = sampling_from_pb(request.sampling)
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            prompt = request.text
+        elif kind == "token_ids":
+            prompt = list(request.token_ids.ids)
+        elif kind == "messages":
+            msgs = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+            prompt = list(node.llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                                 return_dict=False))
+        else:
+            raise ValueError("the request has no prompt (text, token_ids or messages)")
+        t0 = time.monotonic()
+        first = None
+        gen = node.engine.generate(prompt, params, rid, remote_prefill=not node.colocated)
+        try:
+            async for out in gen:
+                msg = output_to_pb(out)
+                if first is None and out.new_token_ids:
+                    first = time.monotonic()
+                if out.finished:
+                    now = time.monotonic()
+                    t = node.transfers.get(rid)
+                    msg.timings.CopyFrom(generate_pb2.ServerTimings(
+                        time_to_first_token_s=(first or now) - t0, e2e_time_s=now - t0,
+                        decode_node=node.node_id,
+                        prefill_node=(t.node.address if t and t.node else ""),
+                    ))
+                yield msg
+        finally:
+            await gen.aclose()
+            t = node.transfers.get(rid)
+            if t is not None and t.task is not None and not t.task.done() and not t.ready.is_set():
+                t.task.cancel()
+
+    async def Abort(self, request, context):
+        return generate_pb2.AbortResponse(aborted=await self.node.engine.abort(request.request_id))
+
+    async def ListModels(self, request, context):
+        eng = self.node.llm
+        return generate_pb2.ListModelsResponse(
+            models=[generate_pb2.ModelInfo(id=eng.source.name, max_context_length=eng.max_model_len)])
+
+
+class NodeServicer(node_pb2_grpc.NodeServiceServicer):
+    def __init__(self, node: DecodeNode) -> None:
+        self.node = node
+
+    async def GetNodeInfo(self, request, context):
+        return await self.node.engine.call(self.node.load_snapshot)
