@@ -1,0 +1,45 @@
+"""`python -m router --host H --port P --decode HOST:PORT[,HOST:PORT...]`: run a router until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from router.config import RouterConfig
+
+logger = logging.getLogger("router")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m router", description="pdserve router: forwards GenerateService "
+                                "calls to the least-loaded healthy decode node.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=50051, help="port to listen on (0: any free port)")
+    p.add_argument("--decode", required=True, metavar="HOST:PORT[,HOST:PORT...]",
+                   help="decode (or colocated) nodes to forward to")
+    p.add_argument("--health-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between health and load polls of each node")
+    p.add_argument("--health-timeout", type=float, default=1.0, metavar="S", help="deadline of one poll call")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s pid=%(process)d: %(message)s")
+    try:
+        config = RouterConfig(host=args.host, port=args.port, decode_nodes=args.decode,
+                              health_interval_s=args.health_interval, health_timeout_s=args.health_timeout)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from router.server import run
+
+    return run(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

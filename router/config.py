@@ -1,0 +1,57 @@
+"""RouterConfig: the router's settings, validated when built (one frozen dataclass, STYLE habit 1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """'HOST:PORT' (or '[v6]:PORT') -> (host, port); raises ValueError naming the address."""
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address must be HOST:PORT with a port in 1..65535, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Where the router listens and which decode nodes it forwards to.
+
+    decode_nodes: 'HOST:PORT' of every decode (or colocated) node; at least one.
+    health_interval_s: seconds between two polls of a node's health and load.
+    health_timeout_s: deadline of one health or GetNodeInfo call; a node that misses it is out.
+    default_max_tokens: the max_tokens the router assumes, when weighing a request's work, for a
+        request that leaves it unset (SamplingParams' default).
+    shutdown_grace_s: how long in-flight calls may run on after SIGTERM.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    decode_nodes: tuple[str, ...] = ()
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 1.0
+    default_max_tokens: int = 16
+    shutdown_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.decode_nodes, str):
+            object.__setattr__(self, "decode_nodes", tuple(a for a in self.decode_nodes.split(",") if a.strip()))
+        object.__setattr__(self, "decode_nodes", tuple(a.strip() for a in self.decode_nodes))
+        if not self.decode_nodes:
+            raise ValueError("the router needs at least one decode node (--decode HOST:PORT[,HOST:PORT...])")
+        for address in self.decode_nodes:
+            parse_address(address)
+        if len(set(self.decode_nodes)) != len(self.decode_nodes):
+            raise ValueError(f"decode node addresses must be distinct, got {list(self.decode_nodes)}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("health_interval_s", "health_timeout_s", "shutdown_grace_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+
+    @property
+    def listen_address(self) -> str:
+        return f"{self.host}:{self.port}"

@@ -1,0 +1,201 @@
+"""The router's view of its decode nodes: health, load, and the least-loaded choice (R3).
+
+Everything here runs on the router's one asyncio event loop; nothing is shared with other threads.
+
+    pool = NodePool(config)
+    await pool.start()                # channels, one poll round, then the poller task
+    node = pool.pick()                # least outstanding work among healthy nodes, or UnavailableError
+    node.begin(request_id, work) ... node.end(request_id)
+    await pool.close()
+
+Tasks: `NodePool._poll_forever` (one task) polls every node each `health_interval_s`: a
+grpc.health.v1 Check of the whole server (""), then NodeService.GetNodeInfo for its load. A node
+whose Check fails or answers anything but SERVING leaves the rotation; it comes back at the first
+poll that answers SERVING. A call that finds a node unreachable takes it out at once (`mark_failed`).
+
+Load: a node's outstanding work is the larger of the router's own count (prompt + max tokens of the
+requests it has in flight there, estimated without a tokenizer) and the node's last reported
+`NodeLoad.outstanding_tokens` (which also counts work other routers sent). Ties go round-robin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pdserve_api.servers import UnavailableError
+from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc
+
+from router.config import RouterConfig
+
+logger = logging.getLogger(__name__)
+
+# Reconnect quickly to a node that restarts on the same port (gRPC's default backoff reaches 120 s).
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+)
+
+_CHARS_PER_TOKEN = 4  # prompt-length estimate for text prompts (the router has no tokenizer)
+_TOKENS_PER_CHAT_TURN = 8  # role markers a chat template adds per message, roughly
+
+
+def estimate_work(request: generate_pb2.GenerateRequest, default_max_tokens: int) -> int:
+    """Tokens a request will cost a decode node: its prompt (estimated for text) plus max_tokens."""
+    kind = request.WhichOneof("prompt")
+    if kind == "token_ids":
+        prompt = len(request.token_ids.ids)
+    elif kind == "messages":
+        msgs = request.messages.messages
+        prompt = sum(len(m.content) for m in msgs) // _CHARS_PER_TOKEN + _TOKENS_PER_CHAT_TURN * len(msgs)
+    else:
+        prompt = len(request.text) // _CHARS_PER_TOKEN + 1
+    sampling = request.sampling
+    max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else default_max_tokens
+    return prompt + max_tokens
+
+
+@dataclass
+class DecodeNode:
+    """One decode node as the router sees it. Stubs exist between `NodePool.start` and `close`."""
+
+    address: str
+    index: int
+    healthy: bool = False
+    reason: str = "not polled yet"  # why it is out of rotation (empty when healthy)
+    info: node_pb2.NodeInfo | None = None  # the last GetNodeInfo answer
+    inflight: dict[str, int] = field(default_factory=dict)  # request id -> estimated tokens
+    channel: grpc.aio.Channel | None = None
+    generate: generate_pb2_grpc.GenerateServiceStub | None = None
+    node: node_pb2_grpc.NodeServiceStub | None = None
+    health: health_pb2_grpc.HealthStub | None = None
+
+    @property
+    def node_id(self) -> str:
+        return self.info.node_id if self.info is not None and self.info.node_id else self.address
+
+    @property
+    def outstanding_tokens(self) -> int:
+        own = sum(self.inflight.values())
+        reported = self.info.load.outstanding_tokens if self.info is not None else 0
+        return max(own, reported)
+
+    def begin(self, request_id: str, work: int) -> None:
+        self.inflight[request_id] = work
+
+    def end(self, request_id: str) -> None:
+        self.inflight.pop(request_id, None)
+
+    def open(self) -> None:
+        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.generate = generate_pb2_grpc.GenerateServiceStub(self.channel)
+        self.node = node_pb2_grpc.NodeServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+
+class NodePool:
+    """The decode nodes, their health and load; `pick` chooses where a request goes."""
+
+    def __init__(self, config: RouterConfig,
+                 on_health_change: Callable[[bool], object] | None = None) -> None:
+        self._config = config
+        self.nodes = [DecodeNode(address, i) for i, address in enumerate(config.decode_nodes)]
+        self._on_health_change = on_health_change
+        self._turn = 0
+        self._task: asyncio.Task[None] | None = None
+        self._any_healthy: bool | None = None
+
+    async def start(self) -> None:
+        """Open channels, poll every node once (so the first request sees real health), start polling."""
+        for node in self.nodes:
+            node.open()
+        await self.poll_all()
+        self._task = asyncio.create_task(self._poll_forever(), name="router-node-poller")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for node in self.nodes:
+            if node.channel is not None:
+                await node.channel.close()
+                node.channel = None
+
+    # --- choice ---------------------------------------------------------------------------------
+
+    def healthy(self) -> list[DecodeNode]:
+        return [n for n in self.nodes if n.healthy]
+
+    def pick(self, exclude: Sequence[DecodeNode] = ()) -> DecodeNode:
+        """The healthy node with the least outstanding work (then fewest requests; ties round-robin).
+
+        Raises UnavailableError naming every node and why it is out when none is healthy.
+        """
+        candidates = [n for n in self.healthy() if n not in exclude]
+        if not candidates:
+            raise UnavailableError(self.unavailable_message())
+        n = len(self.nodes)
+        turn = self._turn
+        self._turn += 1
+        return min(candidates, key=lambda d: (d.outstanding_tokens, len(d.inflight), (d.index - turn) % n))
+
+    def unavailable_message(self) -> str:
+        states = "; ".join(f"{n.address}: {n.reason or 'healthy'}" for n in self.nodes)
+        return f"no healthy decode node can take the request ({len(self.nodes)} configured: {states})"
+
+    def mark_failed(self, node: DecodeNode, reason: str) -> None:
+        """Take a node out of rotation now (a call found it unreachable); the next good poll restores it."""
+        self._set_health(node, False, reason)
+
+    # --- polling --------------------------------------------------------------------------------
+
+    async def poll_all(self) -> None:
+        await asyncio.gather(*(self._poll(node) for node in self.nodes))
+        any_healthy = any(n.healthy for n in self.nodes)
+        if any_healthy != self._any_healthy:
+            self._any_healthy = any_healthy
+            if self._on_health_change is not None:
+                result = self._on_health_change(any_healthy)
+                if asyncio.iscoroutine(result):
+                    await result
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.health_interval_s)
+            await self.poll_all()
+
+    async def _poll(self, node: DecodeNode) -> None:
+        assert node.health is not None and node.node is not None, "NodePool.start() opens the channels"
+        timeout = self._config.health_timeout_s
+        try:
+            reply = await node.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            self._set_health(node, False, f"health check failed: {e.code().name}: {e.details()}")
+            return
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            self._set_health(node, False, f"health check answered {status}")
+            return
+        try:
+            node.info = await node.node.GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:  # health is what decides; load is best effort
+            logger.debug("node=%s GetNodeInfo failed: %s: %s", node.address, e.code().name, e.details())
+        self._set_health(node, True, "")
+
+    def _set_health(self, node: DecodeNode, healthy: bool, reason: str) -> None:
+        if healthy and not node.healthy:
+            logger.info("node=%s node_id=%s back in rotation", node.address, node.node_id)
+        elif not healthy and (node.healthy or node.reason == "not polled yet"):
+            logger.warning("node=%s out of rotation: %s", node.address, reason)
+        node.healthy = healthy
+        node.reason = reason

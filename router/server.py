@@ -1,0 +1,106 @@
+"""The router's gRPC server: GenerateService (forwarding) + grpc.health.v1 + reflection (R1).
+
+    server = RouterServer(RouterConfig(port=0, decode_nodes=("127.0.0.1:50061",)))
+    port = await server.start()
+    ...
+    await server.stop()
+
+One asyncio event loop runs everything: the grpc.aio server's handler tasks and the NodePool's
+poller task. Health: the whole server ("") is SERVING while the router runs; the GenerateService
+entry is SERVING only while at least one decode node is healthy (a readiness probe can watch it).
+`run(config)` serves until SIGTERM or SIGINT, then stops gracefully and returns 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health_pb2
+from pdserve_api.servers import AioExceptionToStatusInterceptor, add_standard_services_aio
+from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
+
+from router.config import RouterConfig
+from router.nodes import NodePool
+from router.service import RouterGenerateService
+
+logger = logging.getLogger(__name__)
+
+GENERATE_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
+
+
+class RouterServer:
+    """A started router: `start()` binds and serves, `stop()` drains and closes."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.pool = NodePool(config, on_health_change=self._on_health_change)
+        self.service = RouterGenerateService(config, self.pool)
+        self._server: grpc.aio.Server | None = None
+        self._health = None
+        self.port: int | None = None
+
+    async def start(self) -> int:
+        """Bind, register services, poll the nodes once, serve; returns the bound port."""
+        server = grpc.aio.server(interceptors=[AioExceptionToStatusInterceptor()])
+        generate_pb2_grpc.add_GenerateServiceServicer_to_server(self.service, server)
+        self._health = await add_standard_services_aio(server, [GENERATE_SERVICE], serving=False)
+        port = server.add_insecure_port(self.config.listen_address)
+        if port == 0:
+            raise OSError(f"router could not bind {self.config.listen_address}")
+        self._server, self.port = server, port
+        await self.pool.start()
+        await server.start()
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        logger.info("router serving on %s:%d, decode nodes %s (%d healthy)", self.config.host, port,
+                    ",".join(self.config.decode_nodes), len(self.pool.healthy()))
+        return port
+
+    async def _on_health_change(self, any_healthy: bool) -> None:
+        if self._health is None:
+            return
+        status = health_pb2.HealthCheckResponse.SERVING if any_healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self._health.set(GENERATE_SERVICE, status)
+        if not any_healthy:
+            logger.warning("no healthy decode node: %s", self.pool.unavailable_message())
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Report NOT_SERVING, let in-flight calls finish for `grace` seconds, close node channels."""
+        grace = self.config.shutdown_grace_s if grace is None else grace
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+        await self.pool.close()
+        logger.info("router stopped")
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+
+async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve until `stop` is set (or SIGTERM/SIGINT when `stop` is None)."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    server = RouterServer(config)
+    await server.start()
+    try:
+        await stop.wait()
+        logger.info("router shutting down")
+    finally:
+        await server.stop()
+
+
+def run(config: RouterConfig) -> int:
+    """Blocking entry point: serve until SIGTERM or SIGINT; returns the exit status (0)."""
+    asyncio.run(serve(config))
+    return 0
