@@ -115,12 +115,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (emb.cos() * attention_scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * attention_scaling).to(dtype), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for the step's positions ([T] -> [T, 1, D] each), looked up once per pass."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(
+        cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
-        cos = self.cos[positions].unsqueeze(1)                                  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
+        # cos, sin: [T, 1, D]; q: [T, Hq, D]; k: [T, Hkv, D]
+        cos, sin = cos_sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -35,8 +35,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,             # [T, hidden]
-        positions: torch.Tensor,     # [T]
-        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # rotary tables for the step, [T, 1, D] each
         k_pool: torch.Tensor,        # [N, Hkv, P, D]
         v_pool: torch.Tensor,        # [N, Hkv, P, D]
         backend: AttentionBackend,
@@ -49,7 +48,7 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)                        # [T, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = RotaryEmbedding.apply(cos_sin, q, k)
         o = backend.forward(q.contiguous(), k, v, k_pool, v_pool, plan, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, -1))
 
@@ -104,9 +103,10 @@ class LlamaForCausalLM(nn.Module):
         layer_hook: LayerHook | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [S, V] float32, final hidden [S, hidden]
         h = self.embed_tokens(input_ids)                                       # [T, hidden]
+        cos_sin = self.rope.tables(positions)
         for i, layer in enumerate(self.layers):
             residual = h
-            h = layer.self_attn(layer.input_layernorm(h), positions, self.rope, k_pools[i], v_pools[i], backend, plan)
+            h = layer.self_attn(layer.input_layernorm(h), cos_sin, k_pools[i], v_pools[i], backend, plan)
             if layer_hook is not None:
                 layer_hook(i)
             h = residual + h
