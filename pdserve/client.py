@@ -20,7 +20,10 @@ the request on every node (R4).
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
+import sys
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Union
@@ -301,3 +304,48 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+# --- `pdserve generate --url HOST:PORT` -------------------------------------------------------------
+
+
+def add_remote_args(p: argparse.ArgumentParser) -> None:
+    """The flags `pdserve generate` needs for remote mode (call on its sub-parser)."""
+    p.add_argument("--url", default=None, metavar="HOST:PORT",
+                   help="generate on a running cluster (router or decode node) instead of loading the model here")
+    p.add_argument("--timeout", type=float, default=None, metavar="S", help="deadline of each remote request")
+
+
+def cmd_generate_remote(args: argparse.Namespace) -> int:
+    """`pdserve generate --url HOST:PORT ...`: the local command's output, produced by a cluster.
+
+    Prompts run one after another; text streams to stdout as it arrives, one line per prompt, or
+    with --json one object per prompt: {"text", "token_ids" (generated only), "finish_reason"}.
+    Exit 1 with "error: CODE: message" on stderr when a request fails.
+    """
+    sampling = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        max_tokens=args.max_tokens, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
+    )
+    with Client(args.url, timeout=getattr(args, "timeout", None)) as client:
+        for text in args.prompts:
+            prompt: Prompt = [{"role": "user", "content": text}] if args.chat else text
+            acc = _Collector()
+            try:
+                for chunk in client.generate(prompt, sampling):
+                    acc.add(chunk)
+                    if not args.json and chunk.text:
+                        sys.stdout.write(chunk.text)
+                        sys.stdout.flush()
+                done = acc.result()
+            except ClientError as e:
+                if not args.json:
+                    sys.stdout.write("\n")
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+            if args.json:
+                print(json.dumps({"text": done.text, "token_ids": list(done.token_ids),
+                                  "finish_reason": done.finish_reason}))
+            else:
+                sys.stdout.write("\n")
+    return 0
