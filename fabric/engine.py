@@ -246,7 +246,7 @@ class TransferEngine(TransferBackend):
 
     def connect(self, peer: PeerDescriptor) -> None:
         self._check_open()
-        self._resolve(peer, hello=True)
+        self._resolve(peer, hello=True, reset=True)
 
     def disconnect(self, peer: PeerDescriptor) -> None:
         """Remove ``peer`` from the AV; its outstanding work is failed."""
@@ -260,15 +260,15 @@ class TransferEngine(TransferBackend):
         if rc:
             raise FabricError(rc, f"fi_av_remove({peer!r})")
 
-    def _resolve(self, peer: PeerDescriptor, hello: bool = False) -> int:
+    def _resolve(self, peer: PeerDescriptor, hello: bool = True, reset: bool = False) -> int:
         if peer.provider != self.provider:
             raise FabricError(
                 lib.FI_EINVAL, f"peer {peer!r} uses provider {peer.provider!r}, this engine {self.provider!r}"
             )
         with self._lock:
             fi_addr = self._fi_addr.get(peer.address)
-            if fi_addr is not None and fi_addr not in self._failed:
-                return fi_addr
+            if fi_addr is not None and not (reset and fi_addr in self._failed):
+                return fi_addr  # a failed peer stays failed until connect()
         addr = ffi.new("uint8_t[]", peer.address)
         out = ffi.new("uint64_t *")
         rc = lib.pdf_av_insert(self._h, addr, out)
@@ -280,12 +280,25 @@ class TransferEngine(TransferBackend):
             self._peers[fi_addr] = peer
             self._failed.discard(fi_addr)
         if hello and peer.engine_id != self.engine_id:
+            # first contact: introduce ourselves, so the peer can say goodbye
+            # to us, revoke regions and answer probes
             self._send_control(peer, control.HELLO, 0)
         return fi_addr
 
     def _known_peers(self) -> list[PeerDescriptor]:
+        """Peers that may still listen (a closed peer must never be sent to:
+        shm dereferences the peer's region, which is gone in this process)."""
+        with _STALE_LOCK:
+            closed = set(_CLOSED_ENGINES)
         with self._lock:
-            return [p for a, p in self._peers.items() if a not in self._failed and p.engine_id != self.engine_id]
+            return [
+                p
+                for a, p in self._peers.items()
+                if a not in self._failed
+                and p.engine_id != self.engine_id
+                and p.engine_id not in self._gone
+                and p.engine_id not in closed
+            ]
 
     def _fail_peer(self, fi_addr: int, code: int) -> None:
         evs = ffi.new("pdf_event[]", _EVENT_CAP)
@@ -491,6 +504,10 @@ class TransferEngine(TransferBackend):
                 f"message of {len(payload)} bytes too large: {len(data)} > control_msg_size "
                 f"{self.config.control_msg_size}"
             )
+        with _STALE_LOCK:
+            closed = peer.engine_id in _CLOSED_ENGINES
+        if closed or peer.engine_id in self._gone:
+            raise FabricError(lib.FI_ESHUTDOWN, f"send {control.KINDS[kind]}: {peer!r} is closed")
         fi_addr = self._resolve(peer)
         send_id = next(self._ids)
         if on_result is not None:
@@ -534,7 +551,7 @@ class TransferEngine(TransferBackend):
             if msg.kind == control.PING:
                 self._send_control(msg.sender, control.PONG, msg.value)
             elif msg.kind == control.HELLO:
-                self._resolve(msg.sender)
+                self._resolve(msg.sender, hello=False)
             elif msg.kind == control.USER and self._on_message is not None:
                 self._on_message(msg.sender, msg.payload)
         except FabricError as exc:

@@ -118,10 +118,13 @@ typedef struct pdf_peer {
     uint32_t outstanding;
     uint32_t orphans;
     uint64_t last_progress_ns;
+    uint64_t eagain_since; /* first FI_EAGAIN of the current refusal streak */
+    uint64_t blocked_round; /* refused a post in this post_work round */
 } pdf_peer;
 
 typedef struct pdf_engine {
     pthread_mutex_t lock;
+    int waiters; /* threads other than progress waiting for the lock */
     pthread_cond_t cv;
     int sleeping;
     int stop;
@@ -172,7 +175,18 @@ typedef struct pdf_engine {
     uint64_t sleep_max_ns;
     uint64_t peer_timeout_ns;
     uint64_t last_timeout_check;
+    uint64_t round;
 } pdf_engine;
+
+/* Other threads take the lock through here: the progress thread, which
+ * re-takes the lock in a tight loop, steps aside while someone waits (a
+ * plain mutex is not fair and would starve submitters). */
+static void ext_lock(pdf_engine *e)
+{
+    __atomic_add_fetch(&e->waiters, 1, __ATOMIC_SEQ_CST);
+    pthread_mutex_lock(&e->lock);
+    __atomic_sub_fetch(&e->waiters, 1, __ATOMIC_SEQ_CST);
+}
 
 static uint64_t now_ns(void)
 {
@@ -375,12 +389,22 @@ static void sweep(pdf_engine *e)
     }
 }
 
+static void note_eagain(pdf_engine *e, pdf_peer *p)
+{
+    if (!p)
+        return;
+    p->blocked_round = e->round;
+    if (!p->eagain_since)
+        p->eagain_since = now_ns();
+}
+
 /* Post what the credit budget allows.  Returns the number of posts, or stops
  * at the first FI_EAGAIN (back-pressure: progress must run first). */
 static int post_work(pdf_engine *e, evbuf *out, int *eagain)
 {
     int posted = 0;
     *eagain = 0;
+    e->round++;
     while (e->repost_n) {
         uint32_t slot = e->repost[e->repost_n - 1];
         int r = post_recv(e, slot);
@@ -404,6 +428,8 @@ static int post_work(pdf_engine *e, evbuf *out, int *eagain)
             ev_push(out, PDF_EV_SEND_FAILED, FI_EHOSTUNREACH, s->id, 0, s->peer);
             continue;
         }
+        if (p && p->blocked_round == e->round)
+            continue;
         uint32_t slot = e->send_free[e->send_free_n - 1];
         pdf_op *op = &e->send_ops[slot];
         memset(op, 0, sizeof(*op));
@@ -415,9 +441,14 @@ static int post_work(pdf_engine *e, evbuf *out, int *eagain)
         memcpy(buf, s->data, s->len);
         ssize_t r = fi_send(e->ep, buf, s->len, e->send_desc, s->peer, &op->ctx);
         if (r == -FI_EAGAIN) {
+            /* this peer is refusing (e.g. its connection is broken): keep
+             * serving the others, and let the peer timeout judge it */
             *eagain = 1;
-            return posted;
+            note_eagain(e, p);
+            continue;
         }
+        if (p)
+            p->eagain_since = 0;
         s->reported = 1; /* from here on the op reports the outcome */
         if (r) {
             ev_push(out, PDF_EV_SEND_FAILED, (int)-r, s->id, 0, s->peer);
@@ -441,13 +472,23 @@ static int post_work(pdf_engine *e, evbuf *out, int *eagain)
             batch_fail(e, b, FI_EHOSTUNREACH, out);
             continue;
         }
+        if (p && p->blocked_round == e->round)
+            continue;
         while (b->next < b->n) {
             if (e->credits == 0)
                 return posted;
             uint32_t i = b->next;
             int last = (i == b->n - 1);
+            /* The tagged write goes only once every other write of the batch
+             * completed locally.  A local write completion means: verbs RC
+             * and EFA: the target acknowledged the data; rxm over tcp and
+             * shm: the data is ahead of the tagged write on the same ordered
+             * channel, which the target processes in order.  So the tag
+             * lands after the data.  (FI_DELIVERY_COMPLETE would say the
+             * same, but rxm 1.17 can deadlock in fi_writemsg with it once a
+             * connection has failed.) */
             if (b->imm_mode == PDF_IMM_LAST && last && b->n > 1 && b->completed < b->n - 1)
-                break; /* the tagged write goes once all others have landed */
+                break;
             pdf_op *op = op_get(e);
             if (!op) {
                 batch_fail(e, b, FI_ENOMEM, out);
@@ -462,20 +503,17 @@ static int post_work(pdf_engine *e, evbuf *out, int *eagain)
             if (b->imm_mode == PDF_IMM_EVERY || (b->imm_mode == PDF_IMM_LAST && last)) {
                 r = fi_writedata(e->ep, src, b->len[i], b->desc, (uint64_t)b->imm, b->peer, raddr, b->rkey,
                                  &op->ctx);
-            } else if (b->imm_mode == PDF_IMM_LAST) {
-                struct iovec iov = {src, b->len[i]};
-                struct fi_rma_iov riov = {raddr, b->len[i], b->rkey};
-                void *desc = b->desc;
-                struct fi_msg_rma msg = {&iov, &desc, 1, b->peer, &riov, 1, &op->ctx, 0};
-                r = fi_writemsg(e->ep, &msg, FI_COMPLETION | FI_DELIVERY_COMPLETE);
             } else {
                 r = fi_write(e->ep, src, b->len[i], b->desc, b->peer, raddr, b->rkey, &op->ctx);
             }
             if (r == -FI_EAGAIN) {
                 op_put(e, op);
                 *eagain = 1;
-                return posted;
+                note_eagain(e, p);
+                break;
             }
+            if (p)
+                p->eagain_since = 0;
             if (r) {
                 op_put(e, op);
                 batch_fail(e, b, (int)-r, out);
@@ -610,7 +648,10 @@ static void check_timeouts(pdf_engine *e, evbuf *out, uint64_t t)
     e->last_timeout_check = t;
     for (uint64_t i = 0; i < e->npeers; i++) {
         pdf_peer *p = &e->peers[i];
-        if (!p->failed && p->outstanding && t - p->last_progress_ns > e->peer_timeout_ns)
+        if (p->failed)
+            continue;
+        if ((p->outstanding && t - p->last_progress_ns > e->peer_timeout_ns) ||
+            (p->eagain_since && t - p->eagain_since > e->peer_timeout_ns))
             peer_fail(e, i, FI_ETIMEDOUT, out);
     }
 }
@@ -797,7 +838,7 @@ int pdf_get_info(pdf_engine *e, pdf_info *out)
     out->inject_size = e->info->tx_attr->inject_size;
     out->cq_data_size = e->info->domain_attr->cq_data_size;
     size_t len = PDF_ADDR_MAX;
-    pthread_mutex_lock(&e->lock);
+    ext_lock(e);
     int ret = fi_getname(&e->ep->fid, out->addr, &len);
     pthread_mutex_unlock(&e->lock);
     if (ret)
@@ -810,7 +851,7 @@ int pdf_mr_reg(pdf_engine *e, uint64_t addr, uint64_t len, uint64_t *key_out, ui
 {
     struct fid_mr *mr = NULL;
     uint64_t access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
-    pthread_mutex_lock(&e->lock);
+    ext_lock(e);
     uint64_t want = e->next_key++;
     int ret = fi_mr_reg(e->domain, (void *)(uintptr_t)addr, len, access, 0, want, 0, &mr, NULL);
     pthread_mutex_unlock(&e->lock);
@@ -824,7 +865,7 @@ int pdf_mr_reg(pdf_engine *e, uint64_t addr, uint64_t len, uint64_t *key_out, ui
 
 int pdf_mr_close(pdf_engine *e, uint64_t mr)
 {
-    pthread_mutex_lock(&e->lock);
+    ext_lock(e);
     int ret = fi_close(&((struct fid_mr *)(uintptr_t)mr)->fid);
     pthread_mutex_unlock(&e->lock);
     return ret;
@@ -833,7 +874,7 @@ int pdf_mr_close(pdf_engine *e, uint64_t mr)
 int pdf_av_insert(pdf_engine *e, const uint8_t *addr, uint64_t *fi_addr_out)
 {
     fi_addr_t fa = FI_ADDR_NOTAVAIL;
-    pthread_mutex_lock(&e->lock);
+    ext_lock(e);
     int ret = fi_av_insert(e->av, addr, 1, &fa, 0, NULL);
     if (ret == 1) {
         pdf_peer *p = peer_get(e, fa);
@@ -852,7 +893,7 @@ int pdf_av_insert(pdf_engine *e, const uint8_t *addr, uint64_t *fi_addr_out)
 int pdf_av_remove(pdf_engine *e, uint64_t fi_addr)
 {
     fi_addr_t fa = fi_addr;
-    pthread_mutex_lock(&e->lock);
+    ext_lock(e);
     int ret = fi_av_remove(e->av, &fa, 1, 0);
     pthread_mutex_unlock(&e->lock);
     return ret;
@@ -923,7 +964,7 @@ int64_t pdf_submit_writes(pdf_engine *e, uint64_t id, uint64_t peer, uint64_t lo
     b->imm = imm;
     b->imm_mode = imm_mode;
     b->n = m;
-    pthread_mutex_lock(&e->lock);
+    ext_lock(e);
     if (e->stop) {
         pthread_mutex_unlock(&e->lock);
         free(arr);
@@ -951,7 +992,7 @@ int pdf_submit_send(pdf_engine *e, uint64_t id, uint64_t peer, const uint8_t *da
     s->peer = peer;
     s->len = len;
     memcpy(s->data, data, len);
-    pthread_mutex_lock(&e->lock);
+    ext_lock(e);
     if (e->stop) {
         pthread_mutex_unlock(&e->lock);
         free(s);
@@ -974,7 +1015,7 @@ const uint8_t *pdf_recv_buf(pdf_engine *e, uint32_t slot)
 
 void pdf_recv_release(pdf_engine *e, uint32_t slot)
 {
-    pthread_mutex_lock(&e->lock);
+    ext_lock(e);
     e->repost[e->repost_n++] = slot;
     wake(e);
     pthread_mutex_unlock(&e->lock);
@@ -986,7 +1027,7 @@ void pdf_recv_release(pdf_engine *e, uint32_t slot)
 int pdf_fail_peer(pdf_engine *e, uint64_t peer, int code, pdf_event *ev, int cap)
 {
     evbuf out = {ev, cap, 0};
-    pthread_mutex_lock(&e->lock);
+    ext_lock(e);
     peer_fail(e, peer, code, &out);
     sweep(e);
     pthread_mutex_unlock(&e->lock);
@@ -998,7 +1039,7 @@ int pdf_fail_peer(pdf_engine *e, uint64_t peer, int code, pdf_event *ev, int cap
 uint64_t pdf_outstanding(pdf_engine *e)
 {
     uint64_t n = 0;
-    pthread_mutex_lock(&e->lock);
+    ext_lock(e);
     for (pdf_batch *b = e->pend_head; b; b = b->link)
         n++;
     for (pdf_batch *b = e->act_head; b; b = b->link)
@@ -1018,7 +1059,7 @@ uint64_t pdf_outstanding(pdf_engine *e)
 int pdf_fail_all(pdf_engine *e, int code, pdf_event *ev, int cap)
 {
     evbuf out = {ev, cap, 0};
-    pthread_mutex_lock(&e->lock);
+    ext_lock(e);
     take_pending(e);
     for (pdf_batch *b = e->act_head; b && out.n < cap - 1; b = b->link)
         if (!b->reported)
@@ -1034,7 +1075,7 @@ int pdf_fail_all(pdf_engine *e, int code, pdf_event *ev, int cap)
 
 void pdf_stop(pdf_engine *e)
 {
-    pthread_mutex_lock(&e->lock);
+    ext_lock(e);
     e->stop = 1;
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->lock);
@@ -1069,6 +1110,11 @@ int pdf_progress(pdf_engine *e, pdf_event *ev, int cap, int64_t timeout_us)
         int busy = e->active_ops > 0 || e->act_head != NULL || e->sact_head != NULL;
         int stop = e->stop;
         pthread_mutex_unlock(&e->lock);
+        if (__atomic_load_n(&e->waiters, __ATOMIC_SEQ_CST)) {
+            uint64_t t0 = now_ns();
+            while (__atomic_load_n(&e->waiters, __ATOMIC_SEQ_CST) && now_ns() - t0 < 2000000ull)
+                sched_yield();
+        }
         if (stop)
             return out.n;
         if (out.n > 0) {
@@ -1116,7 +1162,7 @@ int pdf_progress(pdf_engine *e, pdf_event *ev, int cap, int64_t timeout_us)
 /* Close the endpoint only (then the caller closes its own MRs). */
 void pdf_close_ep(pdf_engine *e)
 {
-    pthread_mutex_lock(&e->lock);
+    ext_lock(e);
     if (e->ep)
         fi_close(&e->ep->fid);
     e->ep = NULL;
@@ -1128,7 +1174,7 @@ void pdf_close(pdf_engine *e)
 {
     if (!e)
         return;
-    pthread_mutex_lock(&e->lock);
+    ext_lock(e);
     if (e->ep)
         fi_close(&e->ep->fid);
     if (e->recv_mr)

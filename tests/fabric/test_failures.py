@@ -1,0 +1,136 @@
+"""Failures: a peer dies mid-transfer; a receiver cancels and waits until no write can land."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from fabric import FabricConfig, FabricError, TransferEngine, alloc_buffer
+from fabric_peer import PeerProcess
+
+MiB = 1 << 20
+
+
+class _Outcomes:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.done: list[float] = []
+        self.errors: list[tuple[float, Exception]] = []
+
+    def on_done(self) -> None:
+        with self.lock:
+            self.done.append(time.monotonic())
+
+    def on_error(self, err: Exception) -> None:
+        with self.lock:
+            self.errors.append((time.monotonic(), err))
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.done) + len(self.errors)
+
+
+@pytest.mark.timeout(60)
+def test_receiver_killed_mid_transfer_fails_every_batch(provider: str) -> None:
+    config = FabricConfig(provider=provider, node="127.0.0.1", peer_timeout_s=2.0, close_timeout_s=2.0)
+    peer = PeerProcess.start(config, 32 * MiB)
+    engine = TransferEngine(config)
+    try:
+        src = alloc_buffer(32 * MiB)
+        region = engine.register(src)
+        out = _Outcomes()
+        page = 256 * 1024
+        offs = np.arange(32, dtype=np.uint64) * page
+        lens = np.full(32, page, dtype=np.uint64)
+        batches = 600  # ~4.8 GB: far more than can land before the kill
+        for i in range(batches):
+            engine.write_pages(region, offs, peer.descriptor, offs[::-1].copy(), lens, i, out.on_done, out.on_error)
+        deadline = time.monotonic() + 20
+        while len(out.done) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert out.done, "no batch completed before the kill"
+        killed_at = time.monotonic()
+        peer.kill()
+        deadline = killed_at + 10
+        while out.count() < batches and time.monotonic() < deadline:
+            time.sleep(0.01)
+        settled_at = time.monotonic()
+        assert out.count() == batches, f"{batches - out.count()} batches got neither on_done nor on_error"
+        assert out.errors, "the kill produced no on_error"
+        late = max(t for t, _ in out.errors) - killed_at
+        assert late < 5.0, f"last on_error {late:.2f}s after the kill"
+        assert all(isinstance(e, FabricError) for _, e in out.errors)
+        assert settled_at - killed_at < 6.0
+        # the failed peer is refused before anything is posted
+        with pytest.raises(FabricError, match="failed|closed|stale"):
+            engine.write_pages(region, [0], peer.descriptor, [0], [4096], 1, out.on_done, out.on_error)
+        assert engine.outstanding() == 0 or provider == "shm"
+    finally:
+        t = time.monotonic()
+        engine.close()
+        assert time.monotonic() - t < 10
+        peer.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["kill", "close"])
+def test_cancel_then_reuse_only_after_sender_gone(provider: str, how: str) -> None:
+    config = FabricConfig(provider=provider, node="127.0.0.1", imm_mode="last")
+    receiver = TransferEngine(config)
+    sender = PeerProcess.start(config, 8 * MiB)
+    try:
+        pool = alloc_buffer(8 * MiB)
+        region = receiver.register(pool)
+        tag = 0xC0FFEE
+        fired: list[int] = []
+        receiver.imm_counter.expect(tag, 3, fired.append)
+        sender.call("fill", 7)
+        for b in range(2):  # two of the three batches the receiver waits for
+            offs = [b * MiB + i * 65536 for i in range(4)]
+            assert sender.call("write", (region.descriptor, offs, offs, [65536] * 4, tag)) == "done"
+        deadline = time.monotonic() + 10
+        while receiver.imm_counter.landed(tag) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert receiver.imm_counter.landed(tag) == 2 and not fired
+        assert receiver.imm_counter.cancel(tag) == 2
+        # the sender is alive: its writes could still land, so not safe yet
+        assert receiver.wait_peer_gone(sender.peer, timeout=0.5) is False
+        # a late write for the cancelled tag does not count
+        offs = [3 * MiB]
+        assert sender.call("write", (region.descriptor, offs, offs, [65536], tag)) == "done"
+        deadline = time.monotonic() + 5
+        while receiver.imm_counter.dropped < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert receiver.imm_counter.dropped == 1 and receiver.imm_counter.landed(tag) == 0
+        if how == "kill":
+            sender.kill()
+        else:
+            sender.call("close_engine")
+        t = time.monotonic()
+        assert receiver.wait_peer_gone(sender.peer, timeout=5.0) is True
+        assert time.monotonic() - t < 5.0
+        pool[:] = bytes(len(pool))  # reuse is safe now
+        assert not fired
+    finally:
+        receiver.close()
+        sender.stop()
+
+
+@pytest.mark.timeout(60)
+def test_probe_detects_remote_endpoint_gone_across_hosts() -> None:
+    """Peers on another host cannot be judged by pid: a failed probe proves it."""
+    config = FabricConfig(provider="tcp;ofi_rxm", node="127.0.0.1", peer_timeout_s=2.0)
+    receiver = TransferEngine(config)
+    sender = PeerProcess.start(config, MiB)
+    try:
+        remote = dataclasses.replace(sender.peer, host_id="another-host")
+        assert receiver.wait_peer_gone(remote, timeout=0.5) is False  # it answers probes
+        sender.kill()
+        assert receiver.wait_peer_gone(remote, timeout=8.0) is True
+    finally:
+        receiver.close()
+        sender.stop()
