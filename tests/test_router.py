@@ -1,0 +1,328 @@
+"""The router (R1, R3, R4) and the client against it, with in-process fake decode nodes.
+
+The fake nodes are grpc.aio servers speaking the real contract (GenerateService, NodeService,
+health): they echo tokens, record cancellations and aborts, and answer bad input with
+INVALID_ARGUMENT. Router, nodes and AsyncClient share one event loop per test. One test runs the
+router as a real process with no reachable node. Real-node routing is covered in test_cluster.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # router/ may postdate the editable install
+    sys.path.insert(0, str(ROOT))
+
+from pdserve_api.servers import AioExceptionToStatusInterceptor, add_standard_services_aio  # noqa: E402
+from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc  # noqa: E402
+
+from pdserve.client import AsyncClient, Client, ClientError, build_request  # noqa: E402
+from pdserve.launcher import free_ports  # noqa: E402
+from pdserve.sampling_params import SamplingParams  # noqa: E402
+from router.config import RouterConfig  # noqa: E402
+from router.server import GENERATE_SERVICE, RouterServer  # noqa: E402
+
+WAIT = 10.0  # every wait in this file is bounded by this many seconds
+
+
+class FakeDecode(generate_pb2_grpc.GenerateServiceServicer, node_pb2_grpc.NodeServiceServicer):
+    """A decode node without a model: answers token t of a request with id 1000 + t."""
+
+    def __init__(self, node_id: str, delay_s: float = 0.0) -> None:
+        self.node_id = node_id
+        self.delay_s = delay_s
+        self.seen: list[str] = []
+        self.cancelled: set[str] = set()
+        self.aborted: set[str] = set()
+        self.running: dict[str, asyncio.Event] = {}
+        self.progress: dict[str, int] = {}  # request id -> tokens sent
+
+    async def Generate(self, request, context):  # noqa: N802
+        rid = request.request_id or "node-assigned"
+        if request.text == "bad":
+            raise ValueError("prompt 'bad' is invalid here")
+        self.seen.append(rid)
+        abort = self.running[rid] = asyncio.Event()
+        n = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 4
+        try:
+            for t in range(n):
+                if self.delay_s:
+                    try:
+                        await asyncio.wait_for(abort.wait(), self.delay_s)
+                    except TimeoutError:
+                        pass
+                if abort.is_set():
+                    yield generate_pb2.GenerateResponse(request_id=rid, finish_reason=generate_pb2.FINISH_REASON_ABORT)
+                    return
+                yield generate_pb2.GenerateResponse(request_id=rid, token_ids=[1000 + t], text=f"t{t} ")
+                self.progress[rid] = t + 1
+            final = generate_pb2.GenerateResponse(request_id=rid, finish_reason=generate_pb2.FINISH_REASON_LENGTH)
+            final.usage.prompt_tokens = len(request.token_ids.ids)
+            final.usage.completion_tokens = n
+            final.timings.decode_node = self.node_id
+            yield final
+        except asyncio.CancelledError:
+            self.cancelled.add(rid)
+            raise
+        finally:
+            self.running.pop(rid, None)
+
+    async def Abort(self, request, context):  # noqa: N802
+        event = self.running.get(request.request_id)
+        if event is None:
+            return generate_pb2.AbortResponse(aborted=False)
+        self.aborted.add(request.request_id)
+        event.set()
+        return generate_pb2.AbortResponse(aborted=True)
+
+    async def ListModels(self, request, context):  # noqa: N802
+        return generate_pb2.ListModelsResponse(models=[generate_pb2.ModelInfo(id="fake", max_context_length=64)])
+
+    async def GetNodeInfo(self, request, context):  # noqa: N802
+        return node_pb2.NodeInfo(node_id=self.node_id, role=node_pb2.NODE_ROLE_DECODE, model="fake")
+
+
+async def start_fake(fake: FakeDecode, port: int) -> grpc.aio.Server:
+    server = grpc.aio.server(interceptors=[AioExceptionToStatusInterceptor()])
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(fake, server)
+    node_pb2_grpc.add_NodeServiceServicer_to_server(fake, server)
+    await add_standard_services_aio(server, [GENERATE_SERVICE])
+    assert server.add_insecure_port(f"127.0.0.1:{port}") == port
+    await server.start()
+    return server
+
+
+async def until(predicate, what: str, timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+class Rig:
+    """Two fake decode nodes behind an in-process router, and an AsyncClient to the router."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.ports = free_ports(2)
+        self.fakes = [FakeDecode(f"fake-{i}", delay_s) for i in range(2)]
+        self.servers: list[grpc.aio.Server | None] = [None, None]
+
+    async def __aenter__(self) -> Rig:
+        for i in range(2):
+            self.servers[i] = await start_fake(self.fakes[i], self.ports[i])
+        config = RouterConfig(port=0, decode_nodes=tuple(f"127.0.0.1:{p}" for p in self.ports),
+                              health_interval_s=0.2, health_timeout_s=0.5)
+        self.router = RouterServer(config)
+        port = await self.router.start()
+        self.client = AsyncClient(f"127.0.0.1:{port}", timeout=WAIT)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.close()
+        await self.router.stop(grace=0.5)
+        for server in self.servers:
+            if server is not None:
+                await server.stop(0)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 4 * WAIT))
+
+
+# ---- a router process with no node -------------------------------------------------------------
+
+
+def test_router_process_without_healthy_node_answers_unavailable_and_serves_health():
+    router_port, dead_port = free_ports(2)
+    proc = subprocess.Popen([sys.executable, "-m", "router", "--port", str(router_port),
+                             "--decode", f"127.0.0.1:{dead_port}", "--health-interval", "0.2"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"127.0.0.1:{router_port}"
+        with grpc.insecure_channel(url) as channel:
+            grpc.channel_ready_future(channel).result(timeout=WAIT)
+            health = health_pb2_grpc.HealthStub(channel)
+            assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=WAIT).status == \
+                health_pb2.HealthCheckResponse.SERVING
+            assert health.Check(health_pb2.HealthCheckRequest(service=GENERATE_SERVICE), timeout=WAIT).status == \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            services = ProtoReflectionDescriptorDatabase(channel).get_services()
+            assert GENERATE_SERVICE in services and "grpc.health.v1.Health" in services
+        with Client(url, timeout=WAIT) as client:
+            for call in (lambda: client.complete("hello"), client.list_models):
+                with pytest.raises(ClientError) as err:
+                    call()
+                assert err.value.code == grpc.StatusCode.UNAVAILABLE
+                assert "no healthy decode node" in err.value.message
+                assert f"127.0.0.1:{dead_port}" in err.value.message
+            assert client.abort("nobody") is False
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=WAIT)
+    assert proc.returncode == 0, out.decode()
+    assert b"hello" not in out  # prompts stay out of the logs
+
+
+def test_router_config_rejects_bad_addresses():
+    with pytest.raises(ValueError, match="at least one decode node"):
+        RouterConfig(decode_nodes=())
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        RouterConfig(decode_nodes=("localhost",))
+    with pytest.raises(ValueError, match="distinct"):
+        RouterConfig(decode_nodes="a:1,a:1")
+
+
+# ---- forwarding -------------------------------------------------------------------------------
+
+
+def test_forwarding_keeps_ids_streams_unchanged_and_spreads_load():
+    async def go():
+        async with Rig(delay_s=0.05) as rig:
+            params = SamplingParams(temperature=0, max_tokens=3)
+            chunks = [c async for c in rig.client.generate([1, 2, 3], params, request_id="mine")]
+            assert [c.token_ids for c in chunks] == [(1000,), (1001,), (1002,), ()]
+            assert "".join(c.text for c in chunks) == "t0 t1 t2 "
+            assert chunks[-1].finish_reason == "length" and chunks[-1].usage.prompt_tokens == 3
+            assert all(c.request_id == "mine" for c in chunks)
+
+            done = await rig.client.complete("hi", params)
+            assert done.request_id.startswith("router-") and done.token_ids == (1000, 1001, 1002)
+
+            results = await asyncio.gather(*(rig.client.complete([7] * 8, params) for _ in range(6)))
+            by_node = [r.timings.decode_node for r in results]
+            assert sorted(by_node) == ["fake-0"] * 3 + ["fake-1"] * 3, by_node
+            assert (await rig.client.list_models())[0].id == "fake"
+            assert rig.router.service.running == {}
+
+    run(go())
+
+
+def test_downstream_status_code_is_kept():
+    async def go():
+        async with Rig() as rig:
+            with pytest.raises(ClientError) as err:
+                await rig.client.complete("bad")
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "prompt 'bad' is invalid" in err.value.message
+
+    run(go())
+
+
+def test_client_cancellation_and_abort_reach_the_node():
+    async def go():
+        async with Rig(delay_s=0.2) as rig:
+            long = SamplingParams(max_tokens=200)
+            stream = rig.client.generate([1], long, request_id="to-cancel")
+            first = await stream.__anext__()
+            assert first.token_ids == (1000,)
+            await stream.aclose()  # the client goes away mid-stream
+            await until(lambda: any("to-cancel" in f.cancelled for f in rig.fakes), "the node's call cancelled")
+            await until(lambda: rig.router.service.running == {}, "the router to forget the request")
+
+            task = asyncio.create_task(rig.client.complete([1], long, request_id="to-abort"))
+            await until(lambda: any("to-abort" in f.running for f in rig.fakes), "the request to run")
+            assert await rig.client.abort("to-abort") is True
+            done = await asyncio.wait_for(task, WAIT)
+            assert done.finish_reason == "abort"
+            assert any("to-abort" in f.aborted for f in rig.fakes)
+            assert await rig.client.abort("to-abort") is False
+
+    run(go())
+
+
+def test_duplicate_running_request_id_is_rejected():
+    async def go():
+        async with Rig(delay_s=0.2) as rig:
+            task = asyncio.create_task(rig.client.complete([1], SamplingParams(max_tokens=50), request_id="dup"))
+            await until(lambda: "dup" in rig.router.service.running, "the first request")
+            with pytest.raises(ClientError) as err:
+                await rig.client.complete([1], request_id="dup")
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "already running" in err.value.message
+            await rig.client.abort("dup")
+            await asyncio.wait_for(task, WAIT)
+
+    run(go())
+
+
+def test_dead_node_leaves_rotation_and_returns_after_restart():
+    async def go():
+        async with Rig() as rig:
+            params = SamplingParams(max_tokens=2)
+            await rig.servers[0].stop(0)
+            rig.servers[0] = None
+            # Immediately, before any poll noticed: the router retries on the live node.
+            results = [await rig.client.complete([1], params) for _ in range(4)]
+            assert {r.timings.decode_node for r in results} == {"fake-1"}
+            await until(lambda: not rig.router.pool.nodes[0].healthy, "node 0 out of rotation")
+
+            rig.servers[0] = await start_fake(rig.fakes[0], rig.ports[0])
+            await until(lambda: rig.router.pool.nodes[0].healthy, "node 0 back in rotation")
+            results = await asyncio.gather(*(rig.client.complete([1], params) for _ in range(4)))
+            assert {r.timings.decode_node for r in results} == {"fake-0", "fake-1"}
+
+            for i in range(2):
+                await rig.servers[i].stop(0)
+                rig.servers[i] = None
+            await until(lambda: not rig.router.pool.healthy(), "every node out")
+            with pytest.raises(ClientError) as err:
+                await rig.client.complete([1], params)
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+    run(go())
+
+
+def test_node_dying_mid_stream_ends_the_stream_with_an_error_message():
+    async def go():
+        async with Rig(delay_s=0.2) as rig:
+            stream = rig.client.generate([1], SamplingParams(max_tokens=100), request_id="orphan")
+            await stream.__anext__()
+            holder = next(i for i, f in enumerate(rig.fakes) if "orphan" in f.running)
+            await rig.servers[holder].stop(0)
+            rig.servers[holder] = None
+            rest = [c async for c in stream]
+            assert rest[-1].finish_reason == "error" and "failed mid-stream" in rest[-1].error
+            # complete() turns an error ending into ClientError
+            other = 1 - holder
+            task = asyncio.create_task(rig.client.complete([1], SamplingParams(max_tokens=100), request_id="o2"))
+            await until(lambda: rig.fakes[other].progress.get("o2", 0) >= 2, "the second request to stream")
+            await rig.servers[other].stop(0)
+            rig.servers[other] = None
+            with pytest.raises(ClientError, match="failed mid-stream"):
+                await asyncio.wait_for(task, WAIT)
+
+    run(go())
+
+
+# ---- the client alone --------------------------------------------------------------------------
+
+
+def test_build_request_prompt_kinds_and_errors():
+    assert build_request("x").text == "x"
+    assert list(build_request([1, 2]).token_ids.ids) == [1, 2]
+    msgs = build_request([{"role": "user", "content": "hi"}, ("assistant", "yo")]).messages.messages
+    assert [(m.role, m.content) for m in msgs] == [("user", "hi"), ("assistant", "yo")]
+    req = build_request([1], SamplingParams(temperature=0, max_tokens=5), request_id="r")
+    assert req.request_id == "r" and req.sampling.max_tokens == 5 and req.sampling.temperature == 0
+    for bad, match in (([], "empty"), ([1, -2], ">= 0"), ([{"role": "user"}], "chat message"), (3.5, "prompt must")):
+        with pytest.raises(ValueError, match=match):
+            build_request(bad)
+
+
+def test_client_maps_connection_failure_to_client_error():
+    (port,) = free_ports(1)
+    with Client(f"127.0.0.1:{port}", timeout=2.0) as client:
+        with pytest.raises(ClientError) as err:
+            client.complete("x")
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.message
