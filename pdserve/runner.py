@@ -76,12 +76,18 @@ class ModelRunner:
         block_tables = torch.full((len(tables), max_pages), self.padding_block, dtype=torch.int32)
         for i, t in enumerate(tables):
             block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        pages_t = torch.tensor(slot_pages, dtype=torch.int64)
+        offs_t = torch.tensor(slot_offsets, dtype=torch.int64)
+        H = self.kv.shape.kv_heads
+        # kv_rows[t * H + h] = (page * H + h) * P + offset
+        kv_rows = ((pages_t[:, None] * H + torch.arange(H)[None, :]) * P + offs_t[:, None]).reshape(-1)
         batch = AttentionBatch(
             query_start=torch.tensor(query_start, dtype=torch.int32),
             context_lens=torch.tensor(ctx_lens, dtype=torch.int32),
             block_tables=block_tables,
-            slot_pages=torch.tensor(slot_pages, dtype=torch.int64),
-            slot_offsets=torch.tensor(slot_offsets, dtype=torch.int64),
+            slot_pages=pages_t,
+            slot_offsets=offs_t,
+            kv_rows=kv_rows,
             num_decode=num_decode,
             q_lens=tuple(q_lens),
             ctx_lens=tuple(ctx_lens),

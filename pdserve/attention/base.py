@@ -31,6 +31,7 @@ class AttentionBatch:
     block_tables: torch.Tensor   # [S, max_pages] int32, padded with a padding block id
     slot_pages: torch.Tensor     # [T] int64: page of each new token's K/V
     slot_offsets: torch.Tensor   # [T] int64: slot inside that page
+    kv_rows: torch.Tensor        # [T * Hkv] int64: row of each (token, kv head) in a pool viewed as [N*Hkv*P, D]
     num_decode: int
     q_lens: tuple[int, ...]      # host copies, for per-sequence loops
     ctx_lens: tuple[int, ...]
@@ -76,6 +77,7 @@ def write_kv(
     batch: AttentionBatch,
 ) -> None:
     """Scatter the step's K/V rows into their pages (HND: page, head, slot, dim)."""
-    # Advanced indices on dims 0 and 2 around a slice put the token axis first: [T, Hkv, D].
-    k_pool[batch.slot_pages, :, batch.slot_offsets] = k
-    v_pool[batch.slot_pages, :, batch.slot_offsets] = v
+    D = k.shape[-1]
+    # One row copy per (token, kv head) into the pool seen as a [N*Hkv*P, D] matrix.
+    k_pool.view(-1, D).index_copy_(0, batch.kv_rows, k.reshape(-1, D))
+    v_pool.view(-1, D).index_copy_(0, batch.kv_rows, v.reshape(-1, D))
