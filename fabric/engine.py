@@ -140,6 +140,7 @@ class TransferEngine(TransferBackend):
         self._gone: set[str] = set()
         self._revoked: set[tuple[str, int]] = set()
         self._probes: dict[int, _Probe] = {}
+        self._handshaken: set[str] = set()
         self._sends: dict[int, Callable[[FabricError | None], None]] = {}
         self._imm = ImmCounter()
         self._closing = False
@@ -244,9 +245,32 @@ class TransferEngine(TransferBackend):
 
     # ---------------------------------------------------------------- peers
 
-    def connect(self, peer: PeerDescriptor) -> None:
+    def connect(self, peer: PeerDescriptor, timeout: float = 5.0) -> None:
+        """Insert ``peer`` into the AV and shake hands: when this returns, the
+        peer knows us (so it can tell us about revoked regions, say goodbye
+        and answer probes). A failed peer is reset. write_pages connects on
+        first use. Raises FabricError(FI_ETIMEDOUT) if the peer does not
+        answer within ``timeout``."""
         self._check_open()
-        self._resolve(peer, hello=True, reset=True)
+        self._resolve(peer, hello=False, reset=True)
+        if peer.engine_id == self.engine_id or peer.engine_id in self._handshaken:
+            return
+        if threading.current_thread() is self._thread:
+            self._send_control(peer, control.HELLO, 0)  # cannot wait for the answer here
+            return
+        nonce = next(self._ids)
+        probe = _Probe(threading.Event())
+        with self._lock:
+            self._probes[nonce] = probe
+        try:
+            self._send_control(peer, control.HELLO, nonce, on_result=lambda err: self._probe_sent(nonce, err))
+            answered = probe.event.wait(timeout)
+        finally:
+            with self._lock:
+                self._probes.pop(nonce, None)
+        if not answered or not probe.alive:
+            raise FabricError(lib.FI_ETIMEDOUT, f"connect to {peer!r}: no answer within {timeout}s")
+        self._handshaken.add(peer.engine_id)
 
     def disconnect(self, peer: PeerDescriptor) -> None:
         """Remove ``peer`` from the AV; its outstanding work is failed."""
@@ -423,7 +447,9 @@ class TransferEngine(TransferBackend):
         self._check_bounds(lens, "lengths", 1, self._max_write if mode == "every" else None)
         self._check_range(src, lens, src_region.length, "src_offsets", f"source region {src_region.region_id}")
         self._check_range(dsto, lens, dst.length, "dst_offsets", f"destination region {dst.region_id}")
-        fi_addr = self._resolve(dst.peer, hello=True)
+        if dst.peer.engine_id not in self._handshaken:
+            self.connect(dst.peer)
+        fi_addr = self._resolve(dst.peer)
         with self._lock:
             if fi_addr in self._failed:
                 raise FabricError(lib.FI_EHOSTUNREACH, f"write_pages: peer {dst.peer!r} has failed")
@@ -552,6 +578,8 @@ class TransferEngine(TransferBackend):
                 self._send_control(msg.sender, control.PONG, msg.value)
             elif msg.kind == control.HELLO:
                 self._resolve(msg.sender, hello=False)
+                if msg.value:
+                    self._send_control(msg.sender, control.PONG, msg.value)
             elif msg.kind == control.USER and self._on_message is not None:
                 self._on_message(msg.sender, msg.payload)
         except FabricError as exc:
