@@ -1,0 +1,16 @@
+"""prefill_node: a gRPC server running the engine in prefill-only mode with the sending KV messenger.
+
+    python -m prefill_node --port 50061 --provider shm [engine flags]
+
+Decode nodes call `PrefillService.Prefill` with a prompt (minus its last token) and where its KV
+goes; the node feeds its own batch scheduler (chunked prefill), pushes each finished layer's pages
+with one-sided writes, writes the context (hidden state, top logits), frees its pages once every
+write completed locally, and answers. Any number of decode nodes may call one node (D1).
+
+Modules: `service` (engine + fabric + sender wiring, request lifecycle), `server` (gRPC servicers,
+wire conversion, process lifecycle), `__main__` (CLI).
+"""
+
+from prefill_node.service import NodeConfig, PrefillNode, PrefillSpec
+
+__all__ = ["NodeConfig", "PrefillNode", "PrefillSpec"]

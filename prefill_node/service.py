@@ -1,0 +1,438 @@
+"""The prefill node's core: one engine, one fabric endpoint, one KV sender, and the lifecycle of
+each Prefill (D1, D5-D8, D11, D12, S4, S5). Knows nothing of gRPC: the server converts.
+
+Lifecycle of one request:
+    validate -> connect the decode node's fabric peer (once per peer) -> sender.add(target)
+    -> engine request (prefill_only, hold_blocks) queued on the engine thread in the same
+    synchronous step, so the sender sees its first chunk -> the sender posts the writes layer by
+    layer -> when nothing of the transfer is in flight it calls `release(rid)` -> we end the
+    engine request if it still runs (failed or aborted mid-prefill) and free its held blocks ->
+    the Prefill call answers. Every accepted request ends in exactly one release (S2).
+
+Threads:
+- the asyncio loop (gRPC handlers) owns `_active`, `_aborted`, `_peers`; it validates, adds
+  transfers, talks to the engine only through `AsyncEngine` (`generate`, `call`, `abort`).
+- the engine thread (AsyncEngine) runs forward passes and the hooks: the sender's, plus
+  `_on_schedule`, which stamps a job's first scheduled chunk (one float write, nothing else).
+- the sender's messenger thread and the fabric progress thread call `_on_release`, which only
+  hands the release to the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import grpc
+from pdserve_api.servers import StatusError, UnavailableError
+
+from fabric import FabricConfig, FabricError, PeerDescriptor, TransferEngine
+from kv_messenger import ContextCodec, KvSender, ShardingScheme, TransferResult, TransferTarget, expected_writes
+from kv_messenger.wiring import layout_of, register_kv
+from pdserve.async_engine import AsyncEngine, EngineDeadError
+from pdserve.config import EngineConfig
+from pdserve.engine import EngineHooks
+from pdserve.outputs import RequestOutput
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+ABORT_WAIT_S = 10.0        # AbortPrefill / deadline: how long to wait for in-flight writes to settle
+ENGINE_END_WAIT_S = 5.0    # after the release: how long to wait for the engine stream to end
+LOAD_WAIT_S = 0.5          # GetNodeInfo: how long to wait for a fresh load snapshot
+REMEMBERED_ABORTS = 4096   # ids aborted before (or after) their Prefill, refused with ABORTED
+REMEMBERED_PEERS = 4096    # decode-node fabric peers we have connected to
+
+
+class AbortedError(StatusError):
+    """The Prefill was stopped by AbortPrefill (or arrived after it)."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    engine: EngineConfig
+    provider: str | None = "shm"        # libfabric provider; None: $FI_PROVIDER or the default
+    fabric_node: str | None = None      # local address the fabric endpoint binds (not for shm)
+    node_id: str = field(default_factory=lambda: f"prefill-{uuid.uuid4().hex[:12]}")
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    """One Prefill call, decoded from the wire (domain types only)."""
+
+    request_id: str
+    token_ids: list[int]
+    target: TransferTarget
+    peer: PeerDescriptor
+    model: str = ""
+    deadline_s: float | None = None
+    decode_tp_size: int = 1
+    cached_tokens: int = 0
+    context_capacity: int = 0           # 0: not stated
+    context_top_k: int = 0              # 0: not stated (the codec's default)
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    result: TransferResult
+    queue_time_s: float
+    compute_time_s: float
+    last_layer_to_completion_s: float
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    outstanding_requests: int = 0
+    outstanding_tokens: int = 0
+    waiting_requests: int = 0
+    running_requests: int = 0
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+
+
+@dataclass
+class _Job:
+    request_id: str
+    future: concurrent.futures.Future        # the sender's, resolves with a TransferResult
+    received: float                          # time.monotonic() of the RPC's receipt
+    transfer_done: asyncio.Future            # resolves (with None) once `future` is done
+    queued: asyncio.Event = field(default_factory=asyncio.Event)     # engine add submitted
+    released: asyncio.Event = field(default_factory=asyncio.Event)   # held blocks freed
+    first_scheduled: float = 0.0             # written once by the engine thread
+    engine_task: asyncio.Task | None = None  # consumes the engine's output stream
+    engine_error: Exception | None = None    # the engine refused the request (bad input)
+
+
+class PrefillNode:
+    """Build with `PrefillNode(config, loop)` (slow: loads the model; fine in a worker thread),
+    then use its coroutines on `loop`."""
+
+    def __init__(self, config: NodeConfig, loop: asyncio.AbstractEventLoop) -> None:
+        self.config = config
+        self.node_id = config.node_id
+        self._loop = loop
+        self._active: dict[str, _Job] = {}
+        self._aborted: OrderedDict[str, None] = OrderedDict()
+        self._peers: OrderedDict[str, PeerDescriptor] = OrderedDict()   # engine_id -> connected peer
+        self._closing = False
+        self._last_load = LoadSnapshot()
+        hooks = EngineHooks()
+        self.engine = AsyncEngine(config.engine, hooks)
+        eng = self.engine.engine
+        try:
+            self.fabric = TransferEngine(FabricConfig(provider=config.provider, node=config.fabric_node,
+                                                      close_timeout_s=2.0))
+        except BaseException:
+            self.engine.shutdown()
+            raise
+        self.layout = layout_of(eng.kv_cache)
+        self.codec = ContextCodec(eng.arch.hidden_size)
+        self.sender = KvSender(self.fabric, register_kv(self.fabric, eng.kv_cache), self.layout,
+                               block_table=eng.block_table, release=self._on_release, codec=self.codec)
+        hooks.on_schedule = self._on_schedule
+        hooks.on_layer_done = self.sender.on_layer_done
+        hooks.on_prefill_done = self.sender.on_prefill_done
+        self.model_name: str = eng.source.name
+        self.vocab_size: int = eng.arch.vocab_size
+        self.num_layers: int = eng.arch.num_layers
+        self.num_kv_heads: int = eng.arch.num_kv_heads
+        self.max_model_len: int = eng.max_model_len
+        self.page_size: int = self.layout.page_size
+        self.provider: str = self.fabric.provider
+        logger.info("prefill node %s: model %s, %d KV blocks of %d tokens, fabric %s",
+                    self.node_id, self.model_name, eng.pool.num_usable_blocks, self.page_size, self.fabric)
+
+    @property
+    def peer(self) -> PeerDescriptor:
+        return self.fabric.peer_descriptor
+
+    # --- Prefill (loop) ------------------------------------------------------------------------
+
+    def validate(self, spec: PrefillSpec) -> None:
+        """Raise ValueError naming the offending value if `spec` cannot be served here."""
+        rid, t = spec.request_id, spec.target
+        if not rid:
+            raise ValueError("request_id is empty")
+        if spec.model and spec.model != self.model_name:
+            raise ValueError(f"request {rid}: model {spec.model!r} is not served here (this node serves "
+                             f"{self.model_name!r})")
+        n = len(spec.token_ids)
+        if n < 1:
+            raise ValueError(f"request {rid}: no tokens to prefill (token_ids is empty)")
+        bad = [x for x in spec.token_ids if not 0 <= x < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {rid}: token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if n + 1 > self.max_model_len:
+            raise ValueError(f"request {rid}: {n} tokens to prefill plus the last prompt token exceed the "
+                             f"model's context of {self.max_model_len} tokens")
+        if spec.decode_tp_size not in (0, 1):
+            raise ValueError(f"request {rid}: decode tp_size {spec.decode_tp_size} is not supported "
+                             f"(this prefill node has tp_size 1)")
+        if spec.cached_tokens:
+            raise ValueError(f"request {rid}: cached_tokens={spec.cached_tokens} is not supported (must be 0)")
+        if spec.peer.provider != self.provider:
+            raise ValueError(f"request {rid}: decode node's fabric provider {spec.peer.provider!r} differs "
+                             f"from this node's {self.provider!r}")
+        self.layout.compatible_with(t.layout)
+        if t.num_prefill_tokens != n:
+            raise ValueError(f"request {rid}: target covers {t.num_prefill_tokens} tokens, request has {n}")
+        pages = -(-n // self.page_size)
+        if len(t.dst_pages) != pages:
+            raise ValueError(f"request {rid}: {len(t.dst_pages)} destination pages for {n} tokens "
+                             f"(page size {self.page_size} needs {pages})")
+        out = [p for p in t.dst_pages if not 0 <= p < t.layout.num_pages]
+        if out:
+            raise ValueError(f"request {rid}: destination page ids outside [0, {t.layout.num_pages}): {out[:5]}")
+        want = expected_writes(n, self.layout, ShardingScheme(), ShardingScheme())
+        if t.expected_writes != want:
+            raise ValueError(f"request {rid}: expected_writes={t.expected_writes} but this node will post {want}")
+        if spec.context_capacity and spec.context_capacity < self.codec.slot_nbytes:
+            raise ValueError(f"request {rid}: context slot of {spec.context_capacity} bytes, "
+                             f"needs {self.codec.slot_nbytes}")
+        if spec.context_top_k and spec.context_top_k != self.codec.top_k:
+            raise ValueError(f"request {rid}: logits_top_k={spec.context_top_k} not supported "
+                             f"(this node writes the top {self.codec.top_k})")
+
+    async def prefill(self, spec: PrefillSpec) -> PrefillOutcome:
+        """Prefill `spec` and push its KV; raises ValueError, AbortedError, UnavailableError,
+        TimeoutError (deadline) or RuntimeError (engine failure). Cancelling it aborts the transfer."""
+        received = time.monotonic()
+        if self._closing:
+            raise UnavailableError(f"prefill node {self.node_id} is shutting down")
+        self.validate(spec)
+        rid = spec.request_id
+        if rid in self._aborted:
+            raise AbortedError(f"request {rid} was aborted before its Prefill arrived")
+        if rid in self._active:
+            raise ValueError(f"request id {rid!r} already has a prefill in progress here")
+        self._connect(spec.peer)
+        future = self.sender.add(spec.target)          # before the engine sees the request
+        job = _Job(rid, future, received, self._bridge(future))
+        self._active[rid] = job
+        job.engine_task = asyncio.create_task(self._run_engine(job, spec.token_ids), name=f"prefill-{rid}")
+        try:
+            async with asyncio.timeout(spec.deadline_s):
+                await job.released.wait()
+        except TimeoutError:
+            self.sender.abort(rid)
+            await self._wait_released(job, ABORT_WAIT_S)
+            raise TimeoutError(f"request {rid}: prefill exceeded its deadline of {spec.deadline_s} s") from None
+        except asyncio.CancelledError:
+            # The caller went away (decode node cancelled or died): nothing more is posted; the
+            # release follows once no write is in flight (S4, S5).
+            logger.info("request %s: Prefill call cancelled by the caller; aborting its transfer", rid)
+            self.sender.abort(rid)
+            raise
+        return await self._outcome(job, spec)
+
+    async def _run_engine(self, job: _Job, token_ids: list[int]) -> RequestOutput | None:
+        """Consume the engine's stream for a job; stop the transfer if the engine ends it early.
+
+        Never cancelled (it ends when the engine request does): a cancelled AsyncEngine.call
+        could leave the engine thread setting a result on a cancelled future.
+        """
+        stream = self.engine.generate(token_ids, SamplingParams(max_tokens=1), request_id=job.request_id,
+                                      prefill_only=True, hold_blocks=True)
+        job.queued.set()   # waiters run after this step, which submits the add below
+        final: RequestOutput | None = None
+        try:
+            async for out in stream:
+                if out.finished:
+                    final = out
+        except (ValueError, EngineDeadError) as e:   # refused by the engine (nothing queued)
+            job.engine_error = e
+            self.sender.abort(job.request_id)
+            return None
+        reason = final.completion.finish_reason if final is not None and final.completion is not None else None
+        if reason != "prefilled":
+            if final is not None and final.error:
+                logger.warning("request %s: engine ended it: %s", job.request_id, final.error)
+            self.sender.abort(job.request_id)
+        return final
+
+    async def _outcome(self, job: _Job, spec: PrefillSpec) -> PrefillOutcome:
+        rid = job.request_id
+        await asyncio.wait_for(asyncio.shield(job.transfer_done), ABORT_WAIT_S)
+        final: RequestOutput | None = None
+        assert job.engine_task is not None
+        try:
+            final = await asyncio.wait_for(asyncio.shield(job.engine_task), ENGINE_END_WAIT_S)
+        except TimeoutError:
+            logger.error("request %s: engine stream did not end %.0f s after its release", rid, ENGINE_END_WAIT_S)
+        exc = job.future.exception()
+        if exc is None:
+            res: TransferResult = job.future.result()
+            first = job.first_scheduled or res.first_post_time or job.received
+            return PrefillOutcome(res, max(0.0, first - job.received), max(0.0, res.last_layer_time - first),
+                                  max(0.0, res.done_time - res.last_layer_time))
+        if isinstance(exc, FabricError):
+            self._peers.pop(spec.peer.engine_id, None)   # reconnect next time: a failed peer stays failed
+            raise UnavailableError(f"request {rid}: KV transfer to decode node peer {spec.peer.engine_id[:8]} "
+                                   f"failed: {exc}")
+        if job.engine_error is not None:
+            raise job.engine_error
+        if self._closing:
+            raise UnavailableError(f"request {rid}: prefill node {self.node_id} is shutting down")
+        if final is not None and final.error:
+            raise RuntimeError(f"request {rid}: engine failed: {final.error}")
+        raise AbortedError(f"request {rid}: prefill aborted")
+
+    def _connect(self, peer: PeerDescriptor) -> None:
+        if peer.engine_id in self._peers:
+            self._peers.move_to_end(peer.engine_id)
+            return
+        try:
+            self.fabric.connect(peer)
+        except FabricError as e:
+            raise UnavailableError(f"cannot reach the decode node's fabric peer {peer.engine_id[:8]} "
+                                   f"(pid {peer.pid}): {e}") from e
+        self._peers[peer.engine_id] = peer
+        logger.info("connected to decode fabric peer %s (pid %d)", peer.engine_id[:8], peer.pid)
+        while len(self._peers) > REMEMBERED_PEERS:
+            self._peers.popitem(last=False)   # forgetting only means a fresh connect next time
+
+    def _bridge(self, future: concurrent.futures.Future) -> asyncio.Future:
+        """An asyncio future that resolves (with None) when the sender's future is done."""
+        done = self._loop.create_future()
+
+        def settle(_: asyncio.Future) -> None:
+            if not done.done():
+                done.set_result(None)
+
+        future.add_done_callback(lambda _f: self._loop.call_soon_threadsafe(settle, done))
+        return done
+
+    async def _wait_released(self, job: _Job, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(job.released.wait(), timeout)
+            return True
+        except TimeoutError:
+            logger.error("request %s: transfer still in flight %.0f s after its abort", job.request_id, timeout)
+            return False
+
+    # --- release (messenger / progress thread -> loop -> engine thread) --------------------------
+
+    def _on_release(self, request_id: str) -> None:
+        """The sender has nothing of `request_id` in flight any more (any non-engine thread)."""
+        try:
+            asyncio.run_coroutine_threadsafe(self._release(request_id), self._loop)
+        except RuntimeError as e:   # the loop is closed: the process is exiting
+            logger.warning("request %s: release not scheduled: %s", request_id, e)
+
+    async def _release(self, request_id: str) -> None:
+        job = self._active.get(request_id)
+        try:
+            if job is not None:
+                await job.queued.wait()    # its engine add is queued before our abort/release
+            if await self.engine.abort(request_id):
+                logger.info("request %s: stopped its prefill (transfer ended before the prefill did)", request_id)
+            freed = await self.engine.call(lambda: self._release_blocks(request_id))
+            logger.debug("request %s: released %d blocks", request_id, freed)
+        except EngineDeadError as e:
+            logger.warning("request %s: engine gone, blocks not released: %s", request_id, e)
+        finally:
+            if job is not None and self._active.get(request_id) is job:
+                del self._active[request_id]
+                job.released.set()
+
+    def _release_blocks(self, request_id: str) -> int:
+        """Engine thread: free the blocks the request held (none if the engine never admitted it)."""
+        try:
+            return self.engine.engine.release_blocks(request_id)
+        except KeyError:   # refused at add, or ended before it held anything
+            logger.debug("request %s held no blocks", request_id)
+            return 0
+
+    def _on_schedule(self, sched: SchedulerOutput) -> None:
+        """Engine thread: stamp each job's first scheduled chunk, then tell the sender (D6)."""
+        now = time.monotonic()
+        for c in sched.chunks:
+            job = self._active.get(c.request_id)
+            if job is not None and not job.first_scheduled:
+                job.first_scheduled = now
+        self.sender.on_schedule(sched)
+
+    # --- AbortPrefill (loop) -------------------------------------------------------------------
+
+    def _remember_abort(self, request_id: str) -> None:
+        self._aborted[request_id] = None
+        self._aborted.move_to_end(request_id)
+        while len(self._aborted) > REMEMBERED_ABORTS:
+            self._aborted.popitem(last=False)
+
+    async def abort(self, request_id: str, timeout: float = ABORT_WAIT_S) -> bool:
+        """Stop a prefill; True once no write for it can land in the decode node's memory (S5)."""
+        if not request_id:
+            raise ValueError("request_id is empty")
+        self._remember_abort(request_id)
+        job = self._active.get(request_id)
+        if job is None:
+            logger.info("abort of %s: not in progress (unknown or finished); remembered", request_id)
+            return True
+        self.sender.abort(request_id)
+        await self._wait_released(job, timeout)
+        return job.future.done()
+
+    # --- load (loop, reads on the engine thread) -----------------------------------------------
+
+    async def load(self) -> LoadSnapshot:
+        """A fresh load snapshot, or the last one if the engine thread is busy for long."""
+        task = asyncio.ensure_future(self.engine.call(self._snapshot))
+        try:
+            snap = await asyncio.wait_for(asyncio.shield(task), LOAD_WAIT_S)
+        except TimeoutError:
+            task.add_done_callback(self._keep_snapshot)
+            return self._last_load
+        self._last_load = snap  # type: ignore[assignment]
+        return snap  # type: ignore[return-value]
+
+    def _keep_snapshot(self, task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self._last_load = task.result()
+
+    def _snapshot(self) -> LoadSnapshot:
+        eng = self.engine.engine
+        s = eng.scheduler
+        reqs = list(s.waiting) + list(s.running)
+        tokens = sum(max(0, r.target_computed_tokens - r.num_computed_tokens) for r in reqs)
+        return LoadSnapshot(
+            outstanding_requests=max(len(self._active), eng.num_unfinished_requests),
+            outstanding_tokens=tokens,
+            waiting_requests=len(s.waiting),
+            running_requests=len(s.running),
+            free_kv_blocks=eng.pool.num_free_blocks,
+            total_kv_blocks=eng.pool.num_usable_blocks,
+        )
+
+    # --- shutdown (loop) -----------------------------------------------------------------------
+
+    async def drain(self, timeout: float = 5.0) -> None:
+        """Refuse new prefills and abort the in-flight ones (they answer UNAVAILABLE)."""
+        self._closing = True
+        jobs = list(self._active.values())
+        if jobs:
+            logger.info("aborting %d in-flight prefills for shutdown", len(jobs))
+        for job in jobs:
+            self.sender.abort(job.request_id)
+        if jobs:
+            done, pending = await asyncio.wait([asyncio.ensure_future(j.released.wait()) for j in jobs],
+                                               timeout=timeout)
+            for p in pending:
+                p.cancel()
+            if pending:
+                logger.warning("%d prefills still had writes in flight at shutdown", len(pending))
+
+    def close(self) -> None:
+        """Stop the sender, the engine thread and the fabric endpoint (blocking, a few seconds at most)."""
+        self._closing = True
+        self.sender.close()
+        self.engine.shutdown(timeout=5.0)
+        self.fabric.close()
