@@ -46,8 +46,8 @@ class ClusterConfig:
     (exclusive with prefill/decode). port: the router's (0: any free port). engine_args: extra engine
     flags given to every node (e.g. ("--max-batch-tokens", "32")). log_dir: None makes a temp dir."""
 
-    prefill: int = 1
-    decode: int = 1
+    prefill: int | None = None
+    decode: int | None = None
     colocated: int = 0
     model: str | None = None
     host: str = "127.0.0.1"
@@ -63,15 +63,17 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine_args", tuple(self.engine_args))
+        if self.colocated and (self.prefill or self.decode):
+            raise ValueError(f"colocated nodes replace prefill/decode nodes: got colocated={self.colocated} "
+                             f"with prefill={self.prefill}, decode={self.decode}")
+        default = 0 if self.colocated else 1  # unset counts: 1P:1D, or none beside colocated nodes
+        for name in ("prefill", "decode"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
         for name in ("prefill", "decode", "colocated"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if self.colocated and (self.prefill or self.decode):
-            if self.decode:
-                raise ValueError(f"colocated nodes replace prefill/decode nodes: got colocated={self.colocated} "
-                                 f"with prefill={self.prefill}, decode={self.decode}")
-            object.__setattr__(self, "prefill", 0)  # `--colocated M` with the default --prefill 1
         if not self.colocated:
             if self.decode < 1:
                 raise ValueError(f"a cluster needs at least one decode node (or --colocated M), got decode={self.decode}")
@@ -364,8 +366,8 @@ class Cluster:
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
     """The `pdserve up` flags (call on the sub-parser, then `p.set_defaults(func=cmd_up)`)."""
-    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill nodes (default 1)")
-    p.add_argument("--decode", type=int, default=1, metavar="M", help="decode nodes (default 1)")
+    p.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill nodes (default 1)")
+    p.add_argument("--decode", type=int, default=None, metavar="M", help="decode nodes (default 1)")
     p.add_argument("--colocated", type=int, default=0, metavar="M",
                    help="run M colocated nodes (prefill and decode together, D18) instead of prefill/decode nodes")
     p.add_argument("--model", default=None, metavar="PATH", help="checkpoint for every node (default: the embedded model)")
@@ -389,7 +391,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     if args.max_batch_tokens is not None:
         engine += ["--max-batch-tokens", str(args.max_batch_tokens)]
     return ClusterConfig(
-        prefill=args.prefill, decode=args.decode if not args.colocated else 0, colocated=args.colocated,
+        prefill=args.prefill, decode=args.decode, colocated=args.colocated,
         model=args.model, host=args.host, port=args.port, provider=args.provider,
         threads_per_node=args.threads_per_node, num_blocks=args.num_blocks, engine_args=tuple(engine),
         log_dir=args.log_dir,

@@ -1,0 +1,259 @@
+"""Whole clusters on one machine (K1, D1, D18, R3, R6, S2): real router, prefill and decode processes.
+
+Evidence for the cluster: greedy outputs through the router equal the single-process engine's
+(so, by test_engine_reference, transformers'), for prompts that need several prefill chunks
+(--max-batch-tokens 32) and many pages; 32 concurrent streaming clients all finish right and leave
+no page behind on any node; `pdserve generate --url` prints what the local command prints; a
+colocated cluster gives the same outputs; a killed decode node leaves the rotation and comes back.
+
+Each cluster is class-scoped, so at most one runs at a time. Engines are small (--num-blocks 256,
+--threads 1) to fit two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # router/ and the nodes may postdate the editable install
+    sys.path.insert(0, str(ROOT))
+
+from pdserve_api.v1 import node_pb2, node_pb2_grpc  # noqa: E402
+
+from pdserve.client import AsyncClient, Client  # noqa: E402
+from pdserve.launcher import Cluster, ClusterConfig, ClusterStartError, add_up_args, cmd_up, free_ports  # noqa: E402
+from pdserve.sampling_params import SamplingParams  # noqa: E402
+
+NODES_EXIST = (ROOT / "prefill_node" / "__main__.py").exists() and (ROOT / "decode_node" / "__main__.py").exists()
+needs_nodes = pytest.mark.skipif(not NODES_EXIST, reason="prefill_node/ and decode_node/ are not in this checkout")
+
+ENGINE = ("--max-batch-tokens", "32")
+SMALL = dict(port=0, num_blocks=256, threads_per_node=1, engine_args=ENGINE, startup_timeout_s=150,
+             router_health_interval_s=0.5)
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+LONG = ("In the beginning the universe was created. This has made a lot of people very angry and been "
+        "widely regarded as a bad move. " * 6) + "The answer to everything is"
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", LONG]
+LONG_IDS = list(range(300, 300 + 70))  # token ids as given: 70 tokens, 5 pages, 3 chunks of 32
+WAIT = 30.0
+
+
+# ---- the launcher alone ------------------------------------------------------------------------
+
+
+def _up_args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_up_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_dry_run_prints_every_command_in_start_order(capsys):
+    assert cmd_up(_up_args("--prefill", "2", "--decode", "1", "--port", "50123", "--num-blocks", "64",
+                           "--provider", "tcp;ofi_rxm", "--max-batch-tokens", "32", "--dry-run")) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" -m ")[1].split()[0] for line in lines] == ["prefill_node", "prefill_node", "decode_node",
+                                                                     "router"]
+    ports = [int(line.split("--port ")[1].split()[0]) for line in lines]
+    assert len(set(ports)) == 4 and ports[-1] == 50123
+    prefill_addrs = ",".join(f"127.0.0.1:{p}" for p in ports[:2])
+    assert f"--prefill {prefill_addrs}" in lines[2] and f"--decode 127.0.0.1:{ports[2]}" in lines[3]
+    assert all("'--provider' 'tcp;ofi_rxm'" in x or "--provider 'tcp;ofi_rxm'" in x for x in lines[:3])
+    assert all("--num-blocks 64" in x and "--max-batch-tokens 32" in x for x in lines[:3])
+
+    assert cmd_up(_up_args("--colocated", "2", "--dry-run")) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and all("--colocated" in x for x in lines[:2]) and "prefill_node" not in "".join(lines)
+
+
+def test_cluster_config_names_bad_values():
+    for kwargs, match in ((dict(decode=0), "at least one decode node"), (dict(prefill=0), "at least one prefill"),
+                          (dict(colocated=1, decode=2), "colocated nodes replace"), (dict(colocated=1, prefill=1), "colocated nodes replace"), (dict(provider="verbs"), "provider"),
+                          (dict(prefill=-1), "prefill must be"), (dict(num_blocks=0), "num_blocks")):
+        with pytest.raises(ValueError, match=match):
+            ClusterConfig(**kwargs)
+    assert ClusterConfig(colocated=2).prefill == 0
+
+
+def test_free_ports_are_distinct_and_bindable():
+    import socket
+
+    ports = free_ports(5, exclude=(50051,))
+    assert len(set(ports)) == 5 and 50051 not in ports
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+
+
+@needs_nodes
+def test_a_child_that_fails_to_start_is_named_with_its_log(tmp_path):
+    cluster = Cluster(colocated=1, port=0, engine_args=("--no-such-flag",), log_dir=str(tmp_path),
+                      startup_timeout_s=60)
+    with pytest.raises(ClusterStartError) as err:
+        cluster.start()
+    message = str(err.value)
+    assert "colocated-0 exited with status 2" in message and "--no-such-flag" in message
+    assert all(code is not None for code in cluster.stop().values() if code is not None)
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Single-process greedy outputs for PROMPTS and LONG_IDS, computed before any cluster starts."""
+    from pdserve import LLM
+
+    llm = LLM(num_blocks=256, num_threads=1)
+    outs = llm.generate([*PROMPTS, LONG_IDS], GREEDY)
+    assert len(llm.tokenizer(LONG)["input_ids"]) > 64  # several prefill chunks, several pages
+    return {key: (o.text, tuple(o.token_ids), o.finish_reason) for key, o in zip([*PROMPTS, "ids"], outs)}
+
+
+def node_load(address: str) -> node_pb2.NodeLoad:
+    with grpc.insecure_channel(address) as channel:
+        return node_pb2_grpc.NodeServiceStub(channel).GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=5).load
+
+
+def assert_no_page_leak(cluster: Cluster) -> None:
+    """S2: every node's free blocks return to its total (bounded wait: frees may trail the stream)."""
+    nodes = [s.address for s in cluster.specs if s.role != "router"]
+    deadline = time.monotonic() + WAIT
+    while True:
+        loads = {a: node_load(a) for a in nodes}
+        leaks = {a: (l.free_kv_blocks, l.total_kv_blocks, l.outstanding_requests) for a, l in loads.items()
+                 if l.free_kv_blocks != l.total_kv_blocks or l.outstanding_requests}
+        if not leaks:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pages still held after {WAIT} s (address: free, total, outstanding): {leaks}")
+        time.sleep(0.2)
+
+
+def check_greedy(url: str, reference: dict) -> list[str]:
+    """Every reference prompt through Client equals the single-process output; returns decode node ids."""
+    nodes = []
+    with Client(url, timeout=120) as client:
+        for key, prompt in [*((p, p) for p in PROMPTS), ("ids", LONG_IDS)]:
+            done = client.complete(prompt, GREEDY)
+            assert (done.text, done.token_ids, done.finish_reason) == reference[key], key[:40]
+            assert done.usage is not None and done.usage.completion_tokens == len(done.token_ids)
+            nodes.append(done.timings.decode_node if done.timings else "")
+    return nodes
+
+
+async def concurrent_streams(url: str, n: int) -> list[tuple[str, str, tuple[int, ...], str | None, str]]:
+    async with AsyncClient(url, timeout=300) as client:
+        async def one(i: int):
+            prompt = PROMPTS[i % len(PROMPTS)]
+            text, ids, finish, node = [], [], None, ""
+            async for chunk in client.generate(prompt, GREEDY, request_id=f"conc-{i}"):
+                assert chunk.request_id == f"conc-{i}"
+                text.append(chunk.text)
+                ids.extend(chunk.token_ids)
+                if chunk.finish_reason:
+                    finish, node = chunk.finish_reason, chunk.timings.decode_node if chunk.timings else ""
+            return prompt, "".join(text), tuple(ids), finish, node
+
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+# ---- 1 prefill, 2 decode -------------------------------------------------------------------------
+
+
+@needs_nodes
+@pytest.mark.slow
+class TestOnePrefillTwoDecode:
+    @pytest.fixture(scope="class")
+    def cluster(self, reference, tmp_path_factory):
+        with Cluster(prefill=1, decode=2, log_dir=str(tmp_path_factory.mktemp("p1d2")), **SMALL) as cluster:
+            yield cluster
+
+    def test_greedy_outputs_equal_the_single_process_engine(self, cluster, reference):
+        check_greedy(cluster.url, reference)
+        assert_no_page_leak(cluster)
+
+    def test_32_concurrent_streams_finish_right_spread_and_leak_nothing(self, cluster, reference):
+        results = asyncio.run(asyncio.wait_for(concurrent_streams(cluster.url, 32), 300))
+        for prompt, text, ids, finish, _ in results:
+            assert (text, ids, finish) == reference[prompt], prompt[:40]
+        used = {node for *_, node in results}
+        assert used == {"decode-0", "decode-1"}, used
+        assert_no_page_leak(cluster)
+
+    def test_generate_url_prints_what_the_local_command_prints(self, cluster, capsys):
+        from pdserve.cli import build_parser, main
+        from pdserve.client import cmd_generate_remote
+
+        argv = ["generate", "--json", "--max-tokens", str(MAX_TOKENS), "--num-blocks", "256", "--threads", "1",
+                PROMPTS[0], PROMPTS[1]]
+        assert main(argv) == 0
+        local = capsys.readouterr().out
+        args = build_parser().parse_args(argv)
+        args.url, args.timeout = cluster.url, 120.0
+        assert cmd_generate_remote(args) == 0
+        remote = capsys.readouterr().out
+        assert [json.loads(x) for x in remote.splitlines()] == [json.loads(x) for x in local.splitlines()]
+        assert remote == local
+
+        args.json = False
+        assert cmd_generate_remote(args) == 0
+        assert capsys.readouterr().out.splitlines() == [json.loads(x)["text"] for x in local.splitlines()]
+
+    def test_killed_decode_node_leaves_rotation_and_comes_back(self, cluster, reference):
+        cluster.kill("decode-1")
+        with Client(cluster.url, timeout=120) as client:
+            for _ in range(3):  # the first may reach the dead node: the router retries elsewhere
+                done = client.complete(PROMPTS[0], GREEDY)
+                assert (done.text, done.token_ids, done.finish_reason) == reference[PROMPTS[0]]
+                assert done.timings.decode_node == "decode-0"
+            cluster.restart("decode-1")
+            deadline = time.monotonic() + WAIT
+            while True:
+                results = [client.complete(PROMPTS[0], GREEDY) for _ in range(2)]
+                if any(r.timings.decode_node == "decode-1" for r in results):
+                    break
+                assert time.monotonic() < deadline, "the restarted decode-1 never got a request back"
+        assert_no_page_leak(cluster)
+
+
+# ---- 2 prefill, 1 decode -------------------------------------------------------------------------
+
+
+@needs_nodes
+@pytest.mark.slow
+class TestTwoPrefillOneDecode:
+    @pytest.fixture(scope="class")
+    def cluster(self, reference, tmp_path_factory):
+        with Cluster(prefill=2, decode=1, log_dir=str(tmp_path_factory.mktemp("p2d1")), **SMALL) as cluster:
+            yield cluster
+
+    def test_greedy_outputs_equal_the_single_process_engine(self, cluster, reference):
+        check_greedy(cluster.url, reference)
+        results = asyncio.run(asyncio.wait_for(concurrent_streams(cluster.url, 8), 300))
+        for prompt, text, ids, finish, _ in results:
+            assert (text, ids, finish) == reference[prompt], prompt[:40]
+        assert_no_page_leak(cluster)
+
+
+# ---- colocated -----------------------------------------------------------------------------------
+
+
+@needs_nodes
+@pytest.mark.slow
+def test_colocated_cluster_gives_the_same_outputs(reference, tmp_path):
+    with Cluster(colocated=1, log_dir=str(tmp_path), **SMALL) as cluster:
+        assert check_greedy(cluster.url, reference)
+        with Client(cluster.url, timeout=30) as client:
+            assert client.list_models()[0].max_context_length > 0
+        assert_no_page_leak(cluster)
+        statuses = cluster.stop()
+    assert statuses == {"colocated-0": 0, "router": 0}, statuses
