@@ -194,7 +194,7 @@ class LLMEngine:
             logger.warning("request %s: remote prefill abandoned (%s); prefilling locally", request_id, error)
             self.scheduler.prefill_locally(tracked.request)
             return None
-        return self._finish(tracked, FinishReason.ERROR, new_ids=(), delta="", error=error)
+        return self._finish(tracked, FinishReason.ERROR, new_ids=(), delta="", error=error, keep_blocks=False)
 
     def release_blocks(self, request_id: str) -> int:
         """Free the blocks a finished request kept (hold_blocks, or aborted while waiting for KV)."""
@@ -324,12 +324,15 @@ class LLMEngine:
         delta: str,
         new_logprobs: tuple[SampleLogprobs, ...] = (),
         error: str | None = None,
+        keep_blocks: bool | None = None,
     ) -> RequestOutput:
         r = tracked.request
         # A request still waiting for its KV may have writes in flight into its pages (S5): its
         # blocks are kept until the owner has abandoned the transfer and calls release_blocks.
-        if r.request_id in self._hold_on_finish or r.status is RequestStatus.WAITING_FOR_KV:
-            self._hold_on_finish.discard(r.request_id)
+        if keep_blocks is None:
+            keep_blocks = r.request_id in self._hold_on_finish or r.status is RequestStatus.WAITING_FOR_KV
+        self._hold_on_finish.discard(r.request_id)
+        if keep_blocks:
             self.scheduler.detach(r)
             self._held[r.request_id] = r
         else:
