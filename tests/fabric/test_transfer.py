@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from fabric import FabricConfig, TransferEngine, alloc_buffer
+from fabric import FabricConfig, FabricError, TransferEngine, alloc_buffer
 from fabric_peer import PeerProcess, digest
 
 POOL = 48 << 20
@@ -78,8 +78,8 @@ class _Waiter:
         assert ok, f"only {self.done} of {self.expected} batches completed"
 
 
-def _run_rounds(provider: str, imm_mode: str, rounds: int, seed: int) -> int:
-    config = FabricConfig(provider=provider, node="127.0.0.1", imm_mode=imm_mode)
+def _run_rounds(provider: str, imm_mode: str, rounds: int, seed: int, node: str | None = "127.0.0.1") -> int:
+    config = FabricConfig(provider=provider, node=node, imm_mode=imm_mode)
     peer = PeerProcess.start(config, POOL)
     engine = TransferEngine(config)
     try:
@@ -153,3 +153,14 @@ def test_same_process_engines_exchange_messages(provider: str) -> None:
         a.send(b.peer_descriptor, b"hello over the fabric")
         assert ev.wait(10)
         assert got == [b"hello over the fabric"]
+
+
+@pytest.mark.rdma
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rdma_provider", ["efa", "verbs;ofi_rxm"])
+def test_rdma_providers_same_code_path(rdma_provider: str) -> None:
+    try:
+        TransferEngine(FabricConfig(provider=rdma_provider)).close()
+    except FabricError as exc:
+        pytest.skip(f"no {rdma_provider} NIC here: {exc}")
+    assert _run_rounds(rdma_provider, "last", rounds=2, seed=3, node=None) > 0
