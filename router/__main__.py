@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode (or colocated) nodes to forward to")
     p.add_argument("--health-interval", type=float, default=1.0, metavar="S",
                    help="seconds between health and load polls of each node")
-    p.add_argument("--health-timeout", type=float, default=1.0, metavar="S", help="deadline of one poll call")
+    p.add_argument("--health-timeout", type=float, default=1.0, metavar="S", help="deadline of one health Check")
+    p.add_argument("--load-timeout", type=float, default=5.0, metavar="S", help="deadline of one GetNodeInfo call")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     return p
 
@@ -32,7 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s pid=%(process)d: %(message)s")
     try:
         config = RouterConfig(host=args.host, port=args.port, decode_nodes=args.decode,
-                              health_interval_s=args.health_interval, health_timeout_s=args.health_timeout)
+                              health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
+                              load_timeout_s=args.load_timeout)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,7 +19,9 @@ class RouterConfig:
 
     decode_nodes: 'HOST:PORT' of every decode (or colocated) node; at least one.
     health_interval_s: seconds between two polls of a node's health and load.
-    health_timeout_s: deadline of one health or GetNodeInfo call; a node that misses it is out.
+    health_timeout_s: deadline of one health Check; a node that misses it is out.
+    load_timeout_s: deadline of one GetNodeInfo call (answered by the node's engine thread, so slower
+        under load); a node that misses it keeps its last load, one that answers an error is out.
     default_max_tokens: the max_tokens the router assumes, when weighing a request's work, for a
         request that leaves it unset (SamplingParams' default).
     shutdown_grace_s: how long in-flight calls may run on after SIGTERM.
@@ -30,6 +32,7 @@ class RouterConfig:
     decode_nodes: tuple[str, ...] = ()
     health_interval_s: float = 1.0
     health_timeout_s: float = 1.0
+    load_timeout_s: float = 5.0
     default_max_tokens: int = 16
     shutdown_grace_s: float = 5.0
 
@@ -45,7 +48,7 @@ class RouterConfig:
             raise ValueError(f"decode node addresses must be distinct, got {list(self.decode_nodes)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("health_interval_s", "health_timeout_s", "shutdown_grace_s"):
+        for name in ("health_interval_s", "health_timeout_s", "load_timeout_s", "shutdown_grace_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")

@@ -10,8 +10,9 @@ Everything here runs on the router's one asyncio event loop; nothing is shared w
 
 Tasks: `NodePool._poll_forever` (one task) polls every node each `health_interval_s`: a
 grpc.health.v1 Check of the whole server (""), then NodeService.GetNodeInfo for its load. A node
-whose Check fails or answers anything but SERVING leaves the rotation; it comes back at the first
-poll that answers SERVING. A call that finds a node unreachable takes it out at once (`mark_failed`).
+whose Check fails or answers anything but SERVING, or whose GetNodeInfo answers an error other than
+a missed deadline, leaves the rotation; it comes back at the first poll that succeeds. A call that
+finds a node unreachable takes it out at once (`mark_failed`).
 
 Load: a node's outstanding work is the larger of the router's own count (prompt + max tokens of the
 requests it has in flight there, estimated without a tokenizer) and the node's last reported
@@ -187,9 +188,14 @@ class NodePool:
             self._set_health(node, False, f"health check answered {status}")
             return
         try:
-            node.info = await node.node.GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=timeout)
-        except grpc.aio.AioRpcError as e:  # health is what decides; load is best effort
-            logger.debug("node=%s GetNodeInfo failed: %s: %s", node.address, e.code().name, e.details())
+            node.info = await node.node.GetNodeInfo(node_pb2.GetNodeInfoRequest(),
+                                                    timeout=self._config.load_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # slow under load is fine; broken is not
+                self._set_health(node, False, f"GetNodeInfo failed: {e.code().name}: {e.details()}")
+                return
+            logger.debug("node=%s GetNodeInfo slower than %.1f s; keeping its last load", node.address,
+                         self._config.load_timeout_s)
         self._set_health(node, True, "")
 
     def _set_health(self, node: DecodeNode, healthy: bool, reason: str) -> None:

@@ -47,6 +47,7 @@ class FakeDecode(generate_pb2_grpc.GenerateServiceServicer, node_pb2_grpc.NodeSe
         self.aborted: set[str] = set()
         self.running: dict[str, asyncio.Event] = {}
         self.progress: dict[str, int] = {}  # request id -> tokens sent
+        self.info_error: str | None = None  # GetNodeInfo raises RuntimeError(info_error) when set
 
     async def Generate(self, request, context):  # noqa: N802
         rid = request.request_id or "node-assigned"
@@ -90,6 +91,8 @@ class FakeDecode(generate_pb2_grpc.GenerateServiceServicer, node_pb2_grpc.NodeSe
         return generate_pb2.ListModelsResponse(models=[generate_pb2.ModelInfo(id="fake", max_context_length=64)])
 
     async def GetNodeInfo(self, request, context):  # noqa: N802
+        if self.info_error:
+            raise RuntimeError(self.info_error)
         return node_pb2.NodeInfo(node_id=self.node_id, role=node_pb2.NODE_ROLE_DECODE, model="fake")
 
 
@@ -279,6 +282,20 @@ def test_dead_node_leaves_rotation_and_returns_after_restart():
             with pytest.raises(ClientError) as err:
                 await rig.client.complete([1], params)
             assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+    run(go())
+
+
+def test_node_whose_get_node_info_fails_leaves_rotation():
+    async def go():
+        async with Rig() as rig:
+            rig.fakes[0].info_error = "engine thread is not running"
+            await until(lambda: not rig.router.pool.nodes[0].healthy, "node 0 out of rotation")
+            assert "engine thread is not running" in rig.router.pool.nodes[0].reason
+            results = await asyncio.gather(*(rig.client.complete([1]) for _ in range(3)))
+            assert {r.timings.decode_node for r in results} == {"fake-1"}
+            rig.fakes[0].info_error = None
+            await until(lambda: rig.router.pool.nodes[0].healthy, "node 0 back in rotation")
 
     run(go())
 
