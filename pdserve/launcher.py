@@ -11,7 +11,8 @@ SERVING: the prefill nodes (`python -m prefill_node`), the decode nodes (`python
 <every decode address>`). Each child writes stdout and stderr to `<log_dir>/<name>.log`. A child
 that exits or misses the startup deadline fails the start with its name and the tail of its log,
 and every other child is stopped. Stopping: SIGTERM to every child (router first), then SIGKILL
-to any still running after `stop_timeout_s`.
+to any still running after `stop_timeout_s`. On Linux a child also gets SIGTERM when the launcher
+dies (PR_SET_PDEATHSIG), so a killed test run leaves no orphans.
 
 Threads: none of its own. `Cluster` is driven by the caller's thread; `cmd_up` waits in the main
 thread for SIGINT/SIGTERM (or a child's unexpected exit).
@@ -199,6 +200,18 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+def _die_with_parent() -> None:
+    """Child side of fork (Linux): SIGTERM this child when the launcher dies, even by SIGKILL, so a
+    killed test run or `pdserve up` leaves no orphan nodes behind. (Tied to the thread that spawned
+    it: start clusters from a thread that outlives them.)"""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: children outlive a killed launcher
+        pass
+
+
 def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -285,7 +298,8 @@ class Cluster:
             log.write(f"$ {shlex.join(child.spec.argv)}\n".encode())
             log.flush()
             child.proc = subprocess.Popen(child.spec.argv, stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, env=_child_env(), start_new_session=True)
+                                          stderr=subprocess.STDOUT, env=_child_env(), start_new_session=True,
+                                          preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         finally:
             log.close()
         logger.info("started %s pid=%d on %s", name, child.proc.pid, child.spec.address)

@@ -209,6 +209,15 @@ class TestOnePrefillTwoDecode:
         assert cmd_generate_remote(args) == 0
         assert capsys.readouterr().out == "".join(json.loads(x)["text"] + "\n" for x in local.splitlines())
 
+        chat = ["generate", "--json", "--chat", "--max-tokens", "6", "--num-blocks", "64", "--threads", "1",
+                "What is 2+2?"]
+        assert main(chat) == 0
+        local = capsys.readouterr().out
+        args = build_parser().parse_args(chat)
+        args.url, args.timeout = cluster.url, 120.0
+        assert cmd_generate_remote(args) == 0
+        assert capsys.readouterr().out == local
+
     def test_killed_decode_node_leaves_rotation_and_comes_back(self, cluster, reference):
         cluster.kill("decode-1")
         with Client(cluster.url, timeout=120) as client:
