@@ -151,7 +151,7 @@ def check_greedy(url: str, reference: dict) -> list[str]:
 
 
 async def concurrent_streams(url: str, n: int) -> list[tuple[str, str, tuple[int, ...], str | None, str]]:
-    async with AsyncClient(url, timeout=300) as client:
+    async with AsyncClient(url, timeout=150) as client:
         async def one(i: int):
             prompt = PROMPTS[i % len(PROMPTS)]
             text, ids, finish, node = [], [], None, ""
@@ -183,7 +183,7 @@ class TestOnePrefillTwoDecode:
         assert_no_page_leak(cluster)
 
     def test_32_concurrent_streams_finish_right_spread_and_leak_nothing(self, cluster, reference):
-        results = asyncio.run(asyncio.wait_for(concurrent_streams(cluster.url, 32), 300))
+        results = asyncio.run(asyncio.wait_for(concurrent_streams(cluster.url, 32), 180))
         for prompt, text, ids, finish, _ in results:
             assert (text, ids, finish) == reference[prompt], prompt[:40]
         used = {node for *_, node in results}
@@ -249,7 +249,7 @@ class TestTwoPrefillOneDecode:
 
     def test_greedy_outputs_equal_the_single_process_engine(self, cluster, reference):
         check_greedy(cluster.url, reference)
-        results = asyncio.run(asyncio.wait_for(concurrent_streams(cluster.url, 8), 300))
+        results = asyncio.run(asyncio.wait_for(concurrent_streams(cluster.url, 8), 180))
         for prompt, text, ids, finish, _ in results:
             assert (text, ids, finish) == reference[prompt], prompt[:40]
         assert_no_page_leak(cluster)
