@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 from pdserve_api.servers import StatusError, UnavailableError
@@ -45,9 +45,15 @@ logger = logging.getLogger(__name__)
 
 ABORT_WAIT_S = 10.0        # AbortPrefill / deadline: how long to wait for in-flight writes to settle
 ENGINE_END_WAIT_S = 5.0    # after the release: how long to wait for the engine stream to end
-LOAD_WAIT_S = 0.5          # GetNodeInfo: how long to wait for a fresh load snapshot
+LOAD_WAIT_S = 0.2          # GetNodeInfo: how long to wait for a fresh load snapshot
 REMEMBERED_ABORTS = 4096   # ids aborted before (or after) their Prefill, refused with ABORTED
 REMEMBERED_PEERS = 4096    # decode-node fabric peers we have connected to
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """Done callback: mark a background task's exception as seen (it is reported elsewhere)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("background call failed: %s", task.exception())
 
 
 class AbortedError(StatusError):
@@ -123,6 +129,7 @@ class PrefillNode:
         self._aborted: OrderedDict[str, None] = OrderedDict()
         self._peers: OrderedDict[str, PeerDescriptor] = OrderedDict()   # engine_id -> connected peer
         self._closing = False
+        self._background: set[asyncio.Future] = set()
         self._last_load = LoadSnapshot()
         hooks = EngineHooks()
         self.engine = AsyncEngine(config.engine, hooks)
@@ -147,6 +154,7 @@ class PrefillNode:
         self.max_model_len: int = eng.max_model_len
         self.page_size: int = self.layout.page_size
         self.provider: str = self.fabric.provider
+        self._snapshot()   # nothing runs yet: a first value for `load`
         logger.info("prefill node %s: model %s, %d KV blocks of %d tokens, fabric %s",
                     self.node_id, self.model_name, eng.pool.num_usable_blocks, self.page_size, self.fabric)
 
@@ -222,14 +230,14 @@ class PrefillNode:
             async with asyncio.timeout(spec.deadline_s):
                 await job.released.wait()
         except TimeoutError:
-            self.sender.abort(rid)
+            self._abort_job(job)
             await self._wait_released(job, ABORT_WAIT_S)
             raise TimeoutError(f"request {rid}: prefill exceeded its deadline of {spec.deadline_s} s") from None
         except asyncio.CancelledError:
             # The caller went away (decode node cancelled or died): nothing more is posted; the
             # release follows once no write is in flight (S4, S5).
             logger.info("request %s: Prefill call cancelled by the caller; aborting its transfer", rid)
-            self.sender.abort(rid)
+            self._abort_job(job)
             raise
         return await self._outcome(job, spec)
 
@@ -284,6 +292,18 @@ class PrefillNode:
         if final is not None and final.error:
             raise RuntimeError(f"request {rid}: engine failed: {final.error}")
         raise AbortedError(f"request {rid}: prefill aborted")
+
+    def _abort_job(self, job: _Job) -> None:
+        """Stop posting for a job and stop computing it; its blocks stay held until the release."""
+        self.sender.abort(job.request_id)
+        task = asyncio.ensure_future(self._stop_engine(job))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(_retrieve)
+
+    async def _stop_engine(self, job: _Job) -> None:
+        await job.queued.wait()   # never abort before the add: the add would then run unchecked
+        await self.engine.abort(job.request_id)   # hold_blocks: the blocks stay until the release
 
     def _connect(self, peer: PeerDescriptor) -> None:
         if peer.engine_id in self._peers:
@@ -350,6 +370,8 @@ class PrefillNode:
         except KeyError:   # refused at add, or ended before it held anything
             logger.debug("request %s held no blocks", request_id)
             return 0
+        finally:
+            self._snapshot()
 
     def _on_schedule(self, sched: SchedulerOutput) -> None:
         """Engine thread: stamp each job's first scheduled chunk, then tell the sender (D6)."""
@@ -359,6 +381,7 @@ class PrefillNode:
             if job is not None and not job.first_scheduled:
                 job.first_scheduled = now
         self.sender.on_schedule(sched)
+        self._snapshot()
 
     # --- AbortPrefill (loop) -------------------------------------------------------------------
 
@@ -377,33 +400,33 @@ class PrefillNode:
         if job is None:
             logger.info("abort of %s: not in progress (unknown or finished); remembered", request_id)
             return True
-        self.sender.abort(request_id)
+        self._abort_job(job)
         await self._wait_released(job, timeout)
         return job.future.done()
 
     # --- load (loop, reads on the engine thread) -----------------------------------------------
 
     async def load(self) -> LoadSnapshot:
-        """A fresh load snapshot, or the last one if the engine thread is busy for long."""
-        task = asyncio.ensure_future(self.engine.call(self._snapshot))
+        """The load now: a fresh engine snapshot if the engine thread answers within LOAD_WAIT_S,
+        else the one it took before its current pass (at most one pass old)."""
+        try:
+            task = asyncio.ensure_future(self.engine.call(self._snapshot))
+        except EngineDeadError as e:
+            raise UnavailableError(f"prefill node {self.node_id}: engine stopped: {e}") from e
+        task.add_done_callback(_retrieve)
         try:
             snap = await asyncio.wait_for(asyncio.shield(task), LOAD_WAIT_S)
-        except TimeoutError:
-            task.add_done_callback(self._keep_snapshot)
-            return self._last_load
-        self._last_load = snap  # type: ignore[assignment]
-        return snap  # type: ignore[return-value]
-
-    def _keep_snapshot(self, task: asyncio.Future) -> None:
-        if not task.cancelled() and task.exception() is None:
-            self._last_load = task.result()
+        except TimeoutError:   # the shielded call still completes (and refreshes _last_load)
+            snap = self._last_load
+        return replace(snap, outstanding_requests=len(self._active))   # the loop's own count is exact
 
     def _snapshot(self) -> LoadSnapshot:
+        """Engine thread: count the engine's work and blocks, and keep the result for `load`."""
         eng = self.engine.engine
         s = eng.scheduler
         reqs = list(s.waiting) + list(s.running)
         tokens = sum(max(0, r.target_computed_tokens - r.num_computed_tokens) for r in reqs)
-        return LoadSnapshot(
+        self._last_load = LoadSnapshot(
             outstanding_requests=max(len(self._active), eng.num_unfinished_requests),
             outstanding_tokens=tokens,
             waiting_requests=len(s.waiting),
@@ -411,6 +434,7 @@ class PrefillNode:
             free_kv_blocks=eng.pool.num_free_blocks,
             total_kv_blocks=eng.pool.num_usable_blocks,
         )
+        return self._last_load
 
     # --- shutdown (loop) -----------------------------------------------------------------------
 
@@ -421,7 +445,7 @@ class PrefillNode:
         if jobs:
             logger.info("aborting %d in-flight prefills for shutdown", len(jobs))
         for job in jobs:
-            self.sender.abort(job.request_id)
+            self._abort_job(job)
         if jobs:
             done, pending = await asyncio.wait([asyncio.ensure_future(j.released.wait()) for j in jobs],
                                                timeout=timeout)

@@ -1,0 +1,383 @@
+"""The prefill node as a real process: gRPC Prefill into a decode engine's pages over libfabric.
+
+The test process plays the decode node: a remote-prefill engine, a fabric endpoint and a
+KvReceiver; it asks a `python -m prefill_node` subprocess to prefill, counts the writes, decodes,
+and checks the greedy output equals a plain generate (shm and tcp;ofi_rxm). Also: node info and
+load, aborts before the call (ABORTED, S5) and during it, bad input (INVALID_ARGUMENT, the node
+keeps serving, S6), a decode process killed mid-transfer (the node frees everything, S4), SIGTERM.
+Every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pdserve_api.convert import ticket_to_pb
+from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+from fabric import FabricConfig, TransferEngine
+from kv_messenger import ContextCodec, KvReceiver
+from kv_messenger.wiring import layout_of, register_kv
+from pdserve import LLM, SamplingParams
+from pdserve.engine import EngineHooks
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived " * 6]
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+START_TIMEOUT_S = 120
+CALL_TIMEOUT_S = 120
+
+
+class NodeProcess:
+    """A `python -m prefill_node` subprocess; its port comes from its serving line (--port 0)."""
+
+    def __init__(self, *extra: str) -> None:
+        self.stderr = tempfile.NamedTemporaryFile(prefix="prefill_node-", suffix=".log", delete=False)
+        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "prefill_node", "--host", "127.0.0.1", "--port", "0", "--num-blocks", "64",
+             "--threads", "1", "--max-batch-tokens", "32", *extra],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self.stderr, text=True)
+        self.lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.address = ""
+        self.channel: grpc.Channel | None = None
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+
+    def log(self) -> str:
+        return Path(self.stderr.name).read_text()[-4000:]
+
+    def wait_serving(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.address:
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"prefill node did not print its serving line in {START_TIMEOUT_S} s:\n{self.log()}")
+            if " serving on " in line:
+                self.address = line.split(" serving on ")[1].split()[0]
+        self.channel = grpc.insecure_channel(self.address)
+        health = health_pb2_grpc.HealthStub(self.channel)
+        while True:
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError as e:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"health check failed: {e}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"prefill node not SERVING:\n{self.log()}")
+            time.sleep(0.2)
+
+    @property
+    def prefill(self) -> prefill_pb2_grpc.PrefillServiceStub:
+        return prefill_pb2_grpc.PrefillServiceStub(self.channel)
+
+    def info(self) -> node_pb2.NodeInfo:
+        return node_pb2_grpc.NodeServiceStub(self.channel).GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=10)
+
+    def wait_idle(self, timeout: float = 20.0) -> node_pb2.NodeInfo:
+        """Poll until every KV block is free and nothing is outstanding."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.info()
+            if info.load.free_kv_blocks == info.load.total_kv_blocks and info.load.outstanding_requests == 0:
+                return info
+            if time.monotonic() > deadline:
+                pytest.fail(f"prefill node not idle after {timeout} s: {info.load}\n{self.log()}")
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.channel is not None:
+            self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            pytest.fail(f"prefill node did not exit within {timeout} s of SIGTERM:\n{self.log()}")
+        finally:
+            os.unlink(self.stderr.name)
+
+
+class DecodeSide:
+    """The decode node's half, in this process: remote-prefill engine, fabric endpoint, receiver."""
+
+    def __init__(self, provider: str) -> None:
+        self.blocks: dict[str, list[int]] = {}
+        hooks = EngineHooks(on_kv_wait=lambda r, blocks: self.blocks.__setitem__(r.request_id, blocks))
+        self.llm = LLM(num_blocks=128, hooks=hooks, num_threads=1)   # the machine is shared: no OpenMP spinning
+        self.engine = self.llm.engine
+        self.fab = TransferEngine(FabricConfig(provider=provider, node="127.0.0.1" if provider != "shm" else None))
+        self.ready: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.receiver = KvReceiver(self.fab, register_kv(self.fab, self.engine.kv_cache), layout_of(self.engine.kv_cache),
+                                   ContextCodec(self.engine.arch.hidden_size), on_ready=self.ready.put)
+        self.prompt_ids: dict[str, list[int]] = {}
+        self._expected: dict[str, tuple[int, ...]] | None = None
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        """A plain (colocated) greedy generate of PROMPTS on the same engine, computed once."""
+        if self._expected is None:
+            self._expected = {f"p{i}": c.token_ids for i, c in enumerate(self.llm.generate(PROMPTS, PARAMS))}
+        return self._expected
+
+    def admit(self, prompts: dict[str, str]) -> dict[str, prefill_pb2.PrefillRequest]:
+        """Admit remote-prefill requests (pages allocated) and build their Prefill calls."""
+        for rid, prompt in prompts.items():
+            self.prompt_ids[rid] = self.engine.tokenize(prompt)
+            self.engine.add_request(prompt, PARAMS, request_id=rid, remote_prefill=True)
+        self.engine.step()
+        calls = {}
+        for rid in prompts:
+            ids = self.prompt_ids[rid]
+            ticket = self.receiver.prepare(rid, len(ids), self.blocks.pop(rid))
+            calls[rid] = ticket_to_pb(ticket, token_ids=ids[:-1], peer=self.fab.peer_descriptor, model="",
+                                      deadline_s=None)
+        return calls
+
+    def decode(self, rids: set[str], timeout: float = CALL_TIMEOUT_S) -> dict[str, tuple[int, ...]]:
+        """Wait for every request's KV (the immediate-data count), then decode them to the end."""
+        deadline = time.monotonic() + timeout
+        pending = set(rids)
+        while pending:
+            try:
+                rid = self.ready.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"KV of {sorted(pending)} did not arrive in {timeout} s "
+                            f"(landed: {[self.receiver.landed(r) for r in sorted(pending)]})")
+            self.receiver.finish(rid)
+            self.engine.kv_ready(rid)
+            pending.discard(rid)
+        done = {}
+        while self.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            done.update({o.request_id: o.completion.token_ids for o in self.engine.step() if o.finished})
+        assert not self.engine.has_unfinished_requests()
+        self.engine.check_integrity()
+        return done
+
+    def abandon(self, rid: str) -> None:
+        """No write can land any more (the prefill node confirmed): free the request's pages."""
+        self.receiver.abandon(rid)
+        self.engine.kv_abandoned(rid, prefill_locally=False, error="test: prefill abandoned")
+        self.engine.check_integrity()
+
+    def close(self) -> None:
+        self.fab.close()
+
+
+def _disaggregated(node: NodeProcess, side: DecodeSide, tag: str) -> dict[str, tuple[int, ...]]:
+    calls = side.admit({f"{tag}{i}": p for i, p in enumerate(PROMPTS)})
+    futures = {rid: node.prefill.Prefill.future(call, timeout=CALL_TIMEOUT_S) for rid, call in calls.items()}
+    out = side.decode(set(calls))
+    for rid, fut in futures.items():
+        resp = fut.result(timeout=CALL_TIMEOUT_S)
+        assert resp.request_id == rid
+        assert resp.num_writes == calls[rid].expected_writes
+        assert resp.bytes_written > 0
+        t = resp.timings
+        assert t.queue_time_s >= 0 and t.compute_time_s > 0 and t.last_layer_to_completion_s >= 0
+    return {f"p{rid[len(tag):]}": ids for rid, ids in out.items()}
+
+
+@pytest.fixture(scope="module")
+def shm_node():
+    node = NodeProcess("--provider", "shm", "--node-id", "prefill-test-shm")
+    yield node
+    node.stop()
+
+
+@pytest.fixture(scope="module")
+def shm_side(shm_node):
+    side = DecodeSide("shm")   # loads while the node does
+    shm_node.wait_serving()
+    yield side
+    side.close()
+
+
+def test_prefill_over_shm_equals_colocated_generate(shm_node, shm_side):
+    info = shm_node.info()
+    assert info.role == node_pb2.NODE_ROLE_PREFILL and info.node_id == "prefill-test-shm"
+    assert info.model == shm_side.engine.source.name
+    assert info.num_layers == shm_side.engine.arch.num_layers
+    assert info.max_context_length == shm_side.engine.max_model_len
+    assert info.load.total_kv_blocks == 63 and info.load.page_size == 16 and info.fabric_peer
+    assert _disaggregated(shm_node, shm_side, "shm") == shm_side.expected()
+    info = shm_node.wait_idle(timeout=5)
+    assert info.load.waiting_requests == info.load.running_requests == info.load.outstanding_tokens == 0
+
+
+def test_abort_before_prefill_is_remembered(shm_node, shm_side):
+    assert shm_node.prefill.AbortPrefill(prefill_pb2.AbortPrefillRequest(request_id="ab0"), timeout=10).confirmed
+    call = shm_side.admit({"ab0": PROMPTS[0]})["ab0"]
+    with pytest.raises(grpc.RpcError) as e:
+        shm_node.prefill.Prefill(call, timeout=CALL_TIMEOUT_S)
+    assert e.value.code() == grpc.StatusCode.ABORTED, e.value.details()
+    assert shm_side.receiver.landed("ab0") == 0
+    shm_side.abandon("ab0")
+    # finished requests are confirmed too
+    assert shm_node.prefill.AbortPrefill(prefill_pb2.AbortPrefillRequest(request_id="shm0"), timeout=10).confirmed
+    shm_node.wait_idle(timeout=5)
+
+
+def test_abort_during_prefill(shm_node, shm_side):
+    call = shm_side.admit({"ab1": PROMPTS[1] * 3})["ab1"]
+    fut = shm_node.prefill.Prefill.future(call, timeout=CALL_TIMEOUT_S)
+    time.sleep(0.3)
+    resp = shm_node.prefill.AbortPrefill(prefill_pb2.AbortPrefillRequest(request_id="ab1"), timeout=30)
+    assert resp.confirmed
+    try:
+        fut.result(timeout=CALL_TIMEOUT_S)
+        finished = True               # it won the race: the KV is complete
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.ABORTED, e.details()
+        finished = False
+    if finished:
+        shm_side.decode({"ab1"})
+    else:
+        shm_side.abandon("ab1")
+    shm_node.wait_idle(timeout=10)
+
+
+def test_bad_input_is_rejected_and_the_node_keeps_serving(shm_node, shm_side):
+    calls = shm_side.admit({"bad0": PROMPTS[1]})
+    good = calls["bad0"]
+    vocab = shm_side.engine.arch.vocab_size
+
+    def variant(**changes) -> prefill_pb2.PrefillRequest:
+        req = prefill_pb2.PrefillRequest()
+        req.CopyFrom(good)
+        for name, value in changes.items():
+            field = getattr(req, name)
+            if hasattr(field, "extend"):
+                del field[:]
+                field.extend(value)
+            else:
+                setattr(req, name, value)
+        return req
+
+    bad = {
+        "empty token ids": (variant(token_ids=[]), "token_ids is empty"),
+        "token out of vocab": (variant(token_ids=[*good.token_ids[:-1], vocab + 5]), str(vocab + 5)),
+        "wrong page count": (variant(page_ids=good.page_ids[:-1]), "destination pages"),
+        "other model": (variant(model="no-such-model"), "no-such-model"),
+        "wrong expected writes": (variant(expected_writes=good.expected_writes + 1), "expected_writes"),
+    }
+    for what, (req, needle) in bad.items():
+        with pytest.raises(grpc.RpcError) as e:
+            shm_node.prefill.Prefill(req, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, e.value.details())
+        assert needle in e.value.details(), (what, e.value.details())
+    assert shm_side.receiver.landed("bad0") == 0
+    # still serving: the valid call succeeds and decodes like a plain generate
+    fut = shm_node.prefill.Prefill.future(good, timeout=CALL_TIMEOUT_S)
+    out = shm_side.decode({"bad0"})
+    assert fut.result(timeout=CALL_TIMEOUT_S).num_writes == good.expected_writes
+    assert out["bad0"] == shm_side.expected()["p1"]
+    shm_node.wait_idle(timeout=5)
+
+
+_DYING_DECODE = r"""
+import sys, time, grpc, torch
+from fabric import FabricConfig, TransferEngine
+from kv_messenger import ContextCodec, KvReceiver
+from kv_messenger.plan import KvLayout
+from pdserve.model.arch import ModelArch
+from pdserve.model.loader import load_config, resolve_model
+from pdserve_api.convert import ticket_to_pb
+from pdserve_api.v1 import prefill_pb2_grpc
+
+address, n, provider = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+arch = ModelArch.from_hf_config(load_config(resolve_model(None)))
+pages = 64
+buf = torch.zeros(arch.num_layers, 2, pages, arch.num_kv_heads, 16, arch.head_dim)
+fab = TransferEngine(FabricConfig(provider=provider, node="127.0.0.1" if provider != "shm" else None))
+region = fab.register(address=buf.data_ptr(), length=buf.numel() * buf.element_size())
+layout = KvLayout(arch.num_layers, pages, arch.num_kv_heads, 16, arch.head_dim, "float32")
+rx = KvReceiver(fab, region, layout, ContextCodec(arch.hidden_size), on_ready=lambda rid: None)
+ticket = rx.prepare("dying", n + 1, list(range(pages)))
+req = ticket_to_pb(ticket, token_ids=[(7 * i) % 1000 + 10 for i in range(n)], peer=fab.peer_descriptor,
+                   model="", deadline_s=None)
+fut = prefill_pb2_grpc.PrefillServiceStub(grpc.insecure_channel(address)).Prefill.future(req, timeout=120)
+print("sent", flush=True)
+while rx.landed("dying") == 0:
+    time.sleep(0.005)
+print("landing", flush=True)
+fut.result()
+"""
+
+
+def _kill_decode_mid_transfer(node: NodeProcess, provider: str) -> None:
+    """S4: a decode process dies while writes land; the prefill node stops, fails them, frees its pages."""
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    child = subprocess.Popen([sys.executable, "-c", _DYING_DECODE, node.address, "480", provider], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        threading.Thread(target=lambda: [lines.put(ln.strip()) for ln in child.stdout], daemon=True).start()
+        deadline = time.monotonic() + 60
+        seen = ""
+        while seen != "landing":
+            try:
+                seen = lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                child.kill()
+                pytest.fail(f"the decode child never saw a write land:\n{child.stderr.read()[-3000:]}")
+        load = node.info().load
+        assert load.outstanding_requests == 1 and load.free_kv_blocks < load.total_kv_blocks
+    finally:
+        child.kill()
+        child.wait(10)
+    node.wait_idle(timeout=30)
+
+
+def test_prefill_over_tcp_decode_death_and_sigterm():
+    node = NodeProcess("--provider", "tcp;ofi_rxm", "--fabric-node", "127.0.0.1")
+    side = DecodeSide("tcp;ofi_rxm")
+    try:
+        node.wait_serving()
+        assert _disaggregated(node, side, "tcp") == side.expected()
+        node.wait_idle(timeout=5)
+        _kill_decode_mid_transfer(node, "tcp;ofi_rxm")
+        # other decode nodes are still served
+        assert _disaggregated(node, side, "after") == side.expected()
+        node.wait_idle(timeout=5)
+        t0 = time.monotonic()
+        assert node.stop(timeout=15) == 0
+        assert time.monotonic() - t0 < 15
+    finally:
+        if node.proc.poll() is None:
+            node.proc.kill()
+            node.proc.wait(10)
+        side.close()
+
+
+def test_shm_decode_death_frees_everything(shm_node, shm_side):
+    """Last of the shm tests: after a shm peer dies mid-transfer the shm endpoint may stay wedged
+    for other peers (a fabric/provider limit, reported), so only the freeing is checked here."""
+    _kill_decode_mid_transfer(shm_node, "shm")
+
+
+def test_help_lists_the_flags():
+    out = subprocess.run([sys.executable, "-m", "prefill_node", "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert out.returncode == 0, out.stderr
+    for flag in ("--host", "--port", "--node-id", "--provider", "--fabric-node", "--log-level", "--model",
+                 "--num-blocks", "--max-batch-tokens", "--threads"):
+        assert flag in out.stdout
