@@ -69,7 +69,18 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+
+    async def watchdog() -> None:
+        # An engine thread that died cannot serve: say so to health checks (the router stops routing here).
+        while node.engine.is_running:
+            await asyncio.sleep(1.0)
+        logger.critical("decode node %s: engine thread is dead; reporting NOT_SERVING", node_id)
+        for name in ("", *names):
+            await health.set(name, 2)
+
+    watch = asyncio.create_task(watchdog())
     await stop.wait()
+    watch.cancel()
     logger.info("decode node %s shutting down", node_id)
     for name in ("", *names):
         await health.set(name, 2)  # NOT_SERVING

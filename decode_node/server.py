@@ -59,6 +59,7 @@ class DecodeNode:
         self.llm = self.engine.engine
         self.loop: asyncio.AbstractEventLoop | None = None
         self.transfers: dict[str, _Transfer] = {}
+        self.prefilled_on: dict[str, str] = {}   # request id -> prefill node address (for timings)
         self.fabric = self.receiver = self.pool = None
         if not colocated:
             from fabric import FabricConfig, TransferEngine
@@ -162,6 +163,7 @@ class DecodeNode:
                     return
                 tried.add(node.address)
                 t.node = node
+                self.prefilled_on[t.request_id] = node.address
                 ok, err = await self._prefill_on(node, t, ticket)
                 if ok:
                     return
@@ -301,15 +303,15 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     first = time.monotonic()
                 if out.finished:
                     now = time.monotonic()
-                    t = node.transfers.get(rid)
                     msg.timings.CopyFrom(generate_pb2.ServerTimings(
                         time_to_first_token_s=(first or now) - t0, e2e_time_s=now - t0,
                         decode_node=node.node_id,
-                        prefill_node=(t.node.address if t and t.node else ""),
+                        prefill_node=node.prefilled_on.pop(rid, ""),
                     ))
                 yield msg
         finally:
             await gen.aclose()
+            node.prefilled_on.pop(rid, None)
             t = node.transfers.get(rid)
             if t is not None and t.task is not None and not t.task.done() and not t.ready.is_set():
                 t.task.cancel()

@@ -89,10 +89,14 @@ class AsyncEngine:
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return  # the caller was cancelled while the command was queued
             try:
-                fut.set_result(fn())
+                result = fn()
             except BaseException as e:  # handed to the awaiting caller, not swallowed
                 fut.set_exception(e)
+            else:
+                fut.set_result(result)
 
         self.submit(run)
         return await asyncio.wrap_future(fut)
@@ -139,13 +143,24 @@ class AsyncEngine:
             logger.debug("dropping output for %s: its event loop is closed", out.request_id)
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException:
+            logger.critical("the engine thread died; failing every in-flight request", exc_info=True)
+            self._fail_all("the engine thread died")
+            raise
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             while True:
                 try:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                cmd()
+                try:
+                    cmd()
+                except Exception:  # a failed command must not take the engine down; it is logged
+                    logger.exception("engine command %r failed", cmd)
             if self.engine.has_schedulable_work():
                 try:
                     outputs = self.engine.step()

@@ -1,6 +1,7 @@
 """The `pdserve` command line.
 
-    pdserve generate [--model PATH] [--max-tokens N] [--temperature T] [--json] [--chat] PROMPT...
+    pdserve generate [--model PATH | --url HOST:PORT] [--max-tokens N] [--temperature T] [--json] [--chat] PROMPT...
+    pdserve up [--prefill N] [--decode M | --colocated M] [--port P]
     pdserve simulate --output-lengths 5,50,8,12,40,3,30,7 --slots 4 [--json]
 """
 
@@ -51,6 +52,10 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.url:
+        from pdserve.client import cmd_generate_remote
+
+        return cmd_generate_remote(args)
     from pdserve.engine import LLMEngine
     from pdserve.config import EngineConfig
     from pdserve.sampling_params import SamplingParams
@@ -131,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate completions for prompts on this machine, streaming to stdout")
+    g = sub.add_parser("generate", help="generate completions, streaming to stdout: on this machine, or on a cluster with --url")
     g.add_argument("prompts", nargs="+", metavar="PROMPT")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -144,7 +149,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true",
                    help='print one JSON object per prompt: {"text", "token_ids" (generated only), "finish_reason"}')
     add_engine_args(g)
+    from pdserve.client import add_remote_args
+
+    add_remote_args(g)
     g.set_defaults(func=_cmd_generate)
+
+    from pdserve.launcher import add_up_args, cmd_up
+
+    u = sub.add_parser("up", help="start a local cluster (router, prefill and decode nodes) and serve until Ctrl-C")
+    add_up_args(u)
+    u.set_defaults(func=cmd_up)
 
     s = sub.add_parser("simulate", help="run the real scheduler without a model: static vs continuous batching")
     s.add_argument("--output-lengths", default="5,50,8,12,40,3,30,7", help="comma-separated output lengths")
