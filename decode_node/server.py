@@ -60,6 +60,7 @@ class DecodeNode:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.transfers: dict[str, _Transfer] = {}
         self.prefilled_on: dict[str, str] = {}   # request id -> prefill node address (for timings)
+        self.transfer_times: dict[str, tuple[float, float, float]] = {}  # rid -> (call start, prefill s, tail s)
         self.fabric = self.receiver = self.pool = None
         if not colocated:
             from fabric import FabricConfig, TransferEngine
@@ -189,9 +190,14 @@ class DecodeNode:
     async def _prefill_on(self, node: PrefillNode, t: _Transfer, ticket) -> tuple[bool, str]:
         req = ticket_to_pb(ticket, t.token_ids, self.fabric.peer_descriptor, "", self.prefill_timeout_s)
         node.sent_tokens += len(t.token_ids)
+        call_start = time.monotonic()
         try:
-            await node.prefill.Prefill(req, timeout=self.prefill_timeout_s)
+            resp = await node.prefill.Prefill(req, timeout=self.prefill_timeout_s)
             await asyncio.wait_for(t.ready.wait(), timeout=10.0)  # writes delivered: the count follows
+            # Prefill-side time from receipt to the last layer done; the rest until the count
+            # completed here is the transfer tail (loopback RPC latency included, ~0.1 ms).
+            prefill_s = resp.timings.queue_time_s + resp.timings.compute_time_s
+            self.transfer_times[t.request_id] = (call_start, prefill_s, t.ready_time - call_start - prefill_s)
             return True, ""
         except grpc.aio.AioRpcError as e:
             if t.ready.is_set():
@@ -303,7 +309,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                     first = time.monotonic()
                 if out.finished:
                     now = time.monotonic()
+                    call_start, prefill_s, tail_s = node.transfer_times.pop(rid, (t0, 0.0, 0.0))
                     msg.timings.CopyFrom(generate_pb2.ServerTimings(
+                        queue_time_s=call_start - t0, prefill_time_s=prefill_s + tail_s, kv_transfer_time_s=tail_s,
                         time_to_first_token_s=(first or now) - t0, e2e_time_s=now - t0,
                         decode_node=node.node_id,
                         prefill_node=node.prefilled_on.pop(rid, ""),
@@ -312,6 +320,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         finally:
             await gen.aclose()
             node.prefilled_on.pop(rid, None)
+            node.transfer_times.pop(rid, None)
             t = node.transfers.get(rid)
             if t is not None and t.task is not None and not t.task.done() and not t.ready.is_set():
                 t.task.cancel()
