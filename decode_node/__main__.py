@@ -56,8 +56,8 @@ async def serve(args: argparse.Namespace) -> None:
     bound = server.add_insecure_port(f"{args.host}:{args.port}")
     if bound == 0:
         raise SystemExit(f"decode node: cannot bind {args.host}:{args.port}")
+    await node.start()  # the loop and the prefill pool exist before the first request can arrive
     await server.start()
-    await node.start()
     for name in ("", *names):
         await health.set(name, 1)  # SERVING
     mode = "colocated" if args.colocated else f"prefill nodes {', '.join(prefill)}, provider {node.fabric.provider}"
