@@ -32,6 +32,7 @@ class PrefillNode:
     reported_tokens: int = 0              # outstanding tokens the node reports
     sent_tokens: int = 0                  # tokens this decode node has in flight there
     down_since: float | None = None
+    down_reason: str = ""
     node_id: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -70,6 +71,11 @@ class PrefillPool:
         if node.down_since is None:
             logger.warning("prefill node %s marked down: %s", node.address, why)
         node.down_since = time.monotonic()
+        node.down_reason = why
+
+    def describe_down(self) -> str:
+        """'ADDR (down: why)' for every node currently out of rotation."""
+        return "; ".join(f"{n.address} (down: {n.down_reason})" for n in self.nodes if n.down_since is not None)
 
     def choose(self, exclude: set[str] = frozenset()) -> PrefillNode | None:
         """The up node with the least outstanding prompt tokens (down nodes are retried after a while)."""

@@ -158,7 +158,8 @@ class DecodeNode:
             while True:
                 node = self.pool.choose(exclude=tried)
                 if node is None:
-                    msg = f"no prefill node could prefill request {t.request_id}: " + "; ".join(errors or ["none up"])
+                    why = "; ".join(errors) or self.pool.describe_down() or "no prefill node configured"
+                    msg = f"no prefill node could prefill request {t.request_id}: {why}"
                     logger.warning(msg)
                     self.engine.submit(lambda: self._abandoned(t.request_id, msg, self.local_prefill_fallback))
                     return
