@@ -54,6 +54,19 @@ class TransferTarget:
     num_prefill_tokens: int        # prompt tokens minus the last (D17)
 
 
+def check_target(target: TransferTarget, layout: KvLayout) -> None:
+    """Raise ValueError naming the value if a node with `layout` cannot write `target`'s pages."""
+    target.layout.compatible_with(layout)
+    rid, n = target.request_id, target.num_prefill_tokens
+    pages = -(-n // layout.page_size)
+    if len(target.dst_pages) != pages:
+        raise ValueError(f"request {rid}: {len(target.dst_pages)} destination pages for {n} tokens "
+                         f"(page size {layout.page_size} needs {pages})")
+    out = [p for p in target.dst_pages if not 0 <= p < target.layout.num_pages]
+    if out:
+        raise ValueError(f"request {rid}: destination page ids outside [0, {target.layout.num_pages}): {out[:5]}")
+
+
 @dataclass(frozen=True)
 class TransferResult:
     request_id: str
@@ -125,14 +138,7 @@ class KvSender:
     # --- requests ------------------------------------------------------------------------------
 
     def add(self, target: TransferTarget) -> concurrent.futures.Future:
-        target.layout.compatible_with(self.layout)
-        n_pages = -(-target.num_prefill_tokens // self.layout.page_size)
-        if len(target.dst_pages) != n_pages:
-            raise ValueError(f"request {target.request_id}: {len(target.dst_pages)} destination pages for "
-                             f"{target.num_prefill_tokens} tokens (needs {n_pages})")
-        bad = [p for p in target.dst_pages if not 0 <= p < target.layout.num_pages]
-        if bad:
-            raise ValueError(f"request {target.request_id}: destination pages out of range: {bad[:5]}")
+        check_target(target, self.layout)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if target.request_id in self._transfers:

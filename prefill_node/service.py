@@ -34,6 +34,7 @@ from pdserve_api.servers import StatusError, UnavailableError
 from fabric import FabricConfig, FabricError, PeerDescriptor, TransferEngine
 from kv_messenger import ContextCodec, KvSender, ShardingScheme, TransferResult, TransferTarget, expected_writes
 from kv_messenger.wiring import layout_of, register_kv
+from kv_messenger.sender import check_target
 from pdserve.async_engine import AsyncEngine, EngineDeadError
 from pdserve.config import EngineConfig
 from pdserve.engine import EngineHooks
@@ -189,16 +190,9 @@ class PrefillNode:
         if spec.peer.provider != self.provider:
             raise ValueError(f"request {rid}: decode node's fabric provider {spec.peer.provider!r} differs "
                              f"from this node's {self.provider!r}")
-        self.layout.compatible_with(t.layout)
         if t.num_prefill_tokens != n:
             raise ValueError(f"request {rid}: target covers {t.num_prefill_tokens} tokens, request has {n}")
-        pages = -(-n // self.page_size)
-        if len(t.dst_pages) != pages:
-            raise ValueError(f"request {rid}: {len(t.dst_pages)} destination pages for {n} tokens "
-                             f"(page size {self.page_size} needs {pages})")
-        out = [p for p in t.dst_pages if not 0 <= p < t.layout.num_pages]
-        if out:
-            raise ValueError(f"request {rid}: destination page ids outside [0, {t.layout.num_pages}): {out[:5]}")
+        check_target(t, self.layout)
         want = expected_writes(n, self.layout, ShardingScheme(), ShardingScheme())
         if t.expected_writes != want:
             raise ValueError(f"request {rid}: expected_writes={t.expected_writes} but this node will post {want}")
