@@ -37,6 +37,7 @@ from pdserve.sampling.sampler import SampleLogprobs, Sampler
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import SchedulerOutput, make_scheduler
 from pdserve.sizing import size_pool
+from pdserve.stats import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_forward_tokens = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_generated_tokens = 0
+        self.num_soft_resets = 0
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -250,6 +254,9 @@ class LLMEngine:
     def _update(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
         self.num_steps += 1
         self.num_forward_tokens += sched.num_batched_tokens
+        self.num_soft_resets += len(sched.preempted)
+        self.num_prompt_tokens_computed += sum(
+            max(0, min(c.end, c.request.num_prompt_tokens) - c.start) for c in sched.chunks)
         sampling_chunks = [c for c in sched.chunks if c.samples]
         sampled = None
         if sampling_chunks:
@@ -276,6 +283,7 @@ class LLMEngine:
             token = sampled.token_ids[k]
             lp = sampled.logprobs[k]
             k += 1
+            self.num_generated_tokens += 1
             results.append(self._append_token(tracked, token, lp))
         return results
 
@@ -372,6 +380,28 @@ class LLMEngine:
                f"but only {self.pool.num_free_blocks} exist")
         logger.error(msg)
         return [self._finish(tracked, FinishReason.ERROR, new_ids=(), delta="", error=msg)]
+
+    def metrics(self) -> EngineMetrics:
+        """A snapshot of the engine's gauges and counters (call from the engine thread, or accept
+        a snapshot that may straddle one step when called from another thread)."""
+        s = self.scheduler
+        return EngineMetrics(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_waiting_for_kv=len(s.waiting_for_kv),
+            num_offloaded=0,
+            total_blocks=self.pool.num_usable_blocks,
+            free_blocks=self.pool.num_free_blocks,
+            cached_blocks=0,
+            kv_cache_usage=self.pool.usage,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            num_offloads=0,
+            num_soft_resets=self.num_soft_resets,
+            num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+            num_generated_tokens=self.num_generated_tokens,
+            num_steps=self.num_steps,
+        )
 
     def check_integrity(self) -> None:
         """free + used == total and every block is held by exactly the requests that hold it."""

@@ -39,7 +39,15 @@ class KVCacheManager:
         self._tables.setdefault(request.request_id, []).extend(new)
         return new
 
-    def block_table(self, request_id: str) -> list[int]:
+    # Attention groups: layers of one kind share one block table per request. A full-attention
+    # model has the one group "full"; a hybrid model (issue 4) adds "sliding", whose tables keep
+    # logical indexing (entry i covers positions [i*P, (i+1)*P)) with recycled entries pointing
+    # at the padding block.
+    group_names: tuple[str, ...] = ("full",)
+
+    def block_table(self, request_id: str, group: str = "full") -> list[int]:
+        if group not in self.group_names:
+            raise KeyError(f"unknown attention group {group!r}; this cache has {self.group_names}")
         return self._tables.get(request_id, [])
 
     def has(self, request_id: str) -> bool:

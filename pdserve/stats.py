@@ -1,0 +1,36 @@
+"""A point-in-time snapshot of one engine's counters, for the servers to export (R5).
+
+The engine thread owns every counter; `Engine.metrics()` copies them into this frozen dataclass so
+that a server thread can read a consistent snapshot without touching engine state. Counters are
+monotonic since the engine started; gauges describe the moment of the snapshot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    # gauges
+    num_running: int                 # requests in the running set (prefilling or decoding)
+    num_waiting: int                 # requests queued for admission (incl. soft-reset ones)
+    num_waiting_for_kv: int          # admitted, their prompt KV is arriving from elsewhere
+    num_offloaded: int               # requests whose KV sits in the CPU swap pool
+    total_blocks: int                # usable blocks of the pool (padding blocks excluded)
+    free_blocks: int                 # blocks never used or evicted: handed out first
+    cached_blocks: int               # freed blocks that keep content for the prefix cache
+    kv_cache_usage: float            # used / total, in [0, 1]
+    # counters (monotonic)
+    prefix_cache_queries: int        # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int           # of those, tokens whose KV was reused
+    num_offloads: int                # requests moved to the CPU swap pool
+    num_soft_resets: int             # requests preempted by freeing their blocks (recompute later)
+    num_prompt_tokens_computed: int  # prompt tokens run through forward passes
+    num_generated_tokens: int        # tokens sampled
+    num_steps: int                   # forward passes
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hit tokens / queried tokens; 0 before any lookup."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
