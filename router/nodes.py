@@ -1,10 +1,10 @@
-"""The router's view of its decode nodes: health, load, and the least-loaded choice (R3).
+"""The router's view of its decode nodes: health, load, and the choice of a node (R3).
 
 Everything here runs on the router's one asyncio event loop; nothing is shared with other threads.
 
-    pool = NodePool(config)
+    pool = NodePool(config)           # the routing policy: RoutingConfig, see router/policy.py
     await pool.start()                # channels, one poll round, then the poller task
-    node = pool.pick()                # least outstanding work among healthy nodes, or UnavailableError
+    node, route = pool.route(request) # the policy's choice among healthy nodes, or UnavailableError
     node.begin(request_id, work) ... node.end(request_id)
     await pool.close()
 
@@ -12,11 +12,13 @@ Tasks: `NodePool._poll_forever` (one task) polls every node each `health_interva
 grpc.health.v1 Check of the whole server (""), then NodeService.GetNodeInfo for its load. A node
 whose Check fails or answers anything but SERVING, or whose GetNodeInfo answers an error other than
 a missed deadline, leaves the rotation; it comes back at the first poll that succeeds. A call that
-finds a node unreachable takes it out at once (`mark_failed`).
+finds a node unreachable takes it out at once (`mark_failed`). A node that leaves the rotation is
+forgotten by the routing policy (a restarted node has lost its prefix cache).
 
 Load: a node's outstanding work is the larger of the router's own count (prompt + max tokens of the
 requests it has in flight there, estimated without a tokenizer) and the node's last reported
-`NodeLoad.outstanding_tokens` (which also counts work other routers sent). Ties go round-robin.
+`NodeLoad.outstanding_tokens` (which also counts work other routers sent). The policy sees it as
+`Candidate.load`; ties go to fewer requests in flight, then round-robin (`Candidate.rank`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve_api.servers import UnavailableError
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc
 
+from pdserve.metrics import router_metrics
+from pdserve.prefix_index import Candidate
 from router.config import RouterConfig
+from router.policy import Route, RoutingConfig, RoutingPolicy, make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +109,14 @@ class NodePool:
     """The decode nodes, their health and load; `pick` chooses where a request goes."""
 
     def __init__(self, config: RouterConfig,
-                 on_health_change: Callable[[bool], object] | None = None) -> None:
+                 on_health_change: Callable[[bool], object] | None = None,
+                 routing: RoutingConfig | None = None) -> None:
         self._config = config
         self.nodes = [DecodeNode(address, i) for i, address in enumerate(config.decode_nodes)]
+        # The policy: `routing`, else RouterConfig.routing where the config has one, else least-loaded.
+        self.policy: RoutingPolicy = make_policy(routing or getattr(config, "routing", None) or RoutingConfig())
         self._on_health_change = on_health_change
+        self._by_address = {n.address: n for n in self.nodes}
         self._turn = 0
         self._task: asyncio.Task[None] | None = None
         self._any_healthy: bool | None = None
@@ -138,17 +147,34 @@ class NodePool:
         return [n for n in self.nodes if n.healthy]
 
     def pick(self, exclude: Sequence[DecodeNode] = ()) -> DecodeNode:
-        """The healthy node with the least outstanding work (then fewest requests; ties round-robin).
+        """The healthy node with the least outstanding work (then fewest requests; ties round-robin),
+        whatever the policy. Raises UnavailableError naming every node and why it is out when none is healthy.
+        """
+        best = min(self._candidates(exclude), key=lambda c: (c.load, c.rank))
+        return self._by_address[best.key]
+
+    def route(self, request: generate_pb2.GenerateRequest,
+              exclude: Sequence[DecodeNode] = ()) -> tuple[DecodeNode, Route]:
+        """The policy's choice for `request` among healthy nodes not in `exclude`, recorded as sent.
 
         Raises UnavailableError naming every node and why it is out when none is healthy.
         """
-        candidates = [n for n in self.healthy() if n not in exclude]
-        if not candidates:
+        route = self.policy.choose(request, self._candidates(exclude))
+        node = self._by_address[route.address]
+        self.policy.sent(route)
+        router_metrics().routed.labels(node=node.node_id, reason=route.reason).inc()
+        return node, route
+
+    def _candidates(self, exclude: Sequence[DecodeNode]) -> list[Candidate]:
+        """Healthy nodes not in `exclude` as the policy sees them; rank orders fewer requests in flight
+        first, then round-robin from this call's turn."""
+        nodes = [n for n in self.healthy() if n not in exclude]
+        if not nodes:
             raise UnavailableError(self.unavailable_message())
         n = len(self.nodes)
         turn = self._turn
         self._turn += 1
-        return min(candidates, key=lambda d: (d.outstanding_tokens, len(d.inflight), (d.index - turn) % n))
+        return [Candidate(d.address, d.outstanding_tokens, len(d.inflight) * n + (d.index - turn) % n) for d in nodes]
 
     def unavailable_message(self) -> str:
         states = "; ".join(f"{n.address}: {n.reason or 'healthy'}" for n in self.nodes)
@@ -203,5 +229,7 @@ class NodePool:
             logger.info("node=%s node_id=%s back in rotation", node.address, node.node_id)
         elif not healthy and (node.healthy or node.reason == "not polled yet"):
             logger.warning("node=%s out of rotation: %s", node.address, reason)
+        if not healthy and node.healthy:
+            self.policy.forget(node.address)
         node.healthy = healthy
         node.reason = reason

@@ -2,8 +2,9 @@
 
 Runs on the router's asyncio event loop; each Generate call is one grpc.aio handler task.
 
-- Generate: assigns `router-<uuid>` when request_id is empty, picks the least-loaded healthy node,
-  forwards the request and streams every response back unchanged. A node found unreachable before
+- Generate: assigns `router-<uuid>` when request_id is empty, asks the pool's routing policy for a
+  healthy node (least-loaded or prefix-aware, router/policy.py), forwards the request and streams
+  every response back unchanged. A node found unreachable before
   it answered anything (UNAVAILABLE) is taken out and the request goes to the next node. Any other
   downstream status is re-raised and keeps its code (the server's AioExceptionToStatusInterceptor
   maps a grpc.RpcError to its own code). A failure after the stream started ends the stream with a
@@ -13,7 +14,12 @@ Runs on the router's asyncio event loop; each Generate call is one grpc.aio hand
   every healthy node (it may have come through another router).
 - ListModels: the first healthy node that answers.
 
-Logs carry request ids, nodes and sizes, never prompt text.
+Metrics (pdserve.metrics, R5): TTFT, inter-token gaps and E2E latency as the client sees them
+through the router (from the call's arrival, retries included), request_success_total by finish
+reason, labelled with the serving node's model; router_request_errors_total by status code for
+calls that failed before streaming.
+
+Logs carry request ids (on every line of a call), nodes and sizes, never prompt text.
 """
 
 from __future__ import annotations
@@ -29,10 +35,16 @@ import grpc
 from pdserve_api.servers import UnavailableError
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
 
+from pdserve.logs import bind_request_id
+from pdserve.metrics import RequestTimer, request_metrics, router_metrics
 from router.config import RouterConfig
 from router.nodes import DecodeNode, NodePool, estimate_work
 
 logger = logging.getLogger(__name__)
+
+
+_REASONS = {generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_LENGTH: "length",
+            generate_pb2.FINISH_REASON_ABORT: "abort", generate_pb2.FINISH_REASON_ERROR: "error"}
 
 
 def new_request_id() -> str:
@@ -54,36 +66,53 @@ class RouterGenerateService(generate_pb2_grpc.GenerateServiceServicer):
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        timer = RequestTimer(request_metrics())
         if not request.request_id:
             request.request_id = new_request_id()
         rid = request.request_id
+        bind_request_id(rid)  # this handler task serves one request: every line it logs names it
         if rid in self._running:
             raise ValueError(f"request_id {rid!r} is already running (on {self._running[rid].address}); "
                              "ids must be unique among running requests")
         work = estimate_work(request, self._config.default_max_tokens)
         tried: list[DecodeNode] = []
-        while True:
-            node = self._pool.pick(exclude=tried)
-            tried.append(node)
-            retry = False
-            async with contextlib.aclosing(self._forward(node, request, work, context)) as stream:
-                async for item in stream:
-                    if item is None:  # unreachable before answering: try the next node
-                        retry = True
-                        break
-                    yield item
-            if not retry:
-                return
+        failed = False
+        try:
+            while True:
+                node, route = self._pool.route(request, exclude=tried)
+                tried.append(node)
+                timer.model_name = node.info.model if node.info is not None else ""
+                retry = False
+                async with contextlib.aclosing(self._forward(node, request, work, context, route.reason,
+                                                             timer)) as stream:
+                    async for item in stream:
+                        if item is None:  # unreachable before answering: try the next node
+                            retry = True
+                            break
+                        yield item
+                if not retry:
+                    return
+        except grpc.aio.AioRpcError as e:
+            failed = True
+            router_metrics().rejected.labels(code=e.code().name).inc()
+            raise
+        except UnavailableError:
+            failed = True
+            router_metrics().rejected.labels(code=grpc.StatusCode.UNAVAILABLE.name).inc()
+            raise
+        finally:
+            if not failed:
+                timer.finish("abort")  # cut short (the client went away); a no-op once finished
 
     async def _forward(
         self, node: DecodeNode, request: generate_pb2.GenerateRequest, work: int,
-        context: grpc.aio.ServicerContext,
+        context: grpc.aio.ServicerContext, reason: str, timer: RequestTimer,
     ) -> AsyncIterator[generate_pb2.GenerateResponse | None]:
         """Stream one attempt on `node`; yields a lone None when the node was unreachable up front."""
         rid = request.request_id
         assert node.generate is not None
-        logger.info("generate request_id=%s node=%s prompt=%s est_tokens=%d inflight=%d",
-                    rid, node.address, request.WhichOneof("prompt"), work, len(node.inflight))
+        logger.info("generate request_id=%s node=%s route=%s prompt=%s est_tokens=%d inflight=%d",
+                    rid, node.address, reason, request.WhichOneof("prompt"), work, len(node.inflight))
         self._running[rid] = node
         node.begin(rid, work)
         start = time.monotonic()
@@ -93,11 +122,14 @@ class RouterGenerateService(generate_pb2_grpc.GenerateServiceServicer):
         try:
             async for response in call:
                 sent += 1
+                timer.tokens(len(response.token_ids))
                 if response.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
                     finish = generate_pb2.FinishReason.Name(response.finish_reason)
+                    timer.finish(_REASONS.get(response.finish_reason, "error"))
                 yield response
             if sent == 0:
                 finish = "empty stream"
+            timer.finish("error")  # a no-op after a final message; the node ended without one otherwise
         except grpc.aio.AioRpcError as e:
             code, details = e.code(), e.details()
             if sent == 0 and code == grpc.StatusCode.UNAVAILABLE:
@@ -115,6 +147,7 @@ class RouterGenerateService(generate_pb2_grpc.GenerateServiceServicer):
             finish = f"ERROR ({code.name})"
             logger.warning("request_id=%s node=%s failed after %d messages: %s: %s",
                            rid, node.address, sent, code.name, details)
+            timer.finish("error")
             yield generate_pb2.GenerateResponse(
                 request_id=rid, finish_reason=generate_pb2.FINISH_REASON_ERROR,
                 error=f"decode node {node.address} failed mid-stream: {code.name}: {details}")

@@ -1,8 +1,5 @@
-"""Prometheus metrics of one pdserve process (R5).
-
-Every process (router, prefill node, decode node) keeps its metrics in one registry, `REGISTRY`;
-`render()` returns the text exposition that a `/metrics` endpoint serves.
-"""
+"""The process registry: every process (router, prefill node, decode node) keeps its metrics in `REGISTRY`;
+`render()` returns the text exposition that a `/metrics` endpoint serves."""
 
 from __future__ import annotations
 
