@@ -1,4 +1,5 @@
-"""`python -m router --host H --port P --decode HOST:PORT[,HOST:PORT...]`: run a router until SIGTERM."""
+"""`python -m router --host H --port P [--http-port P] --decode HOST:PORT[,HOST:PORT...]`: run a router
+until SIGTERM. Without --http-port it serves gRPC only."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 from collections.abc import Sequence
 
 from router.config import RouterConfig
+from router.http_api import HttpConfig
+from router.limits import RequestLimits
 
 logger = logging.getLogger("router")
 
@@ -17,6 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 "calls to the least-loaded healthy decode node.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=50051, help="port to listen on (0: any free port)")
+    p.add_argument("--http-port", type=int, default=None, metavar="P",
+                   help="also serve the OpenAI-compatible HTTP API on this port (0: any free port, printed; "
+                        "default: no HTTP API)")
+    p.add_argument("--max-prompt-bytes", type=int, default=RequestLimits.max_prompt_bytes, metavar="N",
+                   help="refuse prompts larger than N bytes before tokenizing them "
+                        f"(default {RequestLimits.max_prompt_bytes})")
     p.add_argument("--decode", required=True, metavar="HOST:PORT[,HOST:PORT...]",
                    help="decode (or colocated) nodes to forward to")
     p.add_argument("--health-interval", type=float, default=1.0, metavar="S",
@@ -35,12 +44,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = RouterConfig(host=args.host, port=args.port, decode_nodes=args.decode,
                               health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
                               load_timeout_s=args.load_timeout)
+        http = HttpConfig(host=args.host, port=args.http_port) if args.http_port is not None else None
+        limits = RequestLimits(max_prompt_bytes=args.max_prompt_bytes)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from router.server import run
 
-    return run(config)
+    return run(config, http, limits)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,20 @@
-"""The router's gRPC server: GenerateService (forwarding) + grpc.health.v1 + reflection (R1).
+"""The router's servers: gRPC (GenerateService, grpc.health.v1, reflection; R1) and, when asked,
+the OpenAI-compatible HTTP API (R2), both on one asyncio event loop.
 
-    server = RouterServer(RouterConfig(port=0, decode_nodes=("127.0.0.1:50061",)))
-    port = await server.start()
+    server = RouterServer(RouterConfig(port=0, decode_nodes=("127.0.0.1:50061",)),
+                          http=HttpConfig(port=0))          # http=None: gRPC only
+    port = await server.start()                             # server.http_port: the HTTP port
     ...
     await server.stop()
 
-One asyncio event loop runs everything: the grpc.aio server's handler tasks and the NodePool's
-poller task. Health: the whole server ("") is SERVING while the router runs; the GenerateService
-entry is SERVING only while at least one decode node is healthy (a readiness probe can watch it).
-`run(config)` serves until SIGTERM or SIGINT, then stops gracefully and returns 0.
+One asyncio event loop runs everything: the grpc.aio server's handler tasks, the aiohttp server's
+handler tasks and the NodePool's poller task. Both APIs go through one RouterFront (router.front):
+requests checked against `limits` (router.limits), then forwarded (router.service). Health: the
+whole server ("") is SERVING while the router runs, and only once the HTTP API (if any) listens;
+the GenerateService entry is SERVING only while at least one decode node is healthy (a readiness
+probe can watch it). The gRPC server accepts messages up to `limits.max_message_bytes`, so that a
+too-large prompt gets INVALID_ARGUMENT naming its size rather than a transport error.
+`run(config, http, limits)` serves until SIGTERM or SIGINT, then stops gracefully and returns 0.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ from pdserve_api.servers import AioExceptionToStatusInterceptor, add_standard_se
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
 
 from router.config import RouterConfig
+from router.front import RouterFront
+from router.http_api import HttpApi, HttpConfig
+from router.limits import RequestLimits
 from router.nodes import NodePool
 from router.service import RouterGenerateService
 
@@ -34,18 +43,28 @@ GENERATE_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].f
 class RouterServer:
     """A started router: `start()` binds and serves, `stop()` drains and closes."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, http: HttpConfig | None = None,
+                 limits: RequestLimits | None = None) -> None:
         self.config = config
+        self.limits = limits or RequestLimits()
         self.pool = NodePool(config, on_health_change=self._on_health_change)
         self.service = RouterGenerateService(config, self.pool)
+        self.front = RouterFront(self.service, self.pool, self.limits)
+        self.http = HttpApi(self.front, http, self.limits, config.shutdown_grace_s) if http is not None else None
         self._server: grpc.aio.Server | None = None
         self._health = None
         self.port: int | None = None
 
+    @property
+    def http_port(self) -> int | None:
+        """The HTTP API's bound port (None without an HTTP API or before start)."""
+        return self.http.port if self.http is not None else None
+
     async def start(self) -> int:
-        """Bind, register services, poll the nodes once, serve; returns the bound port."""
-        server = grpc.aio.server(interceptors=[AioExceptionToStatusInterceptor()])
-        generate_pb2_grpc.add_GenerateServiceServicer_to_server(self.service, server)
+        """Bind, register services, poll the nodes once, serve; returns the bound gRPC port."""
+        options = [("grpc.max_receive_message_length", self.limits.max_message_bytes)]
+        server = grpc.aio.server(interceptors=[AioExceptionToStatusInterceptor()], options=options)
+        generate_pb2_grpc.add_GenerateServiceServicer_to_server(self.front, server)
         self._health = await add_standard_services_aio(server, [GENERATE_SERVICE], serving=False)
         port = server.add_insecure_port(self.config.listen_address)
         if port == 0:
@@ -53,8 +72,11 @@ class RouterServer:
         self._server, self.port = server, port
         await self.pool.start()
         await server.start()
+        if self.http is not None:
+            await self.http.start()
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
-        logger.info("router serving on %s:%d, decode nodes %s (%d healthy)", self.config.host, port,
+        http = f", HTTP on http://{self.http.config.host}:{self.http.port}/v1" if self.http is not None else ""
+        logger.info("router serving on %s:%d%s, decode nodes %s (%d healthy)", self.config.host, port, http,
                     ",".join(self.config.decode_nodes), len(self.pool.healthy()))
         return port
 
@@ -71,9 +93,13 @@ class RouterServer:
         grace = self.config.shutdown_grace_s if grace is None else grace
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
+        stopping = []
+        if self.http is not None:
+            stopping.append(self.http.stop())
         if self._server is not None:
-            await self._server.stop(grace)
+            stopping.append(self._server.stop(grace))
             self._server = None
+        await asyncio.gather(*stopping)
         await self.pool.close()
         logger.info("router stopped")
 
@@ -82,7 +108,8 @@ class RouterServer:
             await self._server.wait_for_termination()
 
 
-async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
+async def serve(config: RouterConfig, stop: asyncio.Event | None = None, http: HttpConfig | None = None,
+                limits: RequestLimits | None = None) -> None:
     """Serve until `stop` is set (or SIGTERM/SIGINT when `stop` is None)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -91,8 +118,10 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
-    server = RouterServer(config)
+    server = RouterServer(config, http, limits)
     await server.start()
+    if server.http_port is not None:
+        print(f"router HTTP API on http://{config.host}:{server.http_port}/v1", flush=True)
     try:
         await stop.wait()
         logger.info("router shutting down")
@@ -100,7 +129,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         await server.stop()
 
 
-def run(config: RouterConfig) -> int:
+def run(config: RouterConfig, http: HttpConfig | None = None, limits: RequestLimits | None = None) -> int:
     """Blocking entry point: serve until SIGTERM or SIGINT; returns the exit status (0)."""
-    asyncio.run(serve(config))
+    asyncio.run(serve(config, http=http, limits=limits))
     return 0

@@ -1,3 +1,4 @@
+from pdserve_api.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -181,3 +182,31 @@ class ListModelsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeHealth(_message.Message):
+    __slots__ = ("address", "node_id", "serving", "reason", "load", "router_inflight")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    node_id: str
+    serving: bool
+    reason: str
+    load: _common_pb2.NodeLoad
+    router_inflight: int
+    def __init__(self, address: _Optional[str] = ..., node_id: _Optional[str] = ..., serving: _Optional[bool] = ..., reason: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., router_inflight: _Optional[int] = ...) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("serving", "nodes")
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    serving: bool
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeHealth]
+    def __init__(self, serving: _Optional[bool] = ..., nodes: _Optional[_Iterable[_Union[NodeHealth, _Mapping]]] = ...) -> None: ...

@@ -50,6 +50,11 @@ class GenerateServiceStub:
                 request_serializer=pdserve__api_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=pdserve__api_dot_v1_dot_generate__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Health = channel.unary_unary(
+                '/pdserve.api.v1.GenerateService/Health',
+                request_serializer=pdserve__api_dot_v1_dot_generate__pb2.HealthRequest.SerializeToString,
+                response_deserializer=pdserve__api_dot_v1_dot_generate__pb2.HealthResponse.FromString,
+                _registered_method=True)
 
 
 class GenerateServiceServicer:
@@ -80,6 +85,15 @@ class GenerateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Health(self, request, context):
+        """Says whether the server can take requests now and, on a router, the state of every decode
+        node behind it. The standard grpc.health.v1 service answers the same question for probes;
+        this one says why. Decode nodes may answer UNIMPLEMENTED (use grpc.health.v1 there).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +111,11 @@ def add_GenerateServiceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=pdserve__api_dot_v1_dot_generate__pb2.ListModelsRequest.FromString,
                     response_serializer=pdserve__api_dot_v1_dot_generate__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Health': grpc.unary_unary_rpc_method_handler(
+                    servicer.Health,
+                    request_deserializer=pdserve__api_dot_v1_dot_generate__pb2.HealthRequest.FromString,
+                    response_serializer=pdserve__api_dot_v1_dot_generate__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +200,33 @@ class GenerateService:
             '/pdserve.api.v1.GenerateService/ListModels',
             pdserve__api_dot_v1_dot_generate__pb2.ListModelsRequest.SerializeToString,
             pdserve__api_dot_v1_dot_generate__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Health(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.api.v1.GenerateService/Health',
+            pdserve__api_dot_v1_dot_generate__pb2.HealthRequest.SerializeToString,
+            pdserve__api_dot_v1_dot_generate__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,100 @@
+"""The router's front door: the GenerateService clients call, and the same calls for the HTTP API.
+
+    front = RouterFront(forward, pool, limits)      # forward: router.service.RouterGenerateService
+    add_GenerateServiceServicer_to_server(front, server)
+    HttpApi(front, http_config, limits)            # front is also the HTTP API's Backend
+
+What it adds to forwarding (router.service): every Generate request is checked first
+(router.limits.check_request: INVALID_ARGUMENT for malformed requests, before any node is
+bothered), and Health answers with every decode node's state. Generate, Abort and ListModels are
+otherwise the forwarder's, unchanged, for gRPC and HTTP alike: an HTTP request is one more
+Generate call, whose cancellation reaches the nodes the same way (R4).
+
+Runs on the router's asyncio loop, like everything in the router.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
+
+from router.limits import RequestLimits, check_request
+from router.nodes import NodePool
+from router.service import RouterGenerateService
+
+
+class _NoDeadline:
+    """The part of grpc.aio.ServicerContext that the forwarder reads, for calls that come over HTTP
+    (an HTTP request has no deadline: it lives until it finishes or its client goes away)."""
+
+    def time_remaining(self) -> float | None:
+        return None
+
+
+class RouterFront(generate_pb2_grpc.GenerateServiceServicer):
+    """GenerateService as clients see it; also the HTTP API's backend (router.http_api.Backend)."""
+
+    def __init__(self, forward: RouterGenerateService, pool: NodePool, limits: RequestLimits) -> None:
+        self.forward = forward
+        self.pool = pool
+        self.limits = limits
+
+    # --- gRPC -------------------------------------------------------------------------------------
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        check_request(request, self.limits)
+        async with contextlib.aclosing(self.forward.Generate(request, context)) as stream:
+            async for response in stream:
+                yield response
+
+    async def Abort(  # noqa: N802 - gRPC method name
+        self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.AbortResponse:
+        return await self.forward.Abort(request, context)
+
+    async def ListModels(  # noqa: N802 - gRPC method name
+        self, request: generate_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.ListModelsResponse:
+        return await self.forward.ListModels(request, context)
+
+    async def Health(  # noqa: N802 - gRPC method name
+        self, request: generate_pb2.HealthRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.HealthResponse:
+        return await self.health()
+
+    # --- the HTTP API's backend -------------------------------------------------------------------
+
+    async def stream(self, request: generate_pb2.GenerateRequest) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """Generate for an HTTP request; errors surface at the first `anext`, closing cancels it."""
+        check_request(request, self.limits)
+        async with contextlib.aclosing(self.forward.Generate(request, _NoDeadline())) as stream:  # type: ignore[arg-type]
+            async for response in stream:
+                yield response
+
+    async def list_models(self) -> generate_pb2.ListModelsResponse:
+        return await self.forward.ListModels(generate_pb2.ListModelsRequest(), _NoDeadline())  # type: ignore[arg-type]
+
+    async def health(self) -> generate_pb2.HealthResponse:
+        reply = generate_pb2.HealthResponse(serving=bool(self.pool.healthy()))
+        for node in self.pool.nodes:
+            entry = reply.nodes.add(address=node.address, node_id=node.node_id, serving=node.healthy,
+                                    reason=node.reason, router_inflight=len(node.inflight))
+            if node.info is not None:
+                entry.load.CopyFrom(node.info.load)
+        return reply
+
+    def context_length(self) -> int | None:
+        known = [n.info.max_context_length for n in self.pool.healthy() if n.info is not None
+                 and n.info.max_context_length]
+        return min(known) if known else None
+
+    def default_model(self) -> str:
+        for node in self.pool.healthy():
+            if node.info is not None and node.info.model:
+                return node.info.model
+        return ""

@@ -1,0 +1,75 @@
+"""What the router checks on a GenerateRequest before it forwards it (S6), for gRPC and HTTP alike.
+
+The decode node is the authority on a prompt (it tokenizes, knows the context length and the
+vocabulary); the router only refuses, cheaply and early, what is malformed whatever the model:
+no prompt, an empty conversation, sampling values out of range, and a prompt so large in bytes that
+tokenizing it would stall a decode node's engine thread. Every refusal is a ValueError naming the
+field and the value (the exception mapping turns it into INVALID_ARGUMENT, the HTTP API into 400).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve_api.convert import sampling_from_pb
+from pdserve_api.v1 import generate_pb2
+
+MAX_ID_CHARS = 256  # request_id and model: they go into logs and metrics labels
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """max_prompt_bytes: the most UTF-8 bytes a text prompt (or all chat contents together) may
+    have; 4 bytes per token-id entry count against it for token-id prompts. A guard in front of
+    tokenization, not the context length: a prompt under it can still be refused by the node."""
+
+    max_prompt_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_prompt_bytes, bool) or not isinstance(self.max_prompt_bytes, int) \
+                or self.max_prompt_bytes < 1:
+            raise ValueError(f"max_prompt_bytes must be an integer >= 1, got {self.max_prompt_bytes!r}")
+
+    @property
+    def max_message_bytes(self) -> int:
+        """A receive limit for whole messages that lets a too-large prompt through to be refused with
+        a clear INVALID_ARGUMENT (instead of the transport's RESOURCE_EXHAUSTED): a JSON body may
+        escape each prompt byte into up to 6 bytes (\\uXXXX), plus room for the other fields."""
+        return 6 * self.max_prompt_bytes + (1 << 20)
+
+
+def prompt_bytes(request: generate_pb2.GenerateRequest) -> int:
+    """Size of a request's prompt in bytes (UTF-8 text; 4 per token id; chat contents and roles)."""
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return len(request.text.encode("utf-8"))
+    if kind == "token_ids":
+        return 4 * len(request.token_ids.ids)
+    if kind == "messages":
+        return sum(len(m.content.encode("utf-8")) + len(m.role.encode("utf-8")) for m in request.messages.messages)
+    return 0
+
+
+def check_request(request: generate_pb2.GenerateRequest, limits: RequestLimits) -> None:
+    """Raise ValueError naming what is wrong with `request`; return None when it may be forwarded."""
+    for name in ("request_id", "model"):
+        value = getattr(request, name)
+        if len(value) > MAX_ID_CHARS:
+            raise ValueError(f"{name} is {len(value)} characters long; at most {MAX_ID_CHARS} are allowed")
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise ValueError("the request has no prompt: set one of text, token_ids, messages")
+    if kind == "token_ids" and not request.token_ids.ids:
+        raise ValueError("prompt token_ids is empty: it must hold at least one token id")
+    if kind == "messages":
+        msgs = request.messages.messages
+        if not msgs:
+            raise ValueError("messages is empty: a chat prompt needs at least one message")
+        for i, m in enumerate(msgs):
+            if not m.role:
+                raise ValueError(f"messages[{i}].role is empty (e.g. 'system', 'user', 'assistant')")
+    size = prompt_bytes(request)
+    if size > limits.max_prompt_bytes:
+        raise ValueError(f"prompt is {size} bytes; this server accepts at most {limits.max_prompt_bytes} "
+                         "bytes per prompt (router --max-prompt-bytes)")
+    sampling_from_pb(request.sampling)  # raises ValueError naming the first out-of-range value
