@@ -15,7 +15,14 @@ messages (a list of {"role", "content"} mappings or (role, content) pairs). A fa
 `ClientError(code, message)` carrying the gRPC status; a request that fails after streaming began
 ends with a chunk whose finish_reason is "error" (and `complete` raises ClientError for it).
 Breaking off a `generate` iteration (break, close, task cancelled) cancels the call, which aborts
-the request on every node (R4).
+the request on every node (R4); `abort(request_id)` does the same from anywhere.
+
+Everything a GenerateRequest can say is reachable: sampling (SamplingParams: temperature, top_p,
+top_k, min_p, seed, max_tokens, stop strings and token ids, ignore_eos, logprobs,
+skip_special_tokens), the model id, the request id. With `SamplingParams(logprobs=n)` each chunk
+carries one `PositionLogprobs` per token (the sampled token and the n most likely), and
+`Completion.logprobs` has them all. `health()` tells whether the server takes requests and, on a
+router, every decode node's state; `list_models()` lists the models.
 """
 
 from __future__ import annotations
@@ -80,6 +87,59 @@ class ServerTimings:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token, its natural-log probability (as sampled: after temperature and filtering) and text."""
+
+    token_id: int
+    logprob: float
+    text: str = ""
+
+    @classmethod
+    def from_pb(cls, m: generate_pb2.TokenLogprob) -> TokenLogprob:
+        return cls(m.token_id, m.logprob, m.text)
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """Logprobs at one generated position: the sampled token and the n most likely, best first."""
+
+    sampled: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
+
+    @classmethod
+    def from_pb(cls, m: generate_pb2.PositionLogprobs) -> PositionLogprobs:
+        return cls(TokenLogprob.from_pb(m.sampled), tuple(TokenLogprob.from_pb(x) for x in m.top))
+
+
+@dataclass(frozen=True)
+class NodeHealth:
+    """One decode node as a router sees it (see generate.proto NodeHealth)."""
+
+    address: str
+    node_id: str
+    serving: bool
+    reason: str
+    router_inflight: int
+    free_kv_blocks: int | None = None  # None until the node reported its load
+    total_kv_blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """Whether a server takes requests now; on a router, every decode node behind it."""
+
+    serving: bool
+    nodes: tuple[NodeHealth, ...] = ()
+
+    @classmethod
+    def from_pb(cls, m: generate_pb2.HealthResponse) -> HealthReport:
+        return cls(m.serving, tuple(
+            NodeHealth(n.address, n.node_id, n.serving, n.reason, n.router_inflight,
+                       n.load.free_kv_blocks if n.HasField("load") else None,
+                       n.load.total_kv_blocks if n.HasField("load") else None) for n in m.nodes))
+
+
+@dataclass(frozen=True)
 class GenerationChunk:
     """One streamed piece: new token ids and text; the last one has finish_reason and usage."""
 
@@ -91,7 +151,7 @@ class GenerationChunk:
     usage: Usage | None = None
     timings: ServerTimings | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
-    logprobs: tuple[generate_pb2.PositionLogprobs, ...] = ()
+    logprobs: tuple[PositionLogprobs, ...] = ()  # one per token in token_ids when logprobs were asked for
 
     @classmethod
     def from_pb(cls, m: generate_pb2.GenerateResponse) -> GenerationChunk:
@@ -109,7 +169,7 @@ class GenerationChunk:
                                   m.timings.time_to_first_token_s, m.timings.e2e_time_s, m.timings.decode_node,
                                   m.timings.prefill_node) if finished and m.HasField("timings") else None,
             stop_reason=getattr(m, which) if which else None,
-            logprobs=tuple(m.logprobs),
+            logprobs=tuple(PositionLogprobs.from_pb(x) for x in m.logprobs),
         )
 
 
@@ -124,6 +184,7 @@ class Completion:
     usage: Usage | None = None
     timings: ServerTimings | None = None
     stop_reason: str | int | None = None
+    logprobs: tuple[PositionLogprobs, ...] = ()  # one per generated token when logprobs were asked for
 
 
 class _Collector:
@@ -132,11 +193,13 @@ class _Collector:
     def __init__(self) -> None:
         self.text: list[str] = []
         self.ids: list[int] = []
+        self.logprobs: list[PositionLogprobs] = []
         self.last: GenerationChunk | None = None
 
     def add(self, chunk: GenerationChunk) -> None:
         self.text.append(chunk.text)
         self.ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
         self.last = chunk
 
     def result(self) -> Completion:
@@ -149,7 +212,7 @@ class _Collector:
             raise ClientError(grpc.StatusCode.INTERNAL,
                               f"request {last.request_id}: the stream ended without a finish_reason")
         return Completion(last.request_id, "".join(self.text), tuple(self.ids), last.finish_reason, last.usage,
-                          last.timings, last.stop_reason)
+                          last.timings, last.stop_reason, tuple(self.logprobs))
 
 
 def build_request(prompt: Prompt, sampling: SamplingParams | None = None, request_id: str | None = None,
@@ -242,6 +305,13 @@ class Client:
         except grpc.RpcError as e:
             raise ClientError.from_rpc(e) from None
 
+    def health(self) -> HealthReport:
+        """The server's Health answer (routers; a decode node may answer UNIMPLEMENTED)."""
+        try:
+            return HealthReport.from_pb(self._stub.Health(generate_pb2.HealthRequest(), timeout=self.timeout))
+        except grpc.RpcError as e:
+            raise ClientError.from_rpc(e) from None
+
     def close(self) -> None:
         self._channel.close()
 
@@ -296,6 +366,14 @@ class AsyncClient:
             raise ClientError.from_rpc(e) from None
         return list(reply.models)
 
+    async def health(self) -> HealthReport:
+        """The server's Health answer (routers; a decode node may answer UNIMPLEMENTED)."""
+        try:
+            reply = await self._stub.Health(generate_pb2.HealthRequest(), timeout=self.timeout)
+        except grpc.aio.AioRpcError as e:
+            raise ClientError.from_rpc(e) from None
+        return HealthReport.from_pb(reply)
+
     async def close(self) -> None:
         await self._channel.close()
 
@@ -314,18 +392,29 @@ def add_remote_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, metavar="HOST:PORT",
                    help="generate on a running cluster (router or decode node) instead of loading the model here")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="deadline of each remote request")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --url and --json: add each generated token's logprob and the N most likely "
+                        "alternatives (0..20)")
+
+
+def logprobs_json(p: PositionLogprobs) -> dict[str, object]:
+    """One position's logprobs as `pdserve generate --json --logprobs N` prints them."""
+    return {"token_id": p.sampled.token_id, "logprob": p.sampled.logprob,
+            "top": [[t.token_id, t.logprob] for t in p.top]}
 
 
 def cmd_generate_remote(args: argparse.Namespace) -> int:
     """`pdserve generate --url HOST:PORT ...`: the local command's output, produced by a cluster.
 
     Prompts run one after another; text streams to stdout as it arrives, one line per prompt, or
-    with --json one object per prompt: {"text", "token_ids" (generated only), "finish_reason"}.
-    Exit 1 with "error: CODE: message" on stderr when a request fails.
+    with --json one object per prompt: {"text", "token_ids" (generated only), "finish_reason"},
+    plus "logprobs" with --logprobs N: per generated token {"token_id", "logprob", "top": [[id,
+    logprob], ...]}. Exit 1 with "error: CODE: message" on stderr when a request fails.
     """
+    logprobs = getattr(args, "logprobs", None)
     sampling = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        max_tokens=args.max_tokens, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos, logprobs=logprobs,
     )
     with Client(args.url, timeout=getattr(args, "timeout", None)) as client:
         for text in args.prompts:
@@ -344,8 +433,11 @@ def cmd_generate_remote(args: argparse.Namespace) -> int:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
             if args.json:
-                print(json.dumps({"text": done.text, "token_ids": list(done.token_ids),
-                                  "finish_reason": done.finish_reason}))
+                line: dict[str, object] = {"text": done.text, "token_ids": list(done.token_ids),
+                                           "finish_reason": done.finish_reason}
+                if logprobs is not None:
+                    line["logprobs"] = [logprobs_json(p) for p in done.logprobs]
+                print(json.dumps(line))
             else:
                 sys.stdout.write("\n")
     return 0

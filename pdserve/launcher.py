@@ -1,18 +1,26 @@
 """`pdserve up`: a whole cluster on one machine (K1, D1, D18), and the `Cluster` Python API.
 
     with Cluster(prefill=1, decode=2, engine_args=("--num-blocks", "256", "--threads", "1")) as cluster:
-        client = Client(cluster.url)
+        client = Client(cluster.url)                       # gRPC
+        openai.OpenAI(base_url=f"{cluster.http_url}/v1")   # OpenAI-compatible HTTP
 
-    pdserve up [--prefill N] [--decode M | --colocated M] [--model PATH] [--port 50051] ...
+    pdserve up [--prefill N] [--decode M | --colocated M] [--model PATH] [--port 50051] [--http-port 8000]
+               [--threads-per-node T [--pin-cores]] ...
 
 Processes, started in this order, each waited for until its grpc.health.v1 Check ("") answers
 SERVING: the prefill nodes (`python -m prefill_node`), the decode nodes (`python -m decode_node
 --prefill <every prefill address>`, or `--colocated`), then the router (`python -m router --decode
-<every decode address>`). Each child writes stdout and stderr to `<log_dir>/<name>.log`. A child
+<every decode address> --http-port <P>`). Each child writes stdout and stderr to `<log_dir>/<name>.log`. A child
 that exits or misses the startup deadline fails the start with its name and the tail of its log,
 and every other child is stopped. Stopping: SIGTERM to every child (router first), then SIGKILL
 to any still running after `stop_timeout_s`. On Linux a child also gets SIGTERM when the launcher
 dies (PR_SET_PDEATHSIG), so a killed test run leaves no orphans.
+
+Ports: every port given as 0 (router gRPC, router HTTP) is chosen free by the launcher before the
+start and passed explicitly, so `url`, `http_url` and `metrics_urls` are known up front. With
+`pin_cores`, node i runs on its own `threads_per_node` cores (the i-th slice of the launcher's
+allowed CPUs, set with sched_setaffinity in the child before exec); the router is not pinned. Too
+few cores for every node is a ValueError naming the counts.
 
 Threads: none of its own. `Cluster` is driven by the caller's thread; `cmd_up` waits in the main
 thread for SIGINT/SIGTERM (or a child's unexpected exit).
@@ -44,8 +52,13 @@ _LOG_TAIL_LINES = 30
 @dataclass(frozen=True)
 class ClusterConfig:
     """What to start. prefill/decode: disaggregated node counts; colocated: colocated decode nodes
-    (exclusive with prefill/decode). port: the router's (0: any free port). engine_args: extra engine
-    flags given to every node (e.g. ("--max-batch-tokens", "32")). log_dir: None makes a temp dir."""
+    (exclusive with prefill/decode). port: the router's gRPC port (0: any free port). http_port: the
+    router's OpenAI-compatible HTTP port (0: any free port, the default here so that clusters started
+    from Python never collide; `pdserve up` defaults to 8000; None: no HTTP API). engine_args: extra
+    engine flags given to every node (e.g. ("--max-batch-tokens", "32")). log_dir: None makes a temp
+    dir. pin_cores: pin node i to its own threads_per_node cores (needs threads_per_node).
+    node_metrics: give every node a free `--metrics-port` (its own /metrics; needs node mains that
+    accept the flag)."""
 
     prefill: int | None = None
     decode: int | None = None
@@ -53,6 +66,7 @@ class ClusterConfig:
     model: str | None = None
     host: str = "127.0.0.1"
     port: int = 50051
+    http_port: int | None = 0
     provider: str = "shm"
     threads_per_node: int | None = None
     num_blocks: int | None = None
@@ -61,6 +75,8 @@ class ClusterConfig:
     router_health_interval_s: float = 1.0
     startup_timeout_s: float = 180.0
     stop_timeout_s: float = 10.0
+    pin_cores: bool = False
+    node_metrics: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine_args", tuple(self.engine_args))
@@ -85,12 +101,22 @@ class ClusterConfig:
             raise ValueError(f"provider must be one of {PROVIDERS}, got {self.provider!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be in 0..65535 (or None: no HTTP API), got {self.http_port}")
+        if self.http_port and self.http_port == self.port:
+            raise ValueError(f"the router's gRPC and HTTP ports must differ, both are {self.port}")
         for name in ("threads_per_node", "num_blocks"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (or unset), got {value}")
         if self.startup_timeout_s <= 0 or self.stop_timeout_s <= 0:
             raise ValueError(f"timeouts must be > 0, got startup {self.startup_timeout_s}, stop {self.stop_timeout_s}")
+        if self.pin_cores and self.threads_per_node is None:
+            raise ValueError("pin_cores needs threads_per_node (the cores each node gets)")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.colocated if self.colocated else self.prefill + self.decode
 
     @property
     def description(self) -> str:
@@ -101,17 +127,36 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class ProcessSpec:
-    """One child process: name (log file stem and node id), role, listening address, command line."""
+    """One child process: name (log file stem and node id), role, listening address, command line.
+
+    http_port: the router's HTTP API port, a node's metrics port (None: none). cpus: the cores the
+    child is pinned to (empty: not pinned)."""
 
     name: str
     role: str  # "prefill", "decode", "colocated", "router"
     host: str
     port: int
     argv: tuple[str, ...]
+    http_port: int | None = None
+    cpus: tuple[int, ...] = ()
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def http_url(self) -> str | None:
+        """http://HOST:PORT of the child's HTTP server (router: the API; node: its /metrics)."""
+        if self.http_port is None:
+            return None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.http_port}"
+
+    @property
+    def command(self) -> str:
+        """The shell command line (with the pinning as `taskset -c`, which does the same)."""
+        line = shlex.join(self.argv)
+        return f"taskset -c {','.join(map(str, self.cpus))} {line}" if self.cpus else line
 
 
 def free_ports(count: int, host: str = "127.0.0.1", exclude: Sequence[int] = ()) -> list[int]:
@@ -144,44 +189,70 @@ def _engine_flags(config: ClusterConfig) -> list[str]:
     return flags + list(config.engine_args)
 
 
-def plan(config: ClusterConfig, ports: Sequence[int] | None = None) -> list[ProcessSpec]:
-    """The processes to start, in order. ports: one per node, then the router's when config.port is 0
-    (default: fresh free ports)."""
-    n_nodes = config.prefill + config.decode if not config.colocated else config.colocated
-    need = n_nodes + (1 if config.port == 0 else 0)
-    ports = list(ports) if ports is not None else free_ports(need, config.host, exclude=(config.port,))
+def core_slices(num_nodes: int, per_node: int, available: Sequence[int] | None = None) -> list[tuple[int, ...]]:
+    """Disjoint sets of `per_node` cores for `num_nodes` nodes, taken in order from `available`
+    (default: the cores this process may run on). Raises ValueError naming the counts when short."""
+    cores = sorted(available if available is not None else os.sched_getaffinity(0))
+    need = num_nodes * per_node
+    if need > len(cores):
+        raise ValueError(f"pinning {num_nodes} nodes to {per_node} cores each needs {need} cores, but this "
+                         f"process may use only {len(cores)} ({','.join(map(str, cores))}); lower "
+                         "threads_per_node or the node counts, or drop pin_cores")
+    return [tuple(cores[i * per_node:(i + 1) * per_node]) for i in range(num_nodes)]
+
+
+def plan(config: ClusterConfig, ports: Sequence[int] | None = None,
+         cores: Sequence[int] | None = None) -> list[ProcessSpec]:
+    """The processes to start, in order. ports: one per node, then the router's when config.port is 0,
+    then the HTTP API's when config.http_port is 0, then one metrics port per node when
+    config.node_metrics (default: fresh free ports). cores: the CPUs to pin nodes to with
+    config.pin_cores (default: this process's allowed CPUs)."""
+    n_nodes = config.num_nodes
+    need = n_nodes + (config.port == 0) + (config.http_port == 0) + (n_nodes if config.node_metrics else 0)
+    fixed = tuple(p for p in (config.port, config.http_port) if p)
+    ports = list(ports) if ports is not None else free_ports(need, config.host, exclude=fixed)
     if len(ports) < need:
         raise ValueError(f"plan needs {need} ports, got {len(ports)}: {ports}")
+    pinned = core_slices(n_nodes, config.threads_per_node or 1, cores) if config.pin_cores else [()] * n_nodes
     py = sys.executable
     engine = _engine_flags(config)
     common = ["--host", config.host]
-    specs: list[ProcessSpec] = []
+    nodes: list[tuple[str, str, int, list[str]]] = []  # name, role, port, argv
     it = iter(ports)
     if config.colocated:
         for i in range(config.colocated):
             port = next(it)
             name = f"colocated-{i}"
             argv = [py, "-m", "decode_node", *common, "--port", str(port), "--node-id", name, "--colocated", *engine]
-            specs.append(ProcessSpec(name, "colocated", config.host, port, tuple(argv)))
+            nodes.append((name, "colocated", port, argv))
     else:
         fabric = ["--provider", config.provider, "--fabric-node", config.host]
         for i in range(config.prefill):
             port = next(it)
             name = f"prefill-{i}"
             argv = [py, "-m", "prefill_node", *common, "--port", str(port), "--node-id", name, *fabric, *engine]
-            specs.append(ProcessSpec(name, "prefill", config.host, port, tuple(argv)))
-        prefill_addrs = ",".join(s.address for s in specs)
+            nodes.append((name, "prefill", port, argv))
+        prefill_addrs = ",".join(f"{config.host}:{port}" for _, _, port, _ in nodes)
         for i in range(config.decode):
             port = next(it)
             name = f"decode-{i}"
             argv = [py, "-m", "decode_node", *common, "--port", str(port), "--node-id", name, *fabric,
                     "--prefill", prefill_addrs, *engine]
-            specs.append(ProcessSpec(name, "decode", config.host, port, tuple(argv)))
+            nodes.append((name, "decode", port, argv))
     router_port = config.port or next(it)
+    http_port = config.http_port if config.http_port != 0 else next(it)
+    specs: list[ProcessSpec] = []
+    for (name, role, port, argv), cpus in zip(nodes, pinned):
+        metrics_port = next(it) if config.node_metrics else None
+        if metrics_port is not None:
+            argv = [*argv, "--metrics-port", str(metrics_port)]
+        specs.append(ProcessSpec(name, role, config.host, port, tuple(argv), metrics_port, tuple(cpus)))
     decode_addrs = ",".join(s.address for s in specs if s.role != "prefill")
     argv = [py, "-m", "router", *common, "--port", str(router_port), "--decode", decode_addrs,
             "--health-interval", str(config.router_health_interval_s)]
-    specs.append(ProcessSpec("router", "router", config.host, router_port, tuple(argv)))
+    if http_port is not None:
+        argv += ["--http-port", str(http_port)]
+    specs.append(ProcessSpec("router", "router", config.host, router_port, tuple(argv), http_port))
     return specs
 
 
@@ -210,6 +281,18 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: children outlive a killed launcher
         pass
+
+
+def _child_setup(cpus: tuple[int, ...]):  # noqa: ANN202 - a preexec_fn
+    """The preexec_fn of a child: die with the launcher (Linux), and run on `cpus` when given (the
+    affinity is inherited by every thread the child starts, torch's included)."""
+    def setup() -> None:
+        if sys.platform == "linux":
+            _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
 
 
 def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
@@ -259,7 +342,23 @@ class Cluster:
 
     @property
     def url(self) -> str:
+        """The router's gRPC address, HOST:PORT."""
         return self.processes["router"].address
+
+    @property
+    def http_url(self) -> str | None:
+        """The router's HTTP root, http://HOST:PORT (OpenAI base URL: add /v1); None without HTTP."""
+        return self.processes["router"].http_url
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Every process's Prometheus endpoint by name: the router's on its HTTP API, each node's on its
+        own metrics port (with node_metrics)."""
+        urls = {}
+        for spec in self.specs:
+            if spec.http_url is not None:
+                urls[spec.name] = f"{spec.http_url}/metrics"
+        return urls
 
     @property
     def processes(self) -> dict[str, ProcessSpec]:
@@ -271,7 +370,7 @@ class Cluster:
 
     def commands(self) -> list[str]:
         """The shell command line of every child, in start order (what `pdserve up --dry-run` prints)."""
-        return [shlex.join(s.argv) for s in self.specs]
+        return [s.command for s in self.specs]
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -299,10 +398,11 @@ class Cluster:
             log.flush()
             child.proc = subprocess.Popen(child.spec.argv, stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT, env=_child_env(), start_new_session=True,
-                                          preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                          preexec_fn=_child_setup(child.spec.cpus))
         finally:
             log.close()
-        logger.info("started %s pid=%d on %s", name, child.proc.pid, child.spec.address)
+        logger.info("started %s pid=%d on %s%s", name, child.proc.pid, child.spec.address,
+                    f" cores {','.join(map(str, child.spec.cpus))}" if child.spec.cpus else "")
 
     def _wait_serving(self, names: Sequence[str], deadline: float) -> None:
         pending = list(names)
@@ -386,10 +486,16 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="run M colocated nodes (prefill and decode together, D18) instead of prefill/decode nodes")
     p.add_argument("--model", default=None, metavar="PATH", help="checkpoint for every node (default: the embedded model)")
     p.add_argument("--host", default="127.0.0.1", help="address every process listens on")
-    p.add_argument("--port", type=int, default=50051, help="the router's port (default 50051; 0: any free port)")
+    p.add_argument("--port", type=int, default=50051, help="the router's gRPC port (default 50051; 0: any free port)")
+    p.add_argument("--http-port", type=int, default=8000, metavar="P",
+                   help="the router's OpenAI-compatible HTTP port: /v1/completions, /v1/chat/completions, "
+                        "/v1/models, /health, /metrics (default 8000; 0: any free port, printed; -1: no HTTP API)")
     p.add_argument("--provider", default="shm", choices=PROVIDERS,
                    help="libfabric provider for KV transfers (default shm: one machine)")
     p.add_argument("--threads-per-node", type=int, default=None, metavar="T", help="torch threads per node")
+    p.add_argument("--pin-cores", action="store_true",
+                   help="pin each node to its own T cores (--threads-per-node T; the router is not pinned), "
+                        "e.g. to compare colocated and disaggregated clusters on the same CPUs")
     p.add_argument("--num-blocks", type=int, default=None, metavar="N", help="KV blocks per node")
     p.add_argument("--max-batch-tokens", type=int, default=None, metavar="N", help="query tokens per forward pass")
     p.add_argument("--engine-args", default="", metavar="'FLAGS'",
@@ -407,9 +513,9 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     return ClusterConfig(
         prefill=args.prefill, decode=args.decode, colocated=args.colocated,
         model=args.model, host=args.host, port=args.port, provider=args.provider,
+        http_port=None if args.http_port == -1 else args.http_port,
         threads_per_node=args.threads_per_node, num_blocks=args.num_blocks, engine_args=tuple(engine),
-        log_dir=args.log_dir,
-        startup_timeout_s=args.startup_timeout,
+        log_dir=args.log_dir, startup_timeout_s=args.startup_timeout, pin_cores=args.pin_cores,
     )
 
 
@@ -434,7 +540,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         if stop.is_set():
             cluster.stop()
             return 0
-        print(f"pdserve cluster serving on {cluster.url} ({config.description})", flush=True)
+        http = f", OpenAI-compatible HTTP on {cluster.http_url}/v1" if cluster.http_url else ""
+        print(f"pdserve cluster serving on {cluster.url} (gRPC){http} ({config.description})", flush=True)
         status = 0
         while not stop.wait(0.5):
             dead = cluster.poll()
