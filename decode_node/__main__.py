@@ -15,6 +15,10 @@ from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_g
 from decode_node.server import DecodeNode, GenerateServicer, NodeServicer
 from pdserve.cli import add_engine_args, engine_options
 from pdserve.config import EngineConfig
+from pdserve.logs import add_log_args, setup_logging
+from pdserve.metrics import REGISTRY
+from pdserve.metrics.engine_collector import EngineCollector
+from pdserve.metrics.server import MetricsServer
 
 logger = logging.getLogger("decode_node")
 
@@ -36,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-timeout", type=float, default=60.0, help="deadline of one Prefill call, seconds")
     p.add_argument("--local-prefill-fallback", action="store_true",
                    help="when no prefill node can serve a request, prefill it here instead of failing it")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--metrics-port", type=int, default=0, metavar="P",
+                   help="serve Prometheus metrics at http://HOST:P/metrics (default 0: no metrics server)")
+    add_log_args(p)
     add_engine_args(p)
     return p
 
@@ -56,13 +62,17 @@ async def serve(args: argparse.Namespace) -> None:
     bound = server.add_insecure_port(f"{args.host}:{args.port}")
     if bound == 0:
         raise SystemExit(f"decode node: cannot bind {args.host}:{args.port}")
+    REGISTRY.register(EngineCollector(lambda: node.engine.last_metrics, node.model_name))
+    metrics = MetricsServer(args.host, args.metrics_port) if args.metrics_port else None
+    if metrics is not None:
+        await metrics.start()  # OSError naming the address when the port is taken
     await node.start()  # the loop and the prefill pool exist before the first request can arrive
     await server.start()
     for name in ("", *names):
         await health.set(name, 1)  # SERVING
     mode = "colocated" if args.colocated else f"prefill nodes {', '.join(prefill)}, provider {node.fabric.provider}"
     line = f"decode node {node_id} serving on {args.host}:{args.port} ({mode})"
-    logger.info(line)
+    logger.info("%s", line)
     print(line, flush=True)
 
     stop = asyncio.Event()
@@ -85,17 +95,24 @@ async def serve(args: argparse.Namespace) -> None:
     for name in ("", *names):
         await health.set(name, 2)  # NOT_SERVING
     await server.stop(grace=2.0)
+    if metrics is not None:
+        await metrics.stop()
     await node.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        setup_logging(args.log_level, args.log_format)
+        if not 0 <= args.metrics_port < 65536:
+            raise ValueError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
         asyncio.run(serve(args))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a port that cannot be bound
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

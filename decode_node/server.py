@@ -11,6 +11,13 @@ Threads and tasks:
 Abandonment (S3, S5): when a Prefill call fails, times out, or the client goes away, the pages
 are released only once no write can land any more: the prefill node confirmed AbortPrefill, or
 its fabric endpoint is gone, or the call never reached a node that was never reachable.
+
+Metrics (pdserve.metrics, R5): TTFT, inter-token gaps, E2E and request_success_total as this node
+streams them; request_queue_time_seconds from receipt to admission (pages allocated: the
+on_kv_wait hook when disaggregated, the first scheduled chunk when colocated); KV transfer bytes
+received and seconds from the Prefill dispatch to the last write landed (side="decode"). The
+engine's gauges come from an EngineCollector over `AsyncEngine.last_metrics` (decode_node/__main__).
+Logs: every line of a request's handler or transfer task carries its request id.
 """
 
 from __future__ import annotations
@@ -28,7 +35,10 @@ from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_g
 from decode_node.prefill_pool import PrefillNode, PrefillPool
 from pdserve.async_engine import AsyncEngine
 from pdserve.engine import EngineHooks
+from pdserve.logs import bind_request_id
+from pdserve.metrics import RequestTimer, node_metrics, request_metrics
 from pdserve.request import RequestStatus
+from pdserve.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +54,13 @@ class _Transfer:
     ready_time: float = 0.0
 
 
+@dataclass
+class _Stamps:
+    """When the engine thread first admitted a request (written there once; read by its handler)."""
+
+    admitted: float = 0.0
+
+
 class DecodeNode:
     """Engine + receiver + prefill pool. Build it, then `await start()` on the serving loop."""
 
@@ -54,9 +71,14 @@ class DecodeNode:
         self.colocated = colocated
         self.prefill_timeout_s = prefill_timeout_s
         self.local_prefill_fallback = local_prefill_fallback
-        self.hooks = EngineHooks(on_kv_wait=None if colocated else self._on_kv_wait)
+        self.hooks = EngineHooks(on_kv_wait=None if colocated else self._on_kv_wait,
+                                 on_schedule=self._on_schedule if colocated else None)
         self.engine = AsyncEngine(engine_config, self.hooks)
         self.llm = self.engine.engine
+        self.model_name: str = self.llm.source.name
+        self.metrics = node_metrics()
+        request_metrics()  # registered now, so that /metrics names every family before the first request
+        self.stamps: dict[str, _Stamps] = {}  # request id -> its stamps, while its handler runs
         self.loop: asyncio.AbstractEventLoop | None = None
         self.transfers: dict[str, _Transfer] = {}
         self.prefilled_on: dict[str, str] = {}   # request id -> prefill node address (for timings)
@@ -97,9 +119,21 @@ class DecodeNode:
 
     # --- engine thread ----------------------------------------------------------------------------
 
+    def _stamp_admitted(self, rid: str, now: float) -> None:
+        stamps = self.stamps.get(rid)
+        if stamps is not None and not stamps.admitted:
+            stamps.admitted = now
+
+    def _on_schedule(self, sched: SchedulerOutput) -> None:
+        """Engine hook (colocated): a request is admitted when first scheduled."""
+        now = time.monotonic()
+        for c in sched.chunks:
+            self._stamp_admitted(c.request_id, now)
+
     def _on_kv_wait(self, request, block_ids: list[int]) -> None:
         """Engine hook: pages allocated (D3); hand the transfer to the loop."""
         rid = request.request_id
+        self._stamp_admitted(rid, time.monotonic())
         try:
             ticket = self.receiver.prepare(rid, request.num_prompt_tokens, block_ids)
         except (ValueError, RuntimeError) as e:
@@ -152,6 +186,7 @@ class DecodeNode:
             t.ready.set()
 
     async def _run_transfer(self, t: _Transfer, ticket) -> None:
+        bind_request_id(t.request_id)  # this task serves one request's transfer
         tried: set[str] = set()
         errors: list[str] = []
         try:
@@ -199,6 +234,9 @@ class DecodeNode:
             # completed here is the transfer tail (loopback RPC latency included, ~0.1 ms).
             prefill_s = resp.timings.queue_time_s + resp.timings.compute_time_s
             self.transfer_times[t.request_id] = (call_start, prefill_s, t.ready_time - call_start - prefill_s)
+            self.metrics.kv_transfer_bytes.labels(model_name=self.model_name, side="decode").inc(resp.bytes_written)
+            self.metrics.kv_transfer_seconds.labels(model_name=self.model_name, side="decode").observe(
+                t.ready_time - call_start)
             return True, ""
         except grpc.aio.AioRpcError as e:
             if t.ready.is_set():
@@ -279,6 +317,15 @@ class DecodeNode:
         )
 
 
+_REASONS = {generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_LENGTH: "length",
+            generate_pb2.FINISH_REASON_ABORT: "abort"}
+
+
+def msg_reason(msg: generate_pb2.GenerateResponse) -> str:
+    """A final message's finish reason as request_success_total labels it (anything else: error)."""
+    return _REASONS.get(msg.finish_reason, "error")
+
+
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     def __init__(self, node: DecodeNode) -> None:
         self.node = node
@@ -301,6 +348,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         else:
             raise ValueError("the request has no prompt (text, token_ids or messages)")
         t0 = time.monotonic()
+        bind_request_id(rid)  # this handler task serves one request: every line it logs names it
+        timer = RequestTimer(request_metrics(), node.model_name, start=t0)
+        stamps = _Stamps()
+        node.stamps.setdefault(rid, stamps)  # a duplicate id is refused by the engine; keep the first's
         first = None
         gen = node.engine.generate(prompt, params, rid, remote_prefill=not node.colocated)
         try:
@@ -308,17 +359,28 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 msg = output_to_pb(out)
                 if first is None and out.new_token_ids:
                     first = time.monotonic()
+                timer.tokens(len(out.new_token_ids))
                 if out.finished:
                     now = time.monotonic()
                     call_start, prefill_s, tail_s = node.transfer_times.pop(rid, (t0, 0.0, 0.0))
+                    if node.colocated and stamps.admitted:  # prefilled here: from admission to the first token
+                        call_start, prefill_s = stamps.admitted, (first or now) - stamps.admitted
                     msg.timings.CopyFrom(generate_pb2.ServerTimings(
                         queue_time_s=call_start - t0, prefill_time_s=prefill_s + tail_s, kv_transfer_time_s=tail_s,
                         time_to_first_token_s=(first or now) - t0, e2e_time_s=now - t0,
                         decode_node=node.node_id,
                         prefill_node=node.prefilled_on.pop(rid, ""),
                     ))
+                    timer.finish(msg_reason(msg), now)
                 yield msg
+        except (asyncio.CancelledError, GeneratorExit):
+            timer.finish("abort")  # the client went away (a no-op once finished)
+            raise
         finally:
+            if stamps.admitted:
+                node.metrics.queue_time.labels(model_name=node.model_name).observe(stamps.admitted - t0)
+            if node.stamps.get(rid) is stamps:
+                del node.stamps[rid]
             await gen.aclose()
             node.prefilled_on.pop(rid, None)
             node.transfer_times.pop(rid, None)

@@ -11,6 +11,10 @@ A consumer that stops iterating early (client disconnect, task cancelled) aborts
 the request's blocks are freed on the engine thread. If a step raises, every in-flight request
 ends with an explicit error output (nothing is dropped silently, S1) and the engine keeps serving.
 When idle, the engine thread checks the cache invariant (free + used == total).
+
+Metrics: after every step, and at every idle tick (at least once a second), the engine thread
+stores `engine.metrics()` in `last_metrics`, a frozen EngineMetrics that any thread may read
+(a Prometheus scrape reads it without waiting for a forward pass or touching engine state).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pdserve.config import EngineConfig
 from pdserve.engine import EngineHooks, LLMEngine
 from pdserve.outputs import RequestOutput
 from pdserve.sampling_params import SamplingParams
+from pdserve.stats import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +54,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        self.last_metrics: EngineMetrics | None = None  # written by the engine thread only
+        self._metrics_failed = False
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -171,11 +178,22 @@ class AsyncEngine:
                     continue
                 for out in outputs:
                     self.deliver(out)
+                self._take_metrics()
             else:
                 self.engine.check_integrity()
+                self._take_metrics()
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
         self._fail_all("engine shut down")
+
+    def _take_metrics(self) -> None:
+        """Engine thread: refresh `last_metrics`; a failing snapshot is logged once and never stops serving."""
+        try:
+            self.last_metrics = self.engine.metrics()
+        except Exception:  # metrics must not take serving down; the failure is logged, once
+            if not self._metrics_failed:
+                logger.exception("engine metrics snapshot failed; keeping the last one")
+            self._metrics_failed = True
 
     def _fail_all(self, message: str) -> None:
         for rid in list(self._streams):

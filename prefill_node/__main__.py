@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from pdserve.cli import add_engine_args, engine_options
 from pdserve.config import EngineConfig
+from pdserve.logs import add_log_args, setup_logging
 from prefill_node.service import NodeConfig
 from prefill_node.server import ServeOptions, serve
 
@@ -35,17 +36,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fabric-node", default=None, metavar="ADDRESS",
                    help="local address the fabric endpoint binds, e.g. 127.0.0.1 (ignored by shm; default: "
                         "the provider's choice)")
-    g.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...) (default: INFO)")
+    g.add_argument("--metrics-port", type=int, default=0, metavar="P",
+                   help="serve Prometheus metrics at http://HOST:P/metrics (default 0: no metrics server)")
+    add_log_args(g)
     add_engine_args(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not 0 <= args.port <= 65535:
-        logger.error("--port %d is not a port number", args.port)
+    try:
+        setup_logging(args.log_level, args.log_format)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if not 0 <= port <= 65535:
+            logger.error("%s %d is not a port number", flag, port)
+            return 2
     try:
         engine = EngineConfig.from_options(model=args.model, **engine_options(args))
     except (ValueError, TypeError) as e:
@@ -54,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     node = NodeConfig(engine=engine, provider=args.provider, fabric_node=args.fabric_node)
     if args.node_id:
         node = NodeConfig(engine=engine, provider=args.provider, fabric_node=args.fabric_node, node_id=args.node_id)
-    return asyncio.run(serve(ServeOptions(host=args.host, port=args.port, node=node)))
+    return asyncio.run(serve(ServeOptions(host=args.host, port=args.port, node=node, metrics_port=args.metrics_port)))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,13 @@ endpoint in a worker thread, turns health SERVING and prints the serving line; o
 it turns health NOT_SERVING, refuses new prefills, fails the in-flight ones with UNAVAILABLE,
 stops the server, closes the fabric endpoint and the engine, and returns 0.
 
+Metrics (R5), with `ServeOptions.metrics_port` set: GET /metrics on the loop (MetricsServer), bound
+with the gRPC port before the model loads; the engine's gauges (EngineCollector over
+AsyncEngine.last_metrics) once it has loaded; per answered Prefill, pdserve:prefill_requests_total
+by outcome and, for the ones that succeeded, the queue time (receipt to first scheduled chunk), the
+prefill time (first chunk to last layer), and the KV bytes sent and seconds its writes were in
+flight (side="prefill").
+
 Threads: everything here runs on the asyncio loop, except the node's construction (a worker
 thread) and its final `close` (blocking, after the server has stopped). Exceptions raised by the
 handlers become statuses through AioExceptionToStatusInterceptor (ValueError -> INVALID_ARGUMENT,
@@ -23,7 +30,11 @@ from pdserve_api.convert import peer_from_bytes, peer_to_bytes, target_from_pb
 from pdserve_api.servers import AioExceptionToStatusInterceptor, UnavailableError, add_standard_services_aio
 from pdserve_api.v1 import common_pb2, node_pb2, node_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-from prefill_node.service import NodeConfig, PrefillNode, PrefillSpec
+from pdserve.logs import bind_request_id
+from pdserve.metrics import REGISTRY, node_metrics, prefill_metrics
+from pdserve.metrics.engine_collector import EngineCollector
+from pdserve.metrics.server import MetricsServer
+from prefill_node.service import AbortedError, NodeConfig, PrefillNode, PrefillOutcome, PrefillSpec
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +96,31 @@ def _deadline(req: prefill_pb2.PrefillRequest) -> float | None:
     return d
 
 
+def outcome_of(e: BaseException) -> str:
+    """The `outcome` label of a Prefill that raised `e`."""
+    if isinstance(e, ValueError):
+        return "invalid"
+    if isinstance(e, AbortedError):
+        return "aborted"
+    if isinstance(e, UnavailableError):
+        return "unavailable"
+    if isinstance(e, TimeoutError):
+        return "timeout"
+    return "error"
+
+
+def observe(model_name: str, out: PrefillOutcome) -> None:
+    """Metrics of one Prefill that succeeded."""
+    node, prefill = node_metrics(), prefill_metrics()
+    r = out.result
+    prefill.requests.labels(model_name=model_name, outcome="ok").inc()
+    prefill.prefill_time.labels(model_name=model_name).observe(out.compute_time_s)
+    node.queue_time.labels(model_name=model_name).observe(out.queue_time_s)
+    node.kv_transfer_bytes.labels(model_name=model_name, side="prefill").inc(r.bytes_written)
+    node.kv_transfer_seconds.labels(model_name=model_name, side="prefill").observe(
+        max(0.0, r.done_time - r.first_post_time))
+
+
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, holder: _Holder) -> None:
         self._holder = holder
@@ -92,10 +128,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> prefill_pb2.PrefillResponse:
         node = self._holder.require()
-        spec = spec_from_pb(request)
-        logger.debug("request %s: prefill of %d tokens into %d pages", spec.request_id, len(spec.token_ids),
-                     len(spec.target.dst_pages))
-        out = await node.prefill(spec)
+        bind_request_id(request.request_id)  # this handler task serves one request
+        try:
+            spec = spec_from_pb(request)
+            logger.debug("request %s: prefill of %d tokens into %d pages", spec.request_id, len(spec.token_ids),
+                         len(spec.target.dst_pages))
+            out = await node.prefill(spec)
+        except Exception as e:  # counted by kind, then raised on to the interceptor unchanged
+            prefill_metrics().requests.labels(model_name=node.model_name, outcome=outcome_of(e)).inc()
+            raise
+        observe(node.model_name, out)
         r = out.result
         return prefill_pb2.PrefillResponse(
             request_id=spec.request_id, num_writes=r.num_writes, bytes_written=r.bytes_written,
@@ -141,6 +183,11 @@ class ServeOptions:
     host: str
     port: int
     node: NodeConfig
+    metrics_port: int = 0  # GET /metrics on host:metrics_port; 0: no metrics server
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
 
 
 async def serve(opts: ServeOptions) -> int:
@@ -161,6 +208,16 @@ async def serve(opts: ServeOptions) -> int:
     except RuntimeError as e:
         logger.error("prefill node %s cannot bind %s:%d: %s", node_id, opts.host, opts.port, e)
         return 1
+    metrics = MetricsServer(opts.host, opts.metrics_port) if opts.metrics_port else None
+    if metrics is not None:
+        try:
+            await metrics.start()
+        except OSError as e:
+            logger.error("prefill node %s: %s", node_id, e)
+            await server.stop(0)
+            return 1
+    node_metrics()  # registered now: /metrics names every family from the start
+    prefill_metrics()
     await server.start()
     logger.info("prefill node %s: gRPC bound on %s:%d, loading the model", node_id, opts.host, port)
 
@@ -173,8 +230,11 @@ async def serve(opts: ServeOptions) -> int:
         logger.error("prefill node %s failed to start: %s: %s", node_id, type(e).__name__, e)
         stopping.cancel()
         await server.stop(0)
+        if metrics is not None:
+            await metrics.stop()
         return 1
     holder.node = node
+    REGISTRY.register(EngineCollector(lambda: node.engine.last_metrics, node.model_name))
     if not stop.is_set():
         for name in ("", *SERVICE_NAMES):
             await health.set(name, _serving())
@@ -187,6 +247,8 @@ async def serve(opts: ServeOptions) -> int:
     await node.drain()
     await server.stop(STOP_GRACE_S)
     await asyncio.to_thread(node.close)
+    if metrics is not None:
+        await metrics.stop()
     logger.info("prefill node %s: stopped", node_id)
     return 0
 

@@ -30,7 +30,9 @@ from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_g
 from pdserve.client import AsyncClient, Client, ClientError, build_request  # noqa: E402
 from pdserve.launcher import free_ports  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
+from pdserve.metrics import REGISTRY  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
+from router.policy import RoutingConfig, make_policy, prompt_hashes  # noqa: E402
 from router.server import GENERATE_SERVICE, RouterServer  # noqa: E402
 
 WAIT = 10.0  # every wait in this file is bounded by this many seconds
@@ -117,7 +119,8 @@ async def until(predicate, what: str, timeout: float = WAIT) -> None:
 class Rig:
     """Two fake decode nodes behind an in-process router, and an AsyncClient to the router."""
 
-    def __init__(self, delay_s: float = 0.0) -> None:
+    def __init__(self, delay_s: float = 0.0, routing: RoutingConfig | None = None) -> None:
+        self.routing = routing
         self.ports = free_ports(2)
         self.fakes = [FakeDecode(f"fake-{i}", delay_s) for i in range(2)]
         self.servers: list[grpc.aio.Server | None] = [None, None]
@@ -128,6 +131,8 @@ class Rig:
         config = RouterConfig(port=0, decode_nodes=tuple(f"127.0.0.1:{p}" for p in self.ports),
                               health_interval_s=0.2, health_timeout_s=0.5)
         self.router = RouterServer(config)
+        if self.routing is not None:
+            self.router.pool.policy = make_policy(self.routing)
         port = await self.router.start()
         self.client = AsyncClient(f"127.0.0.1:{port}", timeout=WAIT)
         return self
@@ -343,3 +348,57 @@ def test_client_maps_connection_failure_to_client_error():
         with pytest.raises(ClientError) as err:
             client.complete("x")
     assert err.value.code == grpc.StatusCode.UNAVAILABLE and err.value.message
+
+
+# ---- prefix routing and the router's metrics ------------------------------------------------------
+
+
+def sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_prefix_routing_keeps_each_family_on_one_node_and_metrics_count_every_request():
+    families = [f"family {i}: " + "shared system prompt text " * 10 for i in range(4)]
+
+    async def go():
+        async with Rig(routing=RoutingConfig(policy="prefix")) as rig:
+            ok0 = sample("pdserve:request_success_total", model_name="fake", finished_reason="length")
+            ttft0 = sample("pdserve:time_to_first_token_seconds_count", model_name="fake")
+            itl0 = sample("pdserve:inter_token_latency_seconds_count", model_name="fake")
+            e2e0 = sample("pdserve:e2e_request_latency_seconds_count", model_name="fake")
+            prefix0 = sum(sample("pdserve:router_requests_routed_total", node=f"fake-{i}", reason="prefix")
+                          for i in range(2))
+            bad0 = sample("pdserve:router_request_errors_total", code="INVALID_ARGUMENT")
+            params = SamplingParams(max_tokens=3)
+            first = [await rig.client.complete(f + "first question", params) for f in families]
+            homes = [r.timings.decode_node for r in first]
+            assert sorted(homes) == ["fake-0", "fake-0", "fake-1", "fake-1"], homes  # idle: alternating
+            for round_ in range(3):
+                results = await asyncio.gather(*(rig.client.complete(f + f"question {round_}", params)
+                                                 for f in families))
+                assert [r.timings.decode_node for r in results] == homes
+            with pytest.raises(ClientError):
+                await rig.client.complete("bad")
+            n = 4 * 4
+            assert sample("pdserve:request_success_total", model_name="fake", finished_reason="length") == \
+                ok0 + n
+            assert sample("pdserve:time_to_first_token_seconds_count", model_name="fake") == ttft0 + n
+            assert sample("pdserve:inter_token_latency_seconds_count", model_name="fake") == itl0 + 2 * n
+            assert sample("pdserve:e2e_request_latency_seconds_count", model_name="fake") == e2e0 + n
+            prefix = sum(sample("pdserve:router_requests_routed_total", node=f"fake-{i}", reason="prefix")
+                         for i in range(2))
+            assert prefix == prefix0 + 3 * 4
+            assert sample("pdserve:router_request_errors_total", code="INVALID_ARGUMENT") == bad0 + 1
+
+            # a node out of rotation is forgotten: its families move, and stay where they moved
+            await rig.servers[0].stop(0)
+            rig.servers[0] = None
+            await until(lambda: not rig.router.pool.nodes[0].healthy, "node 0 out of rotation")
+            moved = [await rig.client.complete(f + "later", params) for f in families]
+            assert {r.timings.decode_node for r in moved} == {"fake-1"}
+            policy = rig.router.pool.policy
+            for f in families:
+                held = policy.index.matches(prompt_hashes(build_request(f + "x"), policy.config))
+                assert set(held) == {rig.router.pool.nodes[1].address}, held
+
+    run(go())
