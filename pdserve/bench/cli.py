@@ -1,0 +1,261 @@
+"""`pdserve bench {serve,sweep,compare}`: the harness's command line.
+
+    pdserve bench serve --url 127.0.0.1:50051 --dataset random --input-len 512:2048 --output-len 128:256 \\
+        --num-prompts 100 --request-rate 0.5 --goodput ttft:5000 tpot:200 --result-json out.json --plot-dir plots/
+    pdserve bench sweep --url ... --request-rates 0.1,0.2,0.4 --output-prefix bench/results/sweep
+    pdserve bench compare --input-len 512:2048 --output-len 128:256 --request-rate 0.05 --duration 180 \\
+        --output-prefix bench/results/compare
+
+`add_parser(subparsers)` adds `bench` to a parent parser (pdserve.cli); `python -m pdserve.bench`
+runs the same sub-commands on their own. Exit status: 0 done, 1 the run failed (no request
+completed, a cluster did not start, a warm-up failed), 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from pdserve.bench.backends import BACKENDS, SendOptions
+from pdserve.bench.datasets import DATASETS, DatasetSpec, LengthRange
+from pdserve.bench.metrics import Slo
+from pdserve.bench.runner import RunConfig
+
+DEFAULT_URLS = {"grpc": "127.0.0.1:50051", "openai": "http://127.0.0.1:8000"}
+
+
+def _length(text: str) -> LengthRange:
+    try:
+        return LengthRange.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _token_range(text: str) -> tuple[int, int]:
+    r = _length(text)
+    return r.low, r.high  # type: ignore[return-value]
+
+
+def _add_workload_args(p: argparse.ArgumentParser, *, compare: bool = False) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--dataset", default="random", choices=DATASETS,
+                   help="random: token-id prompts with lengths drawn from --input-len/--output-len ranges; fixed: "
+                        "single lengths; prompts: the prompt set shipped with pdserve; jsonl: --dataset-path")
+    g.add_argument("--dataset-path", default=None, metavar="FILE",
+                   help='JSONL file, one {"prompt": text or token ids, "max_tokens": N (optional)} per line')
+    g.add_argument("--input-len", type=_length, default=LengthRange(512, 2048) if compare else None, metavar="N|LO:HI",
+                   help="prompt tokens (random/fixed; default %(default)s, else 1024)" if compare else
+                        "prompt tokens (random/fixed; default 1024)")
+    g.add_argument("--output-len", type=_length, default=LengthRange(128, 256) if compare else None,
+                   metavar="N|LO:HI", help="max tokens asked per request (random/fixed default 128; prompts/jsonl "
+                                           "default: each line's max_tokens)")
+    g.add_argument("--num-prompts", type=int, default=40 if compare else 100, help="requests to send (at most)")
+    g.add_argument("--token-range", type=_token_range, default=(17, 49152), metavar="LO:HI",
+                   help="token ids random prompts are drawn from (default: SmolLM2's non-special tokens)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the dataset and the arrival times")
+    a = p.add_argument_group("arrivals")
+    a.add_argument("--request-rate", type=float, default=0.05 if compare else math.inf, metavar="R",
+                   help="requests per second, Poisson (burstiness 1) or gamma arrivals; inf: all at once "
+                        "(default %(default)s)")
+    a.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the inter-arrival times: 1 Poisson, < 1 burstier, > 1 more regular")
+    a.add_argument("--max-concurrency", type=int, default=None, metavar="N", help="cap on requests in flight")
+    a.add_argument("--duration", type=float, default=None, metavar="S",
+                   help="stop sending new requests after S seconds (those in flight finish)")
+    a.add_argument("--num-warmups", type=int, default=1 if compare else 0, metavar="N",
+                   help="requests sent one by one before the clock starts, not recorded (default %(default)s)")
+    s = p.add_argument_group("requests")
+    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly max tokens (default; --no-ignore-eos stops at EOS)")
+    s.add_argument("--request-timeout", type=float, default=None, metavar="S", help="give up on a request after S s")
+    s.add_argument("--model", default="", help="model name sent with each request (default: the server's)")
+    s.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
+                   help="SLOs for goodput, KEY one of ttft, tpot, e2el (e.g. --goodput ttft:5000 tpot:200)")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="grpc", choices=BACKENDS, help="gRPC (default) or the OpenAI HTTP API")
+    p.add_argument("--url", default=None,
+                   help=f"server address (default: {DEFAULT_URLS['grpc']} for grpc, {DEFAULT_URLS['openai']} for openai)")
+    p.add_argument("--metrics-url", default=None, metavar="URL",
+                   help="a server's Prometheus /metrics: its TTFT/ITL/E2E histograms over the run go into the result")
+
+
+def dataset_from_args(args: argparse.Namespace) -> DatasetSpec:
+    input_len, output_len = args.input_len, args.output_len
+    if args.dataset in ("random", "fixed"):
+        input_len = input_len or LengthRange(1024)
+        output_len = output_len or LengthRange(128)
+    return DatasetSpec(args.dataset, args.num_prompts, input_len, output_len, args.dataset_path, args.seed,
+                       args.token_range)
+
+
+def run_config_from_args(args: argparse.Namespace) -> RunConfig:
+    send = SendOptions(temperature=args.temperature, ignore_eos=args.ignore_eos, timeout_s=args.request_timeout,
+                       model=args.model)
+    return RunConfig(request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                     duration_s=args.duration, seed=args.seed, num_warmups=args.num_warmups, send=send)
+
+
+def _serve_settings(args: argparse.Namespace):  # noqa: ANN202
+    from pdserve.bench.serve import ServeSettings
+
+    return ServeSettings(args.backend, args.url or DEFAULT_URLS[args.backend], dataset_from_args(args),
+                         run_config_from_args(args), Slo.parse(args.goodput), args.metrics_url)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pdserve.bench.plots import latency_cdfs
+    from pdserve.bench.report import format_table, write_json
+    from pdserve.bench.serve import run_serve
+
+    settings = _serve_settings(args)
+    result = run_serve(settings, progress=not args.no_progress)
+    header = [("Backend / URL", f"{settings.backend} {settings.url}"),
+              ("Request rate (req/s) / burstiness / max concurrency",
+               f"{settings.run.request_rate:g} / {settings.run.burstiness:g} / {settings.run.max_concurrency or '-'}")]
+    if result.outcome.not_sent:
+        header.append(("Not sent (duration cap)", str(result.outcome.not_sent)))
+    print(format_table(result.metrics, "pdserve bench serve", header))
+    if args.result_json:
+        print(f"result: {write_json(args.result_json, result.to_json())}")
+    if args.plot_dir:
+        for path in latency_cdfs({"run": result.outcome.records}, args.plot_dir, args.plot_stem):
+            print(f"plot: {path}")
+    return 0 if result.metrics.completed else 1
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from pdserve.bench.sweep import parse_rates, run_sweep, write_sweep
+
+    rates = parse_rates(args.request_rates)
+    sweep = run_sweep(_serve_settings(args), rates, progress=not args.no_progress)
+    for path in write_sweep(sweep, args.output_prefix):
+        print(f"wrote {path}")
+    return 0 if all(r.metrics.completed for r in sweep.results) else 1
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    import shlex
+
+    from pdserve.bench.compare import CompareSettings, comparison_rows, format_comparison, run_compare
+    from pdserve.bench.plots import latency_cdfs
+    from pdserve.bench.report import format_table, write_json
+    from pdserve.launcher import ClusterStartError
+
+    settings = CompareSettings(
+        dataset=dataset_from_args(args), run=run_config_from_args(args), slo=Slo.parse(args.goodput),
+        backend=args.backend, prefill=args.prefill, decode=args.decode, threads_per_node=args.threads_per_node,
+        pin_cores=args.pin_cores, num_blocks=args.num_blocks, engine_args=tuple(shlex.split(args.engine_args)),
+        provider=args.provider, startup_timeout_s=args.startup_timeout)
+    try:
+        result = run_compare(settings, progress=not args.no_progress)
+    except ClusterStartError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for name, res in result.results.items():
+        print(format_table(res.metrics, f"{name} ({', '.join(c.split(' -m ')[1].split()[0] for c in result.clusters[name])})"))
+    rows = comparison_rows(result.results["colocated"].metrics, result.results["disaggregated"].metrics)
+    table = format_comparison(rows, result.targets)
+    print(table)
+    if args.output_prefix:
+        prefix = Path(args.output_prefix)
+        print(f"result: {write_json(f'{prefix}.json', result.to_json())}")
+        md = Path(f"{prefix}.md")
+        md.write_text(compare_markdown(result, table, " ".join(sys.argv)))
+        print(f"summary: {md}")
+        runs = {name: res.outcome.records for name, res in result.results.items()}
+        for path in latency_cdfs(runs, prefix.parent, prefix.name):
+            print(f"plot: {path}")
+    return 0 if all(r.metrics.completed for r in result.results.values()) else 1
+
+
+def compare_markdown(result, table: str, command: str) -> str:  # noqa: ANN001 - a CompareResult
+    lines = ["# Colocated vs disaggregated (pdserve bench compare)", "", f"Command: `{command}`", ""]
+    for name, res in result.results.items():
+        before, after = res.machine_before, res.machine_after
+        lines.append(f"- {name}: load average {before['load_average']} before, {after['load_average']} after; "
+                     f"{before['nproc']} cores ({before['cpu']}), commit {before['commit']}, {before['date']}")
+    lines += ["", "```", table, "```", ""]
+    return "\n".join(lines)
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="load-test a running server (gRPC or OpenAI HTTP)")
+    _add_target_args(p)
+    _add_workload_args(p)
+    p.add_argument("--result-json", default=None, metavar="FILE", help="write every metric and per-request record")
+    p.add_argument("--plot-dir", default=None, metavar="DIR", help="write the TTFT and ITL CDFs as PNG here")
+    p.add_argument("--plot-stem", default="serve", help="file name stem of the plots (default serve)")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _add_sweep(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sweep", help="the same workload at several request rates; one result per rate, and a plot")
+    _add_target_args(p)
+    _add_workload_args(p)
+    p.add_argument("--request-rates", required=True, metavar="R1,R2,...", help="offered request rates (req/s)")
+    p.add_argument("--output-prefix", default="bench/results/sweep", metavar="PREFIX",
+                   help="PREFIX_rateR.json per rate, PREFIX.json (summary), PREFIX.png (default %(default)s)")
+    p.set_defaults(func=_cmd_sweep)
+
+
+def _add_compare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="colocated vs disaggregated clusters on the same cores and workload")
+    p.add_argument("--backend", default="grpc", choices=BACKENDS, help="gRPC (default) or the OpenAI HTTP API")
+    c = p.add_argument_group("clusters")
+    c.add_argument("--prefill", type=int, default=1, help="prefill nodes of the disaggregated cluster (default 1)")
+    c.add_argument("--decode", type=int, default=1, help="decode nodes of the disaggregated cluster (default 1); "
+                                                         "the colocated cluster gets prefill + decode nodes")
+    c.add_argument("--threads-per-node", type=int, default=1, help="torch threads and pinned cores per node")
+    c.add_argument("--pin-cores", action=argparse.BooleanOptionalAction, default=True,
+                   help="pin every node to its own cores (default on)")
+    c.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per node (default %(default)s)")
+    c.add_argument("--engine-args", default="", metavar="'FLAGS'", help="more engine flags for every node")
+    c.add_argument("--provider", default="shm", help="libfabric provider of the disaggregated cluster")
+    c.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
+    _add_workload_args(p, compare=True)
+    p.add_argument("--output-prefix", default=None, metavar="PREFIX",
+                   help="write PREFIX.json, PREFIX.md and PREFIX_{ttft,itl}_cdf.png")
+    p.set_defaults(func=_cmd_compare)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `bench` with its sub-commands to a parent parser's sub-parsers; returns the `bench` parser."""
+    bench = subparsers.add_parser("bench", help="load-test harness: serve, sweep, compare")
+    _add_subcommands(bench)
+    return bench
+
+
+def _add_subcommands(bench: argparse.ArgumentParser) -> None:
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    _add_serve(sub)
+    _add_sweep(sub)
+    _add_compare(sub)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The stand-alone parser of `python -m pdserve.bench`."""
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench", description="pdserve's load-test harness.")
+    p.add_argument("--log-level", default="WARNING")
+    _add_subcommands(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,95 @@
+"""A server's latency histograms, read from its Prometheus /metrics, to set beside the client's view.
+
+    before = scrape(url); ...run...; after = scrape(url)
+    ttft = Histogram.from_text(after, TTFT).minus(Histogram.from_text(before, TTFT))
+    low, high = ttft.quantile_bucket(0.99)   # the bucket holding the server's p99
+
+Histograms are summed over every label set (e.g. model_name). The delta of two scrapes isolates
+one run from whatever the server saw before it.
+"""
+
+from __future__ import annotations
+
+import math
+import urllib.request
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+TTFT = "pdserve:time_to_first_token_seconds"
+ITL = "pdserve:inter_token_latency_seconds"
+E2E = "pdserve:e2e_request_latency_seconds"
+
+
+def scrape(url: str, timeout: float = 10.0) -> str:
+    """The text exposition at `url` (e.g. http://127.0.0.1:8000/metrics)."""
+    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - a URL the user gave
+        return resp.read().decode("utf-8")
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """Cumulative bucket counts: counts[i] observations <= bounds[i]; the last bound is +Inf."""
+
+    name: str
+    bounds: tuple[float, ...]
+    counts: tuple[float, ...]
+    total: float   # sum of the observations
+
+    @property
+    def count(self) -> float:
+        return self.counts[-1] if self.counts else 0.0
+
+    @classmethod
+    def from_text(cls, text: str, name: str) -> Histogram:
+        """The histogram `name` in an exposition; ValueError when it is not there."""
+        buckets: dict[float, float] = {}
+        total = 0.0
+        found = False
+        for family in text_string_to_metric_families(text):
+            if family.name != name:
+                continue
+            found = True
+            for s in family.samples:
+                if s.name == name + "_bucket":
+                    le = float(s.labels["le"])
+                    buckets[le] = buckets.get(le, 0.0) + s.value
+                elif s.name == name + "_sum":
+                    total += s.value
+        if not found:
+            raise ValueError(f"no histogram {name!r} in the exposition")
+        bounds = tuple(sorted(buckets))
+        return cls(name, bounds, tuple(buckets[b] for b in bounds), total)
+
+    def minus(self, earlier: Histogram) -> Histogram:
+        """The observations made since `earlier` (same buckets)."""
+        if earlier.bounds and earlier.bounds != self.bounds:
+            raise ValueError(f"{self.name}: bucket bounds differ between scrapes: {earlier.bounds} vs {self.bounds}")
+        before = earlier.counts or (0.0,) * len(self.counts)
+        return Histogram(self.name, self.bounds, tuple(a - b for a, b in zip(self.counts, before)),
+                         self.total - earlier.total)
+
+    def quantile_bucket(self, q: float) -> tuple[float, float]:
+        """(lower, upper] bounds of the bucket holding the q-quantile (rank ceil(q * count))."""
+        if not 0 < q <= 1:
+            raise ValueError(f"quantile must be in (0, 1], got {q}")
+        if self.count <= 0:
+            raise ValueError(f"{self.name}: no observations")
+        rank = max(1, math.ceil(q * self.count - 1e-9))
+        lower = 0.0
+        for bound, cum in zip(self.bounds, self.counts):
+            if cum >= rank:
+                return lower, bound
+            lower = bound
+        return lower, math.inf
+
+    def neighbour_bounds(self, low: float, high: float) -> tuple[float, float]:
+        """The bucket (low, high] widened by one bucket on each side."""
+        i = self.bounds.index(high)
+        lower = self.bounds[i - 2] if i >= 2 else 0.0
+        upper = self.bounds[i + 1] if i + 1 < len(self.bounds) else math.inf
+        return lower, upper
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "bounds": [str(b) if math.isinf(b) else b for b in self.bounds],
+                "counts": list(self.counts), "sum": self.total}
