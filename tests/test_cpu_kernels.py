@@ -191,3 +191,148 @@ def test_runs_beside_torch_threads_without_hang() -> None:
     thread.join(timeout=30)
     assert not thread.is_alive(), "kernel thread hung"
     assert not errors, errors
+
+
+# --- sliding window -------------------------------------------------------------------------
+
+
+def windowed_case(q_lens: list[int], ctx_lens: list[int], window: int, p: int, hkv: int = 2,
+                  g: int = 2, d: int = 64, dtype: torch.dtype = torch.float32) -> dict:
+    """A case whose table entries before each sequence's window point at a NaN-filled padding
+    page 0, as a sliding-window allocator leaves them: reading one would poison the output."""
+    case = make_case(q_lens, ctx_lens, hkv=hkv, g=g, d=d, p=p, dtype=dtype, seed=3)
+    # Page 0 becomes the padding page: move whatever sequence page sat there to a fresh page.
+    n = case["k_pool"].shape[0]
+    case["k_pool"] = torch.cat([case["k_pool"], case["k_pool"][:1].clone()])    # [N + 1, ...]
+    case["v_pool"] = torch.cat([case["v_pool"], case["v_pool"][:1].clone()])
+    bt = case["block_tables"]
+    bt[bt == 0] = n
+    case["k_pool"][0] = float("nan")
+    case["v_pool"][0] = float("nan")
+    for s, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens)):
+        first_page = max(0, ctx - q_len - window + 1) // p
+        bt[s, :first_page] = 0
+    return {**case, "window": window}
+
+
+def dense_windowed(case: dict) -> torch.Tensor:
+    """Independent definition: per sequence, gather its whole context (padding pages as zeros)
+    and run SDPA with an explicit causal sliding-window mask."""
+    q, kp, vp = case["q"].float(), case["k_pool"].float(), case["v_pool"].float()
+    kp, vp = kp.nan_to_num(0.0), vp.nan_to_num(0.0)
+    _, hkv, p, d = kp.shape
+    g = q.shape[1] // hkv
+    w = case["window"]
+    out = torch.zeros_like(q)
+    starts = case["query_start"].tolist()
+    for s, ctx in enumerate(case["context_lens"].tolist()):
+        a, b = starts[s], starts[s + 1]
+        pages = case["block_tables"][s, : -(-ctx // p)].long()
+        k = kp[pages].transpose(0, 1).reshape(hkv, -1, d)[:, :ctx]               # [Hkv, ctx, D]
+        v = vp[pages].transpose(0, 1).reshape(hkv, -1, d)[:, :ctx]
+        q_pos = torch.arange(ctx - (b - a), ctx)[:, None]                        # [q_len, 1]
+        k_pos = torch.arange(ctx)[None, :]                                       # [1, ctx]
+        mask = (k_pos <= q_pos) & (k_pos > q_pos - w)                            # [q_len, ctx]
+        qs = q[a:b].transpose(0, 1)                                              # [Hq, q_len, D]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qs, k.repeat_interleave(g, 0), v.repeat_interleave(g, 0), attn_mask=mask,
+            scale=case["scale"])                                                 # [Hq, q_len, D]
+        out[a:b] = o.transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,p", [(16, 16), (20, 8), (1, 16), (100, 32)])
+def test_sliding_window_skips_recycled_pages(dtype: torch.dtype, window: int, p: int) -> None:
+    # Decodes before, at and past the window; prefill chunks (fresh and with earlier context)
+    # whose first rows reach back across several pages and whose last rows see only the window.
+    q_lens = [1, 1, 1, 1, 1, 40, 7, 64]
+    ctx = [3, window, window + 1, window + p + 3, 700, 40, 7 + 90, 64 + 300]
+    case = windowed_case(q_lens, ctx, window, p, dtype=dtype)
+    out, ref = run_both(case)
+    check(out, ref)
+    dense = dense_windowed(case)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), dense, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 5])
+def test_sliding_window_key_splits(num_threads: int) -> None:
+    # One long decode whose window spans many pages: the kernel splits the window's pages.
+    case = windowed_case([1], [5000], window=1500, p=16, hkv=1, g=4)
+    check(*run_both(case, num_threads=num_threads))
+
+
+def test_window_larger_than_context_equals_full_attention() -> None:
+    case = make_case([1, 30], [50, 30 + 20], hkv=2, g=2, d=64, p=16)
+    full = torch.empty_like(case["q"])
+    cpu_kernels.paged_attention(full, **case)
+    wide = torch.empty_like(case["q"])
+    cpu_kernels.paged_attention(wide, **case, window=10_000)
+    assert torch.equal(full, wide)
+
+
+def test_bad_window_raises() -> None:
+    case = make_case([1], [10], hkv=1, g=1, d=64, p=16)
+    out = torch.empty_like(case["q"])
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(ValueError, match="window must be None or an integer >= 1"):
+            cpu_kernels.paged_attention(out, **case, window=bad)
+
+
+@pytest.mark.parametrize("window", [None, 12])
+def test_torch_backend_matches_kernel_backend(window: int | None) -> None:
+    # The two AttentionBackends on one mixed batch (3 decodes, a fresh prompt chunk, a chunk
+    # with earlier context), including the K/V write into the pool.
+    from pdserve.attention.base import AttentionBatch
+    from pdserve.attention.cpu_backend import CpuKernelAttentionBackend
+    from pdserve.attention.torch_backend import TorchAttentionBackend
+
+    P, hkv, g, d = 8, 2, 3, 32
+    q_lens, ctx = [1, 1, 1, 21, 9], [5, 30, 61, 21, 9 + 40]
+    gen = torch.Generator().manual_seed(7)
+    n_pages = 1 + sum(-(-c // P) for c in ctx)
+    perm = (torch.randperm(n_pages - 1, generator=gen) + 1).tolist()             # page 0 = padding
+    tables, used = [], 0
+    for c in ctx:
+        n = -(-c // P)
+        tables.append(perm[used:used + n])
+        used += n
+    slot_pages, slot_offsets = [], []
+    for s, (q_len, c) in enumerate(zip(q_lens, ctx)):
+        for pos in range(c - q_len, c):
+            slot_pages.append(tables[s][pos // P])
+            slot_offsets.append(pos % P)
+        if window is not None:  # what a sliding-window allocator recycles before this step
+            first = max(0, c - q_len - window + 1) // P
+            tables[s][:first] = [0] * first
+    width = max(len(t) for t in tables)
+    block_tables = torch.zeros(len(ctx), width, dtype=torch.int32)
+    for s, t in enumerate(tables):
+        block_tables[s, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    pages_t = torch.tensor(slot_pages)
+    offs_t = torch.tensor(slot_offsets)
+    kv_rows = ((pages_t[:, None] * hkv + torch.arange(hkv)[None, :]) * P + offs_t[:, None]).reshape(-1)
+    batch = AttentionBatch(
+        query_start=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
+        context_lens=torch.tensor(ctx, dtype=torch.int32), block_tables=block_tables,
+        slot_pages=pages_t, slot_offsets=offs_t, kv_rows=kv_rows, num_decode=3,
+        q_lens=tuple(q_lens), ctx_lens=tuple(ctx), page_size=P, window=window)
+    T = sum(q_lens)
+    q = torch.randn(T, hkv * g, d, generator=gen)                                # [T, Hq, D]
+    k = torch.randn(T, hkv, d, generator=gen)                                    # [T, Hkv, D]
+    v = torch.randn(T, hkv, d, generator=gen)
+    pool = torch.randn(2, n_pages, hkv, P, d, generator=gen)                     # earlier K/V
+    if window is not None:
+        # Recycled entries point at page 0: garbage that would show if it were attended to. (The
+        # torch backend may gather it under a mask, so it is finite; the kernel test above uses NaN.)
+        pool[:, 0] = 1e4
+    outs = []
+    for backend in (TorchAttentionBackend(), CpuKernelAttentionBackend()):
+        kp, vp = pool[0].clone(), pool[1].clone()
+        outs.append(backend.forward(q, k, v, kp, vp, backend.plan(batch), d ** -0.5))
+        assert torch.equal(kp.view(-1, d)[kv_rows], k.reshape(-1, d))
+    assert torch.isfinite(outs[0]).all() and torch.isfinite(outs[1]).all()
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)

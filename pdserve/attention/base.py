@@ -23,7 +23,12 @@ class AttentionBatch:
     Sequences 0..num_decode-1 have exactly one query (decodes); the rest are prefill chunks.
     Query rows of sequence s are query_start[s]:query_start[s+1] of the flat token axis.
     context_lens[s] counts the tokens of s in the cache after this step's tokens are written, so
-    query i of s sits at position context_lens[s] - q_len_s + i and attends to positions <= it.
+    query i of s sits at position p = context_lens[s] - q_len_s + i and attends to positions <= p;
+    with a sliding `window` W, only to positions in (p - W, p].
+
+    Block tables use logical indexing (entry i holds positions [i*P, (i+1)*P)). With a window,
+    entries of pages wholly before the window of a sequence's first query may point at the
+    padding block (a sliding-window allocator recycled them): backends never read them.
     """
 
     query_start: torch.Tensor    # [S + 1] int32
@@ -36,6 +41,12 @@ class AttentionBatch:
     q_lens: tuple[int, ...]      # host copies, for per-sequence loops
     ctx_lens: tuple[int, ...]
     page_size: int
+    window: int | None = None    # sliding window in tokens; None = full attention
+
+    def __post_init__(self) -> None:
+        w = self.window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"AttentionBatch.window must be None or an integer >= 1, got {w!r}")
 
     @property
     def num_seqs(self) -> int:
@@ -44,6 +55,15 @@ class AttentionBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.slot_pages.shape[0])
+
+
+@dataclass(frozen=True)
+class LayerPlans:
+    """One backend plan per layer, for a model whose layers read different attention batches
+    (a hybrid of sliding-window and full-attention layers): `plans[i]` serves layer i. A model
+    whose layers all share one batch gets that batch's plan itself instead."""
+
+    plans: tuple[object, ...]
 
 
 class AttentionBackend(abc.ABC):

@@ -1,7 +1,8 @@
 """Attention through the C paged-attention kernel (pdserve/attention/csrc), reading pages in place.
 
 Decode and prefill chunks of a whole pass go through one kernel call per layer: the kernel walks
-each sequence's block table itself, so no K/V is gathered or copied.
+each sequence's block table itself, so no K/V is gathered or copied. A batch's sliding window is
+passed through: the kernel then skips the pages before each sequence's window.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class CpuKernelAttentionBackend(AttentionBackend):
         write_kv(k, v, k_pool, v_pool, plan)
         out = torch.empty_like(q)                                                # [T, Hq, D]
         cpu_kernels.paged_attention(
-            out, q, k_pool, v_pool, plan.block_tables, plan.query_start, plan.context_lens, scale
+            out, q, k_pool, v_pool, plan.block_tables, plan.query_start, plan.context_lens, scale,
+            window=plan.window,
         )
         return out

@@ -7,8 +7,11 @@ never raises.
 
 Semantics (both functions): Hq = Hkv * G and query head h reads kv head h // G. Query i of
 sequence s (q_len = query_start[s+1] - query_start[s]) sits at absolute position
-p = context_lens[s] - q_len + i and attends to key positions 0..p. Key position t of s is slot
-t % P of page block_tables[s, t // P]. Softmax in float32; output cast to q's dtype. Rows of q
+p = context_lens[s] - q_len + i and attends to key positions 0..p, or with a sliding window W
+to positions max(0, p - W + 1)..p. Key position t of s is slot t % P of page
+block_tables[s, t // P]. With a window, table entries of pages wholly before the window of a
+sequence's first query are never read (a sliding-window allocator points them at a padding
+page). Softmax in float32; output cast to q's dtype. Rows of q
 that belong to no sequence are left untouched in `out`.
 
 Threads: the kernel uses OpenMP with exactly `num_threads` threads per call (default
@@ -125,7 +128,17 @@ _ERRORS = {
     "PA_ERR_CONTEXT_LEN": "seq {}: context_len {} is below its q_len {} or beyond max_pages * P",
     "PA_ERR_PAGE_ID": "seq {}: block_tables entry {} holds page id {} outside [0, N)",
     "PA_ERR_ALLOC": "out of memory for scratch buffers ({} {} {})",
+    "PA_ERR_WINDOW": "sliding window {} is not >= 1 ({} {})",
 }
+
+
+def _window_arg(window: int | None) -> int:
+    """The C kernel's window argument: 0 for full attention, else W >= 1."""
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"paged_attention: window must be None or an integer >= 1, got {window!r}")
+    return window
 
 
 def paged_attention(
@@ -138,6 +151,7 @@ def paged_attention(
     context_lens: torch.Tensor,  # [S] int32, including this step's queries
     scale: float,
     num_threads: int | None = None,
+    window: int | None = None,   # sliding window in tokens; None = full attention
 ) -> None:
     """Paged attention with the C kernel; see the module docstring for the semantics.
 
@@ -147,6 +161,7 @@ def paged_attention(
     if _lib is None:
         raise RuntimeError(f"CPU attention kernels are not built: {_IMPORT_ERROR}")
     _validate(out, q, k_pool, v_pool, block_tables, query_start, context_lens)
+    c_window = _window_arg(window)
     if num_threads is None:
         num_threads = torch.get_num_threads()
     t, hq, d = q.shape
@@ -162,7 +177,7 @@ def paged_attention(
         _ffi.cast("int32_t *", query_start.data_ptr()),
         _ffi.cast("int32_t *", context_lens.data_ptr()),
         t, context_lens.shape[0], block_tables.shape[1], n, hq, hkv, p, d,
-        float(scale), _DTYPES[q.dtype], int(num_threads), err,
+        float(scale), c_window, _DTYPES[q.dtype], int(num_threads), err,
     )
     if rc != _lib.PA_OK:
         for name, template in _ERRORS.items():
@@ -188,13 +203,16 @@ def paged_attention_reference(
     context_lens: torch.Tensor,  # [S] int32
     scale: float,
     num_threads: int | None = None,
+    window: int | None = None,
 ) -> None:
     """Pure-torch definition (float32 math, per sequence); same contract as `paged_attention`.
 
-    `num_threads` is accepted for signature parity and ignored.
+    `num_threads` is accepted for signature parity and ignored. With a window, only the pages
+    from the first query's window on are read, as the kernel does.
     """
     del num_threads
     _validate(out, q, k_pool, v_pool, block_tables, query_start, context_lens)
+    w = _window_arg(window)
     _, hq, d = q.shape
     _, hkv, p, _ = k_pool.shape
     g = hq // hkv
@@ -205,15 +223,21 @@ def paged_attention_reference(
         if q_len == 0:
             continue
         n_pages = math.ceil(ctx / p)
-        pages = block_tables[s, :n_pages].long()                       # [n_pages]
-        k = k_pool[pages].float().permute(1, 0, 2, 3).reshape(hkv, n_pages * p, d)[:, :ctx]
-        v = v_pool[pages].float().permute(1, 0, 2, 3).reshape(hkv, n_pages * p, d)[:, :ctx]
-        k = k.repeat_interleave(g, dim=0)                              # [Hq, ctx, D]
-        v = v.repeat_interleave(g, dim=0)                              # [Hq, ctx, D]
+        first = max(0, ctx - q_len - w + 1) // p if w else 0           # first page read
+        pages = block_tables[s, first:n_pages].long()                  # [n]
+        n = n_pages - first
+        t0 = first * p                                                 # position of key 0
+        k = k_pool[pages].float().permute(1, 0, 2, 3).reshape(hkv, n * p, d)[:, : ctx - t0]
+        v = v_pool[pages].float().permute(1, 0, 2, 3).reshape(hkv, n * p, d)[:, : ctx - t0]
+        k = k.repeat_interleave(g, dim=0)                              # [Hq, L, D]
+        v = v.repeat_interleave(g, dim=0)                              # [Hq, L, D]
         qs = q[a:b].float().transpose(0, 1)                            # [Hq, q_len, D]
-        scores = torch.matmul(qs, k.transpose(1, 2)) * scale           # [Hq, q_len, ctx]
+        scores = torch.matmul(qs, k.transpose(1, 2)) * scale           # [Hq, q_len, L]
         pos = torch.arange(ctx - q_len, ctx).unsqueeze(1)              # [q_len, 1]
-        keys = torch.arange(ctx).unsqueeze(0)                          # [1, ctx]
-        scores = scores.masked_fill(keys > pos, float("-inf"))
+        keys = torch.arange(t0, ctx).unsqueeze(0)                      # [1, L]
+        hidden = keys > pos
+        if w:
+            hidden |= keys <= pos - w
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[a:b] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)  # [q_len, Hq, D]

@@ -4,6 +4,10 @@ Decodes are batched: their pages are gathered into [B, Hkv, L, D] and one SDPA c
 padding mask serves all of them. Prefill chunks run one SDPA call each over their own pages
 (selective batching, E2). Query heads are folded per KV head ([Hkv, q_len * G, D]) so that K/V
 are never repeated for grouped-query attention.
+
+With a sliding window, each sequence gathers only the pages from its first query's window on
+(recycled table entries before it are never read) and the mask also hides keys that left the
+window.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ class _PrefillSeq:
     q_start: int
     q_len: int
     ctx_len: int
-    pages: torch.Tensor        # [num_pages] int64
-    mask: torch.Tensor | None  # [q_len, ctx_len] bool (True = attend); None = plain causal from 0
+    key_start: int             # position of the first key read (page-aligned; 0 without a window)
+    pages: torch.Tensor        # [num_pages] int64: pages of keys key_start..ctx_len-1
+    own_kv: bool               # the chunk's own k, v are the whole context (a fresh prompt)
+    mask: torch.Tensor | None  # [q_len, ctx_len - key_start] bool (True = attend); None = causal
 
 
 @dataclass(frozen=True)
@@ -39,22 +45,37 @@ class TorchAttentionBackend(AttentionBackend):
     def plan(self, batch: AttentionBatch) -> TorchPlan:
         P = batch.page_size
         nd = batch.num_decode
+        W = batch.window
         decode_pages = decode_mask = None
-        if nd:
+        if nd and W is None:
             max_ctx = max(batch.ctx_lens[:nd])
             max_pages = -(-max_ctx // P)
             decode_pages = batch.block_tables[:nd, :max_pages].long()
             pos = torch.arange(max_pages * P)                                   # [L]
             decode_mask = (pos[None, :] < batch.context_lens[:nd, None]).view(nd, 1, 1, -1)
+        elif nd:
+            # Each decode reads from the page holding its window's first key: ctx - W.
+            ctx = batch.context_lens[:nd].long()                                # [B]
+            first = (ctx - W).clamp(min=0) // P                                 # [B]
+            n = int(((ctx + P - 1) // P - first).max())
+            idx = (first[:, None] + torch.arange(n)[None, :]).clamp(max=batch.block_tables.shape[1] - 1)
+            decode_pages = batch.block_tables[:nd].long().gather(1, idx)        # [B, n]
+            pos = first[:, None] * P + torch.arange(n * P)[None, :]             # [B, n*P]
+            decode_mask = ((pos < ctx[:, None]) & (pos >= (ctx - W)[:, None])).view(nd, 1, 1, -1)
         prefills = []
         for s in range(nd, batch.num_seqs):
             q_len, ctx = batch.q_lens[s], batch.ctx_lens[s]
-            pages = batch.block_tables[s, : -(-ctx // P)].long()
+            key_start = 0 if W is None else max(0, ctx - q_len - W + 1) // P * P
+            pages = batch.block_tables[s, key_start // P : -(-ctx // P)].long()
             mask = None
-            if ctx != q_len:
-                q_pos = torch.arange(ctx - q_len, ctx)                           # [q_len]
-                mask = torch.arange(ctx)[None, :] <= q_pos[:, None]             # [q_len, ctx]
-            prefills.append(_PrefillSeq(int(batch.query_start[s]), q_len, ctx, pages, mask))
+            if ctx != q_len or W is not None:
+                q_pos = torch.arange(ctx - q_len, ctx)[:, None]                  # [q_len, 1]
+                k_pos = torch.arange(key_start, ctx)[None, :]                    # [1, L]
+                mask = k_pos <= q_pos                                           # [q_len, L]
+                if W is not None:
+                    mask &= k_pos > q_pos - W
+            prefills.append(_PrefillSeq(int(batch.query_start[s]), q_len, ctx, key_start, pages,
+                                        ctx == q_len, mask))
         return TorchPlan(batch, decode_pages, decode_mask, tuple(prefills))
 
     def forward(self, q, k, v, k_pool, v_pool, plan: object, scale: float) -> torch.Tensor:
@@ -75,13 +96,14 @@ class TorchAttentionBackend(AttentionBackend):
             out[:nd] = od.reshape(nd, Hq, D)
         for seq in plan.prefills:
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
-            if seq.mask is None:
+            if seq.own_kv:
                 # Fresh prompt chunk: its own k, v are the whole context.
                 ks = k[rows].transpose(0, 1)                                     # [Hkv, n, D]
                 vs = v[rows].transpose(0, 1)
             else:
-                ks = k_pool[seq.pages].transpose(0, 1).reshape(Hkv, -1, D)[:, : seq.ctx_len]  # [Hkv, ctx, D]
-                vs = v_pool[seq.pages].transpose(0, 1).reshape(Hkv, -1, D)[:, : seq.ctx_len]
+                L = seq.ctx_len - seq.key_start
+                ks = k_pool[seq.pages].transpose(0, 1).reshape(Hkv, -1, D)[:, :L]  # [Hkv, L, D]
+                vs = v_pool[seq.pages].transpose(0, 1).reshape(Hkv, -1, D)[:, :L]
             qs = q[rows].view(seq.q_len, Hkv, G, D).transpose(0, 1)              # [Hkv, n, G, D]
             if seq.mask is None:
                 o = F.scaled_dot_product_attention(

@@ -9,8 +9,14 @@
  *   context_lens  [S]               int32 tokens in the cache, including this step's queries
  *
  * Query i of sequence s (q_len = query_start[s+1] - query_start[s]) sits at absolute position
- * p = context_lens[s] - q_len + i and attends causally to key positions 0..p. Query head h uses
- * kv head h / G with G = Hq / Hkv.
+ * p = context_lens[s] - q_len + i and attends causally to key positions 0..p, or, with a sliding
+ * window W > 0, to positions max(0, p - W + 1)..p. Query head h uses kv head h / G with
+ * G = Hq / Hkv.
+ *
+ * Sliding window: pages wholly before the window of a work item's first query are neither read
+ * nor validated (a sliding-window allocator recycles them and points their table entries at a
+ * padding page); the partial page at the window's start is masked per row. With W == 0 the
+ * kernel takes the full-attention path, whose per-page work has no window test at all.
  *
  * Work is split into items (sequence, kv head, tile of query rows); each item holds the G query
  * heads of its rows together ("rows" below are (query, head-in-group) pairs, M = n_queries * G),
@@ -306,7 +312,8 @@ typedef struct {
     float *s;    /* [Mmax, ldS] scores / probabilities for one page */
     float *m;    /* [Mmax] running max */
     float *l;    /* [Mmax] running sum */
-    int *lim;    /* [Mmax] number of visible keys per row */
+    int *lim;    /* [Mmax] number of visible keys per row (keys 0..lim-1) */
+    int *lo;     /* [Mmax] first visible key per row (0 without a sliding window) */
 } scratch;
 
 static int cmp_cost_desc(const void *a, const void *b) {
@@ -322,6 +329,7 @@ typedef struct {
     const int32_t *query_start;
     const int32_t *context_lens;
     int max_pages, hq, hkv, P, D, G, is_bf16, ldS;
+    int window; /* sliding window in tokens, 0 = full attention */
     float scale;
     /* split-K partial results: [n_partials, G, D] outputs and [n_partials, G] max / sum */
     float *part_o;
@@ -346,22 +354,30 @@ static void prefetch_page(const params *pr, const void *pool, int32_t page, int 
 }
 
 /*
- * Streaming-softmax step for one page: masks keys beyond each row's limit, updates the running
- * max / sum, rescales the output rows when the max grows, and turns scores into probabilities
- * (columns nk..round8(nk) and masked keys become 0).
+ * Streaming-softmax step for one page: masks keys outside each row's visible range [lo, lim)
+ * (lo only when `windowed`, a compile-time constant), updates the running max / sum, rescales
+ * the output rows when the max grows, and turns scores into probabilities (columns
+ * nk..round8(nk) and masked keys become 0).
  */
-static PROF_NOINLINE void softmax_page(scratch *sc, int M, int D, int ldS, int t0, int nk) {
-    /* Pad columns nk..round8(nk) with -inf, mask causal positions, streaming softmax. */
+ALWAYS_INLINE void softmax_page_impl(scratch *sc, int M, int D, int ldS, int t0, int nk,
+                                     const int windowed) {
     const int nk8 = (nk + 7) & ~7;
     for (int r = 0; r < M; r++) {
         float *sr = sc->s + (size_t)r * ldS;
-        int vis = sc->lim[r] - t0; /* keys of this page visible to row r */
+        int vis = sc->lim[r] - t0; /* keys of this page visible to row r: [first, vis) */
         if (vis > nk) vis = nk;
-        if (vis <= 0) { /* fully masked row on this page: probabilities are all 0 */
+        int first = 0;
+        if (windowed) {
+            first = sc->lo[r] - t0;
+            if (first < 0) first = 0;
+        }
+        if (vis <= first) { /* fully masked row on this page: probabilities are all 0 */
             memset(sr, 0, sizeof(float) * nk8);
             continue;
         }
         for (int j = vis; j < nk8; j++) sr[j] = -INFINITY;
+        if (windowed)
+            for (int j = 0; j < first; j++) sr[j] = -INFINITY;
         v8f mv = splat8(-INFINITY);
         for (int j = 0; j < nk8; j += 8) mv = max8(mv, ld8(sr + j));
         const float mblk = hmax8(mv);
@@ -382,6 +398,20 @@ static PROF_NOINLINE void softmax_page(scratch *sc, int M, int D, int ldS, int t
         }
         sc->l[r] += hsum8(sum);
     }
+}
+
+static PROF_NOINLINE void softmax_page(scratch *sc, int M, int D, int ldS, int t0, int nk) {
+    softmax_page_impl(sc, M, D, ldS, t0, nk, 0);
+}
+
+static PROF_NOINLINE void softmax_page_window(scratch *sc, int M, int D, int ldS, int t0,
+                                              int nk) {
+    softmax_page_impl(sc, M, D, ldS, t0, nk, 1);
+}
+
+/* First key a query at absolute position p sees: 0, or p - W + 1 with a sliding window W. */
+ALWAYS_INLINE int first_key(int p, int window) {
+    return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
 }
 
 /*
@@ -413,6 +443,7 @@ static void run_item(const params *pr, const work_item *it, int64_t part_index, 
                 for (int d = 0; d < D; d += 8) st8(dst + d, ld8(src + d) * pr->scale);
             }
             sc->lim[r] = lim;
+            sc->lo[r] = first_key(lim - 1, pr->window);
             sc->m[r] = -INFINITY;
             sc->l[r] = 0.0f;
         }
@@ -421,10 +452,11 @@ static void run_item(const params *pr, const work_item *it, int64_t part_index, 
 
     const int kmax = sc->lim[M - 1];        /* last row sees the most */
     const int n_pages = (kmax + P - 1) / P;
-    int page_lo = 0, page_hi = n_pages;
+    const int first_page = sc->lo[0] / P;   /* first row sees the earliest key */
+    int page_lo = first_page, page_hi = n_pages;
     if (it->nsplit > 1) {
-        int per = (n_pages + it->nsplit - 1) / it->nsplit;
-        page_lo = it->split * per;
+        int per = (n_pages - first_page + it->nsplit - 1) / it->nsplit;
+        page_lo = first_page + it->split * per;
         page_hi = page_lo + per < n_pages ? page_lo + per : n_pages;
     }
     const int32_t *bt = pr->block_tables + (size_t)s * pr->max_pages;
@@ -447,7 +479,10 @@ static void run_item(const params *pr, const work_item *it, int64_t part_index, 
         else
             scores_f32(sc->q, M, D, K, nk, P, sc->s, ldS);
 
-        softmax_page(sc, M, D, ldS, t0, nk);
+        if (pr->window > 0)
+            softmax_page_window(sc, M, D, ldS, t0, nk);
+        else
+            softmax_page(sc, M, D, ldS, t0, nk);
 
         const void *V = page_block(pr, pr->v_pool, page, h);
         if (pr->is_bf16)
@@ -520,8 +555,12 @@ int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
                const int32_t *block_tables, const int32_t *query_start,
                const int32_t *context_lens, int num_tokens, int num_seqs, int max_pages,
                int num_pages, int hq, int hkv, int page_size, int head_dim, float scale,
-               int is_bf16, int num_threads, int64_t *err_info) {
+               int window, int is_bf16, int num_threads, int64_t *err_info) {
     err_info[0] = err_info[1] = err_info[2] = 0;
+    if (window < 0) {
+        err_info[0] = window;
+        return PA_ERR_WINDOW;
+    }
     if (hkv <= 0 || hq % hkv != 0 || head_dim <= 0 || head_dim % 8 != 0 || page_size <= 0) {
         err_info[0] = hq;
         err_info[1] = hkv;
@@ -555,7 +594,8 @@ int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
         }
         if (b == a) continue;
         int need = (ctx + P - 1) / P;
-        for (int pg = 0; pg < need; pg++) {
+        /* pages before the first query's window are never read: not checked either */
+        for (int pg = first_key(ctx - (b - a), window) / P; pg < need; pg++) {
             int32_t page = block_tables[(size_t)s * max_pages + pg];
             if (page < 0 || page >= num_pages) {
                 err_info[0] = s;
@@ -594,7 +634,7 @@ int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
         if (ntile == 0) continue;
         int nsplit = 1;
         if (q_len == 1 && nsplit_max > 1) {
-            int pages = (context_lens[s] + P - 1) / P;
+            int pages = (context_lens[s] + P - 1) / P - first_key(context_lens[s] - 1, window) / P;
             nsplit = pages / MIN_PAGES_PER_SPLIT;
             if (nsplit > nsplit_max) nsplit = nsplit_max;
             if (nsplit < 1) nsplit = 1;
@@ -631,7 +671,7 @@ int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
             int ctx = context_lens[s];
             int nsplit = 1;
             if (q_len == 1 && nsplit_max > 1) {
-                int pages = (ctx + P - 1) / P;
+                int pages = (ctx + P - 1) / P - first_key(ctx - 1, window) / P;
                 nsplit = pages / MIN_PAGES_PER_SPLIT;
                 if (nsplit > nsplit_max) nsplit = nsplit_max;
                 if (nsplit < 1) nsplit = 1;
@@ -641,6 +681,7 @@ int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
                 int nq = q_len - q0 < tile_q ? q_len - q0 : tile_q;
                 /* keys seen by the tile ~ position of its middle row */
                 int64_t keys = (int64_t)ctx - q_len + q0 + (nq + 1) / 2;
+                if (window > 0 && keys > window) keys = window;
                 for (int h = 0; h < hkv; h++) {
                     for (int sp = 0; sp < nsplit; sp++) {
                         work_item *it = &items[k];
@@ -723,6 +764,7 @@ int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
     pr.is_bf16 = is_bf16;
     pr.ldS = (P + 7) & ~7;
     pr.scale = scale;
+    pr.window = window;
     pr.part_o = part_o;
     pr.part_m = part_m;
     pr.part_l = part_l;
@@ -738,8 +780,8 @@ int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
     {
         scratch sc = {0};
         size_t D = (size_t)head_dim;
-        /* q, o: [Mmax, D]; s: [Mmax, ldS]; m, l: [Mmax]; lim: [Mmax] ints (4 bytes each) */
-        size_t words = (size_t)Mmax * D * 2 + (size_t)Mmax * pr.ldS + (size_t)Mmax * 3 + 16;
+        /* q, o: [Mmax, D]; s: [Mmax, ldS]; m, l: [Mmax]; lim, lo: [Mmax] ints (4 bytes each) */
+        size_t words = (size_t)Mmax * D * 2 + (size_t)Mmax * pr.ldS + (size_t)Mmax * 4 + 16;
         float *buf = (float *)aligned_alloc(64, (words * sizeof(float) + 63) & ~(size_t)63);
         if (!buf) {
 #pragma omp atomic write
@@ -752,6 +794,7 @@ int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
             sc.m = sc.s + (size_t)Mmax * pr.ldS;
             sc.l = sc.m + Mmax;
             sc.lim = (int *)(sc.l + Mmax);
+            sc.lo = sc.lim + Mmax;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_items; i++) {
