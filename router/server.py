@@ -12,8 +12,8 @@ handler tasks and the NodePool's poller task. Both APIs go through one RouterFro
 requests checked against `limits` (router.limits), then forwarded (router.service). Health: the
 whole server ("") is SERVING while the router runs, and only once the HTTP API (if any) listens;
 the GenerateService entry is SERVING only while at least one decode node is healthy (a readiness
-probe can watch it). The gRPC server accepts messages up to `limits.max_message_bytes`, so that a
-too-large prompt gets INVALID_ARGUMENT naming its size rather than a transport error.
+probe can watch it). The gRPC server accepts messages up to 64 MiB (or `limits.max_message_bytes`
+if larger), so that a too-large prompt gets INVALID_ARGUMENT naming its size, not a transport error.
 `run(config, http, limits)` serves until SIGTERM or SIGINT, then stops gracefully and returns 0.
 """
 
@@ -38,6 +38,7 @@ from router.service import RouterGenerateService
 logger = logging.getLogger(__name__)
 
 GENERATE_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
+GRPC_MAX_MESSAGE_BYTES = 64 << 20  # as the router's channels to the nodes (router.nodes.CHANNEL_OPTIONS)
 
 
 class RouterServer:
@@ -62,7 +63,8 @@ class RouterServer:
 
     async def start(self) -> int:
         """Bind, register services, poll the nodes once, serve; returns the bound gRPC port."""
-        options = [("grpc.max_receive_message_length", self.limits.max_message_bytes)]
+        # Room for a prompt far over the limit, so that it is refused by check_request with its size named.
+        options = [("grpc.max_receive_message_length", max(GRPC_MAX_MESSAGE_BYTES, self.limits.max_message_bytes))]
         server = grpc.aio.server(interceptors=[AioExceptionToStatusInterceptor()], options=options)
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(self.front, server)
         self._health = await add_standard_services_aio(server, [GENERATE_SERVICE], serving=False)

@@ -366,7 +366,7 @@ def model(openai_client):
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
-GREEDY = SamplingParams(temperature=0, max_tokens=12)
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
 @needs_nodes
@@ -377,7 +377,7 @@ def test_openai_streams_chat_and_completion_with_the_grpc_clients_text(cluster, 
         text_ref = grpc_client.complete(PROMPT, GREEDY)
 
     chunks = list(openai_client.chat.completions.create(
-        model=model, messages=CHAT, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}))
+        model=model, messages=CHAT, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_ref.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat_ref.finish_reason
@@ -385,7 +385,7 @@ def test_openai_streams_chat_and_completion_with_the_grpc_clients_text(cluster, 
     assert chunks[-1].usage.prompt_tokens == chat_ref.usage.prompt_tokens
 
     chunks = list(openai_client.completions.create(
-        model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}))
+        model=model, prompt=PROMPT, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text_ref.text
     assert chunks[-1].usage.total_tokens == text_ref.usage.prompt_tokens + text_ref.usage.completion_tokens
 
@@ -394,32 +394,32 @@ def test_openai_streams_chat_and_completion_with_the_grpc_clients_text(cluster, 
 @pytest.mark.slow
 def test_openai_whole_answers_logprobs_stop_and_seed_match_grpc(cluster, openai_client, model):
     with Client(cluster.url, timeout=120) as grpc_client:
-        ref = grpc_client.complete(PROMPT, SamplingParams(temperature=0, max_tokens=6, logprobs=2))
-        chat_ref = grpc_client.complete(CHAT, SamplingParams(temperature=0, max_tokens=6, logprobs=2))
-        sampled = grpc_client.complete(PROMPT, SamplingParams(temperature=1.0, seed=11, max_tokens=8))
-    assert len(ref.logprobs) == len(ref.token_ids) == 6
+        ref = grpc_client.complete(PROMPT, SamplingParams(temperature=0, max_tokens=5, logprobs=2))
+        chat_ref = grpc_client.complete(CHAT, SamplingParams(temperature=0, max_tokens=5, logprobs=2))
+        sampled = grpc_client.complete(PROMPT, SamplingParams(temperature=1.0, seed=11, max_tokens=5))
+    assert len(ref.logprobs) == len(ref.token_ids) == 5
 
     def token(t):
         return t.text or f"token_id:{t.token_id}"
 
-    done = openai_client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    done = openai_client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
     choice = done.choices[0]
-    assert choice.text == ref.text and done.usage.completion_tokens == 6
+    assert choice.text == ref.text and done.usage.completion_tokens == 5
     assert choice.logprobs.tokens == [token(p.sampled) for p in ref.logprobs]
     assert choice.logprobs.token_logprobs == pytest.approx([p.sampled.logprob for p in ref.logprobs], abs=1e-4)
     assert [list(d) for d in choice.logprobs.top_logprobs] == [[token(t) for t in p.top] for p in ref.logprobs]
 
-    chat = openai_client.chat.completions.create(model=model, messages=CHAT, max_tokens=6, temperature=0,
+    chat = openai_client.chat.completions.create(model=model, messages=CHAT, max_tokens=5, temperature=0,
                                                  logprobs=True, top_logprobs=2)
     assert chat.choices[0].message.content == chat_ref.text
     content = chat.choices[0].logprobs.content
     assert [c.token for c in content] == [token(p.sampled) for p in chat_ref.logprobs]
-    assert [len(c.top_logprobs) for c in content] == [2] * 6
+    assert [len(c.top_logprobs) for c in content] == [2] * 5
 
-    again = openai_client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11)
+    again = openai_client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=1.0, seed=11)
     assert again.choices[0].text == sampled.text
     stop = ref.text.strip().split()[0]
-    cut = openai_client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, stop=[stop])
+    cut = openai_client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, stop=[stop])
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == ref.text[:ref.text.index(stop)]
 
 
