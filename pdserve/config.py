@@ -23,22 +23,33 @@ def _positive_int(name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV cache (E7, E9).
+    """The paged KV cache (E7-E9, E12, E15).
 
-    page_size: tokens per page (a page is one layer's K or V for page_size tokens).
+    page_size: tokens per page (a page is one layer's K or V for page_size tokens); a power of two.
     num_blocks: blocks in the pool (a block is one page per layer); None sizes the pool from
-        available memory x max_memory_percent after weights (E9).
-    max_memory_percent: fraction of available memory the KV pool may take when num_blocks is None.
+        available memory x max_memory_percent after weights and activations (E9).
+    max_memory_percent: fraction of available memory (system memory on CPU, free device memory
+        on GPU, measured before the weights load) that weights, activations and the KV pool may
+        take together when num_blocks is None.
     num_padding_blocks: blocks reserved for padding that requests never get (block ids 0..n-1).
+    allow_block_sharing: the prefix cache (E12): requests reuse complete blocks of a prefix that
+        is already in the cache. Switched off automatically for sliding-window and hybrid models.
+    cpu_offload_space: the CPU swap pool for offloaded requests (E15): a float is a fraction of
+        the device pool's blocks (0.0 to 1.0), an int a size in bytes; 0 turns offloading off
+        (stalled requests are soft-reset instead, E14).
     """
 
     page_size: int = 16
     num_blocks: int | None = None
     max_memory_percent: float = 0.3
     num_padding_blocks: int = 1
+    allow_block_sharing: bool = True
+    cpu_offload_space: float | int = 0.1
 
     def __post_init__(self) -> None:
         _positive_int("page_size", self.page_size)
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.num_blocks is not None:
             _positive_int("num_blocks", self.num_blocks)
             if self.num_blocks <= self.num_padding_blocks:
@@ -49,6 +60,23 @@ class CacheConfig:
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not (0.0 < m <= 1.0):
             raise ValueError(f"max_memory_percent must be in (0, 1], got {m!r}")
         _positive_int("num_padding_blocks", self.num_padding_blocks)
+        if not isinstance(self.allow_block_sharing, bool):
+            raise ValueError(f"allow_block_sharing must be True or False, got {self.allow_block_sharing!r}")
+        c = self.cpu_offload_space
+        if isinstance(c, bool) or not isinstance(c, (int, float)):
+            raise ValueError(f"cpu_offload_space must be a fraction (float) or bytes (int), got {c!r}")
+        if isinstance(c, float) and not (0.0 <= c <= 1.0):
+            raise ValueError(f"cpu_offload_space as a fraction of the pool must be in [0, 1], got {c!r} "
+                             f"(give an int for a size in bytes)")
+        if isinstance(c, int) and c < 0:
+            raise ValueError(f"cpu_offload_space in bytes must be >= 0, got {c!r}")
+
+    def swap_slots(self, num_blocks: int, block_nbytes: int) -> int:
+        """Blocks the CPU swap pool holds for a device pool of num_blocks blocks."""
+        c = self.cpu_offload_space
+        if isinstance(c, float):
+            return int(num_blocks * c)
+        return c // block_nbytes
 
 
 @dataclass(frozen=True)

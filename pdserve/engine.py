@@ -22,9 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.attention import get_backend
-from pdserve.cache.block_pool import BlockPool
+from pdserve.cache.block_pool import BlockPool, CacheIntegrityError
+from pdserve.cache.groups import attention_groups
 from pdserve.cache.kv_cache import KVCacheShape, PagedKVCache
 from pdserve.cache.manager import KVCacheManager
+from pdserve.cache.swap import SwapSpace
 from pdserve.config import EngineConfig
 from pdserve.model.arch import ModelArch
 from pdserve.model.llama import LlamaForCausalLM
@@ -36,7 +38,8 @@ from pdserve.sampling.detokenizer import IncrementalDetokenizer
 from pdserve.sampling.sampler import SampleLogprobs, Sampler
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import SchedulerOutput, make_scheduler
-from pdserve.sizing import size_pool
+from pdserve.scheduler.preemption import Preemptor
+from pdserve.sizing import MemoryBudget, activation_bytes, available_memory_bytes, module_nbytes, size_pool
 from pdserve.stats import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -71,30 +74,52 @@ class LLMEngine:
         self.arch = ModelArch.from_hf_config(hf_config)
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = frozenset(load_generation_eos(self.source))
-        self.max_model_len = min(config.max_model_len or self.arch.max_position_embeddings,
-                                 self.arch.max_position_embeddings)
-        if self.arch.sliding_window is not None and self.arch.sliding_window < self.max_model_len:
-            logger.warning("model has a sliding window of %d tokens; capping max_model_len %d -> %d "
-                           "(sliding-window attention is not implemented yet)",
-                           self.arch.sliding_window, self.max_model_len, self.arch.sliding_window)
+        model_max = self.arch.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or model_max, model_max)
+        # Per-layer attention kinds come from the model code (ModelArch.layer_types); until a model
+        # declares them, its runner attends over full tables, so a sliding window is emulated by
+        # keeping sequences inside it.
+        layer_types = getattr(self.arch, "layer_types", None)
+        groups = attention_groups(layer_types, self.arch.sliding_window)
+        if layer_types is None and self.arch.sliding_window is not None and self.arch.sliding_window < self.max_model_len:
+            logger.warning("model has a sliding window of %d tokens but no per-layer attention types; capping "
+                           "max_model_len %d -> %d", self.arch.sliding_window, self.max_model_len,
+                           self.arch.sliding_window)
             self.max_model_len = self.arch.sliding_window
         dtype = config.torch_dtype
+        device = torch.device("cpu")
+        available = available_memory_bytes(device) if config.cache.num_blocks is None else None
         self.model = LlamaForCausalLM(self.arch, hf_config, dtype, self.max_model_len)
         self.model.load_weights(iter_weights(self.source))
         self.model.eval()
 
         P = config.cache.page_size
+        sched = config.scheduler
         probe = KVCacheShape(self.arch.num_layers, 1, self.arch.num_kv_heads, P, self.arch.head_dim)
-        max_useful = config.scheduler.max_requests_per_batch * -(-self.max_model_len // P)
-        size = size_pool(config.cache, probe.block_nbytes(dtype), max_useful)
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB each block, %.2f GiB total): %s",
-                    size.num_blocks, P, size.block_nbytes / 2**20, size.num_blocks * size.block_nbytes / 2**30,
-                    size.reason)
-        shape = KVCacheShape(self.arch.num_layers, size.num_blocks, self.arch.num_kv_heads, P, self.arch.head_dim)
-        self.kv_cache = PagedKVCache(shape, dtype)
+        block_nbytes = probe.block_nbytes(dtype)
+        sizer = KVCacheManager(BlockPool(2, 1), P, groups)  # tables only: how many blocks a request takes
+        per_request = sizer.max_blocks_per_request(self.max_model_len, sched.max_batch_tokens)
+        budget = None
+        if available is not None:
+            budget = MemoryBudget(available=available, weights=module_nbytes(self.model),
+                                  activations=self._activation_bytes(dtype))
+        size = size_pool(config.cache, block_nbytes, sched.max_requests_per_batch * per_request, budget)
+        self.max_model_len = self._fit_max_model_len(sizer, size.num_blocks - config.cache.num_padding_blocks)
+        sharing = config.cache.allow_block_sharing and all(g.sliding_window is None for g in groups)
+        self.kv_cache = PagedKVCache(KVCacheShape(self.arch.num_layers, size.num_blocks, self.arch.num_kv_heads, P,
+                                                  self.arch.head_dim), dtype)
         self.pool = BlockPool(size.num_blocks, config.cache.num_padding_blocks)
-        self.cache_manager = KVCacheManager(self.pool, P)
+        self.cache_manager = KVCacheManager(self.pool, P, groups, enable_prefix_caching=sharing)
+        swap_slots = config.cache.swap_slots(size.num_blocks, block_nbytes)
+        self.swap = SwapSpace(self.kv_cache, self.cache_manager, swap_slots) if swap_slots > 0 else None
+        logger.info("KV cache: %d blocks of %d tokens (%.2f MiB each, %.2f GiB total; %s), groups %s, "
+                    "prefix cache %s%s, swap pool %d blocks (%.2f GiB), max_model_len %d",
+                    size.num_blocks, P, block_nbytes / 2**20, size.num_blocks * block_nbytes / 2**30, size.reason,
+                    self.cache_manager.group_names, "on" if sharing else "off",
+                    "" if sharing or not config.cache.allow_block_sharing else " (sliding-window layers)",
+                    swap_slots, swap_slots * block_nbytes / 2**30, self.max_model_len)
         self.scheduler = make_scheduler(config.scheduler, self.cache_manager)
+        self.preemptor = Preemptor(self.scheduler, self.cache_manager, self.swap)
         self.runner = ModelRunner(self.model, self.kv_cache, self.cache_manager, get_backend(config.attention_backend))
         self.sampler = Sampler()
         self._default_generator = torch.Generator().manual_seed(config.seed)
@@ -106,7 +131,42 @@ class LLMEngine:
         self.num_forward_tokens = 0
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
-        self.num_soft_resets = 0
+
+    def _activation_bytes(self, dtype: torch.dtype) -> int:
+        a, s = self.arch, self.config.scheduler
+        return activation_bytes(
+            hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_heads=a.num_heads,
+            num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, vocab_size=a.vocab_size,
+            max_batch_tokens=s.max_batch_tokens, max_requests_per_batch=s.max_requests_per_batch,
+            max_model_len=self.max_model_len, dtype=dtype,
+        )
+
+    def _fit_max_model_len(self, sizer: KVCacheManager, usable_blocks: int) -> int:
+        """max_model_len if one request of that length fits in the pool; otherwise the longest
+        that fits when max_model_len was not set, and a ValueError when it was."""
+        chunk = self.config.scheduler.max_batch_tokens
+        need = sizer.max_blocks_per_request(self.max_model_len, chunk)
+        if need <= usable_blocks:
+            return self.max_model_len
+        P = sizer.page_size
+        if self.config.max_model_len is not None:
+            raise ValueError(
+                f"the KV cache has {usable_blocks} usable blocks of {P} tokens, but one request of "
+                f"max_model_len={self.max_model_len} tokens needs {need} blocks "
+                f"(groups {sizer.group_names}); raise num_blocks or max_memory_percent, or lower max_model_len"
+            )
+        lo, hi = 1, self.max_model_len  # the longest length whose request fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if sizer.max_blocks_per_request(mid, chunk) <= usable_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        if sizer.max_blocks_per_request(lo, chunk) > usable_blocks or lo < 2:
+            raise ValueError(f"the KV cache has {usable_blocks} usable blocks of {P} tokens: too few for any request")
+        logger.warning("KV cache of %d blocks holds at most %d tokens per request: max_model_len %d -> %d",
+                       usable_blocks, lo, self.max_model_len, lo)
+        return lo
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -152,7 +212,7 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens but the model's context is {self.max_model_len} tokens "
                 f"(at least one must be left to generate)"
             )
-        need = self.cache_manager.num_blocks_for(len(ids) + 1)
+        need = self.cache_manager.max_blocks_per_request(len(ids) + 1, self.config.scheduler.max_batch_tokens)
         if need > self.pool.num_usable_blocks:
             raise ValueError(
                 f"prompt of {len(ids)} tokens needs {need} KV blocks but the cache has only "
@@ -182,8 +242,12 @@ class LLMEngine:
         return self._finish(tracked, reason, new_ids=(), delta="", error=error)
 
     def kv_ready(self, request_id: str) -> None:
-        """All of a remote-prefill request's KV writes have landed: schedule its first decode."""
-        self.scheduler.kv_ready(self._tracked[request_id].request)
+        """All of a remote-prefill request's KV writes have landed: schedule its first decode.
+
+        From now on its complete prompt blocks are valid, so they join the prefix cache."""
+        request = self._tracked[request_id].request
+        self.scheduler.kv_ready(request)
+        self.cache_manager.commit(request)
 
     def kv_abandoned(self, request_id: str, prefill_locally: bool, error: str) -> RequestOutput | None:
         """The remote prefill failed and no write can land any more (S3, S5).
@@ -240,21 +304,28 @@ class LLMEngine:
     # --- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self.preemptor.restore()
         sched = self.scheduler.schedule()
+        kv_waits = list(sched.kv_waits)
+        if sched.is_empty and sched.stalled and not self.preemptor.relieve(sched.stalled).is_empty:
+            sched = self.scheduler.schedule()  # nothing could run: make room and retry in this step (E15)
+            kv_waits += sched.kv_waits
         if self.hooks.on_kv_wait is not None:
-            for r in sched.kv_waits:
+            for r in kv_waits:
                 self.hooks.on_kv_wait(r, self.block_table(r.request_id))
         if sched.is_empty:
             return self._stalled()
         if self.hooks.on_schedule is not None:
             self.hooks.on_schedule(sched)
         out = self.runner.execute(sched, self.hooks.on_layer_done)
-        return self._update(sched, out)
+        results = self._update(sched, out)
+        if sched.stalled:
+            self.preemptor.relieve(sched.stalled)  # they run next step
+        return results
 
     def _update(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
         self.num_steps += 1
         self.num_forward_tokens += sched.num_batched_tokens
-        self.num_soft_resets += len(sched.preempted)
         self.num_prompt_tokens_computed += sum(
             max(0, min(c.end, c.request.num_prompt_tokens) - c.start) for c in sched.chunks)
         sampling_chunks = [c for c in sched.chunks if c.samples]
@@ -271,6 +342,7 @@ class LLMEngine:
         for c in sched.chunks:
             r = c.request
             r.num_computed_tokens = c.end
+            self.cache_manager.commit(r)  # its newly complete blocks join the prefix cache
             tracked = self._tracked[r.request_id]
             if r.prefill_only and c.end == r.target_computed_tokens:
                 row = out.chunk_rows[r.request_id]
@@ -345,6 +417,7 @@ class LLMEngine:
             self._held[r.request_id] = r
         else:
             self.scheduler.remove_request(r)
+        self.preemptor.forget(r)
         r.status = RequestStatus.FINISHED
         r.finish_reason = reason
         del self._tracked[r.request_id]
@@ -371,7 +444,7 @@ class LLMEngine:
     def _stalled(self) -> list[RequestOutput]:
         """Nothing could be scheduled. If requests wait that can never fit, fail them explicitly."""
         s = self.scheduler
-        if s.running or s.waiting_for_kv or self._held or not s.waiting:
+        if s.running or s.waiting_for_kv or s.offloaded or self._held or not s.waiting:
             return []
         # Nothing runs or holds pages, so the whole pool is free: a head that cannot start never will.
         head = self.scheduler.waiting[0]
@@ -381,28 +454,50 @@ class LLMEngine:
         logger.error(msg)
         return [self._finish(tracked, FinishReason.ERROR, new_ids=(), delta="", error=msg)]
 
+    @property
+    def num_soft_resets(self) -> int:
+        return self.preemptor.num_soft_resets
+
+    @property
+    def num_offloads(self) -> int:
+        return self.preemptor.num_offloads
+
     def metrics(self) -> EngineMetrics:
         """A snapshot of the engine's gauges and counters (call from the engine thread, or accept
         a snapshot that may straddle one step when called from another thread)."""
         s = self.scheduler
+        pc = self.cache_manager.prefix_cache
         return EngineMetrics(
             num_running=len(s.running),
             num_waiting=len(s.waiting),
             num_waiting_for_kv=len(s.waiting_for_kv),
-            num_offloaded=0,
+            num_offloaded=len(s.offloaded),
             total_blocks=self.pool.num_usable_blocks,
-            free_blocks=self.pool.num_free_blocks,
-            cached_blocks=0,
+            free_blocks=self.pool.num_empty_blocks,
+            cached_blocks=self.pool.num_cached_blocks,
             kv_cache_usage=self.pool.usage,
-            prefix_cache_queries=0,
-            prefix_cache_hits=0,
-            num_offloads=0,
-            num_soft_resets=self.num_soft_resets,
+            prefix_cache_queries=pc.num_queried_tokens if pc is not None else 0,
+            prefix_cache_hits=pc.num_hit_tokens if pc is not None else 0,
+            num_offloads=self.preemptor.num_offloads,
+            num_soft_resets=self.preemptor.num_soft_resets,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_generated_tokens=self.num_generated_tokens,
             num_steps=self.num_steps,
         )
 
     def check_integrity(self) -> None:
-        """free + used == total and every block is held by exactly the requests that hold it."""
+        """The pool balances (empty + used + cached == total), every block's reference count
+        matches the tables that hold it, the swap pool balances, and exactly the requests that
+        may hold blocks do (running, waiting for KV, finished but held)."""
         self.cache_manager.check_integrity()
+        if self.swap is not None:
+            self.swap.check_integrity()
+        s = self.scheduler
+        may_hold = {r.request_id for r in s.running} | set(s.waiting_for_kv) | set(self._held)
+        holders = {rid for g in self.cache_manager.groups for rid in g.tables}
+        if not holders <= may_hold:
+            raise CacheIntegrityError(f"requests hold blocks but are not running, waiting for KV or held: "
+                                      f"{sorted(holders - may_hold)[:10]}")
+        swapped = self.swap.num_offloaded if self.swap is not None else 0
+        if swapped != len(s.offloaded):
+            raise CacheIntegrityError(f"the swap pool holds {swapped} requests but {len(s.offloaded)} are offloaded")

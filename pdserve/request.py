@@ -15,10 +15,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.cache.prefix_cache import BlockHash
 
 
 class RequestStatus(enum.Enum):
@@ -60,7 +64,14 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
-    num_preemptions: int = 0
+    num_preemptions: int = 0   # soft resets (E14)
+    num_offloads: int = 0      # moves of its KV to the CPU swap pool (E15)
+    # Prompt tokens whose KV came from the prefix cache at the last admission (E12): the first
+    # computed chunk starts there (a multiple of page_size), pages [0, num_cached_tokens // P)
+    # of its table are shared blocks that already hold that KV.
+    num_cached_tokens: int = 0
+    # Chained hashes of its complete blocks, extended on demand (prefix_cache.request_block_hashes).
+    block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
     # When a soft reset folded generated tokens back into the prompt, the original prompt length.
     num_prompt_tokens_original: int = -1
 

@@ -69,5 +69,5 @@ def test_integrity_check_reports_numbers():
     pool = BlockPool(num_blocks=5, num_padding_blocks=1)
     mgr = KVCacheManager(pool, page_size=4)
     pool.allocate(2)  # held by nobody's table: a leak
-    with pytest.raises(CacheIntegrityError, match=r"block tables hold 0 blocks but the pool has 2 in use"):
+    with pytest.raises(CacheIntegrityError, match=r"block tables hold 0 blocks but the pool has 2 references"):
         mgr.check_integrity()

@@ -120,7 +120,7 @@ def test_prefill_first_runs_chunked_prefills_before_decodes():
     assert _plan(out) == [("p", 8, 8, False)]
 
 
-def test_decode_out_of_blocks_preempts_newest_request_by_soft_reset():
+def test_decode_out_of_blocks_is_reported_stalled_and_soft_reset_requeues_it():
     s, mgr = _setup(num_blocks=5, page_size=4, max_batch_tokens=64)  # 4 usable blocks
     a, b = _req("a", 8), _req("b", 8)                               # 2 blocks each
     s.add_request(a)
@@ -129,18 +129,59 @@ def test_decode_out_of_blocks_preempts_newest_request_by_soft_reset():
     assert _plan(out) == [("a", 0, 8, True), ("b", 0, 8, True)]
     _apply(out)
     assert mgr.pool.num_free_blocks == 0
+    s.add_request(_req("c", 1))
     out = s.schedule()
-    # a needs a third block: b (newest) is preempted; its blocks are freed tail first (4, 3), so a gets 4.
-    assert [r.request_id for r in out.preempted] == ["b"]
-    assert _plan(out) == [("a", 8, 1, True)]
-    assert mgr.block_table("a") == [1, 2, 4]
+    # Both decodes need a third block and none is free: both are reported, nothing runs, and no
+    # new request is admitted while requests stall.
+    assert out.is_empty
+    assert [(x.request_id, x.num_blocks) for x in out.stalled] == [("a", 1), ("b", 1)]
+    assert [r.request_id for r in s.waiting] == ["c"]
+    # The engine makes room; here b is soft-reset: its blocks are freed head first (3, 4).
+    s.soft_reset(b)
     assert b.num_computed_tokens == 0 and b.status is RequestStatus.PENDING and b.output_token_ids == [7]
-    assert s.waiting[0] is b
+    assert [r.request_id for r in s.waiting] == ["b", "c"]
+    out = s.schedule()
+    assert _plan(out) == [("a", 8, 1, True)]
+    assert mgr.block_table("a") == [1, 2, 3]
     mgr.check_integrity()
     # When a finishes, b comes back and recomputes prompt + its generated token (9 tokens).
     s.remove_request(a)
     out = s.schedule()
-    assert _plan(out) == [("b", 0, 9, True)]
+    assert _plan(out) == [("c", 0, 1, True), ("b", 0, 9, True)]     # one-token chunks go first
+
+
+def test_a_running_chunk_shrinks_to_the_blocks_that_are_free():
+    s, mgr = _setup(num_blocks=6, page_size=4, max_batch_tokens=9)  # 5 usable blocks
+    a, p = _req("a", 4), _req("p", 20)
+    s.add_request(a)
+    s.add_request(p)
+    out = s.schedule()
+    assert _plan(out) == [("a", 0, 4, True), ("p", 0, 5, False)]  # 1 + 2 blocks
+    _apply(out)
+    out = s.schedule()
+    # a's decode takes a fourth block; p wants 8 tokens (2 more blocks) but 1 is free, so its
+    # chunk is cut to the 7 tokens that fill that block.
+    assert _plan(out) == [("a", 4, 1, True), ("p", 5, 7, False)]
+    assert out.stalled == () and mgr.pool.num_free_blocks == 0
+
+
+def test_park_and_unpark_keep_offloaded_requests_ahead_of_new_ones():
+    s, mgr = _setup(num_blocks=9, page_size=4, max_batch_tokens=64)
+    a, b = _req("a", 4), _req("b", 4)
+    s.add_request(a)
+    s.add_request(b)
+    _apply(s.schedule())
+    s.park(a)                                                       # the engine copied a's KV out
+    mgr.free(a)
+    s.add_request(_req("c", 2))
+    out = s.schedule()
+    assert _plan(out) == [("b", 4, 1, True)]                        # c waits while a is offloaded
+    assert s.has_work() and s.num_unfinished == 3
+    s.unpark(a)
+    assert s.running == [a, b]                                      # back in arrival order
+    mgr.allocate_slots(a, 1)                                        # (the engine restores its blocks)
+    out = s.schedule()
+    assert [c.request_id for c in out.chunks] == ["a", "b", "c"]
 
 
 def test_prefill_only_request_computes_every_given_token_and_never_samples():

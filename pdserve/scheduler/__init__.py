@@ -1,6 +1,6 @@
 """Iteration-level scheduling: which tokens of which requests run in the next forward pass."""
 
-from pdserve.scheduler.output import ScheduledChunk, SchedulerOutput
+from pdserve.scheduler.output import ScheduledChunk, SchedulerOutput, StalledRequest
 from pdserve.scheduler.scheduler import FifoScheduler, PrefillFirstScheduler, Scheduler, make_scheduler
 
 __all__ = [
@@ -9,5 +9,6 @@ __all__ = [
     "ScheduledChunk",
     "Scheduler",
     "SchedulerOutput",
+    "StalledRequest",
     "make_scheduler",
 ]

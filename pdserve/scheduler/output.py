@@ -30,11 +30,24 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True)
+class StalledRequest:
+    """A running request that got nothing this step: the pool could not supply the blocks its
+    next chunk needs (the engine may offload or soft-reset others to make room, E15)."""
+
+    request: Request
+    num_blocks: int  # net blocks its wanted chunk needs from the pool
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """One forward pass: single-token (decode) chunks first, then multi-token (prefill) chunks."""
 
     chunks: tuple[ScheduledChunk, ...]
-    preempted: tuple[Request, ...] = ()
+    stalled: tuple[StalledRequest, ...] = ()
     # Remote-prefill requests admitted this step: their pages are allocated and they now wait
     # for their KV (the decode node asks a prefill node to fill them).
     kv_waits: tuple[Request, ...] = ()

@@ -4,12 +4,16 @@ Each step the batch is rebuilt from scratch (E2): running requests first, then w
 a token budget (`max_batch_tokens`), a request cap (`max_requests_per_batch`) and the cache
 (E4). A prompt larger than the remaining budget is cut into chunks (E3). A new request enters
 only if its first chunk's blocks can all be allocated (E10), and only while the free fraction of
-the pool is at least the safety margin (E11).
+the pool is at least the safety margin (E11). At admission the prefix cache is looked up (E12):
+the request starts at the first token its cached blocks do not cover. A prefill-only request
+takes the blocks of its whole prompt at admission, so it never stalls halfway (its pages are read
+by transfers while it runs and cannot be moved).
 
-When a running request cannot get the block it needs, the newest running request is preempted by
-soft reset (E14): its blocks are freed and it goes back to the head of the queue with
-num_computed_tokens = 0; its generated tokens stay, so the recompute prefills prompt + output
-and generation resumes where it stopped.
+When a running request cannot get the blocks it needs, it shrinks its chunk to what fits; if
+nothing fits it is reported as stalled (`SchedulerOutput.stalled`) and no new request is admitted
+in that step. Making room is the engine's decision (offload or soft reset, E14, E15); the
+scheduler provides the queue moves: `park` / `unpark` (offloaded requests, which keep priority
+over new admissions) and `soft_reset`.
 
 Threading: a scheduler is owned by the engine thread; nothing else may call it.
 """
@@ -23,7 +27,7 @@ from collections import deque
 from pdserve.cache.manager import KVCacheManager
 from pdserve.config import SchedulerConfig
 from pdserve.request import Request, RequestStatus
-from pdserve.scheduler.output import ScheduledChunk, SchedulerOutput
+from pdserve.scheduler.output import ScheduledChunk, SchedulerOutput, StalledRequest
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +42,10 @@ class Scheduler(abc.ABC):
         self.running: list[Request] = []
         # Admitted requests whose KV is being filled from elsewhere (decode nodes, D4).
         self.waiting_for_kv: dict[str, Request] = {}
+        # Running requests whose KV sits in the CPU swap pool (E15), in the order they left.
+        self.offloaded: dict[str, Request] = {}
         self._kv_waits: list[Request] = []
+        self._stalled: list[StalledRequest] = []
 
     # --- queues -----------------------------------------------------------------------------
 
@@ -48,20 +55,16 @@ class Scheduler(abc.ABC):
 
     def remove_request(self, request: Request) -> None:
         """Take a request out of every queue and free its blocks (finish, abort, error)."""
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        self.waiting_for_kv.pop(request.request_id, None)
+        self.detach(request)
         self.cache.free(request)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_kv) + len(self.offloaded)
 
     def has_work(self) -> bool:
         """True when a schedule() call can make progress (requests waiting for KV cannot)."""
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.offloaded)
 
     def detach(self, request: Request) -> None:
         """Take a request out of every queue but keep its blocks (their release comes later)."""
@@ -70,6 +73,7 @@ class Scheduler(abc.ABC):
         elif request in self.waiting:
             self.waiting.remove(request)
         self.waiting_for_kv.pop(request.request_id, None)
+        self.offloaded.pop(request.request_id, None)
 
     def kv_ready(self, request: Request) -> None:
         """The request's prompt KV has landed: it decodes its last prompt token next step (D17)."""
@@ -88,51 +92,75 @@ class Scheduler(abc.ABC):
         request.status = RequestStatus.PREFILLING
         self.running.append(request)
 
+    def park(self, request: Request) -> None:
+        """A running request's KV went to the swap pool: it leaves the running set (E15)."""
+        if request not in self.running:
+            raise KeyError(f"{request!r} is not running, so it cannot be offloaded")
+        self.running.remove(request)
+        self.offloaded[request.request_id] = request
+
+    def unpark(self, request: Request) -> None:
+        """An offloaded request's KV is back in the pool: it runs again, in arrival order."""
+        if self.offloaded.pop(request.request_id, None) is None:
+            raise KeyError(f"request {request.request_id!r} is not offloaded")
+        i = len(self.running)
+        while i > 0 and self.running[i - 1].arrival_time > request.arrival_time:
+            i -= 1
+        self.running.insert(i, request)
+
+    def soft_reset(self, request: Request) -> None:
+        """E14: free a running request's blocks and requeue it at the head of the queue.
+
+        Its generated tokens stay: the recompute prefills prompt + output (the output is folded
+        into what it prefills) and generation resumes where it stopped.
+        """
+        if request not in self.running:
+            raise KeyError(f"{request!r} is not running, so it cannot be soft-reset")
+        self.running.remove(request)
+        self.cache.free(request)
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PENDING
+        self.waiting.appendleft(request)
+
     # --- the step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         budget = _Budget(self.config.max_batch_tokens, self.config.max_requests_per_batch)
         chunks: list[ScheduledChunk] = []
-        preempted: list[Request] = []
-        self._kv_waits: list[Request] = []
-        self._order(budget, chunks, preempted)
+        self._kv_waits = []
+        self._stalled = []
+        self._order(budget, chunks)
         chunks.sort(key=lambda c: c.num_tokens != 1)  # decodes first; stable within each group
-        return SchedulerOutput(chunks=tuple(chunks), preempted=tuple(preempted), kv_waits=tuple(self._kv_waits))
+        return SchedulerOutput(chunks=tuple(chunks), stalled=tuple(self._stalled), kv_waits=tuple(self._kv_waits))
 
     @abc.abstractmethod
-    def _order(self, budget: "_Budget", chunks: list[ScheduledChunk], preempted: list[Request]) -> None:
+    def _order(self, budget: "_Budget", chunks: list[ScheduledChunk]) -> None:
         """Append this step's chunks in priority order (each concrete scheduler orders the work)."""
 
     # --- building blocks the orderings share ---------------------------------------------------
 
-    def _schedule_running(
-        self, request: Request, budget: "_Budget", chunks: list[ScheduledChunk], preempted: list[Request]
-    ) -> None:
-        """Schedule the next chunk of a running request, preempting newer requests if the cache is full."""
-        if request not in self.running or not budget.has_room():
+    def _schedule_running(self, request: Request, budget: "_Budget", chunks: list[ScheduledChunk]) -> None:
+        """Schedule the next chunk of a running request, shrunk to what the cache can hold, or
+        report it stalled when not even one token fits."""
+        if not budget.has_room():
             return
         n = min(request.num_remaining_tokens, budget.tokens)
-        while True:
-            if self.cache.allocate_slots(request, n) is not None:
-                chunks.append(self._chunk(request, n))
-                budget.take(n)
+        if n < 1:
+            return
+        if self.cache.allocate_slots(request, n) is None:
+            fit = self._tokens_that_fit(request, n)
+            if fit < 1 or self.cache.allocate_slots(request, fit) is None:
+                self._stalled.append(StalledRequest(request, self.cache.blocks_needed(request, n)))
                 return
-            # Shrink the chunk to what fits in the blocks already held plus the free ones.
-            fit = self._tokens_that_fit(request)
-            if 0 < fit < n:
-                n = fit
-                continue
-            victim = self._preemption_victim(request, chunks)
-            if victim is None:
-                return  # nothing newer to preempt: the request stalls this step
-            self._preempt(victim, chunks, budget)
-            preempted.append(victim)
-            if victim is request:
-                return
+            n = fit
+        chunks.append(self._chunk(request, n))
+        budget.take(n)
 
     def _try_admit(self, budget: "_Budget", chunks: list[ScheduledChunk]) -> bool:
         """Admit the head of the waiting queue if budgets, cache and safety margin allow."""
-        if not self.waiting or not budget.has_room():
+        if not self.waiting or not budget.has_room() or self.offloaded or self._stalled:
             return False
         margin = self.config.effective_safety_margin
         pool = self.cache.pool
@@ -141,11 +169,16 @@ class Scheduler(abc.ABC):
         request = self.waiting[0]
         if request.remote_prefill and request.num_prompt_tokens > 1:
             return self._admit_remote_prefill(request)
-        n = min(request.num_remaining_tokens, budget.tokens)
+        hit = self.cache.lookup_prefix(request)
+        n = min(request.target_computed_tokens - hit.num_tokens, budget.tokens)
         if n < 1:
             return False
-        if self.cache.allocate_slots(request, n) is None:  # all or nothing (E10)
+        # A prefill-only request reserves its whole prompt (it must never stall halfway).
+        reserve = request.target_computed_tokens - hit.num_tokens if request.prefill_only else n
+        if self.cache.allocate_slots(request, reserve, hit) is None:  # all or nothing (E10)
             return False
+        request.num_computed_tokens = hit.num_tokens
+        request.num_cached_tokens = hit.num_tokens
         self.waiting.popleft()
         self.running.append(request)
         request.status = RequestStatus.PREFILLING
@@ -154,7 +187,10 @@ class Scheduler(abc.ABC):
         return True
 
     def _admit_remote_prefill(self, request: Request) -> bool:
-        """Allocate pages for every prompt token but the last (D3); no compute, so no token budget."""
+        """Allocate pages for every prompt token but the last (D3); no compute, so no token budget.
+
+        No prefix lookup: its KV arrives from elsewhere, and its blocks reach the prefix cache
+        only once that KV has landed (`kv_ready`)."""
         if self.cache.allocate_slots(request, request.num_prompt_tokens - 1) is None:
             return False
         self.waiting.popleft()
@@ -168,43 +204,27 @@ class Scheduler(abc.ABC):
         samples = (start + n == request.target_computed_tokens) and not request.prefill_only
         return ScheduledChunk(request=request, start=start, num_tokens=n, samples=samples)
 
-    def _tokens_that_fit(self, request: Request) -> int:
-        page = self.cache.page_size
-        held = len(self.cache.block_table(request.request_id))
-        capacity = (held + self.cache.pool.num_free_blocks) * page
-        return min(request.num_remaining_tokens, capacity - request.num_computed_tokens)
-
-    def _preemption_victim(self, request: Request, chunks: list[ScheduledChunk]) -> Request | None:
-        """The newest running request other than `request`; `request` itself if it is alone but others wait."""
-        for candidate in reversed(self.running):
-            if candidate is not request:
-                return candidate
-        return None
-
-    def _preempt(self, victim: Request, chunks: list[ScheduledChunk], budget: "_Budget") -> None:
-        """Soft reset (E14): free the victim's blocks and requeue it at the head of the queue."""
-        for i, c in enumerate(chunks):
-            if c.request is victim:  # already scheduled this step: give its budget back
-                budget.give_back(c.num_tokens)
-                del chunks[i]
-                break
-        self.running.remove(victim)
-        self.cache.free(victim)
-        victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
-        victim.status = RequestStatus.PENDING
-        self.waiting.appendleft(victim)
-        logger.info("preempted %s (soft reset), %d free blocks", victim.request_id, self.cache.pool.num_free_blocks)
+    def _tokens_that_fit(self, request: Request, n: int) -> int:
+        """The largest m <= n whose blocks the pool can supply now (0 if none)."""
+        free = self.cache.pool.num_free_blocks
+        lo, hi = 0, n
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.cache.blocks_needed(request, mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
 
 class FifoScheduler(Scheduler):
     """E5: running decodes, then running prefills, then waiting requests by arrival."""
 
-    def _order(self, budget: "_Budget", chunks: list[ScheduledChunk], preempted: list[Request]) -> None:
+    def _order(self, budget: "_Budget", chunks: list[ScheduledChunk]) -> None:
         for r in [r for r in self.running if not r.is_prefilling]:
-            self._schedule_running(r, budget, chunks, preempted)
+            self._schedule_running(r, budget, chunks)
         for r in [r for r in self.running if r.is_prefilling]:
-            self._schedule_running(r, budget, chunks, preempted)
+            self._schedule_running(r, budget, chunks)
         while self._try_admit(budget, chunks):
             pass
 
@@ -212,13 +232,13 @@ class FifoScheduler(Scheduler):
 class PrefillFirstScheduler(Scheduler):
     """E6: finish chunked prefills (running, then new) before resuming decodes."""
 
-    def _order(self, budget: "_Budget", chunks: list[ScheduledChunk], preempted: list[Request]) -> None:
+    def _order(self, budget: "_Budget", chunks: list[ScheduledChunk]) -> None:
         for r in [r for r in self.running if r.is_prefilling]:
-            self._schedule_running(r, budget, chunks, preempted)
+            self._schedule_running(r, budget, chunks)
         while self._try_admit(budget, chunks):
             pass
         for r in [r for r in self.running if not r.is_prefilling]:
-            self._schedule_running(r, budget, chunks, preempted)
+            self._schedule_running(r, budget, chunks)
 
 
 class _Budget:
@@ -234,10 +254,6 @@ class _Budget:
     def take(self, n: int) -> None:
         self.tokens -= n
         self.requests -= 1
-
-    def give_back(self, n: int) -> None:
-        self.tokens += n
-        self.requests += 1
 
 
 def make_scheduler(config: SchedulerConfig, cache: KVCacheManager) -> Scheduler:
