@@ -21,8 +21,8 @@ NODES_EXIST = (ROOT / "prefill_node" / "__main__.py").exists() and (ROOT / "deco
 # several prefill chunks, so a long prompt keeps the prefill node busy long enough to be cut short.
 CLUSTER = dict(prefill=1, decode=1, port=0, http_port=0, num_blocks=256, threads_per_node=1,
                engine_args=("--max-batch-tokens", "32"), startup_timeout_s=150, router_health_interval_s=0.5)
-# ~1,500 tokens: about 50 prefill chunks on the prefill node (seconds of work), 94 of 256 pages.
-LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the cat watches. " * 110
+# ~780 tokens: about 25 prefill chunks on the prefill node (seconds of work), 49 of 256 pages.
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the cat watches. " * 56
 FREE_WITHIN_S = 1.0  # R4: a cancelled request holds no page anywhere this long after the cancel
 
 

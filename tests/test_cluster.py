@@ -29,7 +29,15 @@ if str(ROOT) not in sys.path:  # router/ and the nodes may postdate the editable
 from pdserve_api.v1 import node_pb2, node_pb2_grpc  # noqa: E402
 
 from pdserve.client import AsyncClient, Client  # noqa: E402
-from pdserve.launcher import Cluster, ClusterConfig, ClusterStartError, add_up_args, cmd_up, free_ports  # noqa: E402
+from pdserve.launcher import (  # noqa: E402
+    Cluster,
+    ClusterConfig,
+    ClusterStartError,
+    add_up_args,
+    cmd_up,
+    free_ports,
+    plan,
+)
 from pdserve.sampling_params import SamplingParams  # noqa: E402
 
 NODES_EXIST = (ROOT / "prefill_node" / "__main__.py").exists() and (ROOT / "decode_node" / "__main__.py").exists()
@@ -81,6 +89,53 @@ def test_cluster_config_names_bad_values():
         with pytest.raises(ValueError, match=match):
             ClusterConfig(**kwargs)
     assert ClusterConfig(colocated=2).prefill == 0
+
+
+def test_http_port_pinned_cores_and_urls_in_the_plan(capsys):
+    assert cmd_up(_up_args("--colocated", "1", "--port", "50123", "--http-port", "8123", "--dry-run")) == 0
+    router = capsys.readouterr().out.splitlines()[-1]
+    assert " -m router " in router and "--port 50123" in router and router.endswith("--http-port 8123")
+    assert cmd_up(_up_args("--colocated", "1", "--http-port", "-1", "--dry-run")) == 0
+    assert "--http-port" not in capsys.readouterr().out
+
+    config = ClusterConfig(prefill=1, decode=2, port=0, http_port=0, threads_per_node=2, pin_cores=True)
+    specs = plan(config, ports=range(41000, 41005), cores=[4, 5, 6, 7, 8, 9, 10])
+    assert [(s.name, s.port, s.cpus) for s in specs] == [
+        ("prefill-0", 41000, (4, 5)), ("decode-0", 41001, (6, 7)), ("decode-1", 41002, (8, 9)), ("router", 41003, ())]
+    router = specs[-1]
+    assert router.http_port == 41004 and router.http_url == "http://127.0.0.1:41004"
+    assert router.argv[-2:] == ("--http-port", "41004")
+    assert specs[0].command.startswith("taskset -c 4,5 ") and not router.command.startswith("taskset")
+    assert all("--threads 2" in s.command for s in specs[:3])
+    with pytest.raises(ValueError, match=r"needs 6 cores, but this process may use only 5 \(0,1,2,3,4\)"):
+        plan(config, ports=range(41000, 41005), cores=range(5))
+    with pytest.raises(ValueError, match="pin_cores needs threads_per_node"):
+        ClusterConfig(pin_cores=True)
+    with pytest.raises(ValueError, match="http_port must be in 0..65535"):
+        ClusterConfig(http_port=70000)
+    with pytest.raises(ValueError, match="gRPC and HTTP ports must differ"):
+        ClusterConfig(port=9000, http_port=9000)
+
+    cluster = Cluster(colocated=1, port=0, http_port=0, node_metrics=True, threads_per_node=1)
+    urls = cluster.metrics_urls
+    assert urls["router"] == f"{cluster.http_url}/metrics" and set(urls) == {"router", "colocated-0"}
+    node = cluster.processes["colocated-0"]
+    assert urls["colocated-0"] == f"http://127.0.0.1:{node.http_port}/metrics"
+    assert node.argv[-2:] == ("--metrics-port", str(node.http_port))
+    assert len({node.port, node.http_port, cluster.processes["router"].port, cluster.processes["router"].http_port}) == 4
+    assert Cluster(colocated=1, http_port=None).http_url is None
+
+
+def test_a_pinned_child_runs_only_on_its_cores():
+    import os
+    import subprocess
+
+    from pdserve.launcher import _child_setup
+
+    core = sorted(os.sched_getaffinity(0))[-1]
+    out = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                         capture_output=True, text=True, check=True, timeout=60, preexec_fn=_child_setup((core,)))
+    assert out.stdout.strip() == f"[{core}]"
 
 
 def test_free_ports_are_distinct_and_bindable():
