@@ -121,6 +121,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if result.outcome.not_sent:
         header.append(("Not sent (duration cap)", str(result.outcome.not_sent)))
     print(format_table(result.metrics, "pdserve bench serve", header))
+    if result.server_histograms_error:
+        print(f"warning: {result.server_histograms_error}", file=sys.stderr)
     if args.result_json:
         print(f"result: {write_json(args.result_json, result.to_json())}")
     if args.plot_dir:

@@ -166,6 +166,7 @@ def _check_num(num: int) -> None:
 
 
 DATASETS = ("random", "fixed", "prompts", "jsonl")
+_WARMUP_SEED_OFFSET = 1_000_003
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,13 @@ class DatasetSpec:
             return random_requests(self.num_prompts, self.input_len, self.output_len, self.seed, self.token_range)
         path = SHIPPED_PROMPTS if self.kind == "prompts" else Path(self.path or "")
         return prompt_file_requests(path, self.num_prompts, self.output_len, self.seed)
+
+    def warmup_requests(self, count: int) -> list[BenchRequest]:
+        """`count` requests shaped like this dataset's (random token ids, from a seed of their own, so
+        that a server's prefix cache holds none of the run's prompts after the warm-up)."""
+        input_len = self.input_len if self.kind in ("random", "fixed") else LengthRange(64)
+        output_len = self.output_len or LengthRange(8)
+        return random_requests(count, input_len, output_len, self.seed + _WARMUP_SEED_OFFSET, self.token_range)
 
     def to_json(self) -> dict[str, object]:
         return {"kind": self.kind, "num_prompts": self.num_prompts,

@@ -41,8 +41,9 @@ class Histogram:
         return self.counts[-1] if self.counts else 0.0
 
     @classmethod
-    def from_text(cls, text: str, name: str) -> Histogram:
-        """The histogram `name` in an exposition; ValueError when it is not there."""
+    def from_text(cls, text: str, name: str, missing_ok: bool = False) -> Histogram:
+        """The histogram `name` in an exposition; when it is not there: ValueError, or with missing_ok
+        an empty histogram (a process registers some metrics on first use)."""
         buckets: dict[float, float] = {}
         total = 0.0
         found = False
@@ -56,6 +57,8 @@ class Histogram:
                     buckets[le] = buckets.get(le, 0.0) + s.value
                 elif s.name == name + "_sum":
                     total += s.value
+        if not found and missing_ok:
+            return cls(name, (), (), 0.0)
         if not found:
             raise ValueError(f"no histogram {name!r} in the exposition")
         bounds = tuple(sorted(buckets))
@@ -63,6 +66,8 @@ class Histogram:
 
     def minus(self, earlier: Histogram) -> Histogram:
         """The observations made since `earlier` (same buckets)."""
+        if not self.bounds:
+            raise ValueError(f"{self.name}: no observations in the later scrape")
         if earlier.bounds and earlier.bounds != self.bounds:
             raise ValueError(f"{self.name}: bucket bounds differ between scrapes: {earlier.bounds} vs {self.bounds}")
         before = earlier.counts or (0.0,) * len(self.counts)

@@ -52,7 +52,7 @@ def _num(value: float | None, digits: int = 2) -> str:
 
 def format_table(m: BenchMetrics, title: str = "pdserve bench", header: Sequence[tuple[str, str]] = ()) -> str:
     """The terminal summary of one run."""
-    w = 46
+    w = 54
     rows: list[tuple[str, str]] = list(header)
     reasons = ", ".join(f"{k} {v}" for k, v in m.finish_reasons.items()) or "-"
     rows += [

@@ -7,9 +7,12 @@ Requests are sent at their arrival offsets (arrivals.arrival_offsets: Poisson or
 requests in flight (a request due while the cap is reached waits for a free slot). `duration_s` caps
 the sending: a request not sent by then is not sent at all (counted in `not_sent`); requests in
 flight run to their end. The run's duration, used by every throughput, is from the start to the
-end of the last stream. Warm-up requests (`num_warmups`, sent one at a time before the clock
-starts, not recorded) let the servers load what they load lazily; a failed warm-up raises
-RuntimeError with the server's error, since the run would measure nothing.
+end of the last stream.
+
+`warm_up` sends requests one at a time, unrecorded, before a run (serve.py sends
+`RunConfig.num_warmups` of them, with prompts of their own so that no run prompt is cached by
+them); a failed warm-up raises RuntimeError with the server's error, since the run would measure
+nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class RunConfig:
     max_concurrency: int | None = None
     duration_s: float | None = None
     seed: int = 0
-    num_warmups: int = 0
+    num_warmups: int = 0  # for serve.py: run_benchmark itself sends no warm-up
     send: SendOptions = field(default_factory=SendOptions)
 
     def __post_init__(self) -> None:
@@ -57,10 +60,9 @@ class RunOutcome:
     not_sent: int                       # planned requests the duration cap left unsent
 
 
-async def warm_up(backend: Backend, requests: Sequence[BenchRequest], count: int, options: SendOptions) -> None:
+async def warm_up(backend: Backend, requests: Sequence[BenchRequest], options: SendOptions) -> None:
     tag = secrets.token_hex(3)
-    for i in range(count):
-        req = requests[i % len(requests)]
+    for i, req in enumerate(requests):
         trace = await backend.send(req, options, f"bench-warmup-{tag}-{i}")
         if trace.error is not None or trace.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"warm-up request {i} ({req!r}) failed: {trace.error or trace.finish_reason}")
@@ -70,8 +72,6 @@ async def run_benchmark(backend: Backend, requests: Sequence[BenchRequest], conf
                         progress: Progress | None = None) -> RunOutcome:
     if not requests:
         raise ValueError("no requests to send")
-    if config.num_warmups:
-        await warm_up(backend, requests, config.num_warmups, config.send)
     offsets = arrival_offsets(len(requests), config.request_rate, config.burstiness, config.seed)
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     tag = secrets.token_hex(3)

@@ -5,7 +5,8 @@
 
 With `metrics_url` set (a server's Prometheus /metrics, e.g. the router's), its TTFT, ITL and E2E
 histograms are scraped before and after the run and their difference is kept in the result, so
-the client's latencies can be checked against what the server measured.
+the client's latencies can be checked against what the server measured (the warm-up requests
+come before the first scrape).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pdserve.bench.datasets import DatasetSpec
 from pdserve.bench.metrics import BenchMetrics, Slo, compute_metrics
 from pdserve.bench.progress import Progress
 from pdserve.bench.report import machine_info, result_dict
-from pdserve.bench.runner import RunConfig, RunOutcome, run_benchmark
+from pdserve.bench.runner import RunConfig, RunOutcome, run_benchmark, warm_up
 
 SERVER_HISTOGRAMS = (prometheus.TTFT, prometheus.ITL, prometheus.E2E)
 
@@ -53,18 +54,20 @@ class ServeResult:
     machine_before: dict[str, Any]
     machine_after: dict[str, Any]
     server_histograms: dict[str, prometheus.Histogram] | None = None
+    server_histograms_error: str | None = None
 
     def to_json(self, **extra: Any) -> dict[str, Any]:
         server = None if self.server_histograms is None else {k: h.to_json() for k, h in self.server_histograms.items()}
         return result_dict("serve", self.settings.to_json(), self.metrics, self.outcome.records,
                            machine=self.machine_before, machine_after=self.machine_after,
                            planned=self.outcome.planned, not_sent=self.outcome.not_sent,
-                           server_histograms=server, **extra)
+                           server_histograms=server, server_histograms_error=self.server_histograms_error,
+                           **extra)
 
 
-def _scrape_all(url: str) -> dict[str, prometheus.Histogram]:
+def _scrape_all(url: str, missing_ok: bool) -> dict[str, prometheus.Histogram]:
     text = prometheus.scrape(url)
-    return {name: prometheus.Histogram.from_text(text, name) for name in SERVER_HISTOGRAMS}
+    return {name: prometheus.Histogram.from_text(text, name, missing_ok) for name in SERVER_HISTOGRAMS}
 
 
 async def serve(settings: ServeSettings, progress: bool = True, label: str = "") -> ServeResult:
@@ -72,19 +75,19 @@ async def serve(settings: ServeSettings, progress: bool = True, label: str = "")
     before = machine_info()
     async with make_backend(settings.backend, settings.url) as backend:
         if settings.run.num_warmups:
-            from pdserve.bench.runner import warm_up
-
-            await warm_up(backend, requests, settings.run.num_warmups, settings.run.send)
-        first = await asyncio.to_thread(_scrape_all, settings.metrics_url) if settings.metrics_url else None
+            await warm_up(backend, settings.dataset.warmup_requests(settings.run.num_warmups), settings.run.send)
+        first = await asyncio.to_thread(_scrape_all, settings.metrics_url, True) if settings.metrics_url else None
         bar = Progress(len(requests), label, enabled=progress)
-        run = RunConfig(**{**settings.run.__dict__, "num_warmups": 0})  # warmed up above, before the scrape
-        outcome = await run_benchmark(backend, requests, run, bar)
-    server = None
+        outcome = await run_benchmark(backend, requests, settings.run, bar)
+    server = server_error = None
     if first is not None and settings.metrics_url:
-        last = await asyncio.to_thread(_scrape_all, settings.metrics_url)
-        server = {name: last[name].minus(first[name]) for name in SERVER_HISTOGRAMS}
+        try:  # the run's results are kept whatever the server's exposition holds
+            last = await asyncio.to_thread(_scrape_all, settings.metrics_url, False)
+            server = {name: last[name].minus(first[name]) for name in SERVER_HISTOGRAMS}
+        except (OSError, ValueError) as e:
+            server_error = f"server histograms from {settings.metrics_url} unavailable: {e}"
     metrics = compute_metrics(outcome.records, outcome.duration_s, settings.slo)
-    return ServeResult(settings, outcome, metrics, before, machine_info(), server)
+    return ServeResult(settings, outcome, metrics, before, machine_info(), server, server_error)
 
 
 def run_serve(settings: ServeSettings, progress: bool = True, label: str = "") -> ServeResult:

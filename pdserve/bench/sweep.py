@@ -3,7 +3,9 @@
 One full result per rate (`<prefix>_rate<R>.json`, records included), a summary
 (`<prefix>.json`: every rate's metrics) and the plot (`<prefix>.png`: throughput and p99 latencies
 against the offered rate). The arrival times are drawn with the same seed at every rate, so runs
-differ only by their pace.
+differ by their pace; rate i draws its prompts with the dataset seed + i, so that a server's
+prefix cache does not serve one rate from the prompts of another (the shipped prompt set and JSONL
+files have fixed texts: only their order changes).
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ class SweepResult:
 def run_sweep(settings: ServeSettings, rates: Sequence[float], progress: bool = True,
               echo: bool = True) -> SweepResult:
     results = []
-    for rate in rates:
-        one = replace(settings, run=replace(settings.run, request_rate=rate))
+    for i, rate in enumerate(rates):
+        one = replace(settings, run=replace(settings.run, request_rate=rate),
+                      dataset=replace(settings.dataset, seed=settings.dataset.seed + i))
         result = run_serve(one, progress, label=f"rate {_rate_name(rate)}")
         if echo:
             print(format_table(result.metrics, f"rate {_rate_name(rate)} req/s"), flush=True)
