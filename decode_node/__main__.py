@@ -12,6 +12,7 @@ import grpc
 from pdserve_api.servers import AioExceptionToStatusInterceptor, add_standard_services_aio
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc
 
+from decode_node.prefill_pool import PREFILL_ROUTING
 from decode_node.server import DecodeNode, GenerateServicer, NodeServicer
 from pdserve.cli import add_engine_args, engine_options
 from pdserve.config import EngineConfig
@@ -40,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-timeout", type=float, default=60.0, help="deadline of one Prefill call, seconds")
     p.add_argument("--local-prefill-fallback", action="store_true",
                    help="when no prefill node can serve a request, prefill it here instead of failing it")
+    p.add_argument("--prefill-routing", default="least-loaded", choices=PREFILL_ROUTING,
+                   help="which prefill node gets a prompt: least outstanding prompt tokens, or the one sent "
+                        "its prefix before (its prefix cache can skip it) while under a load cap "
+                        "(default: least-loaded)")
     p.add_argument("--metrics-port", type=int, default=0, metavar="P",
                    help="serve Prometheus metrics at http://HOST:P/metrics (default 0: no metrics server)")
     add_log_args(p)
@@ -52,7 +57,7 @@ async def serve(args: argparse.Namespace) -> None:
     config = EngineConfig.from_options(model=args.model, **engine_options(args))
     prefill = [a.strip() for a in (args.prefill or "").split(",") if a.strip()]
     node = DecodeNode(config, node_id, args.colocated, prefill, args.provider, args.fabric_node,
-                      args.prefill_timeout, args.local_prefill_fallback)
+                      args.prefill_timeout, args.local_prefill_fallback, args.prefill_routing)
     server = grpc.aio.server(interceptors=[AioExceptionToStatusInterceptor()])
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(node), server)
     node_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(node), server)

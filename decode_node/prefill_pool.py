@@ -4,6 +4,11 @@ Selection is by least outstanding prompt tokens (R3): the tokens this decode nod
 node and not yet seen finish, plus the node's own reported load, refreshed by GetNodeInfo. A node
 whose calls fail is marked down and probed again later.
 
+With prefix affinity (`--prefill-routing prefix`), a prompt goes to the node that was sent its
+leading blocks before (the prefix cache that can skip them is the prefill node's), as long as that
+node's load is under the cap (pdserve.prefix_index.LoadCap); otherwise, and with no match, least
+loaded. A node marked down is forgotten: it may have restarted with an empty cache.
+
 Runs on the decode node's asyncio loop; not thread-safe.
 """
 
@@ -11,15 +16,35 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
 from pdserve_api.convert import peer_from_bytes
 from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2_grpc
 
+from pdserve.prefix_index import Candidate, LoadCap, PrefixIndex, chain_hashes, choose, token_blocks
+
 logger = logging.getLogger(__name__)
 
 RETRY_DOWN_AFTER_S = 2.0
+PREFILL_ROUTING = ("least-loaded", "prefix")
+
+
+@dataclass(frozen=True)
+class PrefixAffinity:
+    """Prefix-aware choice of prefill nodes: blocks of `block_tokens` ids (the decode node's page
+    size), the first `max_blocks` of a prompt, `capacity` block hashes remembered, the load cap."""
+
+    block_tokens: int = 16
+    max_blocks: int = 128
+    capacity: int = 1 << 16
+    cap: LoadCap = LoadCap()
+
+    def __post_init__(self) -> None:
+        if self.block_tokens < 1 or self.max_blocks < 1 or self.capacity < 1:
+            raise ValueError(f"prefix affinity needs block_tokens, max_blocks and capacity >= 1, got "
+                             f"{self.block_tokens}, {self.max_blocks}, {self.capacity}")
 
 
 @dataclass
@@ -42,9 +67,11 @@ class PrefillNode:
 
 
 class PrefillPool:
-    def __init__(self, addresses: list[str]) -> None:
+    def __init__(self, addresses: list[str], affinity: PrefixAffinity | None = None) -> None:
         if not addresses:
             raise ValueError("a decode node needs at least one prefill node address (or --colocated)")
+        self.affinity = affinity
+        self.index = PrefixIndex(affinity.capacity) if affinity is not None else None
         self.nodes: list[PrefillNode] = []
         for addr in addresses:
             ch = grpc.aio.insecure_channel(addr)
@@ -72,19 +99,29 @@ class PrefillPool:
             logger.warning("prefill node %s marked down: %s", node.address, why)
         node.down_since = time.monotonic()
         node.down_reason = why
+        if self.index is not None:
+            self.index.forget(node.address)
 
     def describe_down(self) -> str:
         """'ADDR (down: why)' for every node currently out of rotation."""
         return "; ".join(f"{n.address} (down: {n.down_reason})" for n in self.nodes if n.down_since is not None)
 
-    def choose(self, exclude: set[str] = frozenset()) -> PrefillNode | None:
-        """The up node with the least outstanding prompt tokens (down nodes are retried after a while)."""
+    def choose(self, exclude: set[str] = frozenset(), token_ids: Sequence[int] = ()) -> PrefillNode | None:
+        """The up node for a prompt of `token_ids` (down nodes are retried after a while): least
+        outstanding prompt tokens, or with prefix affinity the node sent its prefix before (under the
+        load cap), which is then recorded as sent it. None when every node is excluded or down."""
         now = time.monotonic()
         candidates = [n for n in self.nodes if n.address not in exclude
                       and (n.down_since is None or now - n.down_since > RETRY_DOWN_AFTER_S)]
         if not candidates:
             return None
-        return min(candidates, key=lambda n: n.load)
+        if self.affinity is None or self.index is None:
+            return min(candidates, key=lambda n: n.load)
+        hashes = chain_hashes(token_blocks(token_ids, self.affinity.block_tokens, self.affinity.max_blocks))
+        ranked = [Candidate(n.address, n.load, i) for i, n in enumerate(candidates)]
+        picked = choose(ranked, self.index.matches(hashes), self.affinity.cap)
+        self.index.record(hashes, picked.key)
+        return self.by_address(picked.key)
 
     def by_address(self, address: str) -> PrefillNode:
         for n in self.nodes:

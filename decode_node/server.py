@@ -32,7 +32,7 @@ import grpc
 from pdserve_api.convert import output_to_pb, peer_to_bytes, sampling_from_pb, ticket_to_pb
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc, prefill_pb2
 
-from decode_node.prefill_pool import PrefillNode, PrefillPool
+from decode_node.prefill_pool import PREFILL_ROUTING, PrefillNode, PrefillPool, PrefixAffinity
 from pdserve.async_engine import AsyncEngine
 from pdserve.engine import EngineHooks
 from pdserve.logs import bind_request_id
@@ -66,7 +66,9 @@ class DecodeNode:
 
     def __init__(self, engine_config, node_id: str, colocated: bool, prefill_addresses: list[str],
                  provider: str | None, fabric_node: str | None, prefill_timeout_s: float = 60.0,
-                 local_prefill_fallback: bool = False) -> None:
+                 local_prefill_fallback: bool = False, prefill_routing: str = "least-loaded") -> None:
+        if prefill_routing not in PREFILL_ROUTING:
+            raise ValueError(f"prefill routing must be one of {PREFILL_ROUTING}, got {prefill_routing!r}")
         self.node_id = node_id
         self.colocated = colocated
         self.prefill_timeout_s = prefill_timeout_s
@@ -93,7 +95,9 @@ class DecodeNode:
             region = register_kv(self.fabric, self.llm.kv_cache)
             self.receiver = KvReceiver(self.fabric, region, layout_of(self.llm.kv_cache),
                                        ContextCodec(self.llm.arch.hidden_size), on_ready=self._on_count_complete)
-            self.pool = PrefillPool(prefill_addresses)
+            affinity = (PrefixAffinity(block_tokens=self.llm.cache_manager.page_size)
+                        if prefill_routing == "prefix" else None)
+            self.pool = PrefillPool(prefill_addresses, affinity)
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -191,7 +195,7 @@ class DecodeNode:
         errors: list[str] = []
         try:
             while True:
-                node = self.pool.choose(exclude=tried)
+                node = self.pool.choose(exclude=tried, token_ids=t.token_ids)
                 if node is None:
                     why = "; ".join(errors) or self.pool.describe_down() or "no prefill node configured"
                     msg = f"no prefill node could prefill request {t.request_id}: {why}"

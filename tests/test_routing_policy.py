@@ -194,3 +194,41 @@ def test_routing_flags_and_config_errors():
                           (dict(load_ratio=-1.0), "ratio >= 0")):
         with pytest.raises(ValueError, match=match):
             RoutingConfig(**kwargs)
+
+
+# ---- a decode node's choice of prefill node -----------------------------------------------------------
+
+
+def test_prefill_pool_prefers_the_node_sent_the_prefix_under_the_load_cap():
+    import asyncio
+
+    from decode_node.prefill_pool import PrefillPool, PrefixAffinity
+
+    async def go():
+        pool = PrefillPool(["127.0.0.1:1", "127.0.0.1:2"], PrefixAffinity(block_tokens=4, cap=LoadCap(100, 0.5)))
+        plain = PrefillPool(["127.0.0.1:1", "127.0.0.1:2"])
+        try:
+            a, b = pool.nodes
+            fam_x, fam_y = list(range(100, 112)), list(range(200, 212))  # 3 blocks each
+            assert pool.choose(token_ids=fam_x + [1]) is a          # nothing known: least loaded (tie: first)
+            b.reported_tokens = 0
+            a.sent_tokens = 50
+            assert pool.choose(token_ids=fam_y + [2]) is b          # least loaded
+            assert pool.choose(token_ids=fam_x + [3, 4]) is a       # a holds x: 50 <= 0 + 100
+            assert pool.choose(token_ids=fam_y + [5]) is b
+            a.sent_tokens = 150                                     # over the cap: 0 + max(100, 0)
+            assert pool.choose(token_ids=fam_x + [6]) is b
+            assert pool.choose(token_ids=fam_x[:3]) is b            # no complete block: least loaded
+            assert pool.choose(exclude={b.address}, token_ids=fam_y) is a
+            pool.mark_down(a, "test")                               # a forgotten, and out for a while
+            assert pool.index.matches(chain_hashes(token_blocks(fam_x, 4, 10))) == {b.address: 3}
+            assert pool.choose(exclude={b.address}, token_ids=fam_x) is None
+            plain.nodes[0].sent_tokens = 10
+            assert plain.choose(token_ids=fam_x) is plain.nodes[1] and plain.index is None
+        finally:
+            await pool.close()
+            await plain.close()
+
+    asyncio.run(go())
+    with pytest.raises(ValueError, match="block_tokens, max_blocks and capacity >= 1"):
+        PrefixAffinity(block_tokens=0)
