@@ -236,3 +236,31 @@ def test_comparison_ratios_and_target_margins():
     assert not Target("per-user TPS", 1.6, True).check(None)["met"]
     text = format_comparison(rows, checks)
     assert "per-user TPS" in text and "4.000x" in text and "MET" in text
+
+
+def test_a_comparison_of_hand_made_runs_renders_as_json_and_markdown():
+    from pdserve.bench.cli import compare_markdown
+    from pdserve.bench.compare import CompareResult, CompareSettings
+    from pdserve.bench.runner import RunConfig, RunOutcome
+    from pdserve.bench.serve import ServeResult, ServeSettings
+
+    spec = DatasetSpec("random", 4, LengthRange(512, 2048), LengthRange(128, 256))
+    settings = CompareSettings(dataset=spec, run=RunConfig(request_rate=0.05, duration_s=180))
+    machine = {"load_average": [0.5, 0.6, 0.7], "nproc": 2, "cpu": "cpu", "commit": "abc", "date": "today"}
+    results = {}
+    for name, duration in (("colocated", 2.0), ("disaggregated", 4.0)):
+        records = tuple(timeline())
+        results[name] = ServeResult(ServeSettings("grpc", "x:1", spec, settings.run), RunOutcome(records, duration, 4, 0),
+                                    compute_metrics(records, duration), machine, machine)
+    rows = comparison_rows(results["colocated"].metrics, results["disaggregated"].metrics)
+    targets = [t.check(rows[t.metric][2]) for t in settings.targets]
+    result = CompareResult(settings, results, {"colocated": ["a"], "disaggregated": ["b", "c"]}, targets)
+    data = json.loads(json.dumps(result.to_json()))
+    side = {row["metric"]: row for row in data["side_by_side"]}
+    assert side["request throughput"]["ratio"] == pytest.approx(0.5)  # same requests in twice the time
+    assert side["per-user TPS"]["ratio"] == pytest.approx(1.0)
+    assert [t["met"] for t in data["targets"]] == [False, False, True]
+    assert len(data["runs"]["disaggregated"]["records"]) == 4
+    md = compare_markdown(result, format_comparison(rows, targets), "pdserve bench compare")
+    assert "prompts 512:2048 tokens, outputs 128:256 tokens" in md and "0.05 req/s" in md
+    assert "[0.5, 0.6, 0.7] before" in md and "  - `c`" in md and "MISSED" in md

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import sys
 from pathlib import Path
 
@@ -142,8 +143,6 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    import shlex
-
     from pdserve.bench.compare import CompareSettings, comparison_rows, format_comparison, run_compare
     from pdserve.bench.plots import latency_cdfs
     from pdserve.bench.report import format_table, write_json
@@ -168,7 +167,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         prefix = Path(args.output_prefix)
         print(f"result: {write_json(f'{prefix}.json', result.to_json())}")
         md = Path(f"{prefix}.md")
-        md.write_text(compare_markdown(result, table, " ".join(sys.argv)))
+        md.write_text(compare_markdown(result, table, _command_line()))
         print(f"summary: {md}")
         runs = {name: res.outcome.records for name, res in result.results.items()}
         for path in latency_cdfs(runs, prefix.parent, prefix.name):
@@ -176,12 +175,30 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0 if all(r.metrics.completed for r in result.results.values()) else 1
 
 
+def _command_line() -> str:
+    prog = "python -m pdserve.bench" if sys.argv[0].endswith("__main__.py") else "pdserve bench"
+    return f"{prog} {shlex.join(sys.argv[1:])}"
+
+
 def compare_markdown(result, table: str, command: str) -> str:  # noqa: ANN001 - a CompareResult
-    lines = ["# Colocated vs disaggregated (pdserve bench compare)", "", f"Command: `{command}`", ""]
+    """The comparison as Markdown: command, workload, clusters, load, the side-by-side table."""
+    s = result.settings
+    d, r = s.dataset, s.run
+    lines = ["# Colocated vs disaggregated (pdserve bench compare)", "", f"Command: `{command}`", "",
+             f"Workload: {d.num_prompts} requests at most, dataset {d.kind}, prompts {d.input_len} tokens, outputs "
+             f"{d.output_len} tokens (EOS {'ignored' if r.send.ignore_eos else 'honoured'}), seed {d.seed}; "
+             f"arrivals at {r.request_rate:g} req/s (burstiness {r.burstiness:g}), sending capped at "
+             f"{r.duration_s if r.duration_s is not None else '-'} s, max concurrency {r.max_concurrency or '-'}, "
+             f"{r.num_warmups} warm-up request(s) per cluster; backend {s.backend}.",
+             f"Clusters: colocated {s.prefill + s.decode} nodes vs disaggregated {s.prefill} prefill + {s.decode} "
+             f"decode, {s.threads_per_node} torch thread(s) per node, {'each node pinned to its own cores' if s.pin_cores else 'unpinned'}, "
+             f"{s.num_blocks} KV blocks per node, engine flags {list(s.engine_args) or 'default'}, router unpinned.", ""]
     for name, res in result.results.items():
         before, after = res.machine_before, res.machine_after
-        lines.append(f"- {name}: load average {before['load_average']} before, {after['load_average']} after; "
-                     f"{before['nproc']} cores ({before['cpu']}), commit {before['commit']}, {before['date']}")
+        lines.append(f"- {name}: load average (1, 5, 15 min) {before['load_average']} before, "
+                     f"{after['load_average']} after; {before['nproc']} cores ({before['cpu']}), commit "
+                     f"{before['commit']}, {before['date']}")
+        lines += [f"  - `{c}`" for c in result.clusters[name]]
     lines += ["", "```", table, "```", ""]
     return "\n".join(lines)
 
