@@ -14,9 +14,11 @@ completed, a cluster did not start, a warm-up failed), 2 bad arguments.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.bench.backends import BACKENDS, SendOptions
@@ -109,6 +111,21 @@ def _serve_settings(args: argparse.Namespace):  # noqa: ANN202
                          run_config_from_args(args), Slo.parse(args.goodput), args.metrics_url)
 
 
+def _failures_exit_1(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A run that cannot go on (a warm-up failed, a cluster did not start) prints why and exits 1;
+    bad arguments (ValueError) are left to the caller (exit 2)."""
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+@_failures_exit_1
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.bench.plots import latency_cdfs
     from pdserve.bench.report import format_table, write_json
@@ -132,6 +149,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0 if result.metrics.completed else 1
 
 
+@_failures_exit_1
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from pdserve.bench.sweep import parse_rates, run_sweep, write_sweep
 
@@ -142,22 +160,17 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0 if all(r.metrics.completed for r in sweep.results) else 1
 
 
+@_failures_exit_1
 def _cmd_compare(args: argparse.Namespace) -> int:
     from pdserve.bench.compare import CompareSettings, comparison_rows, format_comparison, run_compare
     from pdserve.bench.plots import latency_cdfs
     from pdserve.bench.report import format_table, write_json
-    from pdserve.launcher import ClusterStartError
-
     settings = CompareSettings(
         dataset=dataset_from_args(args), run=run_config_from_args(args), slo=Slo.parse(args.goodput),
         backend=args.backend, prefill=args.prefill, decode=args.decode, threads_per_node=args.threads_per_node,
         pin_cores=args.pin_cores, num_blocks=args.num_blocks, engine_args=tuple(shlex.split(args.engine_args)),
         provider=args.provider, startup_timeout_s=args.startup_timeout)
-    try:
-        result = run_compare(settings, progress=not args.no_progress)
-    except ClusterStartError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    result = run_compare(settings, progress=not args.no_progress)  # ClusterStartError is a RuntimeError
     for name, res in result.results.items():
         print(format_table(res.metrics, f"{name} ({', '.join(c.split(' -m ')[1].split()[0] for c in result.clusters[name])})"))
     rows = comparison_rows(result.results["colocated"].metrics, result.results["disaggregated"].metrics)
@@ -275,6 +288,3 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
