@@ -1,9 +1,15 @@
 """The process registry: every process (router, prefill node, decode node) keeps its metrics in `REGISTRY`;
-`render()` returns the text exposition that a `/metrics` endpoint serves."""
+`render()` returns the text exposition that a `/metrics` endpoint serves.
+
+The `*_created` timestamp series prometheus_client adds to every counter and histogram are turned off
+for the process (as vLLM does): they double the exposition and no dashboard reads them.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
+
+disable_created_metrics()
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
