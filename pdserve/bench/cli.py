@@ -67,8 +67,9 @@ def _add_workload_args(p: argparse.ArgumentParser, *, compare: bool = False) -> 
     a.add_argument("--max-concurrency", type=int, default=None, metavar="N", help="cap on requests in flight")
     a.add_argument("--duration", type=float, default=None, metavar="S",
                    help="stop sending new requests after S seconds (those in flight finish)")
-    a.add_argument("--num-warmups", type=int, default=1 if compare else 0, metavar="N",
-                   help="requests sent one by one before the clock starts, not recorded (default %(default)s)")
+    a.add_argument("--num-warmups", type=int, default=4 if compare else 0, metavar="N",
+                   help="short requests sent one by one before the clock starts, not recorded (default "
+                        "%(default)s" + (": enough to reach every node of either cluster)" if compare else ")"))
     s = p.add_argument_group("requests")
     s.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,

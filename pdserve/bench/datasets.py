@@ -204,11 +204,13 @@ class DatasetSpec:
         return prompt_file_requests(path, self.num_prompts, self.output_len, self.seed)
 
     def warmup_requests(self, count: int) -> list[BenchRequest]:
-        """`count` requests shaped like this dataset's (random token ids, from a seed of their own, so
-        that a server's prefix cache holds none of the run's prompts after the warm-up)."""
-        input_len = self.input_len if self.kind in ("random", "fixed") else LengthRange(64)
-        output_len = self.output_len or LengthRange(8)
-        return random_requests(count, input_len, output_len, self.seed + _WARMUP_SEED_OFFSET, self.token_range)
+        """`count` short requests (at most 64 prompt and 8 output tokens: a warm-up loads what a server
+        loads lazily, it need not be long) of random token ids from a seed of their own, so that a
+        server's prefix cache holds none of the run's prompts after the warm-up."""
+        low = self.input_len.low if self.kind in ("random", "fixed") and self.input_len is not None else 64
+        out = self.output_len.low if self.output_len is not None else 8
+        return random_requests(count, LengthRange(min(low, 64)), LengthRange(min(out, 8)),
+                               self.seed + _WARMUP_SEED_OFFSET, self.token_range)
 
     def to_json(self) -> dict[str, object]:
         return {"kind": self.kind, "num_prompts": self.num_prompts,
