@@ -57,8 +57,8 @@ class ClusterConfig:
     from Python never collide; `pdserve up` defaults to 8000; None: no HTTP API). engine_args: extra
     engine flags given to every node (e.g. ("--max-batch-tokens", "32")). log_dir: None makes a temp
     dir. pin_cores: pin node i to its own threads_per_node cores (needs threads_per_node).
-    node_metrics: give every node a free `--metrics-port` (its own /metrics; needs node mains that
-    accept the flag)."""
+    node_metrics: give every node a free `--metrics-port` (each node serves its own /metrics there;
+    `Cluster.metrics_urls` lists them with the router's)."""
 
     prefill: int | None = None
     decode: int | None = None
@@ -76,7 +76,7 @@ class ClusterConfig:
     startup_timeout_s: float = 180.0
     stop_timeout_s: float = 10.0
     pin_cores: bool = False
-    node_metrics: bool = False
+    node_metrics: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine_args", tuple(self.engine_args))
@@ -493,6 +493,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--provider", default="shm", choices=PROVIDERS,
                    help="libfabric provider for KV transfers (default shm: one machine)")
     p.add_argument("--threads-per-node", type=int, default=None, metavar="T", help="torch threads per node")
+    p.add_argument("--node-metrics", action=argparse.BooleanOptionalAction, default=True,
+                   help="each node serves Prometheus /metrics on a free port of its own, printed at start "
+                        "(the router's are on its HTTP port); --no-node-metrics: none")
     p.add_argument("--pin-cores", action="store_true",
                    help="pin each node to its own T cores (--threads-per-node T; the router is not pinned), "
                         "e.g. to compare colocated and disaggregated clusters on the same CPUs")
@@ -516,6 +519,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         http_port=None if args.http_port == -1 else args.http_port,
         threads_per_node=args.threads_per_node, num_blocks=args.num_blocks, engine_args=tuple(engine),
         log_dir=args.log_dir, startup_timeout_s=args.startup_timeout, pin_cores=args.pin_cores,
+        node_metrics=args.node_metrics,
     )
 
 
@@ -542,6 +546,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             return 0
         http = f", OpenAI-compatible HTTP on {cluster.http_url}/v1" if cluster.http_url else ""
         print(f"pdserve cluster serving on {cluster.url} (gRPC){http} ({config.description})", flush=True)
+        for name, url in cluster.metrics_urls.items():
+            print(f"  metrics of {name}: {url}", flush=True)
         status = 0
         while not stop.wait(0.5):
             dead = cluster.poll()

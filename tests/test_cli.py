@@ -44,3 +44,9 @@ def test_generate_streams_text_and_reports_bad_input():
 def test_help_says_where_the_model_cache_is():
     out = subprocess.run(PDSERVE + ["generate", "--help"], capture_output=True, text=True, check=True, timeout=60)
     assert "PDSERVE_CACHE_DIR" in out.stdout and "safetensors" in out.stdout
+
+
+def test_up_help_names_the_http_api_metrics_and_pinning():
+    out = subprocess.run(PDSERVE + ["up", "--help"], capture_output=True, text=True, check=True, timeout=60).stdout
+    for flag in ("--http-port", "/v1/chat/completions", "--node-metrics", "--pin-cores", "--threads-per-node"):
+        assert flag in out, flag

@@ -98,7 +98,8 @@ def test_http_port_pinned_cores_and_urls_in_the_plan(capsys):
     assert cmd_up(_up_args("--colocated", "1", "--http-port", "-1", "--dry-run")) == 0
     assert "--http-port" not in capsys.readouterr().out
 
-    config = ClusterConfig(prefill=1, decode=2, port=0, http_port=0, threads_per_node=2, pin_cores=True)
+    config = ClusterConfig(prefill=1, decode=2, port=0, http_port=0, threads_per_node=2, pin_cores=True,
+                           node_metrics=False)
     specs = plan(config, ports=range(41000, 41005), cores=[4, 5, 6, 7, 8, 9, 10])
     assert [(s.name, s.port, s.cpus) for s in specs] == [
         ("prefill-0", 41000, (4, 5)), ("decode-0", 41001, (6, 7)), ("decode-1", 41002, (8, 9)), ("router", 41003, ())]
@@ -116,7 +117,7 @@ def test_http_port_pinned_cores_and_urls_in_the_plan(capsys):
     with pytest.raises(ValueError, match="gRPC and HTTP ports must differ"):
         ClusterConfig(port=9000, http_port=9000)
 
-    cluster = Cluster(colocated=1, port=0, http_port=0, node_metrics=True, threads_per_node=1)
+    cluster = Cluster(colocated=1, port=0, http_port=0, threads_per_node=1)  # node_metrics: on by default
     urls = cluster.metrics_urls
     assert urls["router"] == f"{cluster.http_url}/metrics" and set(urls) == {"router", "colocated-0"}
     node = cluster.processes["colocated-0"]

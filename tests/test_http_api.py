@@ -434,9 +434,16 @@ def test_models_health_and_metrics(cluster, model):
                 health = r.status, await r.json()
             async with session.get("/metrics") as r:
                 metrics = r.status, r.headers["Content-Type"], await r.text()
-        return models, health, metrics
+            nodes = {}
+            for name, url in cluster.metrics_urls.items():
+                async with session.get(url) as r:
+                    nodes[name] = r.status, await r.text()
+        return models, health, metrics, nodes
 
-    models, (status, health), (m_status, m_type, text) = run(go())
+    models, (status, health), (m_status, m_type, text), nodes = run(go())
+    assert set(nodes) == {"router", "prefill-0", "decode-0"} and cluster.metrics_urls["router"] == \
+        f"{cluster.http_url}/metrics"
+    assert all(code == 200 and "pdserve:" in body for code, body in nodes.values()), nodes
     assert models["object"] == "list" and models["data"][0]["id"] == model
     assert models["data"][0]["max_model_len"] > 0
     assert status == 200 and health["status"] == "ok"
