@@ -106,7 +106,7 @@ class DecodeNode:
 
 
 class NodePool:
-    """The decode nodes, their health and load; `pick` chooses where a request goes."""
+    """The decode nodes, their health and load; `route` asks the routing policy where a request goes."""
 
     def __init__(self, config: RouterConfig,
                  on_health_change: Callable[[bool], object] | None = None,
@@ -145,13 +145,6 @@ class NodePool:
 
     def healthy(self) -> list[DecodeNode]:
         return [n for n in self.nodes if n.healthy]
-
-    def pick(self, exclude: Sequence[DecodeNode] = ()) -> DecodeNode:
-        """The healthy node with the least outstanding work (then fewest requests; ties round-robin),
-        whatever the policy. Raises UnavailableError naming every node and why it is out when none is healthy.
-        """
-        best = min(self._candidates(exclude), key=lambda c: (c.load, c.rank))
-        return self._by_address[best.key]
 
     def route(self, request: generate_pb2.GenerateRequest,
               exclude: Sequence[DecodeNode] = ()) -> tuple[DecodeNode, Route]:
