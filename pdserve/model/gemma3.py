@@ -1,0 +1,260 @@
+"""Our Gemma 3 text decoder (Gemma3ForCausalLM) over the paged KV cache.
+
+Gemma 3 differs from the Llama family in the places below; everything else (merged q|k|v and
+gate|up projections laid out for tensor parallelism, rotary tables, the attention backend seam)
+is shared through `pdserve.model.layers`.
+
+- RMSNorm multiplies by (1 + weight) in float32 and casts afterwards (`GemmaRMSNorm`); the
+  checkpoint stores the zero-centred weight.
+- Token embeddings are scaled by sqrt(hidden_size), rounded to the model dtype.
+- q and k are RMS-normed per head before RoPE; the softmax scale is query_pre_attn_scalar^-0.5.
+- The MLP is GeGLU with the tanh GELU: down(gelu_tanh(gate(x)) * up(x)).
+- Each layer norms its attention output and its MLP output before the residual add
+  (post_attention_layernorm, pre/post_feedforward_layernorm).
+- Layers are "sliding_attention" (local RoPE base, a window of sliding_window tokens) or
+  "full_attention" (global RoPE base with its scaling); Gemma 3 interleaves five sliding layers
+  per full one (E8).
+- Optional final logit soft-capping: logits = cap * tanh(logits / cap).
+
+The forward contract is `LlamaForCausalLM`'s, with one addition: `plan` may be a `LayerPlans`
+(one backend plan per layer), which a hybrid model needs because its sliding and full layers read
+different attention batches. The layer hook fires after each layer's attention output
+projection (D7).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.attention.base import AttentionBackend, LayerPlans
+from pdserve.model.arch import FULL_ATTENTION, SLIDING_ATTENTION, ModelArch, rope_inv_freq
+from pdserve.model.layers import MergedColumnLinear, RotaryEmbedding, RowLinear
+from pdserve.model.llama import LayerHook
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), computed in float32 and cast back to x's dtype.
+
+    `weight` holds the checkpoint's zero-centred values in the model dtype; `scale` = 1 + weight
+    in float32 is derived once by `load` (the reference adds the 1 in float32 on every call).
+    """
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(size, dtype=dtype), requires_grad=False)
+        self.register_buffer("scale", torch.ones(size, dtype=torch.float32), persistent=False)
+
+    def load(self, weight: torch.Tensor) -> None:
+        if weight.shape != self.weight.shape:
+            raise ValueError(f"norm weight: expected shape {tuple(self.weight.shape)}, got {tuple(weight.shape)}")
+        self.weight.data.copy_(weight)
+        self.scale = 1.0 + self.weight.float()                                  # [size] float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., size]
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.scale.shape, self.scale, self.eps)
+        return F.rms_norm(x.float(), self.scale.shape, self.scale, self.eps).to(x.dtype)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedColumnLinear(arch.hidden_size, [q_size, kv_size, kv_size], arch.attention_bias, dtype)
+        self.o_proj = RowLinear(q_size, arch.hidden_size, arch.attention_bias, dtype)
+        self.q_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps, dtype)
+        self.k_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps, dtype)
+        self.scale = arch.attention_scale
+
+    def forward(
+        self,
+        x: torch.Tensor,             # [T, hidden]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # this layer type's rotary tables, [T, 1, D] each
+        k_pool: torch.Tensor,        # [N, Hkv, P, D]
+        v_pool: torch.Tensor,        # [N, Hkv, P, D]
+        backend: AttentionBackend,
+        plan: object,
+    ) -> torch.Tensor:               # [T, hidden]
+        T = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = self.q_norm(q.view(T, self.num_heads, self.head_dim))              # [T, Hq, D]
+        k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))           # [T, Hkv, D]
+        v = v.view(T, self.num_kv_heads, self.head_dim)                        # [T, Hkv, D]
+        q, k = RotaryEmbedding.apply(cos_sin, q, k)
+        o = backend.forward(q.contiguous(), k, v, k_pool, v_pool, plan, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, -1))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = arch.intermediate_size
+        self.gate_up_proj = MergedColumnLinear(arch.hidden_size, [inter, inter], False, dtype)
+        self.down_proj = RowLinear(inter, arch.hidden_size, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))              # [T, inter] each
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        eps, hidden = arch.rms_norm_eps, arch.hidden_size
+        self.input_layernorm = GemmaRMSNorm(hidden, eps, dtype)
+        self.self_attn = Gemma3Attention(arch, dtype)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype)
+        self.mlp = Gemma3MLP(arch, dtype)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype)
+
+    def norms(self) -> dict[str, GemmaRMSNorm]:
+        """Checkpoint name (under layers.{i}.) -> norm module."""
+        return {
+            "input_layernorm": self.input_layernorm,
+            "post_attention_layernorm": self.post_attention_layernorm,
+            "pre_feedforward_layernorm": self.pre_feedforward_layernorm,
+            "post_feedforward_layernorm": self.post_feedforward_layernorm,
+            "self_attn.q_norm": self.self_attn.q_norm,
+            "self_attn.k_norm": self.self_attn.k_norm,
+        }
+
+
+class Gemma3ForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArch, hf_config: object, dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        if arch.family != "gemma3":
+            raise ValueError(f"Gemma3ForCausalLM cannot run model_type {arch.model_type!r} (family {arch.family!r})")
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        # The reference keeps sqrt(hidden) as a float32 scalar and rounds it to the model dtype.
+        self.register_buffer("embed_scale", torch.tensor(arch.hidden_size**0.5).to(dtype), persistent=False)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(arch, dtype) for _ in range(arch.num_layers))
+        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        # One rotary table per layer type in use: local base for sliding layers, global for full.
+        self.layer_types = arch.layer_types
+        self.ropes = nn.ModuleDict()
+        for layer_type in sorted(set(arch.layer_types)):
+            inv_freq, scaling = rope_inv_freq(hf_config, arch.head_dim, layer_type)
+            self.ropes[layer_type] = RotaryEmbedding(inv_freq, scaling, max_positions, dtype)
+        if arch.tie_word_embeddings:
+            self.lm_head_weight = self.embed_tokens.weight                     # [V, hidden]
+        else:
+            self.lm_head_weight = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype),
+                                               requires_grad=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,        # [T]
+        positions: torch.Tensor,        # [T]
+        k_pools: list[torch.Tensor],    # per layer [N, Hkv, P, D]
+        v_pools: list[torch.Tensor],
+        backend: AttentionBackend,
+        plan: object,                   # one backend plan for every layer, or LayerPlans
+        logits_indices: torch.Tensor,   # [S] rows whose next-token logits are wanted
+        layer_hook: LayerHook | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [S, V] float32, final hidden [S, hidden]
+        plans = self._layer_plans(plan)
+        h = self.embed_tokens(input_ids) * self.embed_scale                    # [T, hidden]
+        cos_sin = {t: rope.tables(positions) for t, rope in self.ropes.items()}
+        for i, layer in enumerate(self.layers):
+            residual = h
+            a = layer.self_attn(layer.input_layernorm(h), cos_sin[self.layer_types[i]],
+                                k_pools[i], v_pools[i], backend, plans[i])
+            if layer_hook is not None:
+                layer_hook(i)
+            h = residual + layer.post_attention_layernorm(a)
+            residual = h
+            h = residual + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+        last = self.norm(h[logits_indices])                                    # [S, hidden]
+        logits = F.linear(last, self.lm_head_weight)                           # [S, V]
+        cap = self.arch.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float(), last
+
+    def _layer_plans(self, plan: object) -> tuple[object, ...] | list[object]:
+        if isinstance(plan, LayerPlans):
+            if len(plan.plans) != self.arch.num_layers:
+                raise ValueError(f"LayerPlans has {len(plan.plans)} plans for {self.arch.num_layers} layers")
+            return plan.plans
+        if self.arch.is_hybrid:
+            raise ValueError(
+                "a hybrid model (layers of types "
+                f"{sorted(set(self.arch.layer_types))}) needs LayerPlans, one plan per layer: its "
+                f"{SLIDING_ATTENTION} and {FULL_ATTENTION} layers read different attention batches"
+            )
+        return [plan] * self.arch.num_layers
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face Gemma3ForCausalLM names) into our layout.
+
+        Every parameter must be found and every checkpoint tensor must be used; otherwise a
+        ValueError lists what is missing or unexpected.
+        """
+        ckpt = {name.removeprefix("model."): t for name, t in weights}
+        used: set[str] = set()
+        missing: list[str] = []
+
+        def take(name: str, required: bool = True) -> torch.Tensor | None:
+            if name in ckpt:
+                used.add(name)
+                return ckpt[name]
+            if required:
+                missing.append(name)
+            return None
+
+        def copy(param: torch.Tensor, name: str) -> None:
+            t = take(name)
+            if t is not None:
+                if t.shape != param.shape:
+                    raise ValueError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(t.shape)}")
+                param.data.copy_(t)
+
+        def load_norm(norm: GemmaRMSNorm, name: str) -> None:
+            t = take(name)
+            if t is not None:
+                norm.load(t)
+
+        arch = self.arch
+        bias = arch.attention_bias
+        copy(self.embed_tokens.weight, "embed_tokens.weight")
+        load_norm(self.norm, "norm.weight")
+        if arch.tie_word_embeddings:
+            take("lm_head.weight", required=False)  # some tied checkpoints still store a copy
+        else:
+            copy(self.lm_head_weight, "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            for j, part in enumerate(("q_proj", "k_proj", "v_proj")):
+                w = take(f"{p}self_attn.{part}.weight")
+                b = take(f"{p}self_attn.{part}.bias", required=bias)
+                if w is not None:
+                    attn.qkv_proj.load_part(j, w, b)
+            w = take(f"{p}self_attn.o_proj.weight")
+            if w is not None:
+                attn.o_proj.load(w, take(f"{p}self_attn.o_proj.bias", required=bias))
+            for j, part in enumerate(("gate_proj", "up_proj")):
+                w = take(f"{p}mlp.{part}.weight")
+                if w is not None:
+                    mlp.gate_up_proj.load_part(j, w)
+            w = take(f"{p}mlp.down_proj.weight")
+            if w is not None:
+                mlp.down_proj.load(w)
+            for name, norm in layer.norms().items():
+                load_norm(norm, f"{p}{name}.weight")
+        unexpected = sorted(n for n in set(ckpt) - used if "rotary_emb" not in n)
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint does not match model_type {arch.model_type!r}: "
+                f"{len(missing)} missing (e.g. {missing[:4]}), {len(unexpected)} unexpected (e.g. {unexpected[:4]})"
+            )
