@@ -1,6 +1,6 @@
 """Prefix-aware vs least-loaded routing (R3) on a workload of request families sharing long prefixes.
 
-    .venv/bin/python bench/prefix_routing.py [--families 8] [--rounds 4] [--concurrency 4] [--num-blocks 256]
+    .venv/bin/python bench/prefix_routing.py [--families 8] [--rounds 4] [--concurrency 4] [--seeds 0,1]
 
 Why colocated nodes: a prefix-cache hit happens in the engine that runs the prefill. In a colocated
 cluster that is the decode node the router chose, so the router's policy decides the hit rate
@@ -16,6 +16,9 @@ node, and served by an in-process router whose NodePool runs that policy. Measur
 client (through the router), and the prefix-cache hit rate = prompt tokens the engines found in
 their prefix caches / prompt tokens looked up, from the nodes' own /metrics counters
 (pdserve:prefix_cache_hits_total, pdserve:prefix_cache_queries_total) before and after the run.
+The first round is all misses under either policy (no node has seen any family), so TTFT is also
+reported over the later rounds alone ("warm"), where only the routing differs. Each seed is a
+different workload; the policies run one after the other per seed, and the summary pools the seeds.
 
 Results: bench/results/prefix_routing.json (with the machine and its load average) and a table on stdout.
 """
@@ -130,7 +133,7 @@ async def serve_policy(cluster: Cluster, policy: str, order, args) -> dict:
     return {"rows": rows, "wall_s": wall}
 
 
-def run_policy(policy: str, order, args) -> dict:
+def run_policy(policy: str, order, args, seed: int) -> dict:
     engine = ("--max-batch-tokens", str(args.max_batch_tokens), *args.engine_args.split())
     with Cluster(colocated=2, port=0, http_port=None, node_metrics=True, num_blocks=args.num_blocks,
                  threads_per_node=args.threads_per_node, engine_args=engine, startup_timeout_s=300,
@@ -146,7 +149,10 @@ def run_policy(policy: str, order, args) -> dict:
         return sum(after[n].get(name, 0.0) - before[n].get(name, 0.0) for n in nodes)
 
     rows = result["rows"]
+    for i, r in enumerate(rows):
+        r["round"] = i // args.families
     ttfts = sorted(r["ttft_s"] for r in rows)
+    warm_ttfts = [r["ttft_s"] for r in rows if r["round"] > 0]
     hits, queries = delta("pdserve:prefix_cache_hits_total"), delta("pdserve:prefix_cache_queries_total")
     by_node: dict[str, int] = {}
     families_on: dict[str, set[int]] = {}
@@ -155,12 +161,14 @@ def run_policy(policy: str, order, args) -> dict:
         families_on.setdefault(r["node"], set()).add(r["family"])
     return {
         "policy": policy,
+        "seed": seed,
         "requests": len(rows),
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
         "prefix_cache_hits_tokens": hits,
         "prefix_cache_queries_tokens": queries,
         "prompt_tokens_computed": delta("pdserve:prompt_tokens_total"),
         "mean_ttft_s": statistics.fmean(ttfts),
+        "mean_ttft_warm_rounds_s": statistics.fmean(warm_ttfts) if warm_ttfts else float("nan"),
         "p50_ttft_s": ttfts[len(ttfts) // 2],
         "p90_ttft_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
         "mean_e2e_s": statistics.fmean(r["e2e_s"] for r in rows),
@@ -184,26 +192,43 @@ def main() -> int:
     ap.add_argument("--max-batch-tokens", type=int, default=256)
     ap.add_argument("--engine-args", default="", help="more engine flags for both nodes, one string")
     ap.add_argument("--policies", default="least-loaded,prefix")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0,1", help="one workload per seed (comma-separated)")
     ap.add_argument("--results", default=str(ROOT / "bench" / "results" / "prefix_routing.json"))
     args = ap.parse_args()
     info = machine()
-    order = workload(args.families, args.rounds, args.prefix_words, args.seed)
     results = []
-    for policy in args.policies.split(","):
-        print(f"running {policy} ({len(order)} requests) ...", flush=True)
-        results.append(run_policy(policy, order, args))
+    for seed in (int(x) for x in args.seeds.split(",")):
+        order = workload(args.families, args.rounds, args.prefix_words, seed)
+        for policy in args.policies.split(","):
+            print(f"seed {seed}: running {policy} ({len(order)} requests) ...", flush=True)
+            results.append(run_policy(policy, order, args, seed))
     info["loadavg_end"] = os.getloadavg()
-    print(f"\n{'policy':<14} {'hit rate':>8} {'mean TTFT':>10} {'p50 TTFT':>9} {'p90 TTFT':>9} {'wall':>7}  per node")
-    for r in results:
-        print(f"{r['policy']:<14} {r['prefix_cache_hit_rate']:>8.1%} {r['mean_ttft_s']:>9.3f}s {r['p50_ttft_s']:>8.3f}s "
-              f"{r['p90_ttft_s']:>8.3f}s {r['wall_s']:>6.1f}s  {r['requests_per_node']}")
+    summary = [pooled(policy, [r for r in results if r["policy"] == policy]) for policy in args.policies.split(",")]
+    header = f"{'policy':<14} {'seed':>5} {'hit rate':>8} {'mean TTFT':>10} {'warm TTFT':>10} {'p50 TTFT':>9} {'p90 TTFT':>9}"
+    print("\n" + header)
+    for r in results + summary:
+        print(f"{r['policy']:<14} {r['seed']:>5} {r['prefix_cache_hit_rate']:>8.1%} {r['mean_ttft_s']:>9.3f}s "
+              f"{r['mean_ttft_warm_rounds_s']:>9.3f}s {r['p50_ttft_s']:>8.3f}s {r['p90_ttft_s']:>8.3f}s")
     print(f"machine: {info}")
     out = Path(args.results)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": info, "args": vars(args), "results": results}, indent=1) + "\n")
+    out.write_text(json.dumps({"machine": info, "args": vars(args), "summary": summary, "results": results},
+                              indent=1) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def pooled(policy: str, runs: list[dict]) -> dict:
+    """Every seed's requests of one policy together (hit rate over all tokens, TTFT over all requests)."""
+    rows = [row for r in runs for row in r["rows"]]
+    ttfts = sorted(row["ttft_s"] for row in rows)
+    warm = [row["ttft_s"] for row in rows if row["round"] > 0]
+    hits = sum(r["prefix_cache_hits_tokens"] for r in runs)
+    queries = sum(r["prefix_cache_queries_tokens"] for r in runs)
+    return {"policy": policy, "seed": "all", "requests": len(rows),
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "mean_ttft_s": statistics.fmean(ttfts), "mean_ttft_warm_rounds_s": statistics.fmean(warm),
+            "p50_ttft_s": ttfts[len(ttfts) // 2], "p90_ttft_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))]}
 
 
 if __name__ == "__main__":
