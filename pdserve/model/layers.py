@@ -107,7 +107,12 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half convention) with a precomputed cos/sin table."""
+    """Rotary position embedding (rotate-half convention) with precomputed cos/sin tables.
+
+    rotate_half(x) * sin == roll(x, D/2) * sin_signed, where sin_signed negates the first half of
+    sin: one roll instead of two slices, a negation and a concatenation, and bit-identical results
+    ((-a) * b == a * (-b) in IEEE arithmetic).
+    """
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int, dtype: torch.dtype):
         super().__init__()
@@ -115,22 +120,27 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq.float())                                # [max_positions, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)                                 # [max_positions, D]
+        sin = emb.sin() * attention_scaling                                     # [max_positions, D]
+        half = sin.shape[-1] // 2
+        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)         # [max_positions, D]
         self.register_buffer("cos", (emb.cos() * attention_scaling).to(dtype), persistent=False)
-        self.register_buffer("sin", (emb.sin() * attention_scaling).to(dtype), persistent=False)
+        self.register_buffer("sin_signed", sin_signed.to(dtype), persistent=False)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the step's positions ([T] -> [T, 1, D] each), looked up once per pass."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos, sin_signed for the step's positions ([T] -> [T, 1, D] each), looked up once per pass."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply_one(cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        # cos, sin_signed: [T, 1, D]; x: [T, H, D] (any strides) -> a new contiguous [T, H, D]
+        cos, sin_signed = cos_sin
+        rotated = x.roll(x.shape[-1] // 2, dims=-1).mul_(sin_signed)            # rotate_half(x) * sin
+        # Not addcmul: its fused multiply-add rounds differently from the reference's x*cos + r.
+        return rotated.add_(x * cos)
 
     @staticmethod
     def apply(
         cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # cos, sin: [T, 1, D]; q: [T, Hq, D]; k: [T, Hkv, D]
-        cos, sin = cos_sin
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        # cos, sin_signed: [T, 1, D]; q: [T, Hq, D]; k: [T, Hkv, D]
+        return RotaryEmbedding.apply_one(cos_sin, q), RotaryEmbedding.apply_one(cos_sin, k)

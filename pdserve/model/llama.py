@@ -41,16 +41,19 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         plan: object,
     ) -> torch.Tensor:               # [T, hidden]
-        T = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.view(T, self.num_heads, self.head_dim)                           # [T, Hq, D]
-        k = k.view(T, self.num_kv_heads, self.head_dim)                        # [T, Hkv, D]
-        v = v.view(T, self.num_kv_heads, self.head_dim)                        # [T, Hkv, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(cos_sin, q, k)
+        T, Hq, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj.forward(x)                                         # [T, (Hq + 2 Hkv) D]
+        v = qkv[:, (Hq + Hkv) * D :].view(T, Hkv, D)                           # [T, Hkv, D]
+        if self.q_norm is None:
+            # q and k side by side in one view, rotated by one op: [T, Hq + Hkv, D]
+            qk = RotaryEmbedding.apply_one(cos_sin, qkv[:, : (Hq + Hkv) * D].view(T, Hq + Hkv, D))
+            q, k = qk[:, :Hq], qk[:, Hq:]
+        else:
+            q = self.q_norm.forward(qkv[:, : Hq * D].view(T, Hq, D))           # [T, Hq, D]
+            k = self.k_norm.forward(qkv[:, Hq * D : (Hq + Hkv) * D].view(T, Hkv, D))  # [T, Hkv, D]
+            q, k = RotaryEmbedding.apply(cos_sin, q, k)
         o = backend.forward(q.contiguous(), k, v, k_pool, v_pool, plan, self.scale)  # [T, Hq, D]
-        return self.o_proj(o.reshape(T, -1))
+        return self.o_proj.forward(o.reshape(T, -1))
 
 
 class MLP(nn.Module):
@@ -61,8 +64,8 @@ class MLP(nn.Module):
         self.down_proj = RowLinear(inter, arch.hidden_size, arch.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))              # [T, inter] each
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj.split(self.gate_up_proj.forward(x))      # [T, inter] each
+        return self.down_proj.forward(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -104,15 +107,18 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [S, V] float32, final hidden [S, hidden]
         h = self.embed_tokens(input_ids)                                       # [T, hidden]
         cos_sin = self.rope.tables(positions)
+        # Submodules are called through .forward: nn.Module.__call__'s hook machinery costs a few
+        # microseconds per call, ~300 calls per pass, and no hooks are ever registered here.
         for i, layer in enumerate(self.layers):
             residual = h
-            h = layer.self_attn(layer.input_layernorm(h), cos_sin, k_pools[i], v_pools[i], backend, plan)
+            h = layer.self_attn.forward(layer.input_layernorm.forward(h), cos_sin, k_pools[i], v_pools[i],
+                                        backend, plan)
             if layer_hook is not None:
                 layer_hook(i)
             h = residual + h
             residual = h
-            h = residual + layer.mlp(layer.post_attention_layernorm(h))
-        last = self.norm(h[logits_indices])                                    # [S, hidden]
+            h = residual + layer.mlp.forward(layer.post_attention_layernorm.forward(h))
+        last = self.norm.forward(h[logits_indices])                                    # [S, hidden]
         logits = F.linear(last, self.lm_head_weight).float()                   # [S, V]
         return logits, last
 
