@@ -308,6 +308,26 @@ def test_client_disconnect_closes_the_backend_stream():
     assert run(_with_api(backend, go)) == 1
 
 
+def test_streaming_connections_have_nagle_off():
+    """R2: TCP_NODELAY on the server side of a streaming connection (aiohttp sets it on accept)."""
+    backend = FakeBackend([_msg("a", (i,)) for i in range(50)], delay_s=0.01)
+
+    async def go():
+        api = HttpApi(backend, HttpConfig(port=0), RequestLimits())
+        port = await api.start()
+        try:
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
+                async with session.post("/v1/completions", json={"prompt": "p", "stream": True}) as r:
+                    await r.content.readline()
+                    server_sockets = [c.transport.get_extra_info("socket") for c in api._runner.server.connections]
+                    return [s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in server_sockets]
+        finally:
+            await api.stop()
+
+    flags = run(go())
+    assert flags and all(flags), flags
+
+
 def test_router_without_a_decode_node_answers_503():
     async def go():
         dead, = free_ports(1)
