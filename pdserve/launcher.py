@@ -16,8 +16,9 @@ and every other child is stopped. Stopping: SIGTERM to every child (router first
 to any still running after `stop_timeout_s`. On Linux a child also gets SIGTERM when the launcher
 dies (PR_SET_PDEATHSIG), so a killed test run leaves no orphans.
 
-Ports: every port given as 0 (router gRPC, router HTTP) is chosen free by the launcher before the
-start and passed explicitly, so `url`, `http_url` and `metrics_urls` are known up front. With
+Ports: every port given as 0 (router gRPC, router HTTP) and each node's `--metrics-port` (with
+node_metrics, the default) is chosen free by the launcher before the start and passed explicitly,
+so `url`, `http_url` and `metrics_urls` are known up front. With
 `pin_cores`, node i runs on its own `threads_per_node` cores (the i-th slice of the launcher's
 allowed CPUs, set with sched_setaffinity in the child before exec); the router is not pinned. Too
 few cores for every node is a ValueError naming the counts.
