@@ -68,6 +68,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         stop=tuple(args.stop or ()),
         ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
     )
     engine = LLMEngine(EngineConfig.from_options(model=args.model, **engine_options(args)))
     prompts: list[str | list[int]] = []
@@ -102,7 +103,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 break
             c = done[rid]
             if args.json:
-                print(json.dumps({"text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}))
+                record: dict[str, object] = {"text": c.text, "token_ids": list(c.token_ids),
+                                             "finish_reason": c.finish_reason}
+                if args.logprobs is not None:
+                    # Same shape as the remote path (pdserve.client.logprobs_json).
+                    record["logprobs"] = [
+                        {"token_id": lp.sampled.token_id, "logprob": lp.sampled.logprob,
+                         "top": [[t.token_id, t.logprob] for t in lp.top]}
+                        for lp in (c.logprobs or ())
+                    ]
+                print(json.dumps(record))
             else:
                 sys.stdout.write("\n")
             focus += 1
@@ -159,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("up", help="start a local cluster (router, prefill and decode nodes) and serve until Ctrl-C")
     add_up_args(u)
     u.set_defaults(func=cmd_up)
+
+    from pdserve.bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
 
     s = sub.add_parser("simulate", help="run the real scheduler without a model: static vs continuous batching")
     s.add_argument("--output-lengths", default="5,50,8,12,40,3,30,7", help="comma-separated output lengths")

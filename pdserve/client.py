@@ -393,7 +393,7 @@ def add_remote_args(p: argparse.ArgumentParser) -> None:
                    help="generate on a running cluster (router or decode node) instead of loading the model here")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="deadline of each remote request")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help="with --url and --json: add each generated token's logprob and the N most likely "
+                   help="with --json: add each generated token's logprob and the N most likely "
                         "alternatives (0..20)")
 
 
