@@ -16,6 +16,8 @@ transformers' `generate`:
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -54,6 +56,24 @@ ENGINE_XFAIL = pytest.mark.xfail(
 )
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def one_thread():
+    """The tiny model's ops are too small to split: a second OpenMP thread only spins (10x slower
+    generate on a loaded 2-core machine)."""
+    with torch_threads(1):
+        yield
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -61,7 +81,8 @@ def tiny(tmp_path_factory):
     path = make_tiny_checkpoint(TINY_GEMMA3, tmp_path_factory.mktemp("gemma3") / "tiny")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
-    expected = [hf_greedy(hf, tok, p, NEW_TOKENS) for p in PROMPTS]
+    with torch_threads(1):
+        expected = [hf_greedy(hf, tok, p, NEW_TOKENS) for p in PROMPTS]
     ids = [tok(p)["input_ids"] for p in PROMPTS]
     assert all(len(i) > TINY_GEMMA3_WINDOW for i in ids[1:]), [len(i) for i in ids]
     assert len(ids[2]) > 4 * TINY_GEMMA3_WINDOW
@@ -115,7 +136,7 @@ def greedy_through_runner(path, prompts: list[list[int]], backend: str, sliding_
 
 @pytest.mark.parametrize("sliding_group", [True, False], ids=["sliding-allocator", "full-tables"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_runner_matches_transformers(tiny, backend, sliding_group):
+def test_runner_matches_transformers(tiny, one_thread, backend, sliding_group):
     path, ids, expected = tiny
     got = greedy_through_runner(path, ids[1:], backend, sliding_group)
     assert got == expected[1:]
@@ -127,7 +148,7 @@ def sliding_pages_held(engine, request_id: str) -> int:
 
 @ENGINE_XFAIL
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_engine_matches_transformers_alone_and_batched(tiny, backend):
+def test_engine_matches_transformers_alone_and_batched(tiny, one_thread, backend):
     path, _, expected = tiny
     llm = LLM(model=str(path), num_blocks=160, page_size=PAGE, max_batch_tokens=CHUNK, max_model_len=256,
               attention_backend=backend)
