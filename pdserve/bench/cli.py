@@ -166,19 +166,25 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from pdserve.bench.compare import CompareSettings, comparison_rows, format_comparison, run_compare
     from pdserve.bench.plots import latency_cdfs
     from pdserve.bench.report import format_table, write_json
+
     settings = CompareSettings(
         dataset=dataset_from_args(args), run=run_config_from_args(args), slo=Slo.parse(args.goodput),
         backend=args.backend, prefill=args.prefill, decode=args.decode, threads_per_node=args.threads_per_node,
         pin_cores=args.pin_cores, num_blocks=args.num_blocks, engine_args=tuple(shlex.split(args.engine_args)),
         provider=args.provider, startup_timeout_s=args.startup_timeout)
-    result = run_compare(settings, progress=not args.no_progress)  # ClusterStartError is a RuntimeError
+    prefix = Path(args.output_prefix) if args.output_prefix else None
+
+    def keep(setup: str, res) -> None:  # noqa: ANN001 - a ServeResult; saved at once: the next setup may fail
+        if prefix is not None:
+            print(f"{setup} result: {write_json(f'{prefix}_{setup}.json', res.to_json())}", flush=True)
+
+    result = run_compare(settings, progress=not args.no_progress, on_result=keep)  # ClusterStartError: exit 1
     for name, res in result.results.items():
         print(format_table(res.metrics, f"{name} ({', '.join(c.split(' -m ')[1].split()[0] for c in result.clusters[name])})"))
     rows = comparison_rows(result.results["colocated"].metrics, result.results["disaggregated"].metrics)
     table = format_comparison(rows, result.targets)
     print(table)
-    if args.output_prefix:
-        prefix = Path(args.output_prefix)
+    if prefix is not None:
         print(f"result: {write_json(f'{prefix}.json', result.to_json())}")
         md = Path(f"{prefix}.md")
         md.write_text(compare_markdown(result, table, _command_line()))
@@ -253,7 +259,8 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
     _add_workload_args(p, compare=True)
     p.add_argument("--output-prefix", default=None, metavar="PREFIX",
-                   help="write PREFIX.json, PREFIX.md and PREFIX_{ttft,itl}_cdf.png")
+                   help="write PREFIX.json (both runs, side by side, targets), PREFIX.md, PREFIX_{ttft,itl}_cdf.png, "
+                        "and PREFIX_<setup>.json as soon as each setup has run")
     p.set_defaults(func=_cmd_compare)
 
 

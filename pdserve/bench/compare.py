@@ -16,6 +16,7 @@ per-user TPS (1 / mean ITL) >= 1.6x, ITL p99 <= 1/3, TTFT p50 <= 2x, each with i
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,11 +176,15 @@ def run_setup(settings: CompareSettings, setup: str, progress: bool = True) -> t
         return result, [spec.command for spec in cluster.specs]
 
 
-def run_compare(settings: CompareSettings, progress: bool = True) -> CompareResult:
+def run_compare(settings: CompareSettings, progress: bool = True,
+                on_result: Callable[[str, ServeResult], None] | None = None) -> CompareResult:
+    """Both setups, colocated first; on_result(setup, result) is called as each one ends."""
     results: dict[str, ServeResult] = {}
     clusters: dict[str, list[str]] = {}
     for setup in SETUPS:
         results[setup], clusters[setup] = run_setup(settings, setup, progress)
+        if on_result is not None:
+            on_result(setup, results[setup])
     rows = comparison_rows(results["colocated"].metrics, results["disaggregated"].metrics)
     targets = [t.check(rows[t.metric][2]) for t in settings.targets]
     return CompareResult(settings, results, clusters, targets)
