@@ -29,7 +29,7 @@ from pdserve.cache.manager import KVCacheManager
 from pdserve.cache.swap import SwapSpace
 from pdserve.config import EngineConfig
 from pdserve.model.arch import ModelArch
-from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.registry import build_model
 from pdserve.model.loader import ModelSource, iter_weights, load_config, load_generation_eos, load_tokenizer, resolve_model
 from pdserve.outputs import CompletionOutput, RequestOutput
 from pdserve.request import FinishReason, Request, RequestStatus
@@ -76,20 +76,12 @@ class LLMEngine:
         self.eos_token_ids = frozenset(load_generation_eos(self.source))
         model_max = self.arch.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_max, model_max)
-        # Per-layer attention kinds come from the model code (ModelArch.layer_types); until a model
-        # declares them, its runner attends over full tables, so a sliding window is emulated by
-        # keeping sequences inside it.
-        layer_types = getattr(self.arch, "layer_types", None)
-        groups = attention_groups(layer_types, self.arch.sliding_window)
-        if layer_types is None and self.arch.sliding_window is not None and self.arch.sliding_window < self.max_model_len:
-            logger.warning("model has a sliding window of %d tokens but no per-layer attention types; capping "
-                           "max_model_len %d -> %d", self.arch.sliding_window, self.max_model_len,
-                           self.arch.sliding_window)
-            self.max_model_len = self.arch.sliding_window
+        # One block table per attention kind (E8): ("full",), ("sliding",) or both for hybrids.
+        groups = attention_groups(self.arch.layer_types, self.arch.sliding_window)
         dtype = config.torch_dtype
         device = torch.device("cpu")
         available = available_memory_bytes(device) if config.cache.num_blocks is None else None
-        self.model = LlamaForCausalLM(self.arch, hf_config, dtype, self.max_model_len)
+        self.model = build_model(self.arch, hf_config, dtype, self.max_model_len)
         self.model.load_weights(iter_weights(self.source))
         self.model.eval()
 
