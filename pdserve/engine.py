@@ -23,14 +23,14 @@ import torch
 
 from pdserve.attention import get_backend
 from pdserve.cache.block_pool import BlockPool, CacheIntegrityError
-from pdserve.cache.groups import attention_groups
+from pdserve.cache.groups import attention_groups, max_blocks_per_request
 from pdserve.cache.kv_cache import KVCacheShape, PagedKVCache
 from pdserve.cache.manager import KVCacheManager
 from pdserve.cache.swap import SwapSpace
 from pdserve.config import EngineConfig
 from pdserve.model.arch import ModelArch
-from pdserve.model.registry import build_model
 from pdserve.model.loader import ModelSource, iter_weights, load_config, load_generation_eos, load_tokenizer, resolve_model
+from pdserve.model.registry import build_model
 from pdserve.outputs import CompletionOutput, RequestOutput
 from pdserve.request import FinishReason, Request, RequestStatus
 from pdserve.runner import ModelOutput, ModelRunner
@@ -39,7 +39,14 @@ from pdserve.sampling.sampler import SampleLogprobs, Sampler
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import SchedulerOutput, make_scheduler
 from pdserve.scheduler.preemption import Preemptor
-from pdserve.sizing import MemoryBudget, activation_bytes, available_memory_bytes, module_nbytes, size_pool
+from pdserve.sizing import (
+    MemoryBudget,
+    activation_bytes,
+    available_memory_bytes,
+    fit_max_model_len,
+    module_nbytes,
+    size_pool,
+)
 from pdserve.stats import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -89,14 +96,15 @@ class LLMEngine:
         sched = config.scheduler
         probe = KVCacheShape(self.arch.num_layers, 1, self.arch.num_kv_heads, P, self.arch.head_dim)
         block_nbytes = probe.block_nbytes(dtype)
-        sizer = KVCacheManager(BlockPool(2, 1), P, groups)  # tables only: how many blocks a request takes
-        per_request = sizer.max_blocks_per_request(self.max_model_len, sched.max_batch_tokens)
+        per_request = max_blocks_per_request(groups, P, self.max_model_len, sched.max_batch_tokens)
         budget = None
         if available is not None:
             budget = MemoryBudget(available=available, weights=module_nbytes(self.model),
                                   activations=self._activation_bytes(dtype))
         size = size_pool(config.cache, block_nbytes, sched.max_requests_per_batch * per_request, budget)
-        self.max_model_len = self._fit_max_model_len(sizer, size.num_blocks - config.cache.num_padding_blocks)
+        self.max_model_len = fit_max_model_len(groups, P, size.num_blocks - config.cache.num_padding_blocks,
+                                               self.max_model_len, config.max_model_len is not None,
+                                               sched.max_batch_tokens)
         sharing = config.cache.allow_block_sharing and all(g.sliding_window is None for g in groups)
         self.kv_cache = PagedKVCache(KVCacheShape(self.arch.num_layers, size.num_blocks, self.arch.num_kv_heads, P,
                                                   self.arch.head_dim), dtype)
@@ -132,33 +140,6 @@ class LLMEngine:
             max_batch_tokens=s.max_batch_tokens, max_requests_per_batch=s.max_requests_per_batch,
             max_model_len=self.max_model_len, dtype=dtype,
         )
-
-    def _fit_max_model_len(self, sizer: KVCacheManager, usable_blocks: int) -> int:
-        """max_model_len if one request of that length fits in the pool; otherwise the longest
-        that fits when max_model_len was not set, and a ValueError when it was."""
-        chunk = self.config.scheduler.max_batch_tokens
-        need = sizer.max_blocks_per_request(self.max_model_len, chunk)
-        if need <= usable_blocks:
-            return self.max_model_len
-        P = sizer.page_size
-        if self.config.max_model_len is not None:
-            raise ValueError(
-                f"the KV cache has {usable_blocks} usable blocks of {P} tokens, but one request of "
-                f"max_model_len={self.max_model_len} tokens needs {need} blocks "
-                f"(groups {sizer.group_names}); raise num_blocks or max_memory_percent, or lower max_model_len"
-            )
-        lo, hi = 1, self.max_model_len  # the longest length whose request fits
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if sizer.max_blocks_per_request(mid, chunk) <= usable_blocks:
-                lo = mid
-            else:
-                hi = mid - 1
-        if sizer.max_blocks_per_request(lo, chunk) > usable_blocks or lo < 2:
-            raise ValueError(f"the KV cache has {usable_blocks} usable blocks of {P} tokens: too few for any request")
-        logger.warning("KV cache of %d blocks holds at most %d tokens per request: max_model_len %d -> %d",
-                       usable_blocks, lo, self.max_model_len, lo)
-        return lo
 
     # --- requests -----------------------------------------------------------------------------
 

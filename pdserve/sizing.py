@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.cache.groups import AttentionGroup, max_blocks_per_request
 from pdserve.config import CacheConfig
 
 logger = logging.getLogger(__name__)
@@ -118,3 +119,36 @@ def size_pool(cache: CacheConfig, block_nbytes: int, max_useful_blocks: int, bud
         f"-> {by_memory} blocks, capped at {max_useful_blocks} (max_requests_per_batch x max_model_len)"
     )
     return PoolSize(n, block_nbytes, why)
+
+
+def fit_max_model_len(
+    groups: tuple[AttentionGroup, ...],
+    page_size: int,
+    usable_blocks: int,
+    max_model_len: int,
+    explicit: bool,
+    max_chunk: int,
+) -> int:
+    """max_model_len when one request of that length fits in usable_blocks; otherwise, when the
+    length was not set explicitly, the longest that fits (logged); when it was, a ValueError."""
+    need = max_blocks_per_request(groups, page_size, max_model_len, max_chunk)
+    if need <= usable_blocks:
+        return max_model_len
+    if explicit:
+        raise ValueError(
+            f"the KV cache has {usable_blocks} usable blocks of {page_size} tokens, but one request of "
+            f"max_model_len={max_model_len} tokens needs {need} blocks (attention groups "
+            f"{tuple(g.name for g in groups)}); raise num_blocks or max_memory_percent, or lower max_model_len"
+        )
+    lo, hi = 0, max_model_len  # the longest length whose request fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if max_blocks_per_request(groups, page_size, mid, max_chunk) <= usable_blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo < 2:
+        raise ValueError(f"the KV cache has {usable_blocks} usable blocks of {page_size} tokens: too few for any request")
+    logger.warning("KV cache of %d blocks holds at most %d tokens per request: max_model_len %d -> %d",
+                   usable_blocks, lo, max_model_len, lo)
+    return lo

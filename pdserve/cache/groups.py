@@ -74,11 +74,6 @@ class GroupTables(abc.ABC):
     def plan(self, request_id: str, start: int, end: int, keep_all: bool) -> GrowthPlan:
         """What positions [start, end) need (written now, or read by this chunk's queries)."""
 
-    @abc.abstractmethod
-    def max_blocks(self, num_tokens: int, max_chunk: int) -> int:
-        """The most blocks one request of num_tokens tokens, run in chunks of at most max_chunk
-        tokens, ever holds in this group."""
-
     def apply(self, request_id: str, plan: GrowthPlan, new_blocks: list[int]) -> list[int]:
         """Point recycled entries at the padding block and append new blocks; returns the
         recycled block ids (the caller frees them)."""
@@ -113,8 +108,19 @@ class FullAttentionTables(GroupTables):
     def plan(self, request_id: str, start: int, end: int, keep_all: bool) -> GrowthPlan:
         return GrowthPlan(num_new=max(0, self.pages_for(end) - len(self.table(request_id))))
 
-    def max_blocks(self, num_tokens: int, max_chunk: int) -> int:
-        return self.pages_for(num_tokens)
+
+def group_max_blocks(group: AttentionGroup, page_size: int, num_tokens: int, max_chunk: int) -> int:
+    """Blocks one request of num_tokens tokens holds at most in `group`: every page for full
+    attention; for a sliding window W, the pages of W - 1 + max_chunk positions (sliding.py)."""
+    pages = -(-num_tokens // page_size)
+    if group.sliding_window is None:
+        return pages
+    return min(pages, -(-(group.sliding_window - 1 + max_chunk) // page_size) + 1)
+
+
+def max_blocks_per_request(groups: tuple[AttentionGroup, ...], page_size: int, num_tokens: int, max_chunk: int) -> int:
+    """Blocks one request of num_tokens tokens holds at most, over every group."""
+    return sum(group_max_blocks(g, page_size, num_tokens, max_chunk) for g in groups)
 
 
 def attention_groups(layer_types: tuple[str, ...] | list[str] | None, sliding_window: int | None) -> tuple[AttentionGroup, ...]:

@@ -20,7 +20,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.cache.block_pool import BlockPool, CacheIntegrityError
-from pdserve.cache.groups import FULL, PADDING_BLOCK, AttentionGroup, FullAttentionTables, GroupTables, GrowthPlan
+from pdserve.cache.groups import (
+    FULL,
+    PADDING_BLOCK,
+    AttentionGroup,
+    FullAttentionTables,
+    GroupTables,
+    GrowthPlan,
+    max_blocks_per_request,
+)
 from pdserve.cache.prefix_cache import NO_HIT, PrefixCache, PrefixHit
 from pdserve.cache.sliding import SlidingWindowTables
 from pdserve.request import Request
@@ -74,7 +82,7 @@ class KVCacheManager:
 
     def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
         """The most blocks one request of num_tokens tokens ever holds, over every group."""
-        return sum(g.max_blocks(num_tokens, max_chunk) for g in self.groups)
+        return max_blocks_per_request(tuple(g.group for g in self.groups), self.page_size, num_tokens, max_chunk)
 
     def num_held_blocks(self, request_id: str) -> int:
         return sum(len(g.real_blocks(request_id)) for g in self.groups)

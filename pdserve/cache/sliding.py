@@ -47,10 +47,6 @@ class SlidingWindowTables(GroupTables):
             self._first_real[request_id] = plan.recycle[-1] + 1
         return recycled
 
-    def max_blocks(self, num_tokens: int, max_chunk: int) -> int:
-        P = self.page_size
-        return min(self.pages_for(num_tokens), -(-(self.window - 1 + max_chunk) // P) + 1)
-
     def replace(self, request_id: str, table: list[int]) -> None:
         super().replace(request_id, table)
         first = next((i for i, b in enumerate(table) if b != PADDING_BLOCK), len(table))
