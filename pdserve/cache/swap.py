@@ -92,11 +92,11 @@ class SwapSpace:
             return unfit
         slots = [self._free.popleft() for _ in range(len(src))]
         buf = self.kv.buffer  # [layers, 2, pages, kv_heads, page_size, head_dim]
-        # One gather of every moved block on the cache's device, one scatter into the slots.
+        # One gather of every moved block on the cache's device, one copy to the host (blocking:
+        # the blocks are handed out again right after), one scatter into the slots.
+        # pages: [layers, 2, len(src), kv_heads, page_size, head_dim]
         pages = buf.index_select(2, torch.tensor(src, dtype=torch.int64, device=buf.device))
-        self.buffer.index_copy_(2, torch.tensor(slots, dtype=torch.int64), pages.to("cpu", non_blocking=True))
-        if buf.device.type == "cuda":
-            torch.cuda.current_stream(buf.device).synchronize()  # the blocks are reused right after
+        self.buffer.index_copy_(2, torch.tensor(slots, dtype=torch.int64), pages.to("cpu"))
         i = 0
         for r, layout in moved:
             n = len(layout.real_blocks)
@@ -119,8 +119,9 @@ class SwapSpace:
             return False
         buf = self.kv.buffer
         dst = torch.tensor([new for _, new in pairs], dtype=torch.int64, device=buf.device)
+        # data: [layers, 2, len(slots), kv_heads, page_size, head_dim]
         data = self.buffer.index_select(2, torch.tensor(held.slots, dtype=torch.int64))
-        buf.index_copy_(2, dst, data.to(buf.device, non_blocking=True))
+        buf.index_copy_(2, dst, data.to(buf.device))
         self._free.extend(held.slots)
         del self._held[request.request_id]
         return True
