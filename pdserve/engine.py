@@ -4,6 +4,12 @@
     out = runner.execute(sched)           # one forward pass over all of them
     return self._update(sched, out)       # sample, append, detokenize, stop, free
 
+Memory (issue 4): the cache manager keeps one block table per attention group (E8) and the prefix
+cache (E12, E13); `_update` publishes newly complete blocks after each pass. Around the three
+calls, the `Preemptor` brings offloaded requests back before scheduling and, when the scheduler
+reports stalled requests, offloads or soft-resets others after the pass (E14, E15); when nothing
+could be scheduled at all it does so at once and the step schedules again.
+
 Hooks let the KV messenger plug in without the engine knowing about it: `on_schedule` sees each
 pass before it runs (D6), `on_layer_done` fires after each layer's attention output projection
 (D7), `on_prefill_done` receives a prefill-only request's final hidden state and logits (D12).
