@@ -92,6 +92,10 @@ class _Transfer:
     first_post: float = 0.0
     last_layer: float = 0.0
     layer_posts: dict[int, float] = field(default_factory=dict)
+    # Request pages [0, pages_claimed) belong to a pass already: every later pass starts here.
+    # A prompt whose leading pages were prefix-cache hits starts computing mid-prompt; those
+    # pages hold valid KV at every layer, so the first pass sends them too.
+    pages_claimed: int = 0
 
 
 @dataclass
@@ -170,7 +174,9 @@ class KvSender:
                 if t is None or t.aborted:
                     continue
                 final = t.target.num_prefill_tokens
-                pages = completed_pages(c.start, c.end, final, self.layout.page_size)
+                done = completed_pages(c.start, c.end, final, self.layout.page_size).stop
+                pages = range(t.pages_claimed, max(t.pages_claimed, done))
+                t.pages_claimed = pages.stop
                 if not t.src_pages or len(t.src_pages) < pages.stop:
                     t.src_pages = list(self._block_table(c.request_id))
                 items.append(_Item(t, pages, c.end == final))
