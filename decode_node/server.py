@@ -360,7 +360,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         gen = node.engine.generate(prompt, params, rid, remote_prefill=not node.colocated)
         try:
             async for out in gen:
-                msg = output_to_pb(out)
+                msg = output_to_pb(out, node.llm.tokenizer)
                 if first is None and out.new_token_ids:
                     first = time.monotonic()
                 timer.tokens(len(out.new_token_ids))

@@ -59,7 +59,10 @@ class ClusterConfig:
     engine flags given to every node (e.g. ("--max-batch-tokens", "32")). log_dir: None makes a temp
     dir. pin_cores: pin node i to its own threads_per_node cores (needs threads_per_node).
     node_metrics: give every node a free `--metrics-port` (each node serves its own /metrics there;
-    `Cluster.metrics_urls` lists them with the router's)."""
+    `Cluster.metrics_urls` lists them with the router's). routing: the router's decode-node policy,
+    "least-loaded" or "prefix" (prefix-aware; decode nodes of a disaggregated cluster then also
+    prefer the prefill node that was sent a prompt's prefix). log_format: "text" or "json" lines
+    for every process."""
 
     prefill: int | None = None
     decode: int | None = None
@@ -78,12 +81,21 @@ class ClusterConfig:
     stop_timeout_s: float = 10.0
     pin_cores: bool = False
     node_metrics: bool = True
+    routing: str = "least-loaded"
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine_args", tuple(self.engine_args))
         if self.colocated and (self.prefill or self.decode):
             raise ValueError(f"colocated nodes replace prefill/decode nodes: got colocated={self.colocated} "
                              f"with prefill={self.prefill}, decode={self.decode}")
+        from pdserve.logs import FORMATS
+        from router.policy import POLICIES
+
+        if self.routing not in POLICIES:
+            raise ValueError(f"routing must be one of {POLICIES}, got {self.routing!r}")
+        if self.log_format not in FORMATS:
+            raise ValueError(f"log_format must be one of {FORMATS}, got {self.log_format!r}")
         default = 0 if self.colocated else 1  # unset counts: 1P:1D, or none beside colocated nodes
         for name in ("prefill", "decode"):
             if getattr(self, name) is None:
@@ -217,7 +229,7 @@ def plan(config: ClusterConfig, ports: Sequence[int] | None = None,
     pinned = core_slices(n_nodes, config.threads_per_node or 1, cores) if config.pin_cores else [()] * n_nodes
     py = sys.executable
     engine = _engine_flags(config)
-    common = ["--host", config.host]
+    common = ["--host", config.host, "--log-format", config.log_format]
     nodes: list[tuple[str, str, int, list[str]]] = []  # name, role, port, argv
     it = iter(ports)
     if config.colocated:
@@ -238,7 +250,7 @@ def plan(config: ClusterConfig, ports: Sequence[int] | None = None,
             port = next(it)
             name = f"decode-{i}"
             argv = [py, "-m", "decode_node", *common, "--port", str(port), "--node-id", name, *fabric,
-                    "--prefill", prefill_addrs, *engine]
+                    "--prefill", prefill_addrs, "--prefill-routing", config.routing, *engine]
             nodes.append((name, "decode", port, argv))
     router_port = config.port or next(it)
     http_port = config.http_port if config.http_port != 0 else next(it)
@@ -250,7 +262,7 @@ def plan(config: ClusterConfig, ports: Sequence[int] | None = None,
         specs.append(ProcessSpec(name, role, config.host, port, tuple(argv), metrics_port, tuple(cpus)))
     decode_addrs = ",".join(s.address for s in specs if s.role != "prefill")
     argv = [py, "-m", "router", *common, "--port", str(router_port), "--decode", decode_addrs,
-            "--health-interval", str(config.router_health_interval_s)]
+            "--health-interval", str(config.router_health_interval_s), "--routing", config.routing]
     if http_port is not None:
         argv += ["--http-port", str(http_port)]
     specs.append(ProcessSpec("router", "router", config.host, router_port, tuple(argv), http_port))
@@ -504,6 +516,11 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=None, metavar="N", help="query tokens per forward pass")
     p.add_argument("--engine-args", default="", metavar="'FLAGS'",
                    help="more engine flags for every node, as one shell-quoted string (e.g. '--page-size 32')")
+    p.add_argument("--routing", default="least-loaded", choices=("least-loaded", "prefix"),
+                   help="how the router picks a decode node: least outstanding work, or prefix-aware under a "
+                        "load cap (decode nodes then also pick prefill nodes by prefix) (default: least-loaded)")
+    p.add_argument("--log-format", default="text", choices=("text", "json"),
+                   help="every process logs one line per event as key=value text or JSON (default: text)")
     p.add_argument("--log-dir", default=None, metavar="DIR", help="child logs (default: a new temp dir, printed)")
     p.add_argument("--startup-timeout", type=float, default=180.0, metavar="S",
                    help="seconds for every process to report SERVING")
@@ -520,7 +537,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         http_port=None if args.http_port == -1 else args.http_port,
         threads_per_node=args.threads_per_node, num_blocks=args.num_blocks, engine_args=tuple(engine),
         log_dir=args.log_dir, startup_timeout_s=args.startup_timeout, pin_cores=args.pin_cores,
-        node_metrics=args.node_metrics,
+        node_metrics=args.node_metrics, routing=args.routing, log_format=args.log_format,
     )
 
 

@@ -11,13 +11,15 @@ from collections.abc import Sequence
 from router.config import RouterConfig
 from router.http_api import HttpConfig
 from router.limits import RequestLimits
+from router.policy import add_routing_args, routing_from_args
+from pdserve.logs import add_log_args, setup_logging
 
 logger = logging.getLogger("router")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m router", description="pdserve router: forwards GenerateService "
-                                "calls to the least-loaded healthy decode node.")
+                                "calls (and OpenAI-style HTTP) to a healthy decode node chosen by the routing policy.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=50051, help="port to listen on (0: any free port)")
     p.add_argument("--http-port", type=int, default=None, metavar="P",
@@ -32,18 +34,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between health and load polls of each node")
     p.add_argument("--health-timeout", type=float, default=1.0, metavar="S", help="deadline of one health Check")
     p.add_argument("--load-timeout", type=float, default=5.0, metavar="S", help="deadline of one GetNodeInfo call")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    add_routing_args(p)
+    add_log_args(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s pid=%(process)d: %(message)s")
     try:
+        setup_logging(args.log_level, args.log_format)
         config = RouterConfig(host=args.host, port=args.port, decode_nodes=args.decode,
                               health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
-                              load_timeout_s=args.load_timeout)
+                              load_timeout_s=args.load_timeout, routing=routing_from_args(args))
         http = HttpConfig(host=args.host, port=args.http_port) if args.http_port is not None else None
         limits = RequestLimits(max_prompt_bytes=args.max_prompt_bytes)
     except ValueError as e:

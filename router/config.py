@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from router.policy import RoutingConfig
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -25,6 +27,7 @@ class RouterConfig:
     default_max_tokens: the max_tokens the router assumes, when weighing a request's work, for a
         request that leaves it unset (SamplingParams' default).
     shutdown_grace_s: how long in-flight calls may run on after SIGTERM.
+    routing: the decode-node selection policy and its knobs (least-loaded or prefix-aware).
     """
 
     host: str = "127.0.0.1"
@@ -35,6 +38,7 @@ class RouterConfig:
     load_timeout_s: float = 5.0
     default_max_tokens: int = 16
     shutdown_grace_s: float = 5.0
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.decode_nodes, str):

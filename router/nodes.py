@@ -113,8 +113,8 @@ class NodePool:
                  routing: RoutingConfig | None = None) -> None:
         self._config = config
         self.nodes = [DecodeNode(address, i) for i, address in enumerate(config.decode_nodes)]
-        # The policy: `routing`, else RouterConfig.routing where the config has one, else least-loaded.
-        self.policy: RoutingPolicy = make_policy(routing or getattr(config, "routing", None) or RoutingConfig())
+        # The policy: `routing` if given, else RouterConfig.routing.
+        self.policy: RoutingPolicy = make_policy(routing or config.routing)
         self._on_health_change = on_health_change
         self._by_address = {n.address: n for n in self.nodes}
         self._turn = 0
