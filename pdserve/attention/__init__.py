@@ -1,7 +1,7 @@
 """Attention backends behind one seam (`AttentionBackend`), chosen by name."""
 
 from pdserve.attention import cpu_kernels
-from pdserve.attention.base import AttentionBackend, AttentionBatch
+from pdserve.attention.base import AttentionBackend, AttentionBatch, LayerPlans
 from pdserve.attention.cpu_backend import CpuKernelAttentionBackend
 from pdserve.attention.torch_backend import TorchAttentionBackend
 
@@ -24,4 +24,4 @@ def get_backend(name: str) -> AttentionBackend:
     return _BACKENDS[name]()
 
 
-__all__ = ["AttentionBackend", "AttentionBatch", "get_backend", "register_backend"]
+__all__ = ["AttentionBackend", "AttentionBatch", "LayerPlans", "get_backend", "register_backend"]
