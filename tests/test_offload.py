@@ -172,3 +172,26 @@ def test_sixty_four_requests_through_a_pool_that_holds_four_match_an_unconstrain
         assert pool.num_used_blocks == 0 and m.free_blocks + m.cached_blocks == m.total_blocks
         if eng.swap is not None:
             assert eng.swap.num_free_slots == eng.swap.num_slots == 4
+
+
+def test_aborting_an_offloaded_request_frees_its_swap_slots(tiny):
+    llm = LLM(model=tiny, page_size=8, max_batch_tokens=64, max_requests_per_batch=16, max_model_len=128,
+              num_threads=1, num_blocks=21, cpu_offload_space=0.5)
+    eng = llm.engine
+    prompts, params = _workload()
+    for i, (p, sp) in enumerate(zip(prompts[:12], params)):
+        eng.add_request(p, sp, request_id=f"r{i}")
+    for _ in range(200):
+        eng.step()
+        if eng.scheduler.offloaded:
+            break
+    rid = next(iter(eng.scheduler.offloaded))
+    assert eng.swap.holds(rid) and eng.swap.num_free_slots < eng.swap.num_slots
+    out = eng.abort_request(rid)
+    assert out.finished and out.finish_reason == "abort"
+    assert not eng.swap.holds(rid) and rid not in eng.scheduler.offloaded
+    eng.check_integrity()
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.swap.num_free_slots == eng.swap.num_slots and eng.pool.num_used_blocks == 0
+    eng.check_integrity()
