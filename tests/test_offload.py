@@ -195,3 +195,26 @@ def test_aborting_an_offloaded_request_frees_its_swap_slots(tiny):
         eng.step()
     assert eng.swap.num_free_slots == eng.swap.num_slots and eng.pool.num_used_blocks == 0
     eng.check_integrity()
+
+
+def test_when_nothing_can_run_the_step_offloads_and_schedules_again(tiny):
+    llm = LLM(model=tiny, page_size=8, max_batch_tokens=64, max_model_len=32, num_threads=1,
+              num_blocks=5, cpu_offload_space=0.5)          # 4 usable blocks, 2 swap slots
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = _workload()[0]
+    a = eng.add_request((prompts[0] * 3)[:16], params, request_id="a")
+    b = eng.add_request((prompts[1] * 3)[:16], params, request_id="b")
+    assert len(eng.step()) == 2                             # both prefills: 2 blocks each, pool full
+    steps = eng.num_steps
+    outs = eng.step()                                       # both decodes need a third block
+    assert [o.request_id for o in outs] == ["a"] and eng.num_steps == steps + 1
+    assert list(eng.scheduler.offloaded) == ["b"] and eng.metrics().num_offloads == 1
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o.completion.token_ids for o in eng.step() if o.finished})
+    expected = LLM(model=tiny, page_size=8, num_blocks=64, num_threads=1).generate(
+        [a.prompt_token_ids, b.prompt_token_ids], params)
+    assert [done["a"], done["b"]] == [e.token_ids for e in expected]
+    assert eng.metrics().num_soft_resets == 0
+    eng.check_integrity()
