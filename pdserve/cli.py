@@ -33,6 +33,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-requests-per-batch", type=int, default=32, help="sequences per forward pass")
     g.add_argument("--scheduler", dest="scheduler_type", default="fifo", choices=["fifo", "prefill_first"])
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    g.add_argument("--prefix-cache", dest="allow_block_sharing", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse the KV of complete blocks shared with earlier prompts (default: on; "
+                                      "off automatically for sliding-window models)")
+    g.add_argument("--cpu-offload-space", type=_offload_space, default=None, metavar="FRACTION|BYTES",
+                   help="CPU swap pool for requests preempted under memory pressure: a fraction of the KV pool "
+                        "(e.g. 0.1, the default) or a byte count (e.g. 268435456); 0: recompute instead")
+
+
+def _offload_space(text: str) -> float | int:
+    """'0.1' -> a fraction of the KV pool; '268435456' -> bytes."""
+    try:
+        return float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction like 0.1 or a byte count, got {text!r}") from None
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
@@ -43,9 +57,10 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "max_batch_tokens": args.max_batch_tokens,
         "max_requests_per_batch": args.max_requests_per_batch,
         "scheduler_type": args.scheduler_type,
+        "allow_block_sharing": args.allow_block_sharing,
     }
     for key, value in (("num_threads", args.threads), ("num_blocks", args.num_blocks),
-                       ("max_model_len", args.max_model_len)):
+                       ("max_model_len", args.max_model_len), ("cpu_offload_space", args.cpu_offload_space)):
         if value is not None:
             opts[key] = value
     return opts
