@@ -161,7 +161,7 @@ def paged_attention(
     if _lib is None:
         raise RuntimeError(f"CPU attention kernels are not built: {_IMPORT_ERROR}")
     _validate(out, q, k_pool, v_pool, block_tables, query_start, context_lens)
-    c_window = _window_arg(window)
+    c_window = 0 if window is None else _window_arg(window)
     if num_threads is None:
         num_threads = torch.get_num_threads()
     t, hq, d = q.shape
