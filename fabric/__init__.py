@@ -8,7 +8,8 @@ Public API:
     TransferEngine(config) -> register / deregister / connect / disconnect /
         write_pages / send / wait_peer_gone / close, plus .imm_counter
     FabricConfig, MemoryRegion, RemoteDescriptor, PeerDescriptor,
-    ImmCounter, FabricError, TransferBackend, alloc_buffer
+    ImmCounter, FabricError, TransferBackend, HostBuffer, alloc_buffer,
+    alloc_tensor
 """
 
 from fabric.backend import TransferBackend
@@ -16,7 +17,7 @@ from fabric.config import FabricConfig
 from fabric.descriptors import PeerDescriptor, RemoteDescriptor
 from fabric.errors import FabricError
 from fabric.imm import ImmCounter
-from fabric.memory import MemoryRegion, alloc_buffer
+from fabric.memory import HostBuffer, MemoryRegion, alloc_buffer, alloc_tensor
 
 
 def __getattr__(name: str):
@@ -32,6 +33,7 @@ def __getattr__(name: str):
 __all__ = [
     "FabricConfig",
     "FabricError",
+    "HostBuffer",
     "ImmCounter",
     "MemoryRegion",
     "PeerDescriptor",
@@ -39,4 +41,5 @@ __all__ = [
     "TransferBackend",
     "TransferEngine",
     "alloc_buffer",
+    "alloc_tensor",
 ]

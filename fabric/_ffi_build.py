@@ -2,7 +2,8 @@
 
 The extension binds the system libfabric (Debian: ``libfabric1`` +
 ``libfabric-dev``, 1.17) and compiles our native helper ``csrc/pdf_core.c``
-into it, so that batches of writes are posted and completions polled in C.
+into it, so that batches of writes are posted and completions polled in C;
+``csrc/pdf_wait.c`` is how its progress thread sleeps and wakes.
 
 setup.py uses it through ``cffi_modules=["fabric/_ffi_build.py:ffibuilder"]``;
 during development build it in place with::
@@ -41,6 +42,8 @@ typedef struct pdf_info {
     uint64_t max_msg_size;
     uint64_t inject_size;
     uint64_t cq_data_size;
+    uint32_t wait_mode;
+    uint32_t delivery_complete;
     uint32_t addrlen;
     uint8_t addr[256];
 } pdf_info;
@@ -58,6 +61,13 @@ typedef struct pdf_info {
 #define PDF_IMM_LAST 1
 #define PDF_IMM_EVERY 2
 
+#define PDF_IMM_TAG_MAX ...
+#define PDF_IMM_UNIT_MAX ...
+
+#define PDF_WAIT_SLEEP 0
+#define PDF_WAIT_FD 1
+#define PDF_WAIT_BELL 2
+
 #define FI_MR_LOCAL ...
 #define FI_MR_VIRT_ADDR ...
 #define FI_MR_ALLOCATED ...
@@ -73,6 +83,8 @@ typedef struct pdf_info {
 #define FI_ENOENT ...
 #define FI_EACCES ...
 #define FI_EAGAIN ...
+#define FI_ENOSYS ...
+#define FI_ECONNRESET ...
 
 const char *fi_strerror(int errnum);
 uint32_t fi_version(void);
@@ -80,7 +92,8 @@ uint32_t fi_version(void);
 const char *pdf_strerror(int code);
 int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv,
              uint32_t msg_size, uint32_t spin_us, uint32_t sleep_max_us,
-             uint32_t peer_timeout_ms, pdf_engine **out, char *err, size_t errlen);
+             uint32_t peer_timeout_ms, int delivery_complete, const char *bell_name,
+             pdf_engine **out, char *err, size_t errlen);
 int pdf_get_info(pdf_engine *e, pdf_info *out);
 int pdf_mr_reg(pdf_engine *e, uint64_t addr, uint64_t len, uint64_t *key_out,
                uint64_t *desc_out, uint64_t *mr_out);
@@ -90,7 +103,8 @@ int pdf_av_remove(pdf_engine *e, uint64_t fi_addr);
 int64_t pdf_submit_writes(pdf_engine *e, uint64_t id, uint64_t peer, uint64_t local_base,
                           uint64_t desc, uint64_t remote_base, uint64_t rkey,
                           const uint64_t *src, const uint64_t *dst, const uint64_t *len,
-                          uint32_t n, uint32_t imm, int imm_mode, uint64_t max_write);
+                          uint32_t n, uint32_t imm, int imm_mode, uint64_t max_write,
+                          int coalesce);
 int pdf_submit_send(pdf_engine *e, uint64_t id, uint64_t peer, const uint8_t *data, uint32_t len);
 const uint8_t *pdf_recv_buf(pdf_engine *e, uint32_t slot);
 void pdf_recv_release(pdf_engine *e, uint32_t slot);
@@ -98,6 +112,9 @@ int pdf_fail_peer(pdf_engine *e, uint64_t peer, int code, pdf_event *ev, int cap
 int pdf_fail_all(pdf_engine *e, int code, pdf_event *ev, int cap);
 uint64_t pdf_outstanding(pdf_engine *e);
 void pdf_stop(pdf_engine *e);
+void pdf_poke(pdf_engine *e);
+int pdf_peer_local(pdf_engine *e, uint64_t peer, int pid, const char *bell_name);
+uint64_t pdf_locks_released(pdf_engine *e);
 int pdf_progress(pdf_engine *e, pdf_event *ev, int cap, int64_t timeout_us);
 void pdf_close_ep(pdf_engine *e);
 void pdf_close(pdf_engine *e);
@@ -114,6 +131,8 @@ ffibuilder.cdef(PDF_CDEF)
 ffibuilder.set_source(
     "fabric._libfabric",
     _source(),
+    sources=[os.path.join(_HERE, "csrc", name) for name in ("pdf_wait.c", "pdf_shm.c")],
+    include_dirs=[os.path.join(_HERE, "csrc")],
     libraries=["fabric"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"],
 )

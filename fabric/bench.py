@@ -1,13 +1,23 @@
 """Write bandwidth and latency of TransferEngine next to C and memcpy.
 
-    python -m fabric.bench [--providers shm,tcp;ofi_rxm] [--bytes N] [--record]
+    python -m fabric.bench [--providers shm,tcp;ofi_rxm] [--pages both|huge|normal]
+                           [--bytes N] [--repeat R] [--record]
 
-For each provider and write size (16 KiB, 64 KiB, 256 KiB, 1 MiB) it runs
+For each provider, page kind (transparent huge pages or normal pages, for
+both sides' pools) and write size (16 KiB, 64 KiB, 256 KiB, 1 MiB) it runs
 the C reference bench/fabric/fi_bench.c (built here with cc; windowed
-fi_writedata between two processes) and the same pattern through
-TransferEngine (imm_mode "every", the same window), and prints Python as %
-of C, plus plain memcpy (numpy) bandwidth of the same sizes. --record writes
-bench/results/fabric.md and fabric.json.
+fi_writedata between two processes, the same page kind) and the same
+pattern through TransferEngine (imm_mode "every", coalescing off, the same
+window), and prints Python as % of C. It also measures:
+
+- Python coalesced: the same bytes as runs of contiguous pages with
+  coalescing on (what the KV messenger does with adjacent pages);
+- latency: one write at a time, post to on_done, mean and median;
+- the receiving engine's CPU use while idle (its progress thread sleeps);
+- memcpy: numpy copyto of the same sizes.
+
+With --repeat R every measurement runs R times and the median is kept (all
+values go to the JSON). --record writes bench/results/fabric.md and .json.
 """
 
 from __future__ import annotations
@@ -20,11 +30,12 @@ import multiprocessing as mp
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -35,21 +46,29 @@ POOL = 64 << 20
 WINDOW = 64
 BATCH = 256
 LAT_ITERS = 200
+IDLE_S = 2.0
 TAG = 7
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 C_SOURCE = os.path.join(REPO, "bench", "fabric", "fi_bench.c")
 RESULTS = os.path.join(REPO, "bench", "results")
+NIXL = {"shm": 12.5, "tcp;ofi_rxm": 5.6}  # GB/s, NIXL over UCX, 1 MiB, this machine (issue #3)
 
 
 @dataclass
 class Row:
     provider: str
     size: int
+    huge: bool
     c_gbps: float
     py_gbps: float
+    py_coalesced_gbps: float
     c_lat_us: float
     py_lat_us: float
+    py_lat_p50_us: float
+    receiver_idle_cpu_pct: float
     memcpy_gbps: float
+    huge_kib: dict = field(default_factory=dict)  # how much of each pool THP really backed
+    samples: dict = field(default_factory=dict)  # every repeat of every measurement
 
     @property
     def pct(self) -> float:
@@ -64,6 +83,7 @@ def machine() -> dict:
                 model = line.split(":", 1)[1].strip()
                 break
     from fabric._libfabric import lib
+    from fabric.hostmem import thp_mode
 
     v = lib.fi_version()
     return {
@@ -73,11 +93,8 @@ def machine() -> dict:
         "kernel": platform.release(),
         "loadavg_before": round(os.getloadavg()[0], 2),
         "libfabric": f"{v >> 16}.{v & 0xFFFF}",
-        "thp": open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
-        if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
-        else "n/a",
+        "thp": thp_mode(),
     }
-
 
 
 def build_c(tmp: str) -> str:
@@ -97,68 +114,110 @@ def run_c(exe: str, provider: str, size: int, total: int, huge: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _cpu_seconds() -> float:
+    with open(f"/proc/{os.getpid()}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _receiver(conn, provider: str, huge: bool) -> None:
     from fabric import FabricConfig, TransferEngine, alloc_buffer
 
     engine = TransferEngine(FabricConfig(provider=provider, node="127.0.0.1", imm_mode="every"))
-    pool = alloc_buffer(POOL, huge_pages=huge)
-    np.frombuffer(pool, dtype=np.uint8)[:] = 0x5A  # fault the pages in, as the C side does
+    pool = alloc_buffer(POOL, huge_pages=huge, populate=True)  # faulted in, as the C side does
     region = engine.register(pool)
-    conn.send(region.descriptor)
-    conn.recv()  # until told to stop
+    conn.send((region.descriptor, pool.huge_page_bytes() >> 10))
+    while True:
+        cmd = conn.recv()
+        if cmd == "idle":  # CPU use of this process while nothing arrives
+            c0, t0 = _cpu_seconds(), time.monotonic()
+            time.sleep(IDLE_S)
+            conn.send(100.0 * (_cpu_seconds() - c0) / (time.monotonic() - t0))
+        else:
+            break
     engine.close()
 
 
-def run_python(provider: str, size: int, total: int, huge: bool) -> tuple[float, float]:
+def _bandwidth(engine, src, dst, size: int, total: int, contiguous: bool) -> float:
+    """GB/s of `total` bytes in writes of `size` (contiguous: batches of adjacent pages)."""
+    n = total // size
+    slots = POOL // size
+    if contiguous:
+        offsets = (np.arange(n, dtype=np.uint64) % slots) * size
+    else:  # every other slot: no two writes of a batch are adjacent
+        offsets = ((np.arange(n, dtype=np.uint64) * 2) % slots) * size
+    lengths = np.full(BATCH, size, dtype=np.uint64)
+    nbatches = (n + BATCH - 1) // BATCH
+    done = threading.Semaphore(0)
+    errors: list[Exception] = []
+
+    def on_error(err: Exception) -> None:
+        errors.append(err)
+        done.release()
+
+    t0 = time.perf_counter()
+    for b in range(nbatches):
+        part = offsets[b * BATCH : (b + 1) * BATCH]
+        engine.write_pages(src, part, dst, part, lengths[: part.size], TAG, done.release, on_error)
+    for _ in range(nbatches):
+        if not done.acquire(timeout=300):
+            raise TimeoutError("bandwidth run did not complete")
+    seconds = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return n * size / seconds / 1e9
+
+
+def _latency(engine, src, dst, size: int) -> list[float]:
+    one = threading.Event()
+    errors: list[Exception] = []
+    lat = []
+    for _ in range(LAT_ITERS):
+        one.clear()
+        t = time.perf_counter()
+        engine.write_pages(src, [0], dst, [0], [size], TAG + 1, one.set, errors.append)
+        if not one.wait(30):
+            raise TimeoutError("latency write did not complete")
+        lat.append(time.perf_counter() - t)
+    if errors:
+        raise errors[0]
+    return lat
+
+
+def run_python(provider: str, size: int, total: int, huge: bool) -> dict:
     from fabric import FabricConfig, TransferEngine, alloc_buffer
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_receiver, args=(child, provider, huge), daemon=True)
     proc.start()
-    engine = TransferEngine(FabricConfig(provider=provider, node="127.0.0.1", imm_mode="every", tx_depth=WINDOW))
+    base = dict(provider=provider, node="127.0.0.1", imm_mode="every", tx_depth=WINDOW)
+    engine = TransferEngine(FabricConfig(**base, coalesce=False))
+    merger = TransferEngine(FabricConfig(**base, coalesce=True))
     try:
         if not parent.poll(60):
             raise TimeoutError("receiver did not start")
-        dst = parent.recv()
-        src_buf = alloc_buffer(POOL, huge_pages=huge)
-        np.frombuffer(src_buf, dtype=np.uint8)[:] = 0x5A
+        dst, dst_huge_kib = parent.recv()
+        src_buf = alloc_buffer(POOL, huge_pages=huge, populate=True)
         src = engine.register(src_buf)
+        msrc = merger.register(src_buf)
         engine.connect(dst.peer)
-        n = total // size
-        slots = POOL // size
-        offsets = (np.arange(n, dtype=np.uint64) % slots) * size
-        lengths = np.full(BATCH, size, dtype=np.uint64)
-        nbatches = (n + BATCH - 1) // BATCH
-        done = threading.Semaphore(0)
-        errors: list[Exception] = []
-
-        def on_error(err: Exception) -> None:
-            errors.append(err)
-            done.release()
-
-        t0 = time.perf_counter()
-        for b in range(nbatches):
-            part = offsets[b * BATCH : (b + 1) * BATCH]
-            engine.write_pages(src, part, dst, part, lengths[: part.size], TAG, done.release, on_error)
-        for _ in range(nbatches):
-            if not done.acquire(timeout=300):
-                raise TimeoutError("bandwidth run did not complete")
-        seconds = time.perf_counter() - t0
-        if errors:
-            raise errors[0]
-        one = threading.Event()
-        lat = 0.0
-        for _ in range(LAT_ITERS):
-            one.clear()
-            t = time.perf_counter()
-            engine.write_pages(src, [0], dst, [0], [size], TAG + 1, one.set, on_error)
-            if not one.wait(30):
-                raise TimeoutError("latency write did not complete")
-            lat += time.perf_counter() - t
-        return n * size / seconds / 1e9, lat / LAT_ITERS * 1e6
+        merger.connect(dst.peer)
+        gbps = _bandwidth(engine, src, dst, size, total, contiguous=False)
+        coalesced = _bandwidth(merger, msrc, dst, size, total, contiguous=True)
+        lat = _latency(engine, src, dst, size)
+        parent.send("idle")
+        if not parent.poll(IDLE_S + 30):
+            raise TimeoutError("receiver did not report its idle CPU")
+        idle_cpu = parent.recv()
+        return {
+            "gbps": gbps, "coalesced_gbps": coalesced, "lat_us": statistics.fmean(lat) * 1e6,
+            "lat_p50_us": statistics.median(lat) * 1e6, "idle_cpu_pct": idle_cpu,
+            "src_huge_kib": src_buf.huge_page_bytes() >> 10, "dst_huge_kib": dst_huge_kib,
+        }
     finally:
         engine.close()
+        merger.close()
         parent.send("stop")
         proc.join(30)
         if proc.is_alive():
@@ -188,11 +247,30 @@ def available(provider: str) -> bool:
     return True
 
 
+def measure(exe: str, provider: str, size: int, total: int, huge: bool, repeat: int) -> Row:
+    cs, ps, ms = [], [], []
+    for _ in range(repeat):
+        cs.append(run_c(exe, provider, size, total, huge))
+        ps.append(run_python(provider, size, total, huge))
+        ms.append(memcpy_gbps(size, total))
+
+    def med(values: list[dict], key: str) -> float:
+        return float(statistics.median(v[key] for v in values))
+
+    return Row(
+        provider, size, huge, med(cs, "gbps"), med(ps, "gbps"), med(ps, "coalesced_gbps"), med(cs, "lat_us"),
+        med(ps, "lat_us"), med(ps, "lat_p50_us"), med(ps, "idle_cpu_pct"), float(statistics.median(ms)),
+        huge_kib={"c_src": cs[-1].get("src_huge_kib"), "c_dst": cs[-1].get("dst_huge_kib"),
+                  "py_src": ps[-1]["src_huge_kib"], "py_dst": ps[-1]["dst_huge_kib"]},
+        samples={"c": cs, "python": ps, "memcpy_gbps": ms},
+    )
+
+
 def render(info: dict, rows: list[Row], args: argparse.Namespace) -> str:
     lines = [
         "# fabric benchmark",
         "",
-        f"Command: `python -m fabric.bench --bytes {args.bytes}{'' if args.huge else ' --no-huge'}`",
+        f"Command: `python -m fabric.bench --pages {args.pages} --bytes {args.bytes} --repeat {args.repeat}`",
         "",
         f"Machine: {info['nproc']} cores, {info['cpu']}, kernel {info['kernel']}, libfabric "
         f"{info['libfabric']}, THP `{info['thp']}`; {info['date']}. Load average (1 min) "
@@ -200,21 +278,30 @@ def render(info: dict, rows: list[Row], args: argparse.Namespace) -> str:
         "",
         "A load average above the core count means other work shared the cores: C and Python "
         "rows then compete with it unevenly (the C receiver busy-polls, the engine's progress "
-        "thread yields), so compare rows of one run only and re-run on a quiet machine.",
+        "thread sleeps when idle), so compare rows of one run only and re-run on a quiet machine.",
         "",
         f"Each row moves {args.bytes >> 20} MiB with writes of the given size, window {WINDOW} "
-        f"writes in flight, every write carrying immediate data, between two processes on one host "
-        f"(huge pages: {'yes' if args.huge else 'no'}). Latency: one write at a time, post to local "
-        f"completion, mean of {LAT_ITERS}. memcpy: numpy copyto of the same sizes.",
+        "writes in flight, every write carrying immediate data, between two processes on one host; "
+        "both pools on transparent huge pages (huge) or normal pages. Python: TransferEngine with "
+        "coalescing off and no two writes of a batch adjacent (the same writes as C). Python "
+        "coalesced: batches of adjacent pages, coalescing on (the KV messenger's case). Latency: "
+        f"one write at a time, post to completion, {LAT_ITERS} writes; the C receiver busy-polls, "
+        "the engine's progress thread sleeps between writes and is woken (wait fd / doorbell). "
+        f"Idle CPU: the receiving engine's process over {IDLE_S:.0f} s with nothing arriving. "
+        f"Medians of {args.repeat} run(s).",
         "",
-        "| provider | size | C GB/s | Python GB/s | Python % of C | C lat us | Python lat us | memcpy GB/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| provider | pages | size | C GB/s | Python GB/s | % of C | coalesced GB/s | C lat us | "
+        "Python lat us (mean / p50) | idle CPU % | memcpy GB/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.provider} | {r.size >> 10} KiB | {r.c_gbps:.2f} | {r.py_gbps:.2f} | {r.pct:.0f}% | "
-            f"{r.c_lat_us:.1f} | {r.py_lat_us:.1f} | {r.memcpy_gbps:.2f} |"
+            f"| {r.provider} | {'huge' if r.huge else 'normal'} | {r.size >> 10} KiB | {r.c_gbps:.2f} | "
+            f"{r.py_gbps:.2f} | {r.pct:.0f}% | {r.py_coalesced_gbps:.2f} | {r.c_lat_us:.1f} | "
+            f"{r.py_lat_us:.1f} / {r.py_lat_p50_us:.1f} | {r.receiver_idle_cpu_pct:.2f} | {r.memcpy_gbps:.2f} |"
         )
+    lines += ["", "NIXL over UCX on this machine at 1 MiB (issue #3): "
+              + ", ".join(f"{p} path {g} GB/s" for p, g in NIXL.items()) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -222,28 +309,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--providers", default="shm,tcp;ofi_rxm")
     parser.add_argument("--bytes", type=int, default=512 << 20, help="bytes moved per row")
-    parser.add_argument("--no-huge", dest="huge", action="store_false", help="normal pages only")
+    parser.add_argument("--pages", choices=("both", "huge", "normal"), default="both")
+    parser.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="write sizes in bytes")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per measurement (median kept)")
     parser.add_argument("--record", action="store_true", help="write bench/results/fabric.md and .json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     info = machine()
+    kinds = {"both": (False, True), "huge": (True,), "normal": (False,)}[args.pages]
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="fabric-bench-") as tmp:
         exe = build_c(tmp)
         for provider in args.providers.split(","):
             if not available(provider):
                 continue
-            for size in SIZES:
-                c = run_c(exe, provider, size, args.bytes, args.huge)
-                py_gbps, py_lat = run_python(provider, size, args.bytes, args.huge)
-                row = Row(provider, size, c["gbps"], py_gbps, c["lat_us"], py_lat, memcpy_gbps(size, args.bytes))
-                rows.append(row)
-                print(
-                    f"{provider:12s} {size >> 10:5d} KiB  C {row.c_gbps:6.2f} GB/s  Python {row.py_gbps:6.2f} GB/s "
-                    f"({row.pct:3.0f}% of C)  lat C {row.c_lat_us:8.1f} us  Python {row.py_lat_us:8.1f} us  "
-                    f"memcpy {row.memcpy_gbps:6.2f} GB/s",
-                    flush=True,
-                )
+            for huge in kinds:
+                for size in (int(s) for s in args.sizes.split(",")):
+                    row = measure(exe, provider, size, args.bytes, huge, args.repeat)
+                    rows.append(row)
+                    print(
+                        f"{provider:12s} {'huge' if huge else 'small'} {size >> 10:5d} KiB  C {row.c_gbps:6.2f} GB/s  "
+                        f"Python {row.py_gbps:6.2f} GB/s ({row.pct:3.0f}% of C), coalesced "
+                        f"{row.py_coalesced_gbps:6.2f}  lat C {row.c_lat_us:7.1f} us  Python {row.py_lat_us:7.1f} "
+                        f"(p50 {row.py_lat_p50_us:6.1f}) us  idle CPU {row.receiver_idle_cpu_pct:.2f}%  "
+                        f"load {os.getloadavg()[0]:.2f}",
+                        flush=True,
+                    )
     info["loadavg_after"] = round(os.getloadavg()[0], 2)
     text = render(info, rows, args)
     print(text)

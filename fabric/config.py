@@ -23,16 +23,26 @@ class FabricConfig:
     node: local address to bind (e.g. "127.0.0.1", "10.251.0.1"); None lets
         the provider choose. Ignored by shm.
     imm_mode: "last": one write per batch carries the immediate data, posted
-        only after every other write of the batch completed with
-        FI_DELIVERY_COMPLETE, so the receiver counts one per write_pages call
-        and contiguous runs may be coalesced. "every": each page write carries
-        it and the receiver counts one per page (no coalescing).
-    coalesce: merge writes contiguous at both ends (only with imm_mode "last").
-    max_write_bytes: split or stop merging above this size; 0 = provider max.
+        only after every other write of the batch completed locally, so the
+        receiver counts one per write_pages call. "every": every write carries
+        it, weighted by the entries it holds, so the receiver counts one per
+        entry (page) however the writes were coalesced (see fabric.imm).
+    coalesce: merge entries contiguous at both ends (source and destination)
+        into one write, in both modes.
+    max_write_bytes: split ("last") or refuse ("every") entries above this
+        size, and stop merging at it; 0 = the provider's max_msg_size.
+    delivery_complete: ask for FI_DELIVERY_COMPLETE where the provider offers
+        it (shm and tcp;ofi_rxm 1.17 do), so that on_done means the data is
+        in the target's memory; the engine's ``delivery_complete`` attribute
+        says whether it was granted. shm control messages never use it (they
+        must not wait on a peer that may have died).
     tx_depth: most writes posted at once; 0 = the provider's tx queue size.
     control_slots / control_msg_size: receive buffers for control messages.
     spin_us: how long the progress thread spins after the last activity
-        before sleeping; sleep_max_us: longest sleep between idle polls.
+        before it sleeps on the provider's wait fd or its doorbell (idle, it
+        uses no CPU; see csrc/pdf_wait.h). sleep_max_us: the longest step of
+        the timed sleeps used while writes to a silent peer are outstanding,
+        or when the provider offers no way to be woken.
     peer_timeout_s: a peer with outstanding writes and no completion for
         this long is declared failed (its batches get on_error); 0 disables.
     close_timeout_s: how long close() waits for outstanding writes.
@@ -44,6 +54,7 @@ class FabricConfig:
     imm_mode: str = "last"
     coalesce: bool = True
     max_write_bytes: int = 0
+    delivery_complete: bool = True
     tx_depth: int = 0
     control_slots: int = 64
     control_msg_size: int = 4096

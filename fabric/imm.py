@@ -1,4 +1,11 @@
-"""ImmCounter: receiver-side counting of writes by their 32-bit immediate data."""
+"""ImmCounter: receiver-side counting of writes by their 32-bit immediate data.
+
+Wire format of the immediate data (written once, in csrc/pdf_core.c): the
+high 24 bits are the tag (0..IMM_TAG_MAX), the low 8 bits a unit count. A
+write that coalesces k of the caller's entries carries k units (imm_mode
+"every"); the one tagged write of a batch carries 1 (imm_mode "last"). So
+the counter counts the caller's entries, whatever the transport merged.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +17,9 @@ from typing import Callable
 
 logger = logging.getLogger(__name__)
 
-IMM_MAX = 0xFFFFFFFF
+IMM_TAG_BITS = 24
+IMM_TAG_MAX = (1 << IMM_TAG_BITS) - 1
+IMM_MAX = IMM_TAG_MAX  # the largest tag a caller may use
 _MAX_TOMBSTONES = 65536
 
 
@@ -21,10 +30,10 @@ class _Expectation:
 
 
 class ImmCounter:
-    """Counts landed writes per tag (the write's immediate data).
+    """Counts landed units per tag (see the module docstring for units).
 
     ``expect(tag, count, on_complete)`` fires ``on_complete(tag)`` exactly
-    once, when ``count`` writes carrying ``tag`` have landed, in any order.
+    once, when ``count`` units carrying ``tag`` have landed, in any order.
     Writes may land before ``expect``: counts for unknown tags are kept until
     claimed. ``cancel(tag)`` forgets the tag; writes for it that land later
     are dropped (they do not count towards a later ``expect`` of the tag)

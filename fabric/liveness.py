@@ -8,12 +8,22 @@ import os
 
 @functools.lru_cache(maxsize=1)
 def host_id() -> str:
-    """The kernel's boot id: equal for all processes of one running host."""
+    """Equal for processes that share a kernel and a pid namespace.
+
+    The kernel's boot id plus the pid namespace: containers on one node share
+    the boot id but not pids, and a pid means something (liveness, pidfd,
+    shm's CMA) only inside one namespace.
+    """
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read().strip()
+            boot = f.read().strip()
     except OSError:
-        return os.uname().nodename
+        boot = os.uname().nodename
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")  # e.g. "pid:[4026531836]"
+    except OSError:
+        pidns = "pid:?"
+    return f"{boot}/{pidns}"
 
 
 def process_start_time(pid: int) -> int:

@@ -1,17 +1,18 @@
-"""Registered memory: the local MemoryRegion handle and buffer helpers."""
+"""Registered memory: the local MemoryRegion handle and how a buffer is addressed.
+
+The allocator for registered pools (huge pages) lives in fabric.hostmem and is
+re-exported here: ``fabric.memory.alloc_buffer``, ``fabric.memory.alloc_tensor``.
+"""
 
 from __future__ import annotations
 
-import logging
-import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
 from fabric.descriptors import RemoteDescriptor
+from fabric.hostmem import HUGE_PAGE_BYTES, HostBuffer, alloc_buffer, alloc_tensor
 
-logger = logging.getLogger(__name__)
-
-HUGE_PAGE_BYTES = 2 * 1024 * 1024
+__all__ = ["HUGE_PAGE_BYTES", "HostBuffer", "MemoryRegion", "alloc_buffer", "alloc_tensor", "buffer_address"]
 
 
 @dataclass(eq=False)
@@ -43,11 +44,16 @@ class MemoryRegion:
 def buffer_address(obj: Any) -> tuple[int, int, Any]:
     """(address, length, keepalive) of an object exposing a writable buffer.
 
-    Accepts bytearray, mmap, numpy arrays (C-contiguous) and anything else
-    with the buffer protocol. Tensors without the buffer protocol are
-    registered by (address, length) instead (``data_ptr()``, ``nbytes``).
+    Accepts HostBuffer, bytearray, mmap, numpy arrays (C-contiguous) and
+    anything else with the buffer protocol. Tensors without the buffer
+    protocol are registered by (address, length) instead (``data_ptr()``,
+    ``nbytes``).
     """
     from fabric._libfabric import ffi
+
+    if isinstance(obj, HostBuffer):
+        address, nbytes, keepalive = buffer_address(obj.view)
+        return address, nbytes, (obj, keepalive)
 
     try:
         view = memoryview(obj)
@@ -65,24 +71,3 @@ def buffer_address(obj: Any) -> tuple[int, int, Any]:
     cdata = ffi.from_buffer(obj, require_writable=True)
     address = int(ffi.cast("uintptr_t", cdata))
     return address, view.nbytes, (obj, cdata)
-
-
-def alloc_buffer(nbytes: int, huge_pages: bool = True) -> mmap.mmap:
-    """Anonymous, page-aligned memory for registration.
-
-    With ``huge_pages`` the mapping is rounded up to 2 MiB and advised
-    MADV_HUGEPAGE (transparent huge pages, where the kernel allows it),
-    which roughly doubles shm bandwidth on large writes.
-    """
-    if not isinstance(nbytes, int) or nbytes <= 0:
-        raise ValueError(f"nbytes={nbytes!r}: expected a positive int")
-    size = nbytes
-    if huge_pages:
-        size = (nbytes + HUGE_PAGE_BYTES - 1) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError as exc:
-            logger.info("madvise(MADV_HUGEPAGE) refused for %d bytes: %s", size, exc)
-    return buf

@@ -21,7 +21,7 @@ class Context:
 
 @dataclass
 class _Staging:
-    buffer: object                # an mmap from fabric.alloc_buffer
+    buffer: object                # a fabric.HostBuffer
     region: object                # its fabric.MemoryRegion
     array: np.ndarray             # uint8 view
 
@@ -41,7 +41,7 @@ class ContextCodec:
 
         buf = alloc_buffer(slots * self.slot_nbytes, huge_pages=False)
         region = fabric_engine.register(buf)
-        return _Staging(buf, region, np.frombuffer(buf, dtype=np.uint8))
+        return _Staging(buf, region, buf.numpy())
 
     def encode_into(self, staging: _Staging, slot: int, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         # hidden: [hidden_size]; logits: [vocab]

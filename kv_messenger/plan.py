@@ -8,6 +8,14 @@ and a rank's shard of it (a range of kv heads) is contiguous too.
 Equal sharding on both sides (the only scheme so far) maps rank r to rank r and every page to one
 write per layer and side. Mismatched tensor-parallel sizes (D14) slot in here: `expected_writes`
 and `page_writes` are the two functions that change.
+
+What the decode side counts, exactly: page writes, not posted operations. The sender hands the
+fabric one entry per page, layer and side (and one for the context), with imm_mode "every". The
+fabric coalesces entries that are contiguous in both the prefill node's and the decode node's
+buffers into one RDMA write (D13: never more than one write per page), and that write carries
+the number of entries it holds in the low 8 bits of its immediate data (fabric.imm). The
+receiver's ImmCounter adds those up, so the count it expects depends only on page, layer and
+shard counts, which both sides know, and never on which source pages happened to be adjacent.
 """
 
 from __future__ import annotations
@@ -85,9 +93,10 @@ def expected_writes(
     decode_sharding: ShardingScheme,
     context_writes: int = 1,
 ) -> int:
-    """Immediate-data writes the decode side counts for one request.
+    """Immediate-data units (page writes) the decode side counts for one request.
 
-    Equal sharding: pages x layers x (K, V) + the context write(s).
+    Equal sharding: pages x layers x (K, V) + the context write(s). Coalesced writes carry
+    several units, so this is also the number of entries the sender hands the fabric.
     """
     if prefill_sharding.tp_size != decode_sharding.tp_size:
         raise ValueError(

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fabric import MemoryRegion, RemoteDescriptor
+from fabric.imm import IMM_TAG_MAX
 from kv_messenger.context import Context, ContextCodec
 from kv_messenger.plan import KvLayout, ShardingScheme, expected_writes
 
@@ -62,7 +63,7 @@ class KvReceiver:
         self._landing = codec.alloc_staging(fabric_engine, slots=context_slots)
         self._free_slots = list(range(context_slots - 1, -1, -1))
         self._lock = threading.Lock()
-        self._tags = itertools.count(random.SystemRandom().randrange(1, 2**31))
+        self._tags = itertools.count(random.SystemRandom().randrange(1, IMM_TAG_MAX))
         self._by_request: dict[str, tuple[int, int]] = {}   # request id -> (tag, slot)
         self._tags_in_use: set[int] = set()
 
@@ -77,9 +78,9 @@ class KvReceiver:
                 raise ValueError(f"request {request_id!r} is already waiting for KV")
             if not self._free_slots:
                 raise RuntimeError("no free context slot: too many requests waiting for KV")
-            tag = next(self._tags) % 2**32
+            tag = next(self._tags) % (IMM_TAG_MAX + 1)
             while tag in self._tags_in_use or tag == 0:
-                tag = next(self._tags) % 2**32
+                tag = next(self._tags) % (IMM_TAG_MAX + 1)
             slot = self._free_slots.pop()
             self._by_request[request_id] = (tag, slot)
             self._tags_in_use.add(tag)

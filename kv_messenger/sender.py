@@ -3,12 +3,15 @@
 Primitives (D6-D8, D11-D13):
 - `add(target)`: a prefill request will send its KV to `target` (pages, tag, context slot).
 - engine hooks: `on_schedule(pass)` records which chunks the coming forward pass runs, before it
-  runs; `on_layer_done(layer)` bumps the per-layer counter after each layer's attention output
-  projection; `on_prefill_done(request, hidden, logits)` hands over the context (D12).
+  runs (a request's first chunk may start at s > 0 after a prefix-cache hit: pages [0, s // P)
+  already hold its KV and ride along with that chunk, at every layer); `on_layer_done(layer)`
+  bumps the per-layer counter after each layer's attention output projection;
+  `on_prefill_done(request, hidden, logits)` hands over the context (D12).
 - a dedicated messenger thread waits on the counter (a condition variable: no busy spin that
   would steal the forward pass's core) and, as soon as layer L is done, posts the writes of the
-  pages each chunk completed in layer L: one write per page and side (K, V), each carrying the
-  request's 32-bit tag as immediate data, so the decode side counts them (D10).
+  pages each chunk completed in layer L: one entry per page and side (K, V), all tagged with the
+  request's tag; the fabric merges entries contiguous at both ends into one write whose immediate
+  data says how many pages it holds, so the decode side counts pages (D10, plan.py).
 - when every write of a request has completed locally, its source pages are released (D11) and
   its future resolves with a `TransferResult`; on a write error the future fails, after all
   outstanding writes have reported (so nothing still reads freed pages).

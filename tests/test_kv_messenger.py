@@ -14,13 +14,16 @@ import time
 import pytest
 import torch
 
-from fabric import FabricConfig, TransferEngine
+import numpy as np
+
+from fabric import FabricConfig, TransferEngine, alloc_buffer
 from kv_messenger import ContextCodec, KvLayout, KvReceiver, KvSender, ShardingScheme, TransferTarget
 from kv_messenger.plan import completed_pages, expected_writes
 from kv_messenger.wiring import layout_of, register_kv
 from pdserve import LLM, SamplingParams
 from pdserve.engine import EngineHooks
-from pdserve.request import RequestStatus
+from pdserve.request import Request, RequestStatus
+from pdserve.scheduler.output import ScheduledChunk, SchedulerOutput
 
 
 def test_completed_pages_and_expected_counts():
@@ -125,3 +128,104 @@ def test_prefill_engine_pushes_kv_into_decode_engine(provider):
 def receiver_expected(decode, rid, tickets):
     n = len(decode.tokenize(PROMPTS[int(rid[1:])])) - 1
     return -(-n // decode.kv_cache.shape.page_size) * decode.arch.num_layers * 2 + 1
+
+
+# --- the sender on its own: two real fabric engines, hand-made scheduler passes -------------------
+
+SMALL = KvLayout(num_layers=3, num_pages=32, kv_heads=2, page_size=4, head_dim=8, dtype="float32")
+
+
+class _Pair:
+    """A prefill-side KvSender and a decode-side landing area, over shm in one process."""
+
+    def __init__(self, src_pages: list[int]) -> None:
+        cfg = FabricConfig(provider="shm")
+        self.fab_p, self.fab_d = TransferEngine(cfg), TransferEngine(cfg)
+        self.src = alloc_buffer(SMALL.nbytes, huge_pages=False)
+        self.src.numpy()[:] = np.random.default_rng(7).integers(0, 256, SMALL.nbytes, dtype=np.uint8)
+        self.dst = alloc_buffer(SMALL.nbytes, huge_pages=False)
+        self.codec = ContextCodec(hidden_size=16, top_k=4)
+        self.landing = self.codec.alloc_staging(self.fab_d, slots=1)
+        self.released: list[str] = []
+        self.sender = KvSender(self.fab_p, self.fab_p.register(self.src), SMALL, block_table=lambda rid: src_pages,
+                               release=self.released.append, codec=self.codec)
+        self.dst_region = self.fab_d.register(self.dst)
+        self.fired: queue.SimpleQueue = queue.SimpleQueue()
+
+    def target(self, rid: str, dst_pages: tuple[int, ...], n_prefill: int, tag: int) -> TransferTarget:
+        count = expected_writes(n_prefill, SMALL, ShardingScheme(), ShardingScheme())
+        self.fab_d.imm_counter.expect(tag, count, self.fired.put)
+        return TransferTarget(rid, self.dst_region.descriptor, SMALL, dst_pages, self.landing.region.descriptor, 0,
+                              tag, count, n_prefill)
+
+    def run_pass(self, chunks: list[ScheduledChunk]) -> None:
+        self.sender.on_schedule(SchedulerOutput(tuple(chunks)))
+        for layer in range(SMALL.num_layers):
+            self.sender.on_layer_done(layer)
+
+    def page_bytes(self, buf, layer: int, kv: int, page: int) -> bytes:
+        k, v = SMALL.page_offsets(layer, np.asarray([page]))
+        off = int((k if kv == 0 else v)[0])
+        return bytes(buf.view[off : off + SMALL.page_nbytes])
+
+    def close(self) -> None:
+        self.sender.close()
+        self.fab_p.close()
+        self.fab_d.close()
+
+
+def _request(rid: str, prompt_len: int) -> Request:
+    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=1), max_total_tokens=4096,
+                   prefill_only=True)
+
+
+def test_prefix_hit_sends_cached_pages_with_the_first_chunk():
+    # 22 prefilled tokens = 6 pages of 4; pages 0 and 1 came from the prefix cache, so the
+    # first computed chunk starts at token 8. Source pages 5, 6, 7 and destination pages 20, 21,
+    # 22 are contiguous at both ends: the fabric merges them, and the counts stay exact.
+    src_pages, dst_pages = [5, 6, 7, 12, 13, 14], (20, 21, 22, 23, 2, 3)
+    pair = _Pair(src_pages)
+    try:
+        req = _request("r-prefix", 23)
+        fut = pair.sender.add(pair.target("r-prefix", dst_pages, 22, tag=0x5151))
+        before = pair.fab_p.stats()
+        pair.run_pass([ScheduledChunk(req, start=8, num_tokens=8, samples=False)])
+        pair.run_pass([ScheduledChunk(req, start=16, num_tokens=6, samples=False)])
+        pair.sender.on_prefill_done(req, torch.arange(16, dtype=torch.float32), torch.arange(50, dtype=torch.float32))
+        assert pair.fired.get(timeout=10) == 0x5151
+        result = fut.result(timeout=10)
+        assert result.num_writes == 6 * SMALL.num_layers * 2 + 1 == fut.result().num_writes
+        for layer in range(SMALL.num_layers):
+            for kv in (0, 1):
+                for i, (s, d) in enumerate(zip(src_pages, dst_pages)):
+                    assert pair.page_bytes(pair.dst, layer, kv, d) == pair.page_bytes(pair.src, layer, kv, s), \
+                        (layer, kv, i)
+        after = pair.fab_p.stats()
+        assert after.entries - before.entries == result.num_writes
+        # per layer and side: pages 0-2 as one write and page 3 alone (first pass), 4-5 as one
+        assert after.writes - before.writes == SMALL.num_layers * 2 * 3 + 1
+        assert pair.released == ["r-prefix"]
+        assert pair.fab_d.imm_counter.landed(0x5151) == 0
+    finally:
+        pair.close()
+
+
+def test_chunks_without_prefix_hit_send_each_page_once():
+    src_pages, dst_pages = [3, 9, 4, 10], (0, 1, 2, 3)  # nothing contiguous at both ends
+    pair = _Pair(src_pages)
+    try:
+        req = _request("r-plain", 15)  # 14 prefilled tokens: 4 pages
+        fut = pair.sender.add(pair.target("r-plain", dst_pages, 14, tag=77))
+        before = pair.fab_p.stats()
+        for start, n in ((0, 5), (5, 5), (10, 4)):
+            pair.run_pass([ScheduledChunk(req, start=start, num_tokens=n, samples=False)])
+        pair.sender.on_prefill_done(req, torch.zeros(16), torch.arange(50, dtype=torch.float32))
+        assert pair.fired.get(timeout=10) == 77
+        assert fut.result(timeout=10).num_writes == 4 * SMALL.num_layers * 2 + 1
+        after = pair.fab_p.stats()
+        assert after.writes - before.writes == after.entries - before.entries == 4 * SMALL.num_layers * 2 + 1
+        for layer in range(SMALL.num_layers):
+            for s, d in zip(src_pages, dst_pages):
+                assert pair.page_bytes(pair.dst, layer, 1, d) == pair.page_bytes(pair.src, layer, 1, s)
+    finally:
+        pair.close()

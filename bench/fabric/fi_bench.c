@@ -12,6 +12,9 @@
  *
  * Build: cc -O2 -o fi_bench fi_bench.c -lfabric
  * Usage: fi_bench PROVIDER NODE SIZE TOTAL_BYTES WINDOW LAT_ITERS HUGE(0|1)
+ * HUGE=1 puts both pools on transparent huge pages (2 MiB aligned,
+ * MADV_HUGEPAGE); src_huge_kib / dst_huge_kib report how much of each pool
+ * the kernel actually backs with huge pages.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -60,6 +63,7 @@ struct remote {
     size_t addrlen;
     uint64_t base;
     uint64_t key;
+    long huge_kib; /* of the receiver's pool */
 };
 
 static double now_s(void)
@@ -97,6 +101,52 @@ static void xread(int fd, void *buf, size_t len)
     }
 }
 
+#define HUGE_BYTES (2ull << 20)
+
+/* Anonymous memory; with `huge`, a 2 MiB aligned window advised
+ * MADV_HUGEPAGE (the same recipe as fabric.hostmem.alloc_buffer). */
+static char *alloc_pool(size_t bytes, int huge)
+{
+    size_t extra = huge ? HUGE_BYTES : 0;
+    char *raw = mmap(NULL, bytes + extra, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) {
+        perror("mmap");
+        exit(2);
+    }
+    if (!huge)
+        return raw;
+    uintptr_t base = ((uintptr_t)raw + HUGE_BYTES - 1) & ~(uintptr_t)(HUGE_BYTES - 1);
+    size_t head = base - (uintptr_t)raw;
+    if (head)
+        munmap(raw, head);
+    if (extra - head)
+        munmap((char *)base + bytes, extra - head);
+    if (madvise((void *)base, bytes, MADV_HUGEPAGE))
+        perror("madvise(MADV_HUGEPAGE)");
+    return (char *)base;
+}
+
+/* KiB of [p, p + bytes) backed by transparent huge pages (from smaps). */
+static long huge_kib(const void *p, size_t bytes)
+{
+    FILE *f = fopen("/proc/self/smaps", "r");
+    if (!f)
+        return -1;
+    char line[512];
+    int inside = 0;
+    long total = 0;
+    uintptr_t start = (uintptr_t)p, end = start + bytes;
+    while (fgets(line, sizeof(line), f)) {
+        unsigned long lo, hi, kib;
+        if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && strchr(line, '-') < strchr(line, ' '))
+            inside = lo < end && hi > start;
+        else if (inside && sscanf(line, "AnonHugePages: %lu kB", &kib) == 1)
+            total += (long)kib;
+    }
+    fclose(f);
+    return total;
+}
+
 static void open_ctx(struct ctx *c, const char *prov, const char *node, int huge)
 {
     struct fi_info *hints = fi_allocinfo();
@@ -121,13 +171,7 @@ static void open_ctx(struct ctx *c, const char *prov, const char *node, int huge
     CHECK(fi_ep_bind(c->ep, &c->av->fid, 0));
     CHECK(fi_ep_bind(c->ep, &c->cq->fid, FI_TRANSMIT | FI_RECV));
     CHECK(fi_enable(c->ep));
-    c->pool = mmap(NULL, POOL_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (c->pool == MAP_FAILED) {
-        perror("mmap");
-        exit(2);
-    }
-    if (huge)
-        madvise(c->pool, POOL_BYTES, MADV_HUGEPAGE);
+    c->pool = alloc_pool(POOL_BYTES, huge);
     memset(c->pool, 0x5a, POOL_BYTES);
     CHECK(fi_mr_reg(c->domain, c->pool, POOL_BYTES, FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE, 0, 1, 0,
                     &c->mr, NULL));
@@ -206,6 +250,7 @@ int main(int argc, char **argv)
         CHECK(fi_getname(&c.ep->fid, me.addr, &me.addrlen));
         me.base = (c.info->domain_attr->mr_mode & FI_MR_VIRT_ADDR) ? (uint64_t)(uintptr_t)c.pool : 0;
         me.key = fi_mr_key(c.mr);
+        me.huge_kib = huge_kib(c.pool, POOL_BYTES);
         xwrite(r2s[1], &me, sizeof(me));
         long expect = nwrites + lat_iters, imm = 0;
         while (imm < expect)
@@ -255,9 +300,11 @@ int main(int argc, char **argv)
     int status = 0;
     waitpid(pid, &status, 0);
     printf("{\"provider\": \"%s\", \"size\": %llu, \"writes\": %ld, \"window\": %ld, \"seconds\": %.6f, "
-           "\"gbps\": %.4f, \"lat_us\": %.3f, \"receiver_status\": %d}\n",
+           "\"gbps\": %.4f, \"lat_us\": %.3f, \"src_huge_kib\": %ld, \"dst_huge_kib\": %ld, "
+           "\"receiver_status\": %d}\n",
            prov, (unsigned long long)size, nwrites, window, bw_s, (double)nwrites * (double)size / bw_s / 1e9,
-           lat_iters ? lat_total / (double)lat_iters * 1e6 : 0.0, status);
+           lat_iters ? lat_total / (double)lat_iters * 1e6 : 0.0, huge_kib(c.pool, POOL_BYTES), peer.huge_kib,
+           status);
     close_ctx(&c);
     free(ctxs);
     return status ? 4 : 0;

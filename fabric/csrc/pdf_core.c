@@ -7,19 +7,29 @@
  * its own.  Application threads only append to queues (pdf_submit_*); the
  * single progress thread (pdf_progress) posts queued work within the tx credit
  * budget, polls the CQ, and returns compact events to Python.  No per-write
- * Python object exists on the hot path.
+ * Python object exists on the hot path.  When there is nothing to do it
+ * sleeps on the provider's wait fd or a shared doorbell (pdf_wait.c), so an
+ * idle engine uses no CPU and still wakes within microseconds.
+ *
+ * Immediate data: the 32-bit value carries the caller's 24-bit tag in its
+ * high bits and a unit count in its low 8 bits.  A write that coalesces k of
+ * the caller's entries carries k units, so the receiver counts entries (not
+ * posted operations) and coalescing never changes what it expects.
  *
  * This file is compiled into the cffi extension fabric._libfabric by
  * fabric/_ffi_build.py; its public functions are declared there (PDF_CDEF).
  */
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
@@ -27,6 +37,9 @@
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
+
+#include "pdf_shm.h"
+#include "pdf_wait.h"
 
 #define PDF_EV_BATCH_DONE 1
 #define PDF_EV_BATCH_FAILED 2
@@ -43,6 +56,14 @@
 
 #define PDF_ADDR_MAX 256
 #define PDF_CQ_BATCH 64
+
+#define PDF_IMM_UNIT_BITS 8
+#define PDF_IMM_UNIT_MAX ((1u << PDF_IMM_UNIT_BITS) - 1)
+#define PDF_IMM_TAG_MAX ((1u << (32 - PDF_IMM_UNIT_BITS)) - 1)
+
+/* Spin this long without progress while operations are outstanding before
+ * sleeping in short steps (a slow or dead peer must not cost a core). */
+#define PDF_BUSY_SPIN_NS 2000000ull
 
 typedef struct pdf_event {
     uint32_t kind;
@@ -63,6 +84,8 @@ typedef struct pdf_info {
     uint64_t max_msg_size;
     uint64_t inject_size;
     uint64_t cq_data_size;
+    uint32_t wait_mode;
+    uint32_t delivery_complete;
     uint32_t addrlen;
     uint8_t addr[PDF_ADDR_MAX];
 } pdf_info;
@@ -79,7 +102,7 @@ typedef struct pdf_op {
     uint64_t send_id;
     uint32_t slot;
     uint64_t peer;
-    int orphan; /* its credit was already returned when the peer failed */
+    uint32_t epoch; /* its peer's epoch when posted (see peer_fail) */
     struct pdf_op *next_free;
 } pdf_op;
 
@@ -93,9 +116,10 @@ typedef struct pdf_batch {
     uint32_t imm;
     int imm_mode;
     uint32_t n;
-    uint64_t *src; /* one allocation holds src, dst and len */
+    uint64_t *src; /* one allocation holds src, dst, len and units */
     uint64_t *dst;
     uint64_t *len;
+    uint64_t *units; /* entries each write coalesced (its immediate-data weight) */
     uint32_t next;      /* next write to post */
     uint32_t completed; /* writes completed successfully */
     uint32_t inflight;  /* writes posted and not yet completed */
@@ -116,18 +140,23 @@ typedef struct pdf_send {
 typedef struct pdf_peer {
     int failed;
     uint32_t outstanding;
-    uint32_t orphans;
+    uint32_t epoch; /* bumped when the peer fails: older operations are orphans */
     uint64_t last_progress_ns;
     uint64_t eagain_since; /* first FI_EAGAIN of the current refusal streak */
     uint64_t blocked_round; /* refused a post in this post_work round */
+    uint64_t posted_round;  /* last post_work round that posted to it */
+    uint32_t *bell;         /* its doorbell (same host, BELL mode), else NULL */
+    struct fid_ep *tx_ep;   /* per-peer transmit endpoint (shm, see write_ep) */
+    int pidfd;              /* same host: becomes readable when its process exits */
+    int has_pidfd;
 } pdf_peer;
 
 typedef struct pdf_engine {
     pthread_mutex_t lock;
     int waiters; /* threads other than progress waiting for the lock */
-    pthread_cond_t cv;
-    int sleeping;
+    pdf_waiter waiter;
     int stop;
+    int poke; /* pdf_poke: return from pdf_progress after one more round */
 
     struct fi_info *info;
     struct fid_fabric *fabric;
@@ -173,6 +202,14 @@ typedef struct pdf_engine {
 
     uint64_t spin_ns;
     uint64_t sleep_max_ns;
+    uint64_t last_activity_ns;
+    int delivery_complete;
+    int per_peer_tx; /* writes go through one endpoint per peer (shm) */
+    uint64_t locked_since; /* when the engine lock was taken (atomic), 0 if free */
+    pthread_t watchdog;
+    int watchdog_on;
+    int watchdog_stop;
+    uint64_t locks_released; /* dead peers' shm locks released (atomic) */
     uint64_t peer_timeout_ns;
     uint64_t last_timeout_check;
     uint64_t round;
@@ -181,11 +218,57 @@ typedef struct pdf_engine {
 /* Other threads take the lock through here: the progress thread, which
  * re-takes the lock in a tight loop, steps aside while someone waits (a
  * plain mutex is not fair and would starve submitters). */
+static uint64_t now_ns(void);
+
+/* The engine lock, with the time it was taken for the watchdog. */
+static void lock(pdf_engine *e)
+{
+    pthread_mutex_lock(&e->lock);
+    __atomic_store_n(&e->locked_since, now_ns(), __ATOMIC_RELAXED);
+}
+
+static void unlock(pdf_engine *e)
+{
+    __atomic_store_n(&e->locked_since, 0, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&e->lock);
+}
+
 static void ext_lock(pdf_engine *e)
 {
     __atomic_add_fetch(&e->waiters, 1, __ATOMIC_SEQ_CST);
-    pthread_mutex_lock(&e->lock);
+    lock(e);
     __atomic_sub_fetch(&e->waiters, 1, __ATOMIC_SEQ_CST);
+}
+
+/* shm only: while the engine lock has been held for a long time, look for
+ * region locks held by dead processes and release those that stay held
+ * across two looks (a live holder lets go within microseconds).  See
+ * pdf_shm.h. */
+#define WATCHDOG_PERIOD_NS 50000000ull
+#define WATCHDOG_STUCK_NS 100000000ull
+
+static void *watchdog_main(void *arg)
+{
+    pdf_engine *e = (pdf_engine *)arg;
+    uintptr_t seen[PDF_SHM_MAX_STUCK], cur[PDF_SHM_MAX_STUCK];
+    int nseen = 0;
+    struct timespec period = {0, (long)WATCHDOG_PERIOD_NS};
+    while (!__atomic_load_n(&e->watchdog_stop, __ATOMIC_SEQ_CST)) {
+        nanosleep(&period, NULL);
+        uint64_t since = __atomic_load_n(&e->locked_since, __ATOMIC_RELAXED);
+        if (!since || now_ns() - since < WATCHDOG_STUCK_NS) {
+            nseen = 0;
+            continue;
+        }
+        int n = pdf_shm_held_locks(cur, PDF_SHM_MAX_STUCK);
+        for (int i = 0; i < n; i++)
+            for (int j = 0; j < nseen; j++)
+                if (cur[i] == seen[j] && pdf_shm_release(cur[i]))
+                    __atomic_add_fetch(&e->locks_released, 1, __ATOMIC_SEQ_CST);
+        memcpy(seen, cur, sizeof(uintptr_t) * (size_t)n);
+        nseen = n;
+    }
+    return NULL;
 }
 
 static uint64_t now_ns(void)
@@ -266,17 +349,19 @@ static void ev_push(evbuf *b, uint32_t kind, int32_t code, uint64_t id, uint64_t
     x->aux = aux;
 }
 
-static void ev_imm(evbuf *b, uint64_t imm)
+static void ev_imm(evbuf *b, uint64_t data)
 {
+    uint64_t tag = (data & 0xffffffffull) >> PDF_IMM_UNIT_BITS;
+    uint64_t units = data & PDF_IMM_UNIT_MAX;
     /* Aggregate: writes of one tag tend to land together. */
     int lo = b->n > 8 ? b->n - 8 : 0;
     for (int i = b->n - 1; i >= lo; i--) {
-        if (b->ev[i].kind == PDF_EV_IMM && b->ev[i].id == imm) {
-            b->ev[i].count++;
+        if (b->ev[i].kind == PDF_EV_IMM && b->ev[i].id == tag) {
+            b->ev[i].count += units;
             return;
         }
     }
-    ev_push(b, PDF_EV_IMM, 0, imm, 1, 0);
+    ev_push(b, PDF_EV_IMM, 0, tag, units, 0);
 }
 
 /* --------------------------------------------------------------- failure */
@@ -292,6 +377,7 @@ static void batch_fail(pdf_engine *e, pdf_batch *b, int code, evbuf *out)
 }
 
 static void take_pending(pdf_engine *e);
+static void forget_local(pdf_peer *p);
 
 static void peer_fail(pdf_engine *e, uint64_t peer, int code, evbuf *out)
 {
@@ -310,12 +396,55 @@ static void peer_fail(pdf_engine *e, uint64_t peer, int code, evbuf *out)
             ev_push(out, PDF_EV_SEND_FAILED, code, s->id, 0, peer);
         }
     /* Operations lost inside the provider may never complete: give their
-     * credits back now; a late completion must not return them twice. */
+     * credits back now; a late completion (older epoch) must not return
+     * them twice. */
     e->credits += p->outstanding;
-    p->orphans += p->outstanding;
+    e->active_ops -= p->outstanding;
     p->outstanding = 0;
+    p->epoch++;
+    if (p->tx_ep) {
+        /* its stuck operations go with it; the other peers' endpoints
+         * never saw them (see write_ep) */
+        fi_close(&p->tx_ep->fid);
+        p->tx_ep = NULL;
+    }
     if (!was_failed)
         ev_push(out, PDF_EV_PEER_FAILED, code, peer, 0, 0);
+}
+
+/* The endpoint that carries writes to peer `p`.
+ *
+ * shm retires the completions of an endpoint through one response queue, in
+ * order: an operation to a peer that died never completes and holds back
+ * every later completion of that endpoint, whatever its target, so one dead
+ * peer would jam the engine.  With shm each peer therefore gets its own
+ * transmit endpoint (same domain, AV and CQ, so keys and completions are
+ * shared), created on first use and closed when the peer fails.  Control
+ * messages stay on the main endpoint: they are small (inject, no response)
+ * and never wait on the peer. */
+static struct fid_ep *write_ep(pdf_engine *e, pdf_peer *p, int *err)
+{
+    *err = 0;
+    if (!e->per_peer_tx || !p)
+        return e->ep;
+    if (p->tx_ep)
+        return p->tx_ep;
+    struct fid_ep *ep = NULL;
+    int ret = fi_endpoint(e->domain, e->info, &ep, NULL);
+    if (!ret)
+        ret = fi_ep_bind(ep, &e->av->fid, 0);
+    if (!ret)
+        ret = fi_ep_bind(ep, &e->cq->fid, FI_TRANSMIT | FI_RECV);
+    if (!ret)
+        ret = fi_enable(ep);
+    if (ret) {
+        if (ep)
+            fi_close(&ep->fid);
+        *err = ret < 0 ? -ret : ret;
+        return NULL;
+    }
+    p->tx_ep = ep;
+    return ep;
 }
 
 /* -------------------------------------------------------------- queues */
@@ -398,6 +527,80 @@ static void note_eagain(pdf_engine *e, pdf_peer *p)
         p->eagain_since = now_ns();
 }
 
+/* Post write b->next of batch b (the caller checked that a credit is free).
+ * Returns 1 if posted; 0 if it must wait (the tagged write waits for the
+ * others, or FI_EAGAIN: *eagain set); -1 if the batch failed (reported into
+ * out).  With out == NULL (a submitter posting inline) nothing is reported:
+ * an error returns 0, and the progress thread meets it again and reports. */
+static int post_one_write(pdf_engine *e, pdf_batch *b, pdf_peer *p, evbuf *out, int *eagain)
+{
+    uint32_t i = b->next;
+    int last = (i == b->n - 1);
+    /* The tagged write goes only once every other write of the batch
+     * completed locally.  A local write completion means: verbs RC and EFA:
+     * the target acknowledged the data; rxm over tcp and shm: the data is
+     * ahead of the tagged write on the same ordered channel, which the target
+     * processes in order.  So the tag lands after the data, with or without
+     * FI_DELIVERY_COMPLETE. */
+    if (b->imm_mode == PDF_IMM_LAST && last && b->n > 1 && b->completed < b->n - 1)
+        return 0;
+    int eperr = 0;
+    struct fid_ep *ep = write_ep(e, p, &eperr);
+    if (!ep) {
+        if (!out)
+            return 0;
+        batch_fail(e, b, eperr, out);
+        return -1;
+    }
+    pdf_op *op = op_get(e);
+    if (!op) {
+        if (!out)
+            return 0;
+        batch_fail(e, b, FI_ENOMEM, out);
+        return -1;
+    }
+    op->kind = OP_WRITE;
+    op->batch = b;
+    op->peer = b->peer;
+    op->epoch = p ? p->epoch : 0;
+    char *src = b->local_base + b->src[i];
+    uint64_t raddr = b->remote_base + b->dst[i];
+    ssize_t r;
+    if (b->imm_mode == PDF_IMM_EVERY || (b->imm_mode == PDF_IMM_LAST && last)) {
+        /* "last" counts one unit per batch; "every" one per entry */
+        uint64_t units = b->imm_mode == PDF_IMM_EVERY ? b->units[i] : 1;
+        uint64_t data = ((uint64_t)b->imm << PDF_IMM_UNIT_BITS) | units;
+        r = fi_writedata(ep, src, b->len[i], b->desc, data, b->peer, raddr, b->rkey, &op->ctx);
+    } else {
+        r = fi_write(ep, src, b->len[i], b->desc, b->peer, raddr, b->rkey, &op->ctx);
+    }
+    if (r == -FI_EAGAIN) {
+        op_put(e, op);
+        *eagain = 1;
+        note_eagain(e, p);
+        return 0;
+    }
+    if (r) {
+        op_put(e, op);
+        if (!out)
+            return 0;
+        batch_fail(e, b, (int)-r, out);
+        return -1;
+    }
+    if (p)
+        p->eagain_since = 0;
+    b->next++;
+    b->inflight++;
+    e->credits--;
+    e->active_ops++;
+    if (p) {
+        if (p->outstanding == 0)
+            p->last_progress_ns = now_ns();
+        p->outstanding++;
+    }
+    return 1;
+}
+
 /* Post what the credit budget allows.  Returns the number of posts, or stops
  * at the first FI_EAGAIN (back-pressure: progress must run first). */
 static int post_work(pdf_engine *e, evbuf *out, int *eagain)
@@ -436,6 +639,7 @@ static int post_work(pdf_engine *e, evbuf *out, int *eagain)
         op->kind = OP_SEND;
         op->slot = slot;
         op->peer = s->peer;
+        op->epoch = p ? p->epoch : 0;
         op->send_id = s->id;
         char *buf = e->send_pool + (size_t)slot * e->msg_size;
         memcpy(buf, s->data, s->len);
@@ -461,6 +665,7 @@ static int post_work(pdf_engine *e, evbuf *out, int *eagain)
             if (p->outstanding == 0)
                 p->last_progress_ns = now_ns();
             p->outstanding++;
+            p->posted_round = e->round;
         }
         posted++;
     }
@@ -477,77 +682,31 @@ static int post_work(pdf_engine *e, evbuf *out, int *eagain)
         while (b->next < b->n) {
             if (e->credits == 0)
                 return posted;
-            uint32_t i = b->next;
-            int last = (i == b->n - 1);
-            /* The tagged write goes only once every other write of the batch
-             * completed locally.  A local write completion means: verbs RC
-             * and EFA: the target acknowledged the data; rxm over tcp and
-             * shm: the data is ahead of the tagged write on the same ordered
-             * channel, which the target processes in order.  So the tag
-             * lands after the data.  (FI_DELIVERY_COMPLETE would say the
-             * same, but rxm 1.17 can deadlock in fi_writemsg with it once a
-             * connection has failed.) */
-            if (b->imm_mode == PDF_IMM_LAST && last && b->n > 1 && b->completed < b->n - 1)
+            if (post_one_write(e, b, p, out, eagain) != 1)
                 break;
-            pdf_op *op = op_get(e);
-            if (!op) {
-                batch_fail(e, b, FI_ENOMEM, out);
-                break;
-            }
-            op->kind = OP_WRITE;
-            op->batch = b;
-            op->peer = b->peer;
-            char *src = b->local_base + b->src[i];
-            uint64_t raddr = b->remote_base + b->dst[i];
-            ssize_t r;
-            if (b->imm_mode == PDF_IMM_EVERY || (b->imm_mode == PDF_IMM_LAST && last)) {
-                r = fi_writedata(e->ep, src, b->len[i], b->desc, (uint64_t)b->imm, b->peer, raddr, b->rkey,
-                                 &op->ctx);
-            } else {
-                r = fi_write(e->ep, src, b->len[i], b->desc, b->peer, raddr, b->rkey, &op->ctx);
-            }
-            if (r == -FI_EAGAIN) {
-                op_put(e, op);
-                *eagain = 1;
-                note_eagain(e, p);
-                break;
-            }
             if (p)
-                p->eagain_since = 0;
-            if (r) {
-                op_put(e, op);
-                batch_fail(e, b, (int)-r, out);
-                break;
-            }
-            b->next++;
-            b->inflight++;
-            e->credits--;
-            e->active_ops++;
-            if (p) {
-                if (p->outstanding == 0)
-                    p->last_progress_ns = now_ns();
-                p->outstanding++;
-            }
+                p->posted_round = e->round;
             posted++;
         }
     }
     return posted;
 }
 
-static void op_finished(pdf_engine *e, pdf_op *op, uint64_t t)
+/* Returns 1 for an orphan (posted before its peer failed), which changes
+ * nothing: it was accounted for when the peer failed. */
+static int op_finished(pdf_engine *e, pdf_op *op, uint64_t t)
 {
     pdf_peer *p = peer_get(e, op->peer);
+    if (p && op->epoch != p->epoch)
+        return 1;
     e->active_ops--;
-    if (p && p->orphans) {
-        p->orphans--;
-    } else {
-        e->credits++;
-        if (p) {
-            if (p->outstanding)
-                p->outstanding--;
-            p->last_progress_ns = t;
-        }
+    e->credits++;
+    if (p) {
+        if (p->outstanding)
+            p->outstanding--;
+        p->last_progress_ns = t;
     }
+    return 0;
 }
 
 static void complete_op(pdf_engine *e, pdf_op *op, int err, evbuf *out, uint64_t t)
@@ -561,13 +720,16 @@ static void complete_op(pdf_engine *e, pdf_op *op, int err, evbuf *out, uint64_t
         }
         return; /* success handled by caller, which knows the length */
     }
-    op_finished(e, op, t);
+    /* an orphan's error says nothing about the peer as it is now (it may
+     * have been reconnected since): report the operation, not the peer */
+    int orphan = op_finished(e, op, t);
     if (op->kind == OP_SEND) {
         uint64_t id = op->send_id;
         e->send_free[e->send_free_n++] = op->slot;
         if (err) {
             ev_push(out, PDF_EV_SEND_FAILED, err, id, 0, op->peer);
-            peer_fail(e, op->peer, err, out);
+            if (!orphan)
+                peer_fail(e, op->peer, err, out);
         } else {
             ev_push(out, PDF_EV_SEND_DONE, 0, id, 0, op->peer);
         }
@@ -577,7 +739,8 @@ static void complete_op(pdf_engine *e, pdf_op *op, int err, evbuf *out, uint64_t
     b->inflight--;
     if (err) {
         batch_fail(e, b, err, out);
-        peer_fail(e, b->peer, err, out);
+        if (!orphan)
+            peer_fail(e, b->peer, err, out);
     } else {
         b->completed++;
         if (!b->reported && b->completed == b->n) {
@@ -622,7 +785,7 @@ static int poll_cq(pdf_engine *e, evbuf *out)
         for (ssize_t i = 0; i < r; i++) {
             struct fi_cq_data_entry *c = &ent[i];
             if (c->flags & FI_REMOTE_CQ_DATA) {
-                ev_imm(out, c->data & 0xffffffffull);
+                ev_imm(out, c->data);
                 if (!(c->flags & FI_RECV))
                     continue;
             }
@@ -641,14 +804,31 @@ static int poll_cq(pdf_engine *e, evbuf *out)
     }
 }
 
+static int peer_process_exited(pdf_peer *p)
+{
+    if (!p->has_pidfd)
+        return 0;
+    struct pollfd pfd = {p->pidfd, POLLIN, 0};
+    return poll(&pfd, 1, 0) == 1 && (pfd.revents & POLLIN);
+}
+
+/* Every millisecond: fail peers whose process has exited (same host: fast,
+ * and before anything else is posted to a region nobody serves) and peers
+ * that made no progress for peer_timeout. */
 static void check_timeouts(pdf_engine *e, evbuf *out, uint64_t t)
 {
-    if (!e->peer_timeout_ns || t - e->last_timeout_check < 1000000ull)
+    if (t - e->last_timeout_check < 1000000ull)
         return;
     e->last_timeout_check = t;
     for (uint64_t i = 0; i < e->npeers; i++) {
         pdf_peer *p = &e->peers[i];
         if (p->failed)
+            continue;
+        if (peer_process_exited(p)) {
+            peer_fail(e, i, FI_ECONNRESET, out);
+            continue;
+        }
+        if (!e->peer_timeout_ns)
             continue;
         if ((p->outstanding && t - p->last_progress_ns > e->peer_timeout_ns) ||
             (p->eagain_since && t - p->eagain_since > e->peer_timeout_ns))
@@ -656,11 +836,61 @@ static void check_timeouts(pdf_engine *e, evbuf *out, uint64_t t)
     }
 }
 
+/* Wake peers on this host that sleep while something we posted waits for
+ * them (BELL mode: shm moves data only while the target polls).  Checked
+ * every round, so work a provider defers is covered too. */
+static void ring_peers(pdf_engine *e)
+{
+    for (uint64_t i = 0; i < e->npeers; i++) {
+        pdf_peer *p = &e->peers[i];
+        if (p->bell && !p->failed && (p->outstanding || p->posted_round == e->round))
+            pdf_bell_ring(p->bell);
+    }
+}
+
 /* ------------------------------------------------------------ public API */
 
+static struct fi_info *make_hints(const char *prov, int delivery_complete)
+{
+    struct fi_info *hints = fi_allocinfo();
+    if (!hints)
+        return NULL;
+    hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+    hints->ep_attr->type = FI_EP_RDM;
+    hints->mode = FI_CONTEXT | FI_CONTEXT2;
+    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+    hints->domain_attr->threading = FI_THREAD_DOMAIN;
+    hints->domain_attr->av_type = FI_AV_TABLE;
+    if (delivery_complete)
+        hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE; /* default for fi_write/fi_writedata/fi_send */
+    if (prov && prov[0])
+        hints->fabric_attr->prov_name = strdup(prov);
+    return hints;
+}
+
+/* Open the CQ with a wait fd where the provider has one (the progress
+ * thread then sleeps in poll()), else without a wait object. */
+static int open_cq(pdf_engine *e, struct fi_cq_attr *attr, int *cq_fd)
+{
+    *cq_fd = -1;
+    attr->wait_obj = getenv("PDF_EXPERIMENT_NO_FD") ? FI_WAIT_NONE : FI_WAIT_FD;
+    int ret = getenv("PDF_EXPERIMENT_NO_FD") ? -1 : fi_cq_open(e->domain, attr, &e->cq, NULL);
+    if (ret == 0) {
+        int fd = -1;
+        if (fi_control(&e->cq->fid, FI_GETWAIT, &fd) == 0 && fd >= 0) {
+            *cq_fd = fd;
+            return 0;
+        }
+        fi_close(&e->cq->fid);
+        e->cq = NULL;
+    }
+    attr->wait_obj = FI_WAIT_NONE;
+    return fi_cq_open(e->domain, attr, &e->cq, NULL);
+}
+
 int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv, uint32_t msg_size,
-             uint32_t spin_us, uint32_t sleep_max_us, uint32_t peer_timeout_ms, pdf_engine **out, char *err,
-             size_t errlen)
+             uint32_t spin_us, uint32_t sleep_max_us, uint32_t peer_timeout_ms, int delivery_complete,
+             const char *bell_name, pdf_engine **out, char *err, size_t errlen)
 {
     int ret;
     char what[256];
@@ -669,24 +899,25 @@ int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv
     if (!e)
         return -FI_ENOMEM;
     pthread_mutex_init(&e->lock, NULL);
-    pthread_cond_init(&e->cv, NULL);
+    e->waiter.event_fd = -1;
 
-    struct fi_info *hints = fi_allocinfo();
-    if (!hints) {
-        free(e);
-        return -FI_ENOMEM;
+    const char *n = (node && node[0]) ? node : NULL;
+    ret = -FI_ENODATA;
+    /* FI_DELIVERY_COMPLETE where the provider accepts it (a local write
+     * completion then means the data is in the target's memory) */
+    for (int dc = delivery_complete ? 1 : 0; dc >= 0; dc--) {
+        struct fi_info *hints = make_hints(prov, dc);
+        if (!hints) {
+            free(e);
+            return -FI_ENOMEM;
+        }
+        ret = fi_getinfo(FI_VERSION(1, 17), n, NULL, n ? FI_SOURCE : 0, hints, &e->info);
+        fi_freeinfo(hints);
+        if (ret == 0) {
+            e->delivery_complete = dc && (e->info->tx_attr->op_flags & FI_DELIVERY_COMPLETE);
+            break;
+        }
     }
-    hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
-    hints->ep_attr->type = FI_EP_RDM;
-    hints->mode = FI_CONTEXT | FI_CONTEXT2;
-    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
-    hints->domain_attr->threading = FI_THREAD_DOMAIN;
-    hints->domain_attr->av_type = FI_AV_TABLE;
-    if (prov && prov[0])
-        hints->fabric_attr->prov_name = strdup(prov);
-    ret = fi_getinfo(FI_VERSION(1, 17), (node && node[0]) ? node : NULL, NULL, (node && node[0]) ? FI_SOURCE : 0,
-                     hints, &e->info);
-    fi_freeinfo(hints);
     if (ret) {
         snprintf(what, sizeof(what), "fi_getinfo(provider=%s, node=%s)", prov ? prov : "", node ? node : "");
         goto fail;
@@ -726,14 +957,33 @@ int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv
     struct fi_cq_attr cq_attr;
     memset(&cq_attr, 0, sizeof(cq_attr));
     cq_attr.format = FI_CQ_FORMAT_DATA;
-    cq_attr.wait_obj = FI_WAIT_NONE;
     cq_attr.size = e->info->tx_attr->size + e->info->rx_attr->size + 1024;
-    ret = fi_cq_open(e->domain, &cq_attr, &e->cq, NULL);
+    int cq_fd = -1;
+    ret = open_cq(e, &cq_attr, &cq_fd);
     if (ret) {
         snprintf(what, sizeof(what), "fi_cq_open");
         goto fail;
     }
-    ret = fi_endpoint(e->domain, e->info, &e->ep, NULL);
+    ret = pdf_waiter_init(&e->waiter, cq_fd, bell_name);
+    if (ret) {
+        snprintf(what, sizeof(what), "eventfd for the progress thread");
+        goto fail;
+    }
+    e->per_peer_tx = strcmp(e->info->fabric_attr->prov_name, "shm") == 0;
+    {
+        /* with per-peer transmit endpoints the main one only sends control
+         * messages: no delivery-complete wait on a peer that may be dead */
+        struct fi_info *mi = fi_dupinfo(e->info);
+        if (!mi) {
+            ret = -FI_ENOMEM;
+            snprintf(what, sizeof(what), "fi_dupinfo");
+            goto fail;
+        }
+        if (e->per_peer_tx)
+            mi->tx_attr->op_flags &= ~(uint64_t)FI_DELIVERY_COMPLETE;
+        ret = fi_endpoint(e->domain, mi, &e->ep, NULL);
+        fi_freeinfo(mi);
+    }
     if (ret) {
         snprintf(what, sizeof(what), "fi_endpoint");
         goto fail;
@@ -791,6 +1041,15 @@ int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv
         }
     }
     e->send_free_n = e->nrecv;
+    if (e->per_peer_tx) {
+        ret = pthread_create(&e->watchdog, NULL, watchdog_main, e);
+        if (ret) {
+            ret = -ret;
+            snprintf(what, sizeof(what), "pthread_create(shm watchdog)");
+            goto fail;
+        }
+        e->watchdog_on = 1;
+    }
     e->spin_ns = (uint64_t)spin_us * 1000ull;
     e->sleep_max_ns = (uint64_t)(sleep_max_us ? sleep_max_us : 1000) * 1000ull;
     e->peer_timeout_ns = (uint64_t)peer_timeout_ms * 1000000ull;
@@ -798,6 +1057,7 @@ int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv
     return 0;
 fail:
     set_err(err, errlen, what, ret);
+    pdf_waiter_fini(&e->waiter);
     if (e->ep)
         fi_close(&e->ep->fid);
     if (e->recv_mr)
@@ -837,10 +1097,12 @@ int pdf_get_info(pdf_engine *e, pdf_info *out)
     out->max_msg_size = e->info->ep_attr->max_msg_size;
     out->inject_size = e->info->tx_attr->inject_size;
     out->cq_data_size = e->info->domain_attr->cq_data_size;
+    out->wait_mode = (uint32_t)e->waiter.mode;
+    out->delivery_complete = (uint32_t)e->delivery_complete;
     size_t len = PDF_ADDR_MAX;
     ext_lock(e);
     int ret = fi_getname(&e->ep->fid, out->addr, &len);
-    pthread_mutex_unlock(&e->lock);
+    unlock(e);
     if (ret)
         return ret;
     out->addrlen = (uint32_t)len;
@@ -854,7 +1116,7 @@ int pdf_mr_reg(pdf_engine *e, uint64_t addr, uint64_t len, uint64_t *key_out, ui
     ext_lock(e);
     uint64_t want = e->next_key++;
     int ret = fi_mr_reg(e->domain, (void *)(uintptr_t)addr, len, access, 0, want, 0, &mr, NULL);
-    pthread_mutex_unlock(&e->lock);
+    unlock(e);
     if (ret)
         return ret;
     *key_out = fi_mr_key(mr);
@@ -867,7 +1129,7 @@ int pdf_mr_close(pdf_engine *e, uint64_t mr)
 {
     ext_lock(e);
     int ret = fi_close(&((struct fid_mr *)(uintptr_t)mr)->fid);
-    pthread_mutex_unlock(&e->lock);
+    unlock(e);
     return ret;
 }
 
@@ -881,9 +1143,10 @@ int pdf_av_insert(pdf_engine *e, const uint8_t *addr, uint64_t *fi_addr_out)
         if (p) {
             p->failed = 0;
             p->last_progress_ns = now_ns();
+            forget_local(p); /* the caller says again who it is (pdf_peer_local) */
         }
     }
-    pthread_mutex_unlock(&e->lock);
+    unlock(e);
     if (ret != 1)
         return ret < 0 ? ret : -FI_EINVAL;
     *fi_addr_out = fa;
@@ -895,36 +1158,118 @@ int pdf_av_remove(pdf_engine *e, uint64_t fi_addr)
     fi_addr_t fa = fi_addr;
     ext_lock(e);
     int ret = fi_av_remove(e->av, &fa, 1, 0);
-    pthread_mutex_unlock(&e->lock);
+    unlock(e);
     return ret;
 }
 
 static void wake(pdf_engine *e)
 {
-    if (e->sleeping)
-        pthread_cond_signal(&e->cv);
+    pdf_waiter_wake(&e->waiter);
 }
 
-/* Queue a batch of writes.  The arrays are copied; contiguous runs are
- * merged when imm_mode is not EVERY (merging would change the count the
- * receiver expects), and no single write exceeds max_write bytes. Returns
- * the number of writes the batch was turned into, or a negative error. */
+/* Peer `peer` runs on this host as process `pid`: watch for its exit
+ * (pidfd) and, in BELL mode, map its doorbell (`bell_name`) so that posts
+ * to it can wake it.  Returns 0, or a negative error if neither worked. */
+int pdf_peer_local(pdf_engine *e, uint64_t peer, int pid, const char *bell_name)
+{
+    int pidfd = pid > 0 ? (int)syscall(SYS_pidfd_open, pid, 0) : -1;
+    uint32_t *bell = NULL;
+    if (e->waiter.mode == PDF_WAIT_BELL && bell_name && bell_name[0])
+        bell = pdf_bell_open(bell_name);
+    ext_lock(e);
+    pdf_peer *p = peer_get(e, peer);
+    if (p) {
+        if (pidfd >= 0 && !p->has_pidfd) {
+            p->pidfd = pidfd;
+            p->has_pidfd = 1;
+            pidfd = -1;
+        }
+        if (bell && !p->bell) {
+            p->bell = bell;
+            bell = NULL;
+        }
+    }
+    int ok = p && p->has_pidfd && (p->bell || e->waiter.mode != PDF_WAIT_BELL);
+    unlock(e);
+    if (pidfd >= 0)
+        close(pidfd);
+    pdf_bell_close(bell);
+    return ok ? 0 : -FI_ENOENT;
+}
+
+static void forget_local(pdf_peer *p)
+{
+    if (p->has_pidfd)
+        close(p->pidfd);
+    p->has_pidfd = 0;
+    pdf_bell_close(p->bell);
+    p->bell = NULL;
+}
+
+/* How many region locks of dead shm peers the watchdog released. */
+uint64_t pdf_locks_released(pdf_engine *e)
+{
+    return __atomic_load_n(&e->locks_released, __ATOMIC_SEQ_CST);
+}
+
+/* Make pdf_progress return after one more full round (Python's quiesce). */
+void pdf_poke(pdf_engine *e)
+{
+    ext_lock(e);
+    e->poke = 1;
+    wake(e);
+    unlock(e);
+}
+
+/* An idle engine posts the first writes of a new batch on the submitting
+ * thread: the progress thread is likely asleep, and waking it first would
+ * add its wake-up to every lone write's latency.  It is woken right after,
+ * to poll for the completions.  Busy engines leave posting to it (order,
+ * fairness between peers).  Called with the lock held. */
+#define PDF_INLINE_WRITES 4
+
+static void post_inline(pdf_engine *e, pdf_batch *b)
+{
+    if (e->stop || e->pend_head != b || e->act_head || e->sact_head || e->active_ops)
+        return;
+    pdf_peer *p = peer_get(e, b->peer);
+    if (!p || p->failed)
+        return;
+    take_pending(e);
+    int eagain = 0, posted = 0;
+    while (posted < PDF_INLINE_WRITES && b->next < b->n && e->credits > 0 &&
+           post_one_write(e, b, p, NULL, &eagain) == 1)
+        posted++;
+    if (posted && p->bell)
+        pdf_bell_ring(p->bell);
+}
+
+/* Queue a batch of writes.  The arrays are copied and runs contiguous at
+ * both ends are merged into one write of at most max_write bytes (0: no
+ * limit).  With imm_mode EVERY a merged write also carries the number of
+ * entries it holds (at most PDF_IMM_UNIT_MAX), and entries are never split
+ * (the caller checked len <= max_write); otherwise an entry longer than
+ * max_write is split.  Returns the number of writes the batch was turned
+ * into, or a negative error. */
 int64_t pdf_submit_writes(pdf_engine *e, uint64_t id, uint64_t peer, uint64_t local_base, uint64_t desc,
                           uint64_t remote_base, uint64_t rkey, const uint64_t *src, const uint64_t *dst,
-                          const uint64_t *len, uint32_t n, uint32_t imm, int imm_mode, uint64_t max_write)
+                          const uint64_t *len, uint32_t n, uint32_t imm, int imm_mode, uint64_t max_write,
+                          int coalesce)
 {
     if (n == 0)
         return -FI_EINVAL;
+    if (imm > PDF_IMM_TAG_MAX)
+        return -FI_EINVAL;
     if (!max_write)
         max_write = UINT64_MAX;
+    int every = imm_mode == PDF_IMM_EVERY;
     uint64_t cap = n;
-    int merge = imm_mode != PDF_IMM_EVERY;
-    if (merge)
+    if (!every)
         for (uint32_t i = 0; i < n; i++)
             if (len[i] > max_write)
                 cap += len[i] / max_write;
     pdf_batch *b = (pdf_batch *)calloc(1, sizeof(*b));
-    uint64_t *arr = (uint64_t *)malloc(sizeof(uint64_t) * 3 * cap);
+    uint64_t *arr = (uint64_t *)malloc(sizeof(uint64_t) * 4 * cap);
     if (!b || !arr) {
         free(b);
         free(arr);
@@ -933,18 +1278,21 @@ int64_t pdf_submit_writes(pdf_engine *e, uint64_t id, uint64_t peer, uint64_t lo
     b->src = arr;
     b->dst = arr + cap;
     b->len = arr + 2 * cap;
+    b->units = arr + 3 * cap;
     uint32_t m = 0;
     for (uint32_t i = 0; i < n; i++) {
         uint64_t s = src[i], d = dst[i], l = len[i];
-        if (merge && m > 0 && b->src[m - 1] + b->len[m - 1] == s && b->dst[m - 1] + b->len[m - 1] == d &&
-            b->len[m - 1] + l <= max_write) {
+        if (coalesce && m > 0 && b->src[m - 1] + b->len[m - 1] == s && b->dst[m - 1] + b->len[m - 1] == d &&
+            l <= max_write - b->len[m - 1] && (!every || b->units[m - 1] < PDF_IMM_UNIT_MAX)) {
             b->len[m - 1] += l;
+            b->units[m - 1]++;
             continue;
         }
-        while (merge && l > max_write) {
+        while (!every && l > max_write) {
             b->src[m] = s;
             b->dst[m] = d;
             b->len[m] = max_write;
+            b->units[m] = 1;
             m++;
             s += max_write;
             d += max_write;
@@ -953,6 +1301,7 @@ int64_t pdf_submit_writes(pdf_engine *e, uint64_t id, uint64_t peer, uint64_t lo
         b->src[m] = s;
         b->dst[m] = d;
         b->len[m] = l;
+        b->units[m] = 1;
         m++;
     }
     b->id = id;
@@ -966,7 +1315,7 @@ int64_t pdf_submit_writes(pdf_engine *e, uint64_t id, uint64_t peer, uint64_t lo
     b->n = m;
     ext_lock(e);
     if (e->stop) {
-        pthread_mutex_unlock(&e->lock);
+        unlock(e);
         free(arr);
         free(b);
         return -FI_ESHUTDOWN;
@@ -976,8 +1325,9 @@ int64_t pdf_submit_writes(pdf_engine *e, uint64_t id, uint64_t peer, uint64_t lo
     else
         e->pend_head = b;
     e->pend_tail = b;
+    post_inline(e, b);
     wake(e);
-    pthread_mutex_unlock(&e->lock);
+    unlock(e);
     return m;
 }
 
@@ -994,7 +1344,7 @@ int pdf_submit_send(pdf_engine *e, uint64_t id, uint64_t peer, const uint8_t *da
     memcpy(s->data, data, len);
     ext_lock(e);
     if (e->stop) {
-        pthread_mutex_unlock(&e->lock);
+        unlock(e);
         free(s);
         return -FI_ESHUTDOWN;
     }
@@ -1004,7 +1354,7 @@ int pdf_submit_send(pdf_engine *e, uint64_t id, uint64_t peer, const uint8_t *da
         e->spend_head = s;
     e->spend_tail = s;
     wake(e);
-    pthread_mutex_unlock(&e->lock);
+    unlock(e);
     return 0;
 }
 
@@ -1018,7 +1368,7 @@ void pdf_recv_release(pdf_engine *e, uint32_t slot)
     ext_lock(e);
     e->repost[e->repost_n++] = slot;
     wake(e);
-    pthread_mutex_unlock(&e->lock);
+    unlock(e);
 }
 
 /* Declare a peer failed: every queued or outstanding batch and send to it
@@ -1030,7 +1380,7 @@ int pdf_fail_peer(pdf_engine *e, uint64_t peer, int code, pdf_event *ev, int cap
     ext_lock(e);
     peer_fail(e, peer, code, &out);
     sweep(e);
-    pthread_mutex_unlock(&e->lock);
+    unlock(e);
     return out.n;
 }
 
@@ -1051,7 +1401,7 @@ uint64_t pdf_outstanding(pdf_engine *e)
         if (!s->reported)
             n++;
     n += e->active_ops;
-    pthread_mutex_unlock(&e->lock);
+    unlock(e);
     return n;
 }
 
@@ -1069,7 +1419,7 @@ int pdf_fail_all(pdf_engine *e, int code, pdf_event *ev, int cap)
             s->reported = 1;
             ev_push(&out, PDF_EV_SEND_FAILED, code, s->id, 0, s->peer);
         }
-    pthread_mutex_unlock(&e->lock);
+    unlock(e);
     return out.n;
 }
 
@@ -1077,26 +1427,47 @@ void pdf_stop(pdf_engine *e)
 {
     ext_lock(e);
     e->stop = 1;
-    pthread_cond_broadcast(&e->cv);
-    pthread_mutex_unlock(&e->lock);
+    wake(e);
+    unlock(e);
+}
+
+/* Sleep until woken or `timeout_ns` passes.  The caller armed the waiter
+ * and has since polled the CQ once and found nothing.  With a wait fd,
+ * fi_trywait() must agree first (else the provider has work to drive). */
+static void block(pdf_engine *e, uint64_t timeout_ns)
+{
+    if (e->waiter.mode == PDF_WAIT_FD) {
+        lock(e);
+        struct fid *fids[1] = {&e->cq->fid};
+        int ok = !e->stop && !e->poke && fi_trywait(e->fabric, fids, 1) == FI_SUCCESS;
+        unlock(e);
+        if (!ok)
+            return;
+    }
+    pdf_waiter_block(&e->waiter, timeout_ns);
 }
 
 /* Run the progress engine until at least one event is ready (then keep
- * gathering briefly so that bursts come back together), stop is requested,
- * or timeout_us passes.  Spins while work is outstanding or for spin_us after
- * the last activity, then sleeps with exponential back-off up to
- * sleep_max_us, waking at once when work is submitted.  Returns the number of
- * events written to ev (cap must be >= 256). */
+ * gathering briefly so that bursts come back together), stop or pdf_poke is
+ * requested, or timeout_us passes.  Returns the number of events written to
+ * ev (cap must be >= 256).
+ *
+ * Waiting: while operations are outstanding it spins (yielding now and then)
+ * for up to PDF_BUSY_SPIN_NS without progress, then sleeps in steps growing
+ * to sleep_max_us.  Idle, it spins for spin_us after the last activity, then
+ * sleeps until work arrives (wait fd, doorbell or local submission; timed
+ * steps where the provider offers neither). */
 int pdf_progress(pdf_engine *e, pdf_event *ev, int cap, int64_t timeout_us)
 {
     evbuf out = {ev, cap, 0};
     uint64_t start = now_ns();
     uint64_t deadline = start + (uint64_t)(timeout_us > 0 ? timeout_us : 0) * 1000ull;
-    uint64_t idle_since = 0, first_ev = 0;
-    uint64_t sleep_ns = 20000;
+    uint64_t first_ev = 0;
+    uint64_t step_ns = 20000;
     unsigned spins = 0;
+    int armed = 0;
     for (;;) {
-        pthread_mutex_lock(&e->lock);
+        lock(e);
         int before = out.n;
         take_pending(e);
         int eagain = 0;
@@ -1107,66 +1478,95 @@ int pdf_progress(pdf_engine *e, pdf_event *ev, int cap, int64_t timeout_us)
         uint64_t t = now_ns();
         check_timeouts(e, &out, t);
         sweep(e);
+        if (e->waiter.mode == PDF_WAIT_BELL)
+            ring_peers(e);
         int busy = e->active_ops > 0 || e->act_head != NULL || e->sact_head != NULL;
         int stop = e->stop;
-        pthread_mutex_unlock(&e->lock);
+        int poke = e->poke;
+        e->poke = 0;
+        unlock(e);
         if (__atomic_load_n(&e->waiters, __ATOMIC_SEQ_CST)) {
             uint64_t t0 = now_ns();
             while (__atomic_load_n(&e->waiters, __ATOMIC_SEQ_CST) && now_ns() - t0 < 2000000ull)
                 sched_yield();
         }
-        if (stop)
+        if (did || out.n > before) {
+            e->last_activity_ns = t;
+            step_ns = 20000;
+        }
+        if (armed && (did || out.n > before || stop || poke)) {
+            pdf_waiter_disarm(&e->waiter);
+            armed = 0;
+        }
+        if (stop || poke) {
+            if (armed)
+                pdf_waiter_disarm(&e->waiter);
             return out.n;
+        }
         if (out.n > 0) {
             if (!first_ev)
                 first_ev = t;
             /* return once the burst pauses, the buffer fills, or 100us pass */
-            if (out.n == before || out.cap - out.n < PDF_CQ_BATCH * 3 + 16 || t - first_ev > 100000ull)
+            if (out.n == before || out.cap - out.n < PDF_CQ_BATCH * 3 + 16 || t - first_ev > 100000ull) {
+                if (armed)
+                    pdf_waiter_disarm(&e->waiter);
                 return out.n;
+            }
         }
-        if (t >= deadline)
+        if (t >= deadline) {
+            if (armed)
+                pdf_waiter_disarm(&e->waiter);
             return out.n;
-        if (did || busy) {
-            idle_since = 0;
-            sleep_ns = 20000;
-            if (!did && (++spins & 63) == 0)
+        }
+        if (did)
+            continue;
+        uint64_t quiet = t - e->last_activity_ns;
+        if (busy && quiet < PDF_BUSY_SPIN_NS) {
+            if ((++spins & 63) == 0)
                 sched_yield(); /* let the other side run on small machines */
             continue;
         }
-        if (!idle_since)
-            idle_since = t;
-        if (t - idle_since < e->spin_ns)
+        if (!busy && quiet < e->spin_ns)
             continue;
-        pthread_mutex_lock(&e->lock);
-        if (!e->stop && !e->pend_head && !e->spend_head && !e->repost_n) {
-            uint64_t wake_at = t + sleep_ns;
-            if (wake_at > deadline)
-                wake_at = deadline;
-            struct timespec ts;
-            clock_gettime(CLOCK_MONOTONIC, &ts);
-            uint64_t rel = wake_at > t ? wake_at - t : 0;
-            uint64_t abs_ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec + rel;
-            ts.tv_sec = (time_t)(abs_ns / 1000000000ull);
-            ts.tv_nsec = (long)(abs_ns % 1000000000ull);
-            e->sleeping = 1;
-            pthread_cond_timedwait(&e->cv, &e->lock, &ts);
-            e->sleeping = 0;
+        if (!armed) {
+            /* announce the sleep, then look once more before sleeping */
+            pdf_waiter_arm(&e->waiter);
+            armed = 1;
+            continue;
         }
-        pthread_mutex_unlock(&e->lock);
-        sleep_ns *= 2;
-        if (sleep_ns > e->sleep_max_ns)
-            sleep_ns = e->sleep_max_ns;
+        uint64_t limit = deadline - t;
+        if (busy || e->waiter.mode == PDF_WAIT_SLEEP) {
+            /* remote progress cannot wake us here: sleep in growing steps */
+            if (limit > step_ns)
+                limit = step_ns;
+            step_ns *= 2;
+            if (step_ns > e->sleep_max_ns)
+                step_ns = e->sleep_max_ns;
+        }
+        block(e, limit);
+        pdf_waiter_disarm(&e->waiter);
+        armed = 0;
     }
 }
 
 /* Close the endpoint only (then the caller closes its own MRs). */
+static void close_peer_eps(pdf_engine *e)
+{
+    for (uint64_t i = 0; i < e->npeers; i++)
+        if (e->peers[i].tx_ep) {
+            fi_close(&e->peers[i].tx_ep->fid);
+            e->peers[i].tx_ep = NULL;
+        }
+}
+
 void pdf_close_ep(pdf_engine *e)
 {
     ext_lock(e);
+    close_peer_eps(e);
     if (e->ep)
         fi_close(&e->ep->fid);
     e->ep = NULL;
-    pthread_mutex_unlock(&e->lock);
+    unlock(e);
 }
 
 /* Close everything.  The progress thread must have returned for good. */
@@ -1175,6 +1575,7 @@ void pdf_close(pdf_engine *e)
     if (!e)
         return;
     ext_lock(e);
+    close_peer_eps(e);
     if (e->ep)
         fi_close(&e->ep->fid);
     if (e->recv_mr)
@@ -1213,9 +1614,15 @@ void pdf_close(pdf_engine *e)
     free(e->send_ops);
     free(e->send_free);
     free(e->repost);
+    for (uint64_t i = 0; i < e->npeers; i++)
+        forget_local(&e->peers[i]);
     free(e->peers);
-    pthread_mutex_unlock(&e->lock);
+    pdf_waiter_fini(&e->waiter);
+    unlock(e);
+    if (e->watchdog_on) {
+        __atomic_store_n(&e->watchdog_stop, 1, __ATOMIC_SEQ_CST);
+        pthread_join(e->watchdog, NULL);
+    }
     pthread_mutex_destroy(&e->lock);
-    pthread_cond_destroy(&e->cv);
     free(e);
 }

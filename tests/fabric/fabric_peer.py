@@ -66,7 +66,7 @@ def _serve(conn: Any, config: FabricConfig, pool_bytes: int, netns: str | None) 
             peer, timeout = args
             conn.send(engine.wait_peer_gone(peer, timeout))
         elif cmd == "digests":
-            with memoryview(pool) as view:
+            with pool.view[:] as view:
                 conn.send([digest(view, off, length) for off, length in args])
         elif cmd == "fill":
             seed = args

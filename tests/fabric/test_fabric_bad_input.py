@@ -61,8 +61,9 @@ def test_out_of_range_offsets_name_the_values(pair, src_offs, dst_offs, lens, ma
 @pytest.mark.timeout(30)
 def test_bad_imm_and_mode(pair) -> None:
     a, b, src, dst = pair
-    with pytest.raises(ValueError, match=r"imm=4294967296"):
-        a.write_pages(src, [0], dst.descriptor, [0], [4096], 2**32, _never, _never)
+    # the tag is 24 bits: the low 8 bits of the immediate data are its unit count
+    with pytest.raises(ValueError, match=r"imm=16777216: expected None or an int in 0..16777215"):
+        a.write_pages(src, [0], dst.descriptor, [0], [4096], 2**24, _never, _never)
     with pytest.raises(ValueError, match=r"imm_mode='sometimes'"):
         a.write_pages(src, [0], dst.descriptor, [0], [4096], 5, _never, _never, imm_mode="sometimes")
     _assert_nothing_posted(a, b)
@@ -180,8 +181,8 @@ def test_imm_counter_rules() -> None:
     assert counter.cancel(7) == 1
     counter.on_landed(7, 5)
     assert counter.dropped == 5 and counter.landed(7) == 0
-    with pytest.raises(ValueError, match="tag=4294967296"):
-        counter.expect(2**32, 1, fired.append)
+    with pytest.raises(ValueError, match="tag=16777216"):
+        counter.expect(2**24, 1, fired.append)
     with pytest.raises(ValueError, match="count=0 for tag 1"):
         counter.expect(1, 0, fired.append)
     counter.expect(1, 1, fired.append)
