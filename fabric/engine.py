@@ -23,6 +23,7 @@ import os
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -44,6 +45,7 @@ _EVENT_CAP = 1024
 _PROGRESS_SLICE_US = 100_000
 _IMM_MODES = {"last": lib.PDF_IMM_LAST, "every": lib.PDF_IMM_EVERY}
 _WAIT_MODES = {lib.PDF_WAIT_SLEEP: "sleep", lib.PDF_WAIT_FD: "fd", lib.PDF_WAIT_BELL: "bell"}
+_MAX_REVOKED_TOLD = 1024  # deregistered regions told to engines that shake hands later
 _BELL_DIR = "/dev/shm"
 _BELL_PREFIX = "pdserve-bell-"
 
@@ -192,6 +194,7 @@ class TransferEngine(TransferBackend):
         self._failed: set[int] = set()
         self._gone: set[str] = set()
         self._revoked: set[tuple[str, int]] = set()
+        self._revoked_here: OrderedDict[int, None] = OrderedDict()  # our deregistered regions
         self._probes: dict[int, _Probe] = {}
         self._handshaken: set[str] = set()
         self._sends: dict[int, Callable[[FabricError | None], None]] = {}
@@ -268,7 +271,24 @@ class TransferEngine(TransferBackend):
         return region
 
     def deregister(self, region: MemoryRegion) -> None:
-        """Close the registration; peers we know are told its descriptor is stale."""
+        """Close the registration and tell peers its descriptor is stale.
+
+        What this guarantees, per provider:
+        - Every engine refuses the stale descriptor before posting once it
+          knows: peers we know get a REVOKE message now; an engine that shakes
+          hands later is sent the revocations before the handshake's answer,
+          and write_pages checks again after its handshake. Engines in this
+          process know at once.
+        - tcp, verbs, efa: the target checks keys, so closing the MR also
+          makes late writes fail at the target.
+        - shm: no target-side check at all. shm moves data with
+          process_vm_writev/readv into the virtual addresses it was given, so
+          a write a peer posted before it processed the REVOKE still lands,
+          in whatever the memory holds by then.
+        So the memory may be reused only once every peer that could write to
+        it is gone (``wait_peer_gone``), or has otherwise confirmed it will
+        not write again (e.g. the prefill node's abort answer).
+        """
         self._check_region(region, "deregister")
         with self._lock:
             if region.inflight:
@@ -279,6 +299,9 @@ class TransferEngine(TransferBackend):
             del self._regions[region.region_id]
         with _STALE_LOCK:
             _REVOKED_REGIONS.add((self.engine_id, region.region_id))
+        self._revoked_here[region.region_id] = None
+        while len(self._revoked_here) > _MAX_REVOKED_TOLD:
+            self._revoked_here.popitem(last=False)
         rc = lib.pdf_mr_close(self._h, region._mr)
         region._keepalive = None
         if rc:
@@ -514,6 +537,7 @@ class TransferEngine(TransferBackend):
         self._check_range(dsto, lens, dst.length, "dst_offsets", f"destination region {dst.region_id}")
         if dst.peer.engine_id not in self._handshaken:
             self.connect(dst.peer)
+            self._check_remote(dst)  # the handshake brings the peer's revocations
         fi_addr = self._resolve(dst.peer)
         with self._lock:
             if fi_addr in self._failed:
@@ -657,6 +681,10 @@ class TransferEngine(TransferBackend):
                 self._send_control(msg.sender, control.PONG, msg.value)
             elif msg.kind == control.HELLO:
                 self._resolve(msg.sender, hello=False)
+                # revocations first: messages arrive in order, so the peer knows
+                # them before its connect() returns
+                for region_id in list(self._revoked_here):
+                    self._send_control(msg.sender, control.REVOKE, region_id)
                 if msg.value:
                     self._send_control(msg.sender, control.PONG, msg.value)
             elif msg.kind == control.USER and self._on_message is not None:

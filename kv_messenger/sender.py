@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from fabric import FabricError, MemoryRegion, RemoteDescriptor
+from fabric.imm import IMM_TAG_MAX
 from kv_messenger.context import ContextCodec
 from kv_messenger.plan import KvLayout, completed_pages
 
@@ -68,6 +69,9 @@ def check_target(target: TransferTarget, layout: KvLayout) -> None:
     out = [p for p in target.dst_pages if not 0 <= p < target.layout.num_pages]
     if out:
         raise ValueError(f"request {rid}: destination page ids outside [0, {target.layout.num_pages}): {out[:5]}")
+    if not 0 <= target.imm_tag <= IMM_TAG_MAX:
+        raise ValueError(f"request {rid}: imm_tag={target.imm_tag} outside 0..{IMM_TAG_MAX} (a tag has 24 bits: "
+                         f"the low 8 bits of the immediate data count the pages a write holds)")
 
 
 @dataclass(frozen=True)

@@ -210,6 +210,16 @@ def test_prefix_hit_sends_cached_pages_with_the_first_chunk():
         pair.close()
 
 
+def test_targets_with_out_of_range_tags_are_refused():
+    pair = _Pair([0])
+    try:
+        with pytest.raises(ValueError, match=r"imm_tag=16777216 outside 0..16777215"):
+            pair.sender.add(TransferTarget("r-big-tag", pair.dst_region.descriptor, SMALL, (0,),
+                                           pair.landing.region.descriptor, 0, 2**24, 7, 3))
+    finally:
+        pair.close()
+
+
 def test_chunks_without_prefix_hit_send_each_page_once():
     src_pages, dst_pages = [3, 9, 4, 10], (0, 1, 2, 3)  # nothing contiguous at both ends
     pair = _Pair(src_pages)

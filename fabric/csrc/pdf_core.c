@@ -861,6 +861,10 @@ static struct fi_info *make_hints(const char *prov, int delivery_complete)
     hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
     hints->domain_attr->threading = FI_THREAD_DOMAIN;
     hints->domain_attr->av_type = FI_AV_TABLE;
+    /* control messages to one peer arrive in the order sent (a revocation
+     * before the handshake's answer, goodbye after the last message) */
+    hints->tx_attr->msg_order = FI_ORDER_SAS;
+    hints->rx_attr->msg_order = FI_ORDER_SAS;
     if (delivery_complete)
         hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE; /* default for fi_write/fi_writedata/fi_send */
     if (prov && prov[0])

@@ -136,6 +136,29 @@ def test_stale_descriptors_from_another_process(provider: str) -> None:
         peer.stop()
 
 
+@pytest.mark.timeout(60)
+def test_stale_descriptor_refused_by_a_writer_that_connects_later(provider: str) -> None:
+    """The owner never knew this writer when it deregistered; the handshake tells it.
+
+    On shm nothing at the target would stop the write (no key check: process_vm_writev into the
+    old addresses), so the refusal before posting is the protection.
+    """
+    config = FabricConfig(provider=provider, node="127.0.0.1")
+    owner = PeerProcess.start(config, MiB)
+    engine = TransferEngine(config)
+    try:
+        stale = owner.descriptor  # obtained before the deregistration, never used yet
+        owner.call("deregister")
+        src = engine.register(alloc_buffer(MiB))
+        with pytest.raises(FabricError, match="was deregistered") as info:
+            engine.write_pages(src, [0], stale, [0], [4096], 5, _never, _never)
+        assert info.value.code == 2  # FI_ENOENT
+        assert engine.outstanding() == 0
+    finally:
+        engine.close()
+        owner.stop()
+
+
 @pytest.mark.timeout(30)
 def test_config_validation_names_values() -> None:
     with pytest.raises(ValueError, match=r"imm_mode='first'"):
