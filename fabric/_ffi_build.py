@@ -64,6 +64,11 @@ typedef struct pdf_info {
 #define PDF_IMM_TAG_MAX ...
 #define PDF_IMM_UNIT_MAX ...
 
+#define PDF_BAD_SHORT 1
+#define PDF_BAD_LONG 2
+#define PDF_BAD_SRC 3
+#define PDF_BAD_DST 4
+
 #define PDF_WAIT_SLEEP 0
 #define PDF_WAIT_FD 1
 #define PDF_WAIT_BELL 2
@@ -91,7 +96,7 @@ uint32_t fi_version(void);
 
 const char *pdf_strerror(int code);
 int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv,
-             uint32_t msg_size, uint32_t spin_us, uint32_t sleep_max_us,
+             uint32_t msg_size, uint32_t spin_us, uint32_t busy_spin_us, uint32_t sleep_max_us,
              uint32_t peer_timeout_ms, int delivery_complete, const char *bell_name,
              pdf_engine **out, char *err, size_t errlen);
 int pdf_get_info(pdf_engine *e, pdf_info *out);
@@ -105,6 +110,8 @@ int64_t pdf_submit_writes(pdf_engine *e, uint64_t id, uint64_t peer, uint64_t lo
                           const uint64_t *src, const uint64_t *dst, const uint64_t *len,
                           uint32_t n, uint32_t imm, int imm_mode, uint64_t max_write,
                           int coalesce);
+int64_t pdf_check_writes(const uint64_t *src, const uint64_t *dst, const uint64_t *len, uint32_t n,
+                         uint64_t src_size, uint64_t dst_size, uint64_t max_len, int *what, uint64_t *total);
 int pdf_submit_send(pdf_engine *e, uint64_t id, uint64_t peer, const uint8_t *data, uint32_t len);
 const uint8_t *pdf_recv_buf(pdf_engine *e, uint32_t slot);
 void pdf_recv_release(pdf_engine *e, uint32_t slot);

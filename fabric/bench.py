@@ -203,6 +203,9 @@ def run_python(provider: str, size: int, total: int, huge: bool) -> dict:
         msrc = merger.register(src_buf)
         engine.connect(dst.peer)
         merger.connect(dst.peer)
+        # warm-up: first contact (per-peer endpoints, connections) and first CMA of each page
+        _bandwidth(engine, src, dst, size, min(total, POOL), contiguous=False)
+        _bandwidth(merger, msrc, dst, size, min(total, POOL), contiguous=True)
         gbps = _bandwidth(engine, src, dst, size, total, contiguous=False)
         coalesced = _bandwidth(merger, msrc, dst, size, total, contiguous=True)
         lat = _latency(engine, src, dst, size)
@@ -214,6 +217,7 @@ def run_python(provider: str, size: int, total: int, huge: bool) -> dict:
             "gbps": gbps, "coalesced_gbps": coalesced, "lat_us": statistics.fmean(lat) * 1e6,
             "lat_p50_us": statistics.median(lat) * 1e6, "idle_cpu_pct": idle_cpu,
             "src_huge_kib": src_buf.huge_page_bytes() >> 10, "dst_huge_kib": dst_huge_kib,
+            "delivery_complete": engine.delivery_complete, "wait_mode": engine.wait_mode,
         }
     finally:
         engine.close()
@@ -288,7 +292,11 @@ def render(info: dict, rows: list[Row], args: argparse.Namespace) -> str:
         f"one write at a time, post to completion, {LAT_ITERS} writes; the C receiver busy-polls, "
         "the engine's progress thread sleeps between writes and is woken (wait fd / doorbell). "
         f"Idle CPU: the receiving engine's process over {IDLE_S:.0f} s with nothing arriving. "
-        f"Medians of {args.repeat} run(s).",
+        f"Medians of {args.repeat} run(s). Both C and Python run with FI_TCP_NODELAY="
+        f"{os.environ.get('FI_TCP_NODELAY', 'unset')} (the engine's default); the engine's "
+        "FI_DELIVERY_COMPLETE and wait mechanism per provider: "
+        + ", ".join(sorted({f"{r.provider}: {r.samples['python'][-1]['delivery_complete']}, "
+                            f"{r.samples['python'][-1]['wait_mode']}" for r in rows})) + ".",
         "",
         "| provider | pages | size | C GB/s | Python GB/s | % of C | coalesced GB/s | C lat us | "
         "Python lat us (mean / p50) | idle CPU % | memcpy GB/s |",
@@ -315,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record", action="store_true", help="write bench/results/fabric.md and .json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    import fabric.engine  # noqa: F401  (its FI_TCP_NODELAY default reaches the C runs too)
+
     info = machine()
     kinds = {"both": (False, True), "huge": (True,), "normal": (False,)}[args.pages]
     rows: list[Row] = []

@@ -41,6 +41,13 @@ from fabric.memory import MemoryRegion, buffer_address
 
 logger = logging.getLogger(__name__)
 
+# Nagle on the tcp provider's sockets delays the small messages rxm answers
+# with (acknowledgements, completions): measured on loopback, a lone 64 KiB
+# write took ~550 us with it and ~150 us without, and bandwidth at 64 KiB
+# doubled. libfabric reads this when it first initializes its providers, so
+# it is set before any engine opens (an explicit setting wins).
+os.environ.setdefault("FI_TCP_NODELAY", "1")
+
 _EVENT_CAP = 1024
 _PROGRESS_SLICE_US = 100_000
 _IMM_MODES = {"last": lib.PDF_IMM_LAST, "every": lib.PDF_IMM_EVERY}
@@ -110,17 +117,17 @@ class _Probe:
 
 
 def _as_offsets(values: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
-    """Validate a 1-D sequence of non-negative ints; return it as uint64."""
+    """Validate a 1-D sequence of non-negative ints; return it as contiguous uint64."""
+    if isinstance(values, np.ndarray) and values.dtype == np.uint64 and values.ndim == 1:
+        return values if values.flags.c_contiguous else np.ascontiguousarray(values)
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
         raise ValueError(f"{name}: expected integers, got dtype {arr.dtype}")
-    if arr.dtype.kind == "i" and arr.size:
-        neg = np.flatnonzero(arr < 0)
-        if neg.size:
-            i = int(neg[0])
-            raise ValueError(f"{name}[{i}]={int(arr[i])}: offsets and lengths must be >= 0")
+    if arr.dtype.kind == "i" and arr.size and arr.min() < 0:
+        i = int(np.flatnonzero(arr < 0)[0])
+        raise ValueError(f"{name}[{i}]={int(arr[i])}: offsets and lengths must be >= 0")
     return np.ascontiguousarray(arr, dtype=np.uint64)
 
 
@@ -152,9 +159,10 @@ class TransferEngine(TransferBackend):
             self.config.control_slots,
             self.config.control_msg_size,
             self.config.spin_us,
+            self.config.busy_spin_us,
             self.config.sleep_max_us,
             int(self.config.peer_timeout_s * 1000),
-            int(self.config.delivery_complete),
+            int(self.config.wants_delivery_complete(provider)),
             bell_name(me).encode(),
             out,
             errbuf,
@@ -532,9 +540,15 @@ class TransferEngine(TransferBackend):
             raise ValueError(f"imm={imm!r}: expected None or an int in 0..{IMM_MAX}")
         if not callable(on_done) or not callable(on_error):
             raise TypeError("write_pages: on_done and on_error must be callable")
-        self._check_bounds(lens, "lengths", 1, self._max_write if mode == "every" else None)
-        self._check_range(src, lens, src_region.length, "src_offsets", f"source region {src_region.region_id}")
-        self._check_range(dsto, lens, dst.length, "dst_offsets", f"destination region {dst.region_id}")
+        src_c = ffi.from_buffer("uint64_t[]", src)
+        dst_c = ffi.from_buffer("uint64_t[]", dsto)
+        lens_c = ffi.from_buffer("uint64_t[]", lens)
+        what = ffi.new("int *")
+        total = ffi.new("uint64_t *")
+        max_len = self._max_write if mode == "every" else 0
+        bad = lib.pdf_check_writes(src_c, dst_c, lens_c, n, src_region.length, dst.length, max_len, what, total)
+        if bad >= 0:
+            self._refuse(int(bad), int(what[0]), src, dsto, lens, src_region, dst, max_len)
         if dst.peer.engine_id not in self._handshaken:
             self.connect(dst.peer)
             self._check_remote(dst)  # the handshake brings the peer's revocations
@@ -548,9 +562,7 @@ class TransferEngine(TransferBackend):
         imm_flag = lib.PDF_IMM_NONE if imm is None else _IMM_MODES[mode]
         rc = lib.pdf_submit_writes(
             self._h, batch_id, fi_addr, src_region.address, src_region._desc, dst.base, dst.key,
-            ffi.from_buffer("uint64_t[]", src), ffi.from_buffer("uint64_t[]", dsto),
-            ffi.from_buffer("uint64_t[]", lens), n, imm or 0, imm_flag, self._max_write,
-            int(self.config.coalesce),
+            src_c, dst_c, lens_c, n, imm or 0, imm_flag, self._max_write, int(self.config.coalesce),
         )
         if rc < 0:
             with self._lock:
@@ -562,7 +574,7 @@ class TransferEngine(TransferBackend):
             st[0] += 1
             st[1] += n
             st[2] += int(rc)
-            st[3] += int(lens.sum())
+            st[3] += int(total[0])
         return batch_id
 
     @property
@@ -592,25 +604,23 @@ class TransferEngine(TransferBackend):
             )
 
     @staticmethod
-    def _check_bounds(arr: np.ndarray, name: str, low: int, high: int | None) -> None:
-        bad = np.flatnonzero(arr < low) if high is None else np.flatnonzero((arr < low) | (arr > high))
-        if bad.size:
-            i = int(bad[0])
-            limit = f">= {low}" if high is None else f"in {low}..{high}"
-            raise ValueError(f"{name}[{i}]={int(arr[i])}: expected {limit}")
-
-    @staticmethod
-    def _check_range(offs: np.ndarray, lens: np.ndarray, size: int, name: str, what: str) -> None:
-        # offs <= size and lens <= size - offs, without uint64 overflow
-        over = offs > size
-        over |= lens > (size - np.minimum(offs, size))
-        bad = np.flatnonzero(over)
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(
-                f"{name}[{i}]={int(offs[i])} + lengths[{i}]={int(lens[i])} = {int(offs[i]) + int(lens[i])} "
-                f"exceeds {what} of {size} bytes"
-            )
+    def _refuse(i: int, what: int, src: np.ndarray, dsto: np.ndarray, lens: np.ndarray,
+                src_region: MemoryRegion, dst: RemoteDescriptor, max_len: int) -> None:
+        """Raise the ValueError for entry ``i``, which pdf_check_writes found bad (``what``)."""
+        length = int(lens[i])
+        if what == lib.PDF_BAD_SHORT:
+            raise ValueError(f"lengths[{i}]={length}: expected >= 1")
+        if what == lib.PDF_BAD_LONG:
+            raise ValueError(f"lengths[{i}]={length}: expected in 1..{max_len} (imm_mode 'every' never splits "
+                             f"an entry: its immediate data counts it once)")
+        name, offs, size, region = (
+            ("src_offsets", src, src_region.length, f"source region {src_region.region_id}")
+            if what == lib.PDF_BAD_SRC
+            else ("dst_offsets", dsto, dst.length, f"destination region {dst.region_id}")
+        )
+        off = int(offs[i])
+        raise ValueError(f"{name}[{i}]={off} + lengths[{i}]={length} = {off + length} exceeds {region} of "
+                         f"{size} bytes")
 
     # ------------------------------------------------------------ messages
 

@@ -57,13 +57,15 @@
 #define PDF_ADDR_MAX 256
 #define PDF_CQ_BATCH 64
 
+#define PDF_BAD_SHORT 1
+#define PDF_BAD_LONG 2
+#define PDF_BAD_SRC 3
+#define PDF_BAD_DST 4
+
 #define PDF_IMM_UNIT_BITS 8
 #define PDF_IMM_UNIT_MAX ((1u << PDF_IMM_UNIT_BITS) - 1)
 #define PDF_IMM_TAG_MAX ((1u << (32 - PDF_IMM_UNIT_BITS)) - 1)
 
-/* Spin this long without progress while operations are outstanding before
- * sleeping in short steps (a slow or dead peer must not cost a core). */
-#define PDF_BUSY_SPIN_NS 2000000ull
 
 typedef struct pdf_event {
     uint32_t kind;
@@ -200,7 +202,8 @@ typedef struct pdf_engine {
     pdf_peer *peers;
     uint64_t npeers;
 
-    uint64_t spin_ns;
+    uint64_t spin_ns;      /* idle: spin this long after the last activity */
+    uint64_t busy_spin_ns; /* operations outstanding: spin this long without progress */
     uint64_t sleep_max_ns;
     uint64_t last_activity_ns;
     int delivery_complete;
@@ -893,7 +896,8 @@ static int open_cq(pdf_engine *e, struct fi_cq_attr *attr, int *cq_fd)
 }
 
 int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv, uint32_t msg_size,
-             uint32_t spin_us, uint32_t sleep_max_us, uint32_t peer_timeout_ms, int delivery_complete,
+             uint32_t spin_us, uint32_t busy_spin_us, uint32_t sleep_max_us, uint32_t peer_timeout_ms,
+             int delivery_complete,
              const char *bell_name, pdf_engine **out, char *err, size_t errlen)
 {
     int ret;
@@ -1055,6 +1059,7 @@ int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv
         e->watchdog_on = 1;
     }
     e->spin_ns = (uint64_t)spin_us * 1000ull;
+    e->busy_spin_ns = (uint64_t)busy_spin_us * 1000ull;
     e->sleep_max_ns = (uint64_t)(sleep_max_us ? sleep_max_us : 1000) * 1000ull;
     e->peer_timeout_ns = (uint64_t)peer_timeout_ms * 1000000ull;
     *out = e;
@@ -1223,6 +1228,34 @@ void pdf_poke(pdf_engine *e)
     e->poke = 1;
     wake(e);
     unlock(e);
+}
+
+/* Validate a batch before anything is queued: every length >= 1 (and at
+ * most max_len when max_len != 0), every [offset, offset + length) inside
+ * its region, without overflow.  Returns -1 if all is well, else the index
+ * of the first bad entry with *what = PDF_BAD_* ; *total gets the bytes. */
+int64_t pdf_check_writes(const uint64_t *src, const uint64_t *dst, const uint64_t *len, uint32_t n,
+                         uint64_t src_size, uint64_t dst_size, uint64_t max_len, int *what, uint64_t *total)
+{
+    uint64_t sum = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t l = len[i];
+        if (l < 1 || (max_len && l > max_len)) {
+            *what = l < 1 ? PDF_BAD_SHORT : PDF_BAD_LONG;
+            return i;
+        }
+        if (src[i] > src_size || l > src_size - src[i]) {
+            *what = PDF_BAD_SRC;
+            return i;
+        }
+        if (dst[i] > dst_size || l > dst_size - dst[i]) {
+            *what = PDF_BAD_DST;
+            return i;
+        }
+        sum += l;
+    }
+    *total = sum;
+    return -1;
 }
 
 /* An idle engine posts the first writes of a new batch on the submitting
@@ -1457,8 +1490,8 @@ static void block(pdf_engine *e, uint64_t timeout_ns)
  * ev (cap must be >= 256).
  *
  * Waiting: while operations are outstanding it spins (yielding now and then)
- * for up to PDF_BUSY_SPIN_NS without progress, then sleeps in steps growing
- * to sleep_max_us.  Idle, it spins for spin_us after the last activity, then
+ * for up to busy_spin_us without progress, then sleeps in steps growing to
+ * sleep_max_us (a slow or dead peer must not cost a core).  Idle, it spins for spin_us after the last activity, then
  * sleeps until work arrives (wait fd, doorbell or local submission; timed
  * steps where the provider offers neither). */
 int pdf_progress(pdf_engine *e, pdf_event *ev, int cap, int64_t timeout_us)
@@ -1525,7 +1558,7 @@ int pdf_progress(pdf_engine *e, pdf_event *ev, int cap, int64_t timeout_us)
         if (did)
             continue;
         uint64_t quiet = t - e->last_activity_ns;
-        if (busy && quiet < PDF_BUSY_SPIN_NS) {
+        if (busy && quiet < e->busy_spin_ns) {
             if ((++spins & 63) == 0)
                 sched_yield(); /* let the other side run on small machines */
             continue;

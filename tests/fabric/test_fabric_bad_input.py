@@ -169,6 +169,14 @@ def test_config_validation_names_values() -> None:
         FabricConfig(tx_depth=-1)
     with pytest.raises(ValueError, match=r"peer_timeout_s=-2"):
         FabricConfig(peer_timeout_s=-2)
+    with pytest.raises(ValueError, match=r"busy_spin_us=-1"):
+        FabricConfig(busy_spin_us=-1)
+    with pytest.raises(ValueError, match=r"delivery_complete='yes'"):
+        FabricConfig(delivery_complete="yes")
+    # default: delivery-complete where it is free (shm, RDMA), not on tcp
+    assert FabricConfig().wants_delivery_complete("shm") and FabricConfig().wants_delivery_complete("efa")
+    assert not FabricConfig().wants_delivery_complete("tcp;ofi_rxm")
+    assert FabricConfig(delivery_complete=True).wants_delivery_complete("tcp;ofi_rxm")
     with pytest.raises(FabricError, match="opening provider 'no-such-provider'") as info:
         TransferEngine(FabricConfig(provider="no-such-provider"))
     assert info.value.code == 61  # FI_ENODATA from fi_getinfo
