@@ -33,6 +33,7 @@ from torch import nn
 from pdserve.attention.base import AttentionBackend, LayerPlans
 from pdserve.model.arch import FULL_ATTENTION, SLIDING_ATTENTION, ModelArch, rope_inv_freq
 from pdserve.model.layers import MergedColumnLinear, RotaryEmbedding, RowLinear
+from pdserve.model.weights import CheckpointReader
 from pdserve.model.llama import LayerHook
 
 
@@ -200,24 +201,8 @@ class Gemma3ForCausalLM(nn.Module):
         Every parameter must be found and every checkpoint tensor must be used; otherwise a
         ValueError lists what is missing or unexpected.
         """
-        ckpt = {name.removeprefix("model."): t for name, t in weights}
-        used: set[str] = set()
-        missing: list[str] = []
-
-        def take(name: str, required: bool = True) -> torch.Tensor | None:
-            if name in ckpt:
-                used.add(name)
-                return ckpt[name]
-            if required:
-                missing.append(name)
-            return None
-
-        def copy(param: torch.Tensor, name: str) -> None:
-            t = take(name)
-            if t is not None:
-                if t.shape != param.shape:
-                    raise ValueError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(t.shape)}")
-                param.data.copy_(t)
+        ckpt = CheckpointReader(weights)
+        take, copy = ckpt.take, ckpt.copy
 
         def load_norm(norm: GemmaRMSNorm, name: str) -> None:
             t = take(name)
@@ -252,9 +237,4 @@ class Gemma3ForCausalLM(nn.Module):
                 mlp.down_proj.load(w)
             for name, norm in layer.norms().items():
                 load_norm(norm, f"{p}{name}.weight")
-        unexpected = sorted(n for n in set(ckpt) - used if "rotary_emb" not in n)
-        if missing or unexpected:
-            raise ValueError(
-                f"checkpoint does not match model_type {arch.model_type!r}: "
-                f"{len(missing)} missing (e.g. {missing[:4]}), {len(unexpected)} unexpected (e.g. {unexpected[:4]})"
-            )
+        ckpt.finish(arch.model_type)

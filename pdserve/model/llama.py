@@ -17,6 +17,7 @@ from torch import nn
 from pdserve.attention.base import AttentionBackend
 from pdserve.model.arch import ModelArch, rope_inv_freq
 from pdserve.model.layers import MergedColumnLinear, RMSNorm, RotaryEmbedding, RowLinear
+from pdserve.model.weights import CheckpointReader
 
 LayerHook = Callable[[int], None]
 
@@ -128,25 +129,8 @@ class LlamaForCausalLM(nn.Module):
         Every parameter must be found and every checkpoint tensor must be used; otherwise a
         ValueError lists what is missing or unexpected.
         """
-        ckpt = {name.removeprefix("model."): t for name, t in weights}
-        used: set[str] = set()
-        missing: list[str] = []
-
-        def take(name: str, required: bool = True) -> torch.Tensor | None:
-            if name in ckpt:
-                used.add(name)
-                return ckpt[name]
-            if required:
-                missing.append(name)
-            return None
-
-        def copy(param: torch.Tensor, name: str) -> None:
-            t = take(name)
-            if t is not None:
-                if t.shape != param.shape:
-                    raise ValueError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(t.shape)}")
-                param.data.copy_(t)
-
+        ckpt = CheckpointReader(weights)
+        take, copy = ckpt.take, ckpt.copy
         arch = self.arch
         copy(self.embed_tokens.weight, "embed_tokens.weight")
         copy(self.norm.weight, "norm.weight")
@@ -177,9 +161,4 @@ class LlamaForCausalLM(nn.Module):
             if arch.qk_norm:
                 copy(attn.q_norm.weight, f"{p}self_attn.q_norm.weight")
                 copy(attn.k_norm.weight, f"{p}self_attn.k_norm.weight")
-        unexpected = sorted(n for n in set(ckpt) - used if "rotary_emb" not in n)
-        if missing or unexpected:
-            raise ValueError(
-                f"checkpoint does not match model_type {arch.model_type!r}: "
-                f"{len(missing)} missing (e.g. {missing[:4]}), {len(unexpected)} unexpected (e.g. {unexpected[:4]})"
-            )
+        ckpt.finish(arch.model_type)
