@@ -138,7 +138,9 @@ ffibuilder.cdef(PDF_CDEF)
 ffibuilder.set_source(
     "fabric._libfabric",
     _source(),
-    sources=[os.path.join(_HERE, "csrc", name) for name in ("pdf_wait.c", "pdf_shm.c")],
+    # Relative to the working directory: setuptools refuses absolute source paths, and a pip build
+    # runs from the repository root (setup.py's directory).
+    sources=[os.path.relpath(os.path.join(_HERE, "csrc", name)) for name in ("pdf_wait.c", "pdf_shm.c")],
     include_dirs=[os.path.join(_HERE, "csrc")],
     libraries=["fabric"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"],
