@@ -133,23 +133,33 @@ def _source() -> str:
         return f.read()
 
 
-ffibuilder = FFI()
-ffibuilder.cdef(PDF_CDEF)
-ffibuilder.set_source(
-    "fabric._libfabric",
-    _source(),
-    # Relative to the working directory: setuptools refuses absolute source paths, and a pip build
-    # runs from the repository root (setup.py's directory).
-    sources=[os.path.relpath(os.path.join(_HERE, "csrc", name)) for name in ("pdf_wait.c", "pdf_shm.c")],
-    include_dirs=[os.path.join(_HERE, "csrc")],
-    libraries=["fabric"],
-    extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"],
-)
+_C_FILES = ("pdf_wait.c", "pdf_shm.c")
+
+
+def make_builder(absolute_sources: bool) -> FFI:
+    """The FFI builder. setuptools wants the extra C files relative to its working directory
+    (the repository root; it refuses absolute paths); cffi's own compile() runs in a temporary
+    directory and needs them absolute."""
+    paths = [os.path.join(_HERE, "csrc", name) for name in _C_FILES]
+    builder = FFI()
+    builder.cdef(PDF_CDEF)
+    builder.set_source(
+        "fabric._libfabric",
+        _source(),
+        sources=paths if absolute_sources else [os.path.relpath(p) for p in paths],
+        include_dirs=[os.path.join(_HERE, "csrc")],
+        libraries=["fabric"],
+        extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"],
+    )
+    return builder
+
+
+ffibuilder = make_builder(absolute_sources=False)  # setup.py: cffi_modules=[...:ffibuilder]
 
 if __name__ == "__main__":
     # Build in place: the .so lands next to this file (fabric/_libfabric*.so).
     with tempfile.TemporaryDirectory(prefix="pdserve-fabric-build-") as tmp:
-        so_path = ffibuilder.compile(tmpdir=tmp, verbose=False)
+        so_path = make_builder(absolute_sources=True).compile(tmpdir=tmp, verbose=False)
         target = os.path.join(_HERE, os.path.basename(so_path))
         os.replace(so_path, target)
         print(target)
