@@ -16,7 +16,6 @@ engine therefore costs no CPU and still answers in microseconds.
 
 from __future__ import annotations
 
-import glob
 import itertools
 import logging
 import os
@@ -29,7 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from fabric import control
+from fabric import control, shmclean
 from fabric._libfabric import ffi, lib
 from fabric.backend import OnDone, OnError, TransferBackend
 from fabric.config import FabricConfig
@@ -53,8 +52,6 @@ _PROGRESS_SLICE_US = 100_000
 _IMM_MODES = {"last": lib.PDF_IMM_LAST, "every": lib.PDF_IMM_EVERY}
 _WAIT_MODES = {lib.PDF_WAIT_SLEEP: "sleep", lib.PDF_WAIT_FD: "fd", lib.PDF_WAIT_BELL: "bell"}
 _MAX_REVOKED_TOLD = 1024  # deregistered regions told to engines that shake hands later
-_BELL_DIR = "/dev/shm"
-_BELL_PREFIX = "pdserve-bell-"
 
 # Process-wide memory of what is stale, so that descriptors of engines and
 # regions closed in this process are refused before anything is posted.
@@ -89,24 +86,7 @@ class FabricStats:
 
 def bell_name(peer: PeerDescriptor) -> str:
     """The shared-memory name of a peer's doorbell (shm engines on one host)."""
-    return f"/{_BELL_PREFIX}{peer.pid}-{peer.engine_id}"
-
-
-def _sweep_stale_bells() -> None:
-    """Remove doorbells left by processes that were killed (they cannot unlink)."""
-    for path in glob.glob(os.path.join(_BELL_DIR, _BELL_PREFIX + "*")):
-        pid_text = os.path.basename(path)[len(_BELL_PREFIX) :].split("-", 1)[0]
-        if not pid_text.isdigit():
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass  # another engine swept it first
-        except PermissionError:
-            continue  # alive, someone else's
+    return f"/{shmclean.BELL_PREFIX}{peer.pid}-{peer.engine_id}"
 
 
 @dataclass
@@ -148,7 +128,7 @@ class TransferEngine(TransferBackend):
         provider = self.config.resolved_provider()
         node = self.config.node if provider != "shm" else None
         self.engine_id = uuid.uuid4().hex
-        _sweep_stale_bells()
+        shmclean.sweep()  # files of killed processes: memory, and pid clashes for shm
         me = PeerDescriptor(provider, b"", self.engine_id, host_id(), os.getpid(), process_start_time(os.getpid()))
         out = ffi.new("pdf_engine **")
         errbuf = ffi.new("char[256]")
