@@ -122,12 +122,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 record: dict[str, object] = {"text": c.text, "token_ids": list(c.token_ids),
                                              "finish_reason": c.finish_reason}
                 if args.logprobs is not None:
-                    # Same shape as the remote path (pdserve.client.logprobs_json).
-                    record["logprobs"] = [
-                        {"token_id": lp.sampled.token_id, "logprob": lp.sampled.logprob,
-                         "top": [[t.token_id, t.logprob] for t in lp.top]}
-                        for lp in (c.logprobs or ())
-                    ]
+                    # The remote path's shape: the engine's SampleLogprobs has the same fields.
+                    from pdserve.client import logprobs_json
+
+                    record["logprobs"] = [logprobs_json(lp) for lp in (c.logprobs or ())]
                 print(json.dumps(record))
             else:
                 sys.stdout.write("\n")

@@ -493,6 +493,9 @@ class Cluster:
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
     """The `pdserve up` flags (call on the sub-parser, then `p.set_defaults(func=cmd_up)`)."""
+    from pdserve.logs import FORMATS
+    from router.policy import POLICIES
+
     p.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill nodes (default 1)")
     p.add_argument("--decode", type=int, default=None, metavar="M", help="decode nodes (default 1)")
     p.add_argument("--colocated", type=int, default=0, metavar="M",
@@ -516,10 +519,10 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=None, metavar="N", help="query tokens per forward pass")
     p.add_argument("--engine-args", default="", metavar="'FLAGS'",
                    help="more engine flags for every node, as one shell-quoted string (e.g. '--page-size 32')")
-    p.add_argument("--routing", default="least-loaded", choices=("least-loaded", "prefix"),
+    p.add_argument("--routing", default="least-loaded", choices=POLICIES,
                    help="how the router picks a decode node: least outstanding work, or prefix-aware under a "
                         "load cap (decode nodes then also pick prefill nodes by prefix) (default: least-loaded)")
-    p.add_argument("--log-format", default="text", choices=("text", "json"),
+    p.add_argument("--log-format", default="text", choices=FORMATS,
                    help="every process logs one line per event as key=value text or JSON (default: text)")
     p.add_argument("--log-dir", default=None, metavar="DIR", help="child logs (default: a new temp dir, printed)")
     p.add_argument("--startup-timeout", type=float, default=180.0, metavar="S",
