@@ -13,6 +13,8 @@ could be scheduled at all it does so at once and the step schedules again.
 Hooks let the KV messenger plug in without the engine knowing about it: `on_schedule` sees each
 pass before it runs (D6), `on_layer_done` fires after each layer's attention output projection
 (D7), `on_prefill_done` receives a prefill-only request's final hidden state and logits (D12).
+One hook is not a step callback: `allocate_kv`, called once while the engine is built, gives the
+KV pool its memory (nodes pass the fabric's huge-page allocator; default: plain torch memory).
 
 Threading: an engine is driven by one thread (the caller of `step`); `AsyncEngine` runs that
 thread for servers.
@@ -30,7 +32,7 @@ import torch
 from pdserve.attention import get_backend
 from pdserve.cache.block_pool import BlockPool, CacheIntegrityError
 from pdserve.cache.groups import attention_groups, max_blocks_per_request
-from pdserve.cache.kv_cache import KVCacheShape, PagedKVCache
+from pdserve.cache.kv_cache import KVAllocator, KVCacheShape, PagedKVCache
 from pdserve.cache.manager import KVCacheManager
 from pdserve.cache.swap import SwapSpace
 from pdserve.config import EngineConfig
@@ -60,13 +62,19 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EngineHooks:
-    """Callbacks into the engine's step; all run on the engine thread and must not block long."""
+    """Callbacks into the engine's step; all run on the engine thread and must not block long.
+
+    allocate_kv is the exception: it runs once, in the engine's constructor, and returns the KV
+    pool's buffer (see pdserve.cache.kv_cache.KVAllocator for what it must return)."""
 
     on_schedule: Callable[[SchedulerOutput], None] | None = None
     on_layer_done: Callable[[int], None] | None = None
     on_prefill_done: Callable[[Request, torch.Tensor, torch.Tensor], None] | None = None
     # A remote-prefill request got its pages (block ids in order) and now waits for its KV.
     on_kv_wait: Callable[[Request, list[int]], None] | None = None
+    # allocate_kv(dims, dtype) -> the pool's buffer [layers, 2, pages, kv_heads, page_size, head_dim];
+    # None: torch.zeros / torch.empty.
+    allocate_kv: KVAllocator | None = None
 
 
 @dataclass
@@ -113,7 +121,7 @@ class LLMEngine:
                                                sched.max_batch_tokens)
         sharing = config.cache.allow_block_sharing and all(g.sliding_window is None for g in groups)
         self.kv_cache = PagedKVCache(KVCacheShape(self.arch.num_layers, size.num_blocks, self.arch.num_kv_heads, P,
-                                                  self.arch.head_dim), dtype)
+                                                  self.arch.head_dim), dtype, allocate=self.hooks.allocate_kv)
         self.pool = BlockPool(size.num_blocks, config.cache.num_padding_blocks)
         self.cache_manager = KVCacheManager(self.pool, P, groups, enable_prefix_caching=sharing)
         swap_slots = config.cache.swap_slots(size.num_blocks, block_nbytes)

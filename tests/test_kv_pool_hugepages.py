@@ -1,0 +1,127 @@
+"""The KV pool a node registers with the fabric sits on huge pages (EngineHooks.allocate_kv).
+
+Prefill and decode nodes (disaggregated) build their engine with kv_messenger.wiring's
+HugePageKVAllocator: the pool is 2 MiB aligned and, where the kernel has transparent huge pages
+(always or madvise), the kernel backs it with huge pages once it is written (AnonHugePages in
+/proc/self/smaps for the pool's range; nothing is committed before). A colocated decode node
+registers nothing and keeps plain torch memory. Without an allocator the cache is plain torch
+memory, and an allocator that returns the wrong tensor is refused by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from fabric.hostmem import HUGE_PAGE_BYTES, thp_mode
+from pdserve.cache.kv_cache import KVCacheShape, PagedKVCache
+from pdserve.config import EngineConfig
+from tiny_models import make_tiny_checkpoint
+
+MiB = 1 << 20
+NUM_BLOCKS = 2048  # tiny llama: 2 layers x K/V x 2 kv heads x 16 tokens x 16 dims x 4 bytes = 8 KiB a block
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    return str(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama") / "tiny"))
+
+
+def _config(model: str) -> EngineConfig:
+    return EngineConfig.from_options(model=model, num_blocks=NUM_BLOCKS, num_threads=1, max_batch_tokens=64)
+
+
+def anon_huge_bytes(start: int, end: int) -> int:
+    """AnonHugePages of this process's mappings that overlap [start, end), from /proc/self/smaps."""
+    total, inside = 0, False
+    with open(f"/proc/{os.getpid()}/smaps", encoding="ascii", errors="replace") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < end and hi > start
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def check_pool_on_huge_pages(buf: torch.Tensor) -> None:
+    # buffer: [layers, 2, pages, kv_heads, page_size, head_dim]
+    assert buf.is_contiguous() and buf.dtype == torch.float32
+    assert int(buf.abs().sum()) == 0, "a fresh pool reads as zeros (its slots must be finite)"
+    mode = thp_mode()
+    if mode in ("never", "unavailable"):
+        pytest.skip(f"transparent huge pages are {mode} on this kernel: the pool falls back to normal pages")
+    start = buf.data_ptr()
+    nbytes = buf.numel() * buf.element_size()
+    assert start % HUGE_PAGE_BYTES == 0, f"KV pool at 0x{start:x} is not 2 MiB aligned"
+    buf.fill_(0.0)  # first touch: the kernel backs the range now (nothing was committed before)
+    huge = anon_huge_bytes(start, start + nbytes)
+    # the kernel may refuse a huge page under memory pressure; most of the pool is backed here
+    assert huge >= nbytes // 2, f"only {huge} of the pool's {nbytes} bytes are on huge pages (THP {mode})"
+
+
+def test_prefill_node_pool_is_on_huge_pages(tiny_llama):
+    from prefill_node.service import NodeConfig, PrefillNode
+
+    loop = asyncio.new_event_loop()
+    node = PrefillNode(NodeConfig(engine=_config(tiny_llama), provider="shm"), loop)
+    try:
+        kv = node.engine.engine.kv_cache
+        assert kv.nbytes == NUM_BLOCKS * 8 * 1024 >= 8 * MiB
+        check_pool_on_huge_pages(kv.buffer)
+    finally:
+        node.close()
+        loop.close()
+
+
+def test_decode_node_pool_is_on_huge_pages_and_colocated_is_not(tiny_llama):
+    from decode_node.server import DecodeNode
+
+    async def build(colocated: bool) -> None:
+        node = DecodeNode(_config(tiny_llama), "decode-test", colocated=colocated,
+                          prefill_addresses=[] if colocated else ["127.0.0.1:1"], provider="shm", fabric_node=None)
+        await node.start()
+        try:
+            buf = node.llm.kv_cache.buffer
+            if colocated:
+                assert node.hooks.allocate_kv is None and node.fabric is None
+            else:
+                check_pool_on_huge_pages(buf)
+        finally:
+            await node.close()
+
+    asyncio.run(build(colocated=True))
+    asyncio.run(build(colocated=False))
+
+
+def test_cache_without_allocator_is_plain_torch_and_bad_allocators_are_refused():
+    shape = KVCacheShape(num_layers=2, num_pages=4, kv_heads=2, page_size=8, head_dim=16)
+    dims = (2, 2, 4, 2, 8, 16)
+    plain = PagedKVCache(shape, torch.float32)
+    assert tuple(plain.buffer.shape) == dims and int(plain.buffer.abs().sum()) == 0
+
+    seen = []
+
+    def allocate(d, dtype):
+        seen.append((d, dtype))
+        return torch.zeros(d, dtype=dtype)
+
+    kv = PagedKVCache(shape, torch.bfloat16, allocate=allocate)
+    assert seen == [(dims, torch.bfloat16)] and kv.buffer.dtype == torch.bfloat16
+    assert kv.k[1].shape == (4, 2, 8, 16)  # k[l]: [pages, kv_heads, page_size, head_dim]
+
+    with pytest.raises(ValueError, match=r"shape \(2, 2, 4, 2, 16, 8\).*needs shape \(2, 2, 4, 2, 8, 16\)"):
+        PagedKVCache(shape, torch.float32, allocate=lambda d, dtype: torch.zeros((2, 2, 4, 2, 16, 8), dtype=dtype))
+    with pytest.raises(ValueError, match=r"dtype torch.float16.*dtype torch.float32"):
+        PagedKVCache(shape, torch.float32, allocate=lambda d, dtype: torch.zeros(d, dtype=torch.float16))
+    with pytest.raises(ValueError, match="non-contiguous"):
+        PagedKVCache(shape, torch.float32,
+                     allocate=lambda d, dtype: torch.zeros(tuple(reversed(d)), dtype=dtype).permute(5, 4, 3, 2, 1, 0))
+    with pytest.raises(TypeError, match="returned ndarray"):
+        import numpy as np
+
+        PagedKVCache(shape, torch.float32, allocate=lambda d, dtype: np.zeros(d, dtype=np.float32))
