@@ -94,8 +94,13 @@ class DecodeNode:
         if not colocated:
             from fabric import FabricConfig, TransferEngine
             from kv_messenger import ContextCodec, KvReceiver
-            from kv_messenger.wiring import layout_of, register_kv
+            from kv_messenger.wiring import check_transferable, layout_of, register_kv
 
+            try:
+                check_transferable(self.llm)  # UnsupportedModelError (a ValueError): sliding-window / hybrid models
+            except ValueError:
+                self.engine.shutdown()
+                raise
             self.fabric = TransferEngine(FabricConfig(provider=provider, node=fabric_node))
             region = register_kv(self.fabric, self.llm.kv_cache)
             self.receiver = KvReceiver(self.fabric, region, layout_of(self.llm.kv_cache),

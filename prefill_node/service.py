@@ -33,7 +33,7 @@ from pdserve_api.servers import StatusError, UnavailableError
 
 from fabric import FabricConfig, FabricError, PeerDescriptor, TransferEngine
 from kv_messenger import ContextCodec, KvSender, ShardingScheme, TransferResult, TransferTarget, expected_writes
-from kv_messenger.wiring import HugePageKVAllocator, layout_of, register_kv
+from kv_messenger.wiring import HugePageKVAllocator, check_transferable, layout_of, register_kv
 from kv_messenger.sender import check_target
 from pdserve.async_engine import AsyncEngine, EngineDeadError
 from pdserve.config import EngineConfig
@@ -137,6 +137,7 @@ class PrefillNode:
         self.engine = AsyncEngine(config.engine, hooks)
         eng = self.engine.engine
         try:
+            check_transferable(eng)  # UnsupportedModelError (a ValueError) for sliding-window / hybrid models
             self.fabric = TransferEngine(FabricConfig(provider=config.provider, node=config.fabric_node,
                                                       close_timeout_s=2.0))
         except BaseException:

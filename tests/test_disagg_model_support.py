@@ -1,0 +1,99 @@
+"""Sliding-window / hybrid models are refused by prefill and decode nodes at start.
+
+The KV messenger sends the "full" attention group's pages only; a hybrid model (Gemma 3: "full"
+and "sliding" groups) in a prefill/decode pair would decode over sliding-layer KV that never
+arrived. Until the messenger sends every group, the nodes refuse such a model when they build
+their engine and messenger, with an error naming the model, its groups and what is unsupported;
+the engine thread they started is stopped. A colocated decode node serves it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from kv_messenger.wiring import UnsupportedModelError
+from pdserve.config import EngineConfig
+from pdserve.model.loader import resolve_model
+from tiny_models import TINY_GEMMA3, make_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory) -> str:
+    return str(make_tiny_checkpoint(TINY_GEMMA3, tmp_path_factory.mktemp("gemma3") / "tiny-gemma3"))
+
+
+def _config(model: str) -> EngineConfig:
+    return EngineConfig.from_options(model=model, num_blocks=64, page_size=4, num_threads=1, max_batch_tokens=24)
+
+
+def _engine_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "pdserve-engine" and t.is_alive()]
+
+
+def _check_message(message: str, model: str) -> None:
+    name = resolve_model(model).name
+    assert f"model {name!r}" in message
+    assert "'full' (1 layer: [1])" in message
+    assert "'sliding' (3 layers: [0, 2, 3], window 16 tokens)" in message
+    assert "transfers only the 'full' group's pages" in message
+    assert "not supported in disaggregated mode" in message and "colocated" in message
+
+
+def test_prefill_node_refuses_a_hybrid_model(tiny_gemma):
+    from prefill_node.service import NodeConfig, PrefillNode
+
+    before = len(_engine_threads())
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(UnsupportedModelError) as err:
+            PrefillNode(NodeConfig(engine=_config(tiny_gemma), provider="shm"), loop)
+    finally:
+        loop.close()
+    _check_message(str(err.value), tiny_gemma)
+    assert len(_engine_threads()) == before, "the refused node left its engine thread running"
+
+
+def test_decode_node_refuses_a_hybrid_model_unless_colocated(tiny_gemma):
+    from decode_node.server import DecodeNode
+
+    before = len(_engine_threads())
+
+    async def build(colocated: bool) -> None:
+        node = DecodeNode(_config(tiny_gemma), "decode-test", colocated=colocated,
+                          prefill_addresses=[] if colocated else ["127.0.0.1:1"], provider="shm", fabric_node=None)
+        await node.start()
+        try:
+            assert node.llm.cache_manager.group_names == ("full", "sliding")
+        finally:
+            await node.close()
+
+    with pytest.raises(UnsupportedModelError) as err:
+        asyncio.run(build(colocated=False))
+    _check_message(str(err.value), tiny_gemma)
+    assert len(_engine_threads()) == before, "the refused node left its engine thread running"
+    asyncio.run(build(colocated=True))  # colocated: no messenger, served
+
+
+def test_node_processes_exit_with_the_reason(tiny_gemma, tmp_path):
+    decode = subprocess.run(
+        [sys.executable, "-m", "decode_node", "--port", "0", "--prefill", "127.0.0.1:1", "--provider", "shm",
+         "--model", tiny_gemma, "--num-blocks", "64", "--page-size", "4", "--threads", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert decode.returncode == 2, decode.stderr[-3000:]
+    _check_message(decode.stderr, tiny_gemma)
+
+    prefill = subprocess.run(
+        [sys.executable, "-m", "prefill_node", "--port", "0", "--provider", "shm",
+         "--model", tiny_gemma, "--num-blocks", "64", "--page-size", "4", "--threads", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert prefill.returncode == 1, prefill.stderr[-3000:]
+    assert "failed to start: UnsupportedModelError" in prefill.stderr
+    _check_message(prefill.stderr, tiny_gemma)
