@@ -6,13 +6,14 @@ elsewhere, same code path). It knows nothing about what the bytes mean.
 
 Public API:
     TransferEngine(config) -> register / deregister / connect / disconnect /
-        write_pages / send / wait_peer_gone / close, plus .imm_counter
+        write_pages / write_pages_sync / send / wait_peer_gone / close, plus
+        .imm_counter
     FabricConfig, MemoryRegion, RemoteDescriptor, PeerDescriptor,
-    ImmCounter, FabricError, TransferBackend, HostBuffer, alloc_buffer,
+    ImmCounter, FabricError, SyncResult, TransferBackend, HostBuffer, alloc_buffer,
     alloc_tensor
 """
 
-from fabric.backend import TransferBackend
+from fabric.backend import SyncResult, TransferBackend
 from fabric.config import FabricConfig
 from fabric.descriptors import PeerDescriptor, RemoteDescriptor
 from fabric.errors import FabricError
@@ -38,6 +39,7 @@ __all__ = [
     "MemoryRegion",
     "PeerDescriptor",
     "RemoteDescriptor",
+    "SyncResult",
     "TransferBackend",
     "TransferEngine",
     "alloc_buffer",

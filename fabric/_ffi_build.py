@@ -69,6 +69,20 @@ typedef struct pdf_info {
 #define PDF_BAD_SRC 3
 #define PDF_BAD_DST 4
 
+typedef struct pdf_sync_result {
+    int64_t writes;
+    uint32_t status;
+    int32_t code;
+    uint64_t missing;
+    uint64_t spin_ns;
+    uint32_t rounds;
+    uint32_t slept;
+} pdf_sync_result;
+
+#define PDF_SYNC_DONE 1
+#define PDF_SYNC_FAILED 2
+#define PDF_SYNC_TIMEOUT 3
+
 #define PDF_WAIT_SLEEP 0
 #define PDF_WAIT_FD 1
 #define PDF_WAIT_BELL 2
@@ -97,7 +111,7 @@ uint32_t fi_version(void);
 const char *pdf_strerror(int code);
 int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv,
              uint32_t msg_size, uint32_t spin_us, uint32_t busy_spin_us, uint32_t sleep_max_us,
-             uint32_t peer_timeout_ms, int delivery_complete, const char *bell_name,
+             uint32_t peer_timeout_ms, int delivery_complete, int busy_poll, const char *bell_name,
              pdf_engine **out, char *err, size_t errlen);
 int pdf_get_info(pdf_engine *e, pdf_info *out);
 int pdf_mr_reg(pdf_engine *e, uint64_t addr, uint64_t len, uint64_t *key_out,
@@ -110,6 +124,10 @@ int64_t pdf_submit_writes(pdf_engine *e, uint64_t id, uint64_t peer, uint64_t lo
                           const uint64_t *src, const uint64_t *dst, const uint64_t *len,
                           uint32_t n, uint32_t imm, int imm_mode, uint64_t max_write,
                           int coalesce);
+int pdf_write_sync(pdf_engine *e, uint64_t id, uint64_t peer, uint64_t local_base, uint64_t desc,
+                   uint64_t remote_base, uint64_t rkey, const uint64_t *src, const uint64_t *dst,
+                   const uint64_t *len, uint32_t n, uint32_t imm, int imm_mode, uint64_t max_write,
+                   int coalesce, uint32_t spin_us, int64_t timeout_us, pdf_sync_result *res);
 int64_t pdf_check_writes(const uint64_t *src, const uint64_t *dst, const uint64_t *len, uint32_t n,
                          uint64_t src_size, uint64_t dst_size, uint64_t max_len, int *what, uint64_t *total);
 int pdf_submit_send(pdf_engine *e, uint64_t id, uint64_t peer, const uint8_t *data, uint32_t len);

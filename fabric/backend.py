@@ -21,6 +21,9 @@ Threading rules:
 from __future__ import annotations
 
 import abc
+import errno
+import threading
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from fabric.descriptors import PeerDescriptor, RemoteDescriptor
@@ -31,6 +34,23 @@ from fabric.memory import MemoryRegion
 OnDone = Callable[[], None]
 OnError = Callable[[FabricError], None]
 Offsets = Sequence[int]
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """How a write_pages_sync call completed.
+
+    writes: RMA writes the batch became; spin_us: time the caller spent
+    polling before it had the outcome or gave up spinning; rounds: progress
+    rounds it ran; slept: True if it had to sleep and let the progress
+    thread finish (the spin budget ran out).
+    """
+
+    batch_id: int
+    writes: int
+    spin_us: float
+    rounds: int
+    slept: bool
 
 
 class TransferBackend(abc.ABC):
@@ -77,6 +97,35 @@ class TransferBackend(abc.ABC):
         on_error: OnError,
     ) -> int:
         """Queue one batch of writes; exactly one of on_done/on_error runs. Returns a batch id."""
+
+    def write_pages_sync(
+        self,
+        src_region: MemoryRegion,
+        src_offsets: Offsets,
+        dst: RemoteDescriptor,
+        dst_offsets: Offsets,
+        lengths: Offsets,
+        imm: int | None,
+        *,
+        timeout: float | None = None,
+    ) -> SyncResult:
+        """write_pages, returning once the batch completed (raises its FabricError if it failed).
+
+        This default waits for the callbacks; backends override it with a
+        path that polls on the calling thread (TransferEngine does)."""
+        done = threading.Event()
+        errors: list[FabricError] = []
+
+        def failed(err: FabricError) -> None:
+            errors.append(err)
+            done.set()
+
+        batch_id = self.write_pages(src_region, src_offsets, dst, dst_offsets, lengths, imm, done.set, failed)
+        if not done.wait(timeout):
+            raise FabricError(errno.ETIMEDOUT, f"write_pages_sync batch {batch_id}: not completed within {timeout}s")
+        if errors:
+            raise errors[0]
+        return SyncResult(batch_id=batch_id, writes=len(lengths), spin_us=0.0, rounds=0, slept=True)
 
     @abc.abstractmethod
     def send(self, peer: PeerDescriptor, payload: bytes) -> None:

@@ -53,6 +53,15 @@ class FabricConfig:
         are outstanding, before sleeping in steps up to sleep_max_us (the
         longest step of the timed sleeps, also used when the provider offers
         no way to be woken).
+    sync_spin_us: how long ``write_pages_sync`` runs progress on the
+        calling thread (posting, polling the CQ) before it hands over to the
+        progress thread and sleeps. The caller burns its core only while it
+        waits for its own write, never when idle. 0: sleep at once.
+    busy_poll: the progress thread never sleeps: it keeps polling (yielding
+        every 64 rounds). For latency-critical deployments with a core to
+        spare per engine: an idle engine then costs a full core (measured in
+        bench/results/fabric-notes.md), and on a 2-core machine a second
+        spinning thread starves the peer it waits for.
     peer_timeout_s: a peer with outstanding writes and no completion for
         this long is declared failed (its batches get on_error); 0 disables.
     close_timeout_s: how long close() waits for outstanding writes.
@@ -71,6 +80,8 @@ class FabricConfig:
     spin_us: int = 20
     busy_spin_us: int = 2000
     sleep_max_us: int = 1000
+    sync_spin_us: int = 200
+    busy_poll: bool = False
     peer_timeout_s: float = 5.0
     close_timeout_s: float = 5.0
 
@@ -81,7 +92,7 @@ class FabricConfig:
             raise ValueError(f"imm_mode={self.imm_mode!r}: expected one of {IMM_MODES}")
         if self.provider is not None and (not isinstance(self.provider, str) or not self.provider.strip()):
             raise ValueError(f"provider={self.provider!r}: expected a non-empty provider name or None")
-        for name in ("max_write_bytes", "tx_depth", "spin_us", "busy_spin_us"):
+        for name in ("max_write_bytes", "tx_depth", "spin_us", "busy_spin_us", "sync_spin_us"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r}: expected an int >= 0")
@@ -93,6 +104,10 @@ class FabricConfig:
             raise ValueError(f"sleep_max_us={self.sleep_max_us!r}: expected 1..1000000")
         if not (isinstance(self.peer_timeout_s, (int, float)) and 0 <= self.peer_timeout_s <= 3600):
             raise ValueError(f"peer_timeout_s={self.peer_timeout_s!r}: expected 0..3600 seconds")
+        if not isinstance(self.busy_poll, bool):
+            raise ValueError(f"busy_poll={self.busy_poll!r}: expected a bool")
+        if self.sync_spin_us > 1_000_000:
+            raise ValueError(f"sync_spin_us={self.sync_spin_us!r}: expected 0..1000000")
         if self.delivery_complete not in (None, True, False):
             raise ValueError(f"delivery_complete={self.delivery_complete!r}: expected None, True or False")
         if not (isinstance(self.close_timeout_s, (int, float)) and 0 <= self.close_timeout_s <= 3600):

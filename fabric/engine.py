@@ -30,7 +30,7 @@ import numpy as np
 
 from fabric import control, shmclean
 from fabric._libfabric import ffi, lib
-from fabric.backend import OnDone, OnError, TransferBackend
+from fabric.backend import OnDone, OnError, SyncResult, TransferBackend
 from fabric.config import FabricConfig
 from fabric.descriptors import PeerDescriptor, RemoteDescriptor
 from fabric.errors import FabricError
@@ -67,6 +67,31 @@ class _Batch:
     region: MemoryRegion
     dst: RemoteDescriptor
     writes: int
+
+
+@dataclass
+class _Prepared:
+    """A validated batch, ready for the native side (engine-internal)."""
+
+    region: MemoryRegion
+    dst: RemoteDescriptor
+    fi_addr: int
+    n: int  # entries
+    total: int  # bytes
+    imm: int
+    imm_flag: int
+    src_c: object  # cffi uint64_t[n] views of the arrays below
+    dst_c: object
+    lens_c: object
+    keepalive: tuple  # (src_offsets, dst_offsets, lengths), each np.uint64 [n]
+
+
+def _detached_done() -> None:
+    """A write_pages_sync batch that timed out completed later: nothing to tell anyone."""
+
+
+def _detached_error(err: FabricError) -> None:
+    logger.info("a write_pages_sync batch that had timed out failed later: %s", err)
 
 
 @dataclass(frozen=True)
@@ -143,6 +168,7 @@ class TransferEngine(TransferBackend):
             self.config.sleep_max_us,
             int(self.config.peer_timeout_s * 1000),
             int(self.config.wants_delivery_complete(provider)),
+            int(self.config.busy_poll),
             bell_name(me).encode(),
             out,
             errbuf,
@@ -500,62 +526,145 @@ class TransferEngine(TransferBackend):
         thread. Everything is validated before anything is posted: bad
         values raise ValueError, bad handles FabricError. Returns the batch id.
         """
+        if not callable(on_done) or not callable(on_error):
+            raise TypeError("write_pages: on_done and on_error must be callable")
+        w = self._prepare("write_pages", src_region, src_offsets, dst, dst_offsets, lengths, imm, imm_mode)
+        batch_id = self._open_batch(w, on_done, on_error)
+        rc = lib.pdf_submit_writes(
+            self._h, batch_id, w.fi_addr, src_region.address, src_region._desc, dst.base, dst.key,
+            w.src_c, w.dst_c, w.lens_c, w.n, w.imm, w.imm_flag, self._max_write, int(self.config.coalesce),
+        )
+        if rc < 0:
+            self._drop_batch(batch_id, src_region)
+            raise FabricError(int(rc), f"write_pages batch of {w.n} writes to {dst!r}")
+        self._count(w, int(rc))
+        return batch_id
+
+    def write_pages_sync(
+        self,
+        src_region: MemoryRegion,
+        src_offsets: Sequence[int] | np.ndarray,
+        dst: RemoteDescriptor,
+        dst_offsets: Sequence[int] | np.ndarray,
+        lengths: Sequence[int] | np.ndarray,
+        imm: int | None,
+        *,
+        imm_mode: str | None = None,
+        timeout: float | None = None,
+        spin_us: int | None = None,
+    ) -> SyncResult:
+        """``write_pages``, waiting for completion on the calling thread.
+
+        For lone, latency-bound writes: the batch is posted and its
+        completion polled by this thread (GIL released) for up to
+        ``spin_us`` (default ``config.sync_spin_us``); after that the
+        progress thread takes over and this thread sleeps until the batch
+        completes. No callback, no thread hop on the fast path. Other
+        completions this thread happens to poll still reach their callbacks
+        on the progress thread. Returns a SyncResult; raises FabricError if
+        the batch failed (nothing or part of it landed), or
+        FabricError(FI_ETIMEDOUT) once ``timeout`` seconds pass (the batch
+        then stays in flight and the region busy until it completes or
+        fails). Validation as in write_pages.
+        """
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
+            raise ValueError(f"timeout={timeout!r}: expected None or seconds >= 0")
+        spin = self.config.sync_spin_us if spin_us is None else spin_us
+        if not isinstance(spin, int) or not 0 <= spin <= 1_000_000:
+            raise ValueError(f"spin_us={spin!r}: expected an int in 0..1000000")
+        w = self._prepare("write_pages_sync", src_region, src_offsets, dst, dst_offsets, lengths, imm, imm_mode)
+        batch_id = self._open_batch(w, _detached_done, _detached_error)
+        res = ffi.new("pdf_sync_result *")
+        rc = lib.pdf_write_sync(
+            self._h, batch_id, w.fi_addr, src_region.address, src_region._desc, dst.base, dst.key,
+            w.src_c, w.dst_c, w.lens_c, w.n, w.imm, w.imm_flag, self._max_write, int(self.config.coalesce),
+            spin, -1 if timeout is None else int(timeout * 1e6), res,
+        )
+        if rc < 0:
+            self._drop_batch(batch_id, src_region)
+            raise FabricError(int(rc), f"write_pages_sync batch of {w.n} writes to {dst!r}")
+        self._count(w, int(res.writes))
+        status = int(res.status)
+        if status == lib.PDF_SYNC_TIMEOUT:
+            # detached: its outcome comes back as an event (_detached_*), the region stays busy until then
+            raise FabricError(lib.FI_ETIMEDOUT, f"write_pages_sync batch {batch_id} to {dst!r}: not completed "
+                                                f"within {timeout}s (still in flight)")
+        self._drop_batch(batch_id, src_region)
+        if status == lib.PDF_SYNC_FAILED:
+            raise FabricError(int(res.code), f"write_pages_sync batch {batch_id} to {dst!r}: {int(res.missing)} "
+                                             f"of {int(res.writes)} writes not completed")
+        return SyncResult(batch_id=batch_id, writes=int(res.writes), spin_us=int(res.spin_ns) / 1000.0,
+                          rounds=int(res.rounds), slept=bool(res.slept))
+
+    def _prepare(
+        self,
+        what: str,
+        src_region: MemoryRegion,
+        src_offsets: Sequence[int] | np.ndarray,
+        dst: RemoteDescriptor,
+        dst_offsets: Sequence[int] | np.ndarray,
+        lengths: Sequence[int] | np.ndarray,
+        imm: int | None,
+        imm_mode: str | None,
+    ) -> _Prepared:
+        """Validate a batch (nothing is posted if anything is wrong) and resolve its peer."""
         self._check_open()
-        self._check_region(src_region, "write_pages")
+        self._check_region(src_region, what)
         self._check_remote(dst)
         src = _as_offsets(src_offsets, "src_offsets")
         dsto = _as_offsets(dst_offsets, "dst_offsets")
         lens = _as_offsets(lengths, "lengths")
         n = src.size
         if n == 0:
-            raise ValueError("write_pages: empty batch (no offsets)")
+            raise ValueError(f"{what}: empty batch (no offsets)")
         if dsto.size != n or lens.size != n:
             raise ValueError(
-                f"write_pages: lengths differ: src_offsets={n}, dst_offsets={dsto.size}, lengths={lens.size}"
+                f"{what}: lengths differ: src_offsets={n}, dst_offsets={dsto.size}, lengths={lens.size}"
             )
         mode = imm_mode or self.config.imm_mode
         if mode not in _IMM_MODES:
             raise ValueError(f"imm_mode={mode!r}: expected one of {tuple(_IMM_MODES)}")
         if imm is not None and (not isinstance(imm, int) or not 0 <= imm <= IMM_MAX):
             raise ValueError(f"imm={imm!r}: expected None or an int in 0..{IMM_MAX}")
-        if not callable(on_done) or not callable(on_error):
-            raise TypeError("write_pages: on_done and on_error must be callable")
         src_c = ffi.from_buffer("uint64_t[]", src)
         dst_c = ffi.from_buffer("uint64_t[]", dsto)
         lens_c = ffi.from_buffer("uint64_t[]", lens)
-        what = ffi.new("int *")
+        bad_what = ffi.new("int *")
         total = ffi.new("uint64_t *")
         max_len = self._max_write if mode == "every" else 0
-        bad = lib.pdf_check_writes(src_c, dst_c, lens_c, n, src_region.length, dst.length, max_len, what, total)
+        bad = lib.pdf_check_writes(src_c, dst_c, lens_c, n, src_region.length, dst.length, max_len, bad_what, total)
         if bad >= 0:
-            self._refuse(int(bad), int(what[0]), src, dsto, lens, src_region, dst, max_len)
+            self._refuse(int(bad), int(bad_what[0]), src, dsto, lens, src_region, dst, max_len)
         if dst.peer.engine_id not in self._handshaken:
             self.connect(dst.peer)
             self._check_remote(dst)  # the handshake brings the peer's revocations
         fi_addr = self._resolve(dst.peer)
-        with self._lock:
-            if fi_addr in self._failed:
-                raise FabricError(lib.FI_EHOSTUNREACH, f"write_pages: peer {dst.peer!r} has failed")
-            batch_id = next(self._ids)
-            self._batches[batch_id] = _Batch(on_done, on_error, src_region, dst, n)
-            src_region.inflight += 1
         imm_flag = lib.PDF_IMM_NONE if imm is None else _IMM_MODES[mode]
-        rc = lib.pdf_submit_writes(
-            self._h, batch_id, fi_addr, src_region.address, src_region._desc, dst.base, dst.key,
-            src_c, dst_c, lens_c, n, imm or 0, imm_flag, self._max_write, int(self.config.coalesce),
-        )
-        if rc < 0:
-            with self._lock:
-                self._batches.pop(batch_id, None)
-                src_region.inflight -= 1
-            raise FabricError(int(rc), f"write_pages batch of {n} writes to {dst!r}")
+        # the numpy arrays ride along: the cffi views borrow their memory
+        return _Prepared(src_region, dst, fi_addr, n, int(total[0]), imm or 0, imm_flag,
+                         src_c, dst_c, lens_c, (src, dsto, lens))
+
+    def _open_batch(self, w: _Prepared, on_done: OnDone, on_error: OnError) -> int:
+        with self._lock:
+            if w.fi_addr in self._failed:
+                raise FabricError(lib.FI_EHOSTUNREACH, f"write_pages: peer {w.dst.peer!r} has failed")
+            batch_id = next(self._ids)
+            self._batches[batch_id] = _Batch(on_done, on_error, w.region, w.dst, w.n)
+            w.region.inflight += 1
+        return batch_id
+
+    def _drop_batch(self, batch_id: int, region: MemoryRegion) -> None:
+        with self._lock:
+            if self._batches.pop(batch_id, None) is not None:
+                region.inflight -= 1
+
+    def _count(self, w: _Prepared, writes: int) -> None:
         with self._lock:
             st = self._stats
             st[0] += 1
-            st[1] += n
-            st[2] += int(rc)
-            st[3] += int(total[0])
-        return batch_id
+            st[1] += w.n
+            st[2] += writes
+            st[3] += w.total
 
     @property
     def shm_locks_released(self) -> int:

@@ -27,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/futex.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -61,6 +62,21 @@
 #define PDF_BAD_LONG 2
 #define PDF_BAD_SRC 3
 #define PDF_BAD_DST 4
+
+#define PDF_SYNC_PENDING 0
+#define PDF_SYNC_DONE 1
+#define PDF_SYNC_FAILED 2
+#define PDF_SYNC_TIMEOUT 3
+
+typedef struct pdf_sync_result {
+    int64_t writes;     /* writes the batch became (after coalescing and splitting) */
+    uint32_t status;    /* PDF_SYNC_DONE / _FAILED / _TIMEOUT */
+    int32_t code;       /* FAILED: the error */
+    uint64_t missing;   /* FAILED: writes not completed */
+    uint64_t spin_ns;   /* time the caller spent running progress rounds */
+    uint32_t rounds;    /* progress rounds it ran */
+    uint32_t slept;     /* 1 if it had to sleep (the spin budget ran out) */
+} pdf_sync_result;
 
 #define PDF_IMM_UNIT_BITS 8
 #define PDF_IMM_UNIT_MAX ((1u << PDF_IMM_UNIT_BITS) - 1)
@@ -127,6 +143,15 @@ typedef struct pdf_batch {
     uint32_t inflight;  /* writes posted and not yet completed */
     int failed;
     int reported;
+    /* pdf_write_sync: a caller waits for this batch on its own thread.  Its
+     * outcome is stored here (and `word` futex-woken) instead of becoming an
+     * event, and sweep() keeps it until the caller has read it. */
+    int sync;
+    int outcome;      /* PDF_SYNC_PENDING / _DONE / _FAILED */
+    int code;         /* the error of a failed batch */
+    uint64_t missing; /* writes not completed when it failed */
+    uint32_t word;    /* futex word: 1 once the outcome is set */
+    int sleeping;     /* the caller sleeps on `word` */
     struct pdf_batch *link;
 } pdf_batch;
 
@@ -216,6 +241,13 @@ typedef struct pdf_engine {
     uint64_t peer_timeout_ns;
     uint64_t last_timeout_check;
     uint64_t round;
+    int busy_poll; /* the progress thread never sleeps (FabricConfig.busy_poll) */
+
+    /* Events produced by callers that ran progress rounds themselves
+     * (pdf_write_sync); the progress thread hands them to Python. */
+    pdf_event *defer;
+    uint32_t ndefer, cap_defer;
+    uint32_t sync_waiters; /* callers inside pdf_write_sync (pdf_close waits for them) */
 } pdf_engine;
 
 /* Other threads take the lock through here: the progress thread, which
@@ -369,18 +401,40 @@ static void ev_imm(evbuf *b, uint64_t data)
 
 /* --------------------------------------------------------------- failure */
 
+/* A batch finished (failed: with `code`).  Its caller learns it through an
+ * event, or, for a batch a caller waits for in pdf_write_sync, through its
+ * outcome fields and a futex wake-up.  Called with the lock held. */
+static void batch_report(pdf_batch *b, int failed, int code, evbuf *out)
+{
+    b->reported = 1;
+    if (!b->sync) {
+        if (failed)
+            ev_push(out, PDF_EV_BATCH_FAILED, code, b->id, b->n - b->completed, b->n);
+        else
+            ev_push(out, PDF_EV_BATCH_DONE, 0, b->id, b->n, 0);
+        return;
+    }
+    b->outcome = failed ? PDF_SYNC_FAILED : PDF_SYNC_DONE;
+    b->code = code;
+    b->missing = b->n - b->completed;
+    __atomic_store_n(&b->word, 1, __ATOMIC_SEQ_CST);
+    if (b->sleeping)
+        syscall(SYS_futex, &b->word, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+}
+
 static void batch_fail(pdf_engine *e, pdf_batch *b, int code, evbuf *out)
 {
     (void)e;
     b->failed = 1;
-    if (!b->reported) {
-        b->reported = 1;
-        ev_push(out, PDF_EV_BATCH_FAILED, code, b->id, b->n - b->completed, b->n);
-    }
+    if (!b->reported)
+        batch_report(b, 1, code, out);
 }
 
 static void take_pending(pdf_engine *e);
 static void forget_local(pdf_peer *p);
+static int run_round(pdf_engine *e, evbuf *out, uint64_t *t);
+static int drain_defer(pdf_engine *e, evbuf *out);
+static void wake(pdf_engine *e);
 
 static void peer_fail(pdf_engine *e, uint64_t peer, int code, evbuf *out)
 {
@@ -488,7 +542,7 @@ static void sweep(pdf_engine *e)
     pdf_batch *prev = NULL, *b = e->act_head;
     while (b) {
         pdf_batch *nx = b->link;
-        if (b->reported && b->inflight == 0) {
+        if (b->reported && b->inflight == 0 && !b->sync) {
             if (prev)
                 prev->link = nx;
             else
@@ -746,10 +800,8 @@ static void complete_op(pdf_engine *e, pdf_op *op, int err, evbuf *out, uint64_t
             peer_fail(e, b->peer, err, out);
     } else {
         b->completed++;
-        if (!b->reported && b->completed == b->n) {
-            b->reported = 1;
-            ev_push(out, PDF_EV_BATCH_DONE, 0, b->id, b->n, 0);
-        }
+        if (!b->reported && b->completed == b->n)
+            batch_report(b, 0, 0, out);
     }
     op_put(e, op);
 }
@@ -897,7 +949,7 @@ static int open_cq(pdf_engine *e, struct fi_cq_attr *attr, int *cq_fd)
 
 int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv, uint32_t msg_size,
              uint32_t spin_us, uint32_t busy_spin_us, uint32_t sleep_max_us, uint32_t peer_timeout_ms,
-             int delivery_complete,
+             int delivery_complete, int busy_poll,
              const char *bell_name, pdf_engine **out, char *err, size_t errlen)
 {
     int ret;
@@ -1062,6 +1114,7 @@ int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv
     e->busy_spin_ns = (uint64_t)busy_spin_us * 1000ull;
     e->sleep_max_ns = (uint64_t)(sleep_max_us ? sleep_max_us : 1000) * 1000ull;
     e->peer_timeout_ns = (uint64_t)peer_timeout_ms * 1000000ull;
+    e->busy_poll = busy_poll;
     *out = e;
     return 0;
 fail:
@@ -1288,11 +1341,12 @@ static void post_inline(pdf_engine *e, pdf_batch *b)
  * (the caller checked len <= max_write); otherwise an entry longer than
  * max_write is split.  Returns the number of writes the batch was turned
  * into, or a negative error. */
-int64_t pdf_submit_writes(pdf_engine *e, uint64_t id, uint64_t peer, uint64_t local_base, uint64_t desc,
-                          uint64_t remote_base, uint64_t rkey, const uint64_t *src, const uint64_t *dst,
-                          const uint64_t *len, uint32_t n, uint32_t imm, int imm_mode, uint64_t max_write,
-                          int coalesce)
+static int64_t build_batch(uint64_t id, uint64_t peer, uint64_t local_base, uint64_t desc,
+                           uint64_t remote_base, uint64_t rkey, const uint64_t *src, const uint64_t *dst,
+                           const uint64_t *len, uint32_t n, uint32_t imm, int imm_mode, uint64_t max_write,
+                           int coalesce, pdf_batch **out)
 {
+    *out = NULL;
     if (n == 0)
         return -FI_EINVAL;
     if (imm > PDF_IMM_TAG_MAX)
@@ -1350,22 +1404,176 @@ int64_t pdf_submit_writes(pdf_engine *e, uint64_t id, uint64_t peer, uint64_t lo
     b->imm = imm;
     b->imm_mode = imm_mode;
     b->n = m;
-    ext_lock(e);
-    if (e->stop) {
-        unlock(e);
-        free(arr);
-        free(b);
+    *out = b;
+    return m;
+}
+
+static void free_batch(pdf_batch *b)
+{
+    free(b->src);
+    free(b);
+}
+
+/* Queue a built batch (and post its first writes if the engine is idle).
+ * Called with the lock held; -FI_ESHUTDOWN once the engine stops. */
+static int enqueue_batch(pdf_engine *e, pdf_batch *b)
+{
+    if (e->stop)
         return -FI_ESHUTDOWN;
-    }
     if (e->pend_tail)
         e->pend_tail->link = b;
     else
         e->pend_head = b;
     e->pend_tail = b;
     post_inline(e, b);
-    wake(e);
+    return 0;
+}
+
+int64_t pdf_submit_writes(pdf_engine *e, uint64_t id, uint64_t peer, uint64_t local_base, uint64_t desc,
+                          uint64_t remote_base, uint64_t rkey, const uint64_t *src, const uint64_t *dst,
+                          const uint64_t *len, uint32_t n, uint32_t imm, int imm_mode, uint64_t max_write,
+                          int coalesce)
+{
+    pdf_batch *b;
+    int64_t m = build_batch(id, peer, local_base, desc, remote_base, rkey, src, dst, len, n, imm, imm_mode,
+                            max_write, coalesce, &b);
+    if (m < 0)
+        return m;
+    ext_lock(e);
+    int ret = enqueue_batch(e, b);
+    if (!ret)
+        wake(e);
     unlock(e);
+    if (ret) {
+        free_batch(b);
+        return ret;
+    }
     return m;
+}
+
+/* ------------------------------------------------------ synchronous writes */
+
+/* Events a synchronous caller's round may produce at most (poll_cq keeps
+ * PDF_CQ_BATCH * 3 + 8 free before it reads). */
+#define PDF_SYNC_EVCAP 512
+#define PDF_DEFER_MAX (1u << 16)
+
+/* Make room for `k` more deferred events.  Lock held.  0 if there is none
+ * (then the caller leaves polling to the progress thread). */
+static int defer_reserve(pdf_engine *e, uint32_t k)
+{
+    if (e->cap_defer - e->ndefer >= k)
+        return 1;
+    uint32_t cap = e->cap_defer ? e->cap_defer : 1024;
+    while (cap - e->ndefer < k)
+        cap *= 2;
+    if (cap > PDF_DEFER_MAX)
+        return 0;
+    pdf_event *d = (pdf_event *)realloc(e->defer, sizeof(pdf_event) * cap);
+    if (!d)
+        return 0;
+    e->defer = d;
+    e->cap_defer = cap;
+    return 1;
+}
+
+/* Post a batch and wait for it on the calling thread (which has released
+ * the GIL): the lone-write path, without the two thread hops of
+ * pdf_submit_writes (progress thread -> Python callback -> waiting thread).
+ *
+ * The caller first runs progress rounds itself for up to spin_us (posting
+ * the rest of its batch, polling the CQ, ringing the target's doorbell);
+ * events for anything else that those rounds produce are deferred to the
+ * progress thread, which is woken to hand them to Python.  Once the spin
+ * budget is spent it wakes the progress thread to take over and sleeps on
+ * a futex until the batch's outcome is set, or timeout_us passes (< 0: no
+ * limit): then the batch is detached and reports through the ordinary
+ * events, under its id, like any pdf_submit_writes batch.
+ *
+ * Returns 0 with *res filled, or a negative error before anything was
+ * queued. */
+int pdf_write_sync(pdf_engine *e, uint64_t id, uint64_t peer, uint64_t local_base, uint64_t desc,
+                   uint64_t remote_base, uint64_t rkey, const uint64_t *src, const uint64_t *dst,
+                   const uint64_t *len, uint32_t n, uint32_t imm, int imm_mode, uint64_t max_write, int coalesce,
+                   uint32_t spin_us, int64_t timeout_us, pdf_sync_result *res)
+{
+    memset(res, 0, sizeof(*res));
+    pdf_batch *b;
+    int64_t m = build_batch(id, peer, local_base, desc, remote_base, rkey, src, dst, len, n, imm, imm_mode,
+                            max_write, coalesce, &b);
+    if (m < 0)
+        return (int)m;
+    b->sync = 1;
+    res->writes = m;
+    uint64_t t0 = now_ns();
+    uint64_t spin_end = t0 + (uint64_t)spin_us * 1000ull;
+    uint64_t deadline = timeout_us < 0 ? UINT64_MAX : t0 + (uint64_t)timeout_us * 1000ull;
+    ext_lock(e);
+    int ret = enqueue_batch(e, b);
+    if (ret) {
+        unlock(e);
+        free_batch(b);
+        return ret;
+    }
+    e->sync_waiters++;
+    unlock(e);
+
+    pdf_event local[PDF_SYNC_EVCAP];
+    uint64_t t = t0;
+    for (;;) {
+        ext_lock(e);
+        if (b->outcome || e->stop || t >= spin_end || !defer_reserve(e, PDF_SYNC_EVCAP)) {
+            unlock(e);
+            break;
+        }
+        evbuf out = {local, PDF_SYNC_EVCAP, 0};
+        run_round(e, &out, &t);
+        res->rounds++;
+        if (out.n) {
+            memcpy(e->defer + e->ndefer, local, sizeof(pdf_event) * (size_t)out.n);
+            e->ndefer += (uint32_t)out.n;
+            wake(e);
+        }
+        int got = b->outcome != PDF_SYNC_PENDING;
+        unlock(e);
+        if (got)
+            break;
+        if ((res->rounds & 15) == 0)
+            sched_yield(); /* a target on this core must get to run */
+    }
+    res->spin_ns = now_ns() - t0;
+
+    ext_lock(e);
+    if (!b->outcome) {
+        /* the progress thread takes over polling; sleep until it is done */
+        b->sleeping = 1;
+        res->slept = 1;
+        wake(e);
+    }
+    unlock(e);
+    while (!__atomic_load_n(&b->word, __ATOMIC_SEQ_CST)) {
+        t = now_ns();
+        if (t >= deadline)
+            break;
+        uint64_t left = deadline - t;
+        if (left > 1000000000ull)
+            left = 1000000000ull;
+        struct timespec ts = {(time_t)(left / 1000000000ull), (long)(left % 1000000000ull)};
+        syscall(SYS_futex, &b->word, FUTEX_WAIT_PRIVATE, 0, &ts, NULL, 0);
+    }
+    ext_lock(e);
+    if (b->outcome) {
+        res->status = (uint32_t)b->outcome;
+        res->code = b->code;
+        res->missing = b->missing;
+    } else {
+        res->status = PDF_SYNC_TIMEOUT; /* detached: reports as an event later */
+    }
+    b->sync = 0; /* sweep frees it once nothing of it is in flight */
+    b->sleeping = 0;
+    e->sync_waiters--;
+    unlock(e);
+    return 0;
 }
 
 int pdf_submit_send(pdf_engine *e, uint64_t id, uint64_t peer, const uint8_t *data, uint32_t len)
@@ -1447,6 +1655,14 @@ int pdf_fail_all(pdf_engine *e, int code, pdf_event *ev, int cap)
 {
     evbuf out = {ev, cap, 0};
     ext_lock(e);
+    /* events synchronous callers left for the progress thread, which has stopped */
+    uint32_t k = e->ndefer < (uint32_t)(cap - 1) ? e->ndefer : (uint32_t)(cap - 1);
+    if (k) {
+        memcpy(out.ev, e->defer, sizeof(pdf_event) * k);
+        out.n = (int)k;
+        memmove(e->defer, e->defer + k, sizeof(pdf_event) * (e->ndefer - k));
+        e->ndefer -= k;
+    }
     take_pending(e);
     for (pdf_batch *b = e->act_head; b && out.n < cap - 1; b = b->link)
         if (!b->reported)
@@ -1466,6 +1682,42 @@ void pdf_stop(pdf_engine *e)
     e->stop = 1;
     wake(e);
     unlock(e);
+}
+
+/* One round of progress, with the lock held: post what the credits allow,
+ * poll the CQ, judge peers, free finished batches, ring peers that must
+ * move our data.  Returns how much it did; *t gets the time it polled. */
+static int run_round(pdf_engine *e, evbuf *out, uint64_t *t)
+{
+    take_pending(e);
+    int eagain = 0;
+    int did = post_work(e, out, &eagain);
+    did += poll_cq(e, out);
+    if (eagain)
+        did += post_work(e, out, &eagain);
+    *t = now_ns();
+    check_timeouts(e, out, *t);
+    sweep(e);
+    if (e->waiter.mode == PDF_WAIT_BELL)
+        ring_peers(e);
+    return did;
+}
+
+/* Move events that pdf_write_sync callers produced into `out`, keeping
+ * poll_cq's reserve.  Lock held.  Returns how many moved. */
+static int drain_defer(pdf_engine *e, evbuf *out)
+{
+    uint32_t room = 0, k = 0;
+    if (out->cap - out->n > PDF_CQ_BATCH * 3 + 16)
+        room = (uint32_t)(out->cap - out->n - (PDF_CQ_BATCH * 3 + 16));
+    k = e->ndefer < room ? e->ndefer : room;
+    if (!k)
+        return 0;
+    memcpy(out->ev + out->n, e->defer, sizeof(pdf_event) * k);
+    out->n += (int)k;
+    memmove(e->defer, e->defer + k, sizeof(pdf_event) * (e->ndefer - k));
+    e->ndefer -= k;
+    return (int)k;
 }
 
 /* Sleep until woken or `timeout_ns` passes.  The caller armed the waiter
@@ -1506,17 +1758,9 @@ int pdf_progress(pdf_engine *e, pdf_event *ev, int cap, int64_t timeout_us)
     for (;;) {
         lock(e);
         int before = out.n;
-        take_pending(e);
-        int eagain = 0;
-        int did = post_work(e, &out, &eagain);
-        did += poll_cq(e, &out);
-        if (eagain)
-            did += post_work(e, &out, &eagain);
-        uint64_t t = now_ns();
-        check_timeouts(e, &out, t);
-        sweep(e);
-        if (e->waiter.mode == PDF_WAIT_BELL)
-            ring_peers(e);
+        int did = drain_defer(e, &out);
+        uint64_t t;
+        did += run_round(e, &out, &t);
         int busy = e->active_ops > 0 || e->act_head != NULL || e->sact_head != NULL;
         int stop = e->stop;
         int poke = e->poke;
@@ -1565,6 +1809,11 @@ int pdf_progress(pdf_engine *e, pdf_event *ev, int cap, int64_t timeout_us)
         }
         if (!busy && quiet < e->spin_ns)
             continue;
+        if (e->busy_poll) {
+            if ((++spins & 63) == 0)
+                sched_yield();
+            continue;
+        }
         if (!armed) {
             /* announce the sleep, then look once more before sleeping */
             pdf_waiter_arm(&e->waiter);
@@ -1612,6 +1861,13 @@ void pdf_close(pdf_engine *e)
     if (!e)
         return;
     ext_lock(e);
+    while (e->sync_waiters) {
+        /* pdf_fail_all gave their batches an outcome: they are leaving */
+        unlock(e);
+        struct timespec ts = {0, 100000};
+        nanosleep(&ts, NULL);
+        ext_lock(e);
+    }
     close_peer_eps(e);
     if (e->ep)
         fi_close(&e->ep->fid);
@@ -1651,6 +1907,7 @@ void pdf_close(pdf_engine *e)
     free(e->send_ops);
     free(e->send_free);
     free(e->repost);
+    free(e->defer);
     for (uint64_t i = 0; i < e->npeers; i++)
         forget_local(&e->peers[i]);
     free(e->peers);

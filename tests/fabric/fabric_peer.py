@@ -89,6 +89,11 @@ def _serve(conn: Any, config: FabricConfig, pool_bytes: int, netns: str | None) 
 
             engine.write_pages(region, src_offs, dst, dst_offs, lens, tag, ok, failed)
             conn.send(result[0] if done.wait(20) else TimeoutError("write did not complete"))
+        elif cmd == "send":
+            peer, payloads = args
+            for payload in payloads:
+                engine.send(peer, payload)
+            conn.send(None)
         elif cmd == "deregister":
             engine.deregister(region)
             conn.send(None)
