@@ -5,20 +5,12 @@ setup.py lists ``"pdserve/attention/_kernels_build.py:ffibuilder"`` in ``cffi_mo
 
     cd /work/main && .venv/bin/python pdserve/attention/_kernels_build.py
 
-Flags: ``-O3`` always; ``-march=native`` (the module is built on the machine that runs it) and
-``-fopenmp`` each only when the compiler accepts them (probed with a tiny compile), so a compiler
-without them still yields a working, slower module. ``PDSERVE_KERNEL_CFLAGS`` appends flags
-(development only, e.g. ``-DPA_PROFILE`` to keep the stages out of line for perf). No
-``-ffast-math``: the kernel relies on
--inf for masking.
+Compiler flags: pdserve/_cflags.py (-O3, -march=native and -fopenmp where accepted).
 """
 
 import logging
 import os
-import shutil
-import subprocess
-import sysconfig
-import tempfile
+import runpy
 
 from cffi import FFI
 
@@ -45,47 +37,11 @@ int pa_has_openmp(void);
 """
 
 
-def _compiler() -> str:
-    """The C compiler setuptools will use (first word of sysconfig CC, else 'cc')."""
-    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-    return cc.split()[0]
-
-
-def _accepts(flags: list[str], source: str = "int main(void) { return 0; }\n") -> bool:
-    """Whether the compiler compiles and links a tiny program with ``flags``."""
-    cc = _compiler()
-    if shutil.which(cc) is None:
-        logger.warning("compiler %r not found while probing flags %s", cc, flags)
-        return False
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "probe.c")
-        with open(src, "w") as f:
-            f.write(source)
-        cmd = [cc, *flags, src, "-o", os.path.join(tmp, "probe")]
-        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        logger.warning("compiler rejects %s: %s", flags, result.stderr.strip()[:300])
-    return result.returncode == 0
-
-
-def _flags() -> tuple[list[str], list[str]]:
-    """(extra_compile_args, extra_link_args) for this machine."""
-    compile_args = ["-O3", "-std=gnu11"]
-    link_args: list[str] = []
-    if _accepts(["-march=native"]):
-        compile_args.append("-march=native")
-    omp_probe = "#include <omp.h>\nint main(void) { return omp_get_max_threads() > 0 ? 0 : 1; }\n"
-    if _accepts(["-fopenmp"], omp_probe):
-        compile_args.append("-fopenmp")
-        link_args.append("-fopenmp")
-    compile_args += os.environ.get("PDSERVE_KERNEL_CFLAGS", "").split()
-    return compile_args, link_args
-
-
 def _make_builder() -> FFI:
     with open(os.path.join(_CSRC, "paged_attention.c")) as f:
         source = f.read()
-    compile_args, link_args = _flags()
+    # pdserve/_cflags.py by path: setuptools runs this file before pdserve is importable.
+    compile_args, link_args = runpy.run_path(os.path.join(os.path.dirname(_HERE), "_cflags.py"))["flags"]()
     builder = FFI()
     builder.cdef(_CDEF)
     builder.set_source(

@@ -34,6 +34,7 @@ from pdserve.attention.base import AttentionBackend, LayerPlans
 from pdserve.model.arch import FULL_ATTENTION, SLIDING_ATTENTION, ModelArch, rope_inv_freq
 from pdserve.model.layers import MergedColumnLinear, RotaryEmbedding, RowLinear
 from pdserve.model.weights import CheckpointReader
+from pdserve.ops.linear import linear
 from pdserve.model.llama import LayerHook
 
 
@@ -176,7 +177,7 @@ class Gemma3ForCausalLM(nn.Module):
             residual = h
             h = residual + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
         last = self.norm(h[logits_indices])                                    # [S, hidden]
-        logits = F.linear(last, self.lm_head_weight)                           # [S, V]
+        logits = linear(last, self.lm_head_weight)                           # [S, V]
         cap = self.arch.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.ops.linear import linear
+
 
 class MergedColumnLinear(nn.Module):
     """y = x W^T (+ b) with W = [W_0; W_1; ...] stacked by output rows, each part split across ranks."""
@@ -52,7 +54,7 @@ class MergedColumnLinear(nn.Module):
             self.bias.data[off : off + size].copy_(bias[self.tp_rank * size : (self.tp_rank + 1) * size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:  # y: [T, out] -> one [T, size] per part
         return torch.split(y, self.shard_sizes, dim=-1)
@@ -84,7 +86,7 @@ class RowLinear(nn.Module):
             self.bias.data.copy_(bias if self.tp_rank == 0 else torch.zeros_like(bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_shard] -> [T, out]
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

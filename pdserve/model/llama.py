@@ -18,6 +18,7 @@ from pdserve.attention.base import AttentionBackend
 from pdserve.model.arch import ModelArch, rope_inv_freq
 from pdserve.model.layers import MergedColumnLinear, RMSNorm, RotaryEmbedding, RowLinear
 from pdserve.model.weights import CheckpointReader
+from pdserve.ops.linear import linear
 
 LayerHook = Callable[[int], None]
 
@@ -120,7 +121,7 @@ class LlamaForCausalLM(nn.Module):
             residual = h
             h = residual + layer.mlp.forward(layer.post_attention_layernorm.forward(h))
         last = self.norm.forward(h[logits_indices])                                    # [S, hidden]
-        logits = F.linear(last, self.lm_head_weight).float()                   # [S, V]
+        logits = linear(last, self.lm_head_weight).float()                   # [S, V]
         return logits, last
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,96 @@
+"""Benchmark: one decode step's linear layers, torch F.linear (MKL) vs pdserve's small-row kernel.
+
+For each row count M (the sequences in a decode step), runs every linear layer of SmolLM2-135M
+once (30 layers x q|k|v, o, gate|up, down, plus the tied 49152-row lm_head) with both
+implementations and prints the step total in ms and the weight-read bandwidth it implies. The
+weights (~540 MB float32) are far larger than L3, as in a real step, so each layer's weights
+come from memory.
+
+Run (quiet machine; the result depends on what else runs):
+    cd /work/main && .venv/bin/python bench/linear_kernels.py [--threads 1] [--rows 1,2,4,8,16,32] \
+        [--record bench/results/linear_kernels.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+
+from pdserve.ops import linear as ops_linear  # noqa: E402
+
+HIDDEN, INTER, LAYERS, VOCAB, Q_HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 30, 49152, 9, 3, 64
+
+
+def _weights() -> list[torch.Tensor]:
+    """Every weight matrix of one SmolLM2-135M forward, in call order (random values)."""
+    qkv = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
+    per_layer = [(qkv, HIDDEN), (HIDDEN, Q_HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+    mats = [torch.randn(n, k) * 0.02 for _ in range(LAYERS) for n, k in per_layer]  # [N, K] each
+    mats.append(torch.randn(VOCAB, HIDDEN) * 0.02)                                  # lm_head
+    return mats
+
+
+def _step_ms(fn, mats: list[torch.Tensor], inputs: dict[int, torch.Tensor], repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for w in mats:
+            fn(inputs[w.shape[1]], w)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1, help="torch / kernel threads (default 1)")
+    parser.add_argument("--rows", default="1,2,3,4,8,12,16,24,32", help="row counts M to measure")
+    parser.add_argument("--repeats", type=int, default=7, help="steps per measurement (median reported)")
+    parser.add_argument("--record", help="also write the table (markdown) to this path")
+    args = parser.parse_args()
+    if not ops_linear.available():
+        sys.exit(f"kernel not built: {ops_linear.unavailable_reason()}")
+    torch.set_num_threads(args.threads)
+    mats = _weights()
+    weight_bytes = sum(w.numel() * 4 for w in mats)
+    load_before = os.getloadavg()[0]
+    lines = [
+        f"# Linear layers of one SmolLM2-135M decode step ({weight_bytes / 1e6:.0f} MB float32 weights)",
+        "",
+        f"`.venv/bin/python bench/linear_kernels.py --threads {args.threads} --rows {args.rows}`, "
+        f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"threads {args.threads}, median of {args.repeats} steps.",
+        "",
+        "| rows M | F.linear (MKL) ms | small kernel ms | speed-up | kernel GB/s of weights | kernel ms / M=1 ms |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    print("\n".join(lines[:3]))
+    print(f"{'M':>4} {'F.linear ms':>12} {'kernel ms':>10} {'x':>6} {'GB/s':>6} {'vs M=1':>7}")
+    base = None
+    for m in [int(r) for r in args.rows.split(",")]:
+        inputs = {k: torch.randn(m, k) for k in {w.shape[1] for w in mats}}  # [M, K]
+        mkl = statistics.median(_step_ms(F.linear, mats, inputs, args.repeats))
+        ours = statistics.median(_step_ms(ops_linear.small_linear, mats, inputs, args.repeats))
+        base = base or ours
+        gbs = weight_bytes / ours / 1e6
+        print(f"{m:>4} {mkl:>12.1f} {ours:>10.1f} {mkl / ours:>6.2f} {gbs:>6.1f} {ours / base:>7.2f}")
+        lines.append(f"| {m} | {mkl:.1f} | {ours:.1f} | {mkl / ours:.2f}x | {gbs:.1f} | {ours / base:.2f} |")
+    load_after = os.getloadavg()[0]
+    tail = f"Load average (1 min) before {load_before:.2f}, after {load_after:.2f}."
+    print(tail)
+    if args.record:
+        with open(args.record, "w") as f:
+            f.write("\n".join(lines + ["", tail, ""]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+/*
+ * y = x W^T (+ b) for a few rows of x: the decode-step shape of every linear layer.
+ *
+ *   x: [M, K] float32, row stride ldx      W: [N, K] float32, contiguous (nn.Linear layout)
+ *   y: [M, N] float32, row stride ldy      b: [N] float32 or NULL
+ *
+ * With M small (a decode batch) the product is bound by streaming W from memory once. General
+ * GEMM libraries pack W for every call or, for 2-3 rows, take paths that cost several times one
+ * row's time; this kernel reads each W row once per call and reuses it from L1 for every row of
+ * x, so the time stays close to one row's until the FMAs, not the bytes, dominate.
+ *
+ * Tiles of NB = 3 rows of W by MB = 4 rows of x keep 12 accumulators of 8 floats in registers
+ * (plus 3 W vectors and 1 x vector: 16 registers on AVX2). Each output element is a dot product
+ * summed in the same order whatever M, tile position or thread count: 8 lane-wise partial sums
+ * over k = 0, 8, 16, ..., a fixed lane reduction, then the k tail, then the bias. So a row's
+ * result does not depend on which other rows share the call (batch invariance).
+ *
+ * Threads: OpenMP over W tiles (static split); `num_threads` <= 1 runs inline.
+ * Vector code uses GCC vector extensions (8 x float), compiled for the -march the build allows.
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "small_linear.h"
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+typedef float v8f __attribute__((vector_size(32)));
+
+/*
+ * acc + a * b. Explicit, because the build passes -ffp-contract=off: left to itself GCC fused
+ * some tile shapes' multiply-adds and not others, which broke batch invariance by an ulp.
+ */
+#if defined(__FMA__)
+#include <immintrin.h>
+ALWAYS_INLINE v8f fma8(v8f a, v8f b, v8f acc) { return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)acc); }
+ALWAYS_INLINE float fma1(float a, float b, float acc) { return __builtin_fmaf(a, b, acc); }
+#else
+ALWAYS_INLINE v8f fma8(v8f a, v8f b, v8f acc) { return acc + a * b; }
+ALWAYS_INLINE float fma1(float a, float b, float acc) { return acc + a * b; }
+#endif
+
+ALWAYS_INLINE v8f load8(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+/* Fixed-order reduction of the 8 lanes: ((0+4)+(2+6)) + ((1+5)+(3+7)). */
+ALWAYS_INLINE float hsum8(v8f v) {
+    float a0 = v[0] + v[4], a1 = v[1] + v[5], a2 = v[2] + v[6], a3 = v[3] + v[7];
+    return (a0 + a2) + (a1 + a3);
+}
+
+#define NB 3
+#define MB 4
+
+/*
+ * One tile: rows n0 .. n0+nb-1 of W against rows m0 .. m0+mb-1 of x (nb <= NB, mb <= MB, both
+ * compile-time constants at every call site so the loops unroll and the accumulators stay in
+ * registers).
+ */
+ALWAYS_INLINE void tile(float *y, int64_t ldy, const float *x, int64_t ldx, const float *w,
+                        const float *bias, int K, int n0, int m0, const int nb, const int mb) {
+    v8f acc[NB][MB];
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) acc[i][j] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+    const float *wr[NB];
+    const float *xr[MB];
+    for (int i = 0; i < nb; i++) wr[i] = w + (int64_t)(n0 + i) * K;
+    for (int j = 0; j < mb; j++) xr[j] = x + (int64_t)(m0 + j) * ldx;
+    const int k8 = K & ~7;
+    for (int k = 0; k < k8; k += 8) {
+        v8f wv[NB];
+        for (int i = 0; i < nb; i++) wv[i] = load8(wr[i] + k);
+        for (int j = 0; j < mb; j++) {
+            const v8f xv = load8(xr[j] + k);
+            for (int i = 0; i < nb; i++) acc[i][j] = fma8(wv[i], xv, acc[i][j]);
+        }
+    }
+    for (int i = 0; i < nb; i++) {
+        for (int j = 0; j < mb; j++) {
+            float s = hsum8(acc[i][j]);
+            for (int k = k8; k < K; k++) s = fma1(wr[i][k], xr[j][k], s);
+            if (bias) s += bias[n0 + i];
+            y[(int64_t)(m0 + j) * ldy + n0 + i] = s;
+        }
+    }
+}
+
+/* Every row of x against W rows n0 .. n0+nb-1 (nb compile-time). */
+ALWAYS_INLINE void column(float *y, int64_t ldy, const float *x, int64_t ldx, const float *w,
+                          const float *bias, int M, int K, int n0, const int nb) {
+    int m0 = 0;
+    for (; m0 + MB <= M; m0 += MB) tile(y, ldy, x, ldx, w, bias, K, n0, m0, nb, MB);
+    switch (M - m0) {
+    case 3: tile(y, ldy, x, ldx, w, bias, K, n0, m0, nb, 3); break;
+    case 2: tile(y, ldy, x, ldx, w, bias, K, n0, m0, nb, 2); break;
+    case 1: tile(y, ldy, x, ldx, w, bias, K, n0, m0, nb, 1); break;
+    default: break;
+    }
+}
+
+static void columns(float *y, int64_t ldy, const float *x, int64_t ldx, const float *w,
+                    const float *bias, int M, int N, int K, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+        const int n0 = (int)(t * NB);
+        switch (N - n0 >= NB ? NB : N - n0) {
+        case 3: column(y, ldy, x, ldx, w, bias, M, K, n0, 3); break;
+        case 2: column(y, ldy, x, ldx, w, bias, M, K, n0, 2); break;
+        default: column(y, ldy, x, ldx, w, bias, M, K, n0, 1); break;
+        }
+    }
+}
+
+int sl_linear(float *y, const float *x, const float *w, const float *bias, int M, int N, int K,
+              int64_t ldx, int64_t ldy, int num_threads) {
+    if (M < 0 || N < 0 || K < 0) return SL_ERR_SHAPE;
+    if (ldx < K || ldy < N) return SL_ERR_STRIDE;
+    if (M == 0 || N == 0) return SL_OK;
+    const int64_t tiles = ((int64_t)N + NB - 1) / NB;
+    /* Below ~64 tiles per thread the fork/join costs more than the split saves. */
+    int64_t nt = num_threads;
+    if (nt > tiles / 64) nt = tiles / 64;
+#ifdef _OPENMP
+    if (nt > 1) {
+#pragma omp parallel num_threads((int)nt)
+        {
+            const int64_t id = omp_get_thread_num(), n = omp_get_num_threads();
+            columns(y, ldy, x, ldx, w, bias, M, N, K, tiles * id / n, tiles * (id + 1) / n);
+        }
+        return SL_OK;
+    }
+#endif
+    columns(y, ldy, x, ldx, w, bias, M, N, K, 0, tiles);
+    return SL_OK;
+}
+
+int sl_has_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}

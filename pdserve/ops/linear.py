@@ -1,0 +1,136 @@
+"""`linear(x, weight, bias)`: F.linear, with a C kernel for the few-row (decode) case on CPU.
+
+A decode step multiplies a handful of rows (one per running sequence) by every weight matrix.
+That product is bound by reading the weights once; torch's CPU GEMM does not behave that way
+for 2-16 rows (measured here: 2 rows cost 2.2x one row, 3 rows 3.3x). csrc/small_linear.c reads
+each weight row once per call and reuses it for every input row. It is used when
+
+- x is a float32 CPU matrix [M, K] with unit column stride and M <= `max_rows()`,
+- the weight is a contiguous float32 CPU [N, K] (the nn.Linear layout), bias float32 [N] or None,
+- the kernel module is built (`available()`); otherwise, and for everything else, F.linear runs.
+
+Numerics: every output element is summed in one fixed order regardless of M, so a sequence's
+logits do not depend on which other sequences share its decode step; the order differs from
+MKL's, so results differ from F.linear by float32 rounding (a few ulp of the dot product).
+`PDSERVE_SMALL_LINEAR_ROWS=0` turns the kernel off (F.linear always); a number sets `max_rows()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+try:
+    from pdserve.ops import _linear_kernels  # built by _linear_build.py
+
+    _ffi = _linear_kernels.ffi
+    _lib = _linear_kernels.lib
+    _IMPORT_ERROR: str | None = None
+except ImportError as exc:  # not compiled (or built for another interpreter)
+    _ffi = None
+    _lib = None
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+    logger.info("small-batch linear kernel unavailable (%s); F.linear is used for every shape", _IMPORT_ERROR)
+
+# Up to this many rows the kernel beats MKL on this machine (bench/linear_kernels.py).
+_DEFAULT_MAX_ROWS = 16
+
+
+def _max_rows_from_env() -> int:
+    raw = os.environ.get("PDSERVE_SMALL_LINEAR_ROWS")
+    if raw is None:
+        return _DEFAULT_MAX_ROWS
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"PDSERVE_SMALL_LINEAR_ROWS must be an integer >= 0, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"PDSERVE_SMALL_LINEAR_ROWS must be an integer >= 0, got {raw!r}")
+    return value
+
+
+_MAX_ROWS = _max_rows_from_env()
+
+
+def available() -> bool:
+    """True when the compiled kernel module imported."""
+    return _lib is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the compiled module is missing (None when it is available)."""
+    return _IMPORT_ERROR
+
+
+def max_rows() -> int:
+    """Largest M that goes to the C kernel (0: never)."""
+    return _MAX_ROWS if _lib is not None else 0
+
+
+def small_linear(
+    x: torch.Tensor,                 # [M, K] float32 cpu, x.stride(1) == 1
+    weight: torch.Tensor,            # [N, K] float32 cpu, contiguous
+    bias: torch.Tensor | None = None,  # [N] float32 or None
+    num_threads: int | None = None,
+) -> torch.Tensor:                   # [M, N] float32
+    """y = x weight^T (+ bias) with the C kernel, for any M; raises if it cannot run."""
+    if _lib is None:
+        raise RuntimeError(f"small-batch linear kernel is not built: {_IMPORT_ERROR}")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"small_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+            raise ValueError(f"small_linear: {name} must be float32 on cpu, got {t.dtype} on {t.device}")
+    if not weight.is_contiguous() or (x.shape[0] > 1 and x.stride(1) != 1):
+        raise ValueError(f"small_linear: weight must be contiguous and x have unit column stride "
+                         f"(weight strides {weight.stride()}, x strides {x.stride()})")
+    if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
+        raise ValueError(f"small_linear: bias {tuple(bias.shape)} does not match weight {tuple(weight.shape)}")
+    if x.shape[0] > 0 and x.stride(1) != 1:  # a single row may carry any stride
+        x = x.contiguous()
+    return _run(x, weight, bias, torch.get_num_threads() if num_threads is None else num_threads)
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_threads: int) -> torch.Tensor:
+    """The kernel call on checked arguments: x [M, K] unit column stride, weight [N, K] contiguous."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)                         # [M, N]
+    rc = _lib.sl_linear(
+        _ffi.cast("float *", y.data_ptr()),
+        _ffi.cast("float *", x.data_ptr()),
+        _ffi.cast("float *", weight.data_ptr()),
+        _ffi.NULL if bias is None else _ffi.cast("float *", bias.data_ptr()),
+        m, n, k, max(x.stride(0), k), n, num_threads,
+    )
+    if rc != _lib.SL_OK:
+        raise ValueError(f"small_linear: kernel refused x {tuple(x.shape)} strides {x.stride()}, "
+                         f"weight {tuple(weight.shape)} (code {rc})")
+    return y
+
+
+def linear(
+    x: torch.Tensor,                 # [M, K]
+    weight: torch.Tensor,            # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:                   # [M, N]
+    """F.linear semantics; the C kernel takes the few-row float32 CPU case (see module docstring)."""
+    if (
+        x.dim() == 2
+        and x.shape[0] <= _MAX_ROWS
+        and _lib is not None
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.device.type == "cpu"
+        and weight.is_contiguous()
+        and x.stride(1) == 1
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        and not (x.requires_grad or weight.requires_grad)
+    ):
+        return _run(x, weight, bias, torch.get_num_threads())
+    return F.linear(x, weight, bias)

@@ -1,0 +1,96 @@
+"""The small-batch linear kernel (pdserve/ops): exact enough, batch invariant, dispatched right."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.ops import linear as ops_linear
+from pdserve.ops.linear import linear, max_rows, small_linear
+
+pytestmark = pytest.mark.skipif(not ops_linear.available(), reason=f"kernel not built: {ops_linear.unavailable_reason()}")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 7, 8, 9, 17])
+@pytest.mark.parametrize("n,k", [(1, 8), (2, 13), (7, 64), (96, 576), (100, 1001)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_float64(m: int, n: int, k: int, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x = torch.randn(m, k, generator=g)                                   # [M, K]
+    w = torch.randn(n, k, generator=g)                                   # [N, K]
+    b = torch.randn(n, generator=g) if with_bias else None               # [N]
+    y = small_linear(x, w, b)                                            # [M, N]
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    # float32 dot products of length K with unit-variance terms: error ~ eps * sqrt(K) * |terms|.
+    tol = 1e-6 * k ** 0.5 * 4 + 1e-6
+    assert torch.allclose(y.double(), _reference(x, w, b), atol=tol, rtol=1e-5)
+
+
+def test_strided_rows_and_single_row_views() -> None:
+    big = torch.randn(6, 300)
+    x = big[:, 10:266]                                                   # [6, 256], row stride 300
+    w = torch.randn(33, 256)
+    assert torch.allclose(small_linear(x, w).double(), _reference(x, w, None), atol=1e-4)
+    col = torch.randn(256, 4)[:, 1:2].t()                                # [1, 256], column stride 4
+    assert torch.allclose(small_linear(col, w).double(), _reference(col, w, None), atol=1e-4)
+
+
+def test_batch_invariant_across_rows_and_threads() -> None:
+    """A row's output is bit-identical whatever other rows or thread count share the call."""
+    x = torch.randn(16, 576)
+    w = torch.randn(1537, 576)
+    b = torch.randn(1537)
+    full = small_linear(x, w, b, num_threads=1)
+    for threads in (2, 3):
+        assert torch.equal(small_linear(x, w, b, num_threads=threads), full)
+    for i in range(16):
+        assert torch.equal(small_linear(x[i : i + 1], w, b)[0], full[i])
+    assert torch.equal(small_linear(x[3:10], w, b), full[3:10])
+
+
+def test_dispatch() -> None:
+    w = torch.randn(64, 32)
+    few = torch.randn(max_rows(), 32)
+    assert torch.equal(linear(few, w), small_linear(few, w))
+    many = torch.randn(max_rows() + 1, 32)
+    assert torch.equal(linear(many, w), F.linear(many, w))
+    half = torch.randn(2, 32, dtype=torch.bfloat16)
+    assert torch.equal(linear(half, w.bfloat16()), F.linear(half, w.bfloat16()))
+    transposed = torch.randn(64, 32).t()                                 # non-contiguous weight
+    x = torch.randn(2, 64)
+    assert torch.equal(linear(x, transposed), F.linear(x, transposed))
+    batched = torch.randn(2, 3, 32)                                      # not a matrix
+    assert torch.equal(linear(batched, w), F.linear(batched, w))
+
+
+def test_bad_arguments_name_the_shapes() -> None:
+    with pytest.raises(ValueError, match=r"x \(2, 8\) and weight \(4, 9\)"):
+        small_linear(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(ValueError, match="float32"):
+        small_linear(torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8))
+    with pytest.raises(ValueError, match="contiguous"):
+        small_linear(torch.randn(2, 8), torch.randn(8, 4).t())
+    with pytest.raises(ValueError, match="bias"):
+        small_linear(torch.randn(2, 8), torch.randn(4, 8), torch.randn(5))
+
+
+def _max_rows_with_env(value: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PDSERVE_SMALL_LINEAR_ROWS=value)
+    code = "from pdserve.ops.linear import max_rows; print(max_rows())"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+
+
+def test_env_sets_the_row_limit() -> None:
+    assert _max_rows_with_env("0").stdout.strip() == "0"
+    assert _max_rows_with_env("5").stdout.strip() == "5"
+    bad = _max_rows_with_env("many")
+    assert bad.returncode != 0 and "PDSERVE_SMALL_LINEAR_ROWS must be an integer >= 0, got 'many'" in bad.stderr
