@@ -12,6 +12,12 @@
  *
  * Build: cc -O2 -o fi_bench fi_bench.c -lfabric
  * Usage: fi_bench PROVIDER NODE SIZE TOTAL_BYTES WINDOW LAT_ITERS HUGE(0|1)
+ *        fi_bench copy SIZE TOTAL_BYTES HUGE(0|1)
+ * The second form measures the copy ceilings of the same pools, no libfabric:
+ *   memcpy_gbps  memcpy of SIZE blocks between two pools of this process;
+ *   cma_gbps     process_vm_readv of SIZE blocks from the parent's pool into
+ *                the child's, which is how shm moves an RMA write above its
+ *                inject size (the target copies from the initiator with CMA).
  * HUGE=1 puts both pools on transparent huge pages (2 MiB aligned,
  * MADV_HUGEPAGE); src_huge_kib / dst_huge_kib report how much of each pool
  * the kernel actually backs with huge pages.
@@ -23,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -217,8 +224,80 @@ static long poll_cq(struct ctx *c, long *imm)
     return local;
 }
 
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Bytes per second of copying `total` bytes in `size` blocks, cycling over
+ * the pools (64 MiB, larger than the last-level cache). */
+static double copy_rate(char *dst, const char *src, uint64_t size, uint64_t total, pid_t from)
+{
+    uint64_t slots = POOL_BYTES / size, n = total / size;
+    double t0 = now_s();
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t off = (i % slots) * size;
+        if (from) {
+            struct iovec local = {dst + off, size}, remote = {(void *)(src + off), size};
+            if (process_vm_readv(from, &local, 1, &remote, 1, 0) != (ssize_t)size) {
+                perror("process_vm_readv");
+                exit(2);
+            }
+        } else {
+            memcpy(dst + off, src + off, size);
+        }
+    }
+    return (double)n * (double)size / (now_s() - t0);
+}
+
+static int copy_main(uint64_t size, uint64_t total, int huge)
+{
+    if (size == 0 || size > POOL_BYTES || total < size) {
+        fprintf(stderr, "bad size %llu / total %llu\n", (unsigned long long)size, (unsigned long long)total);
+        return 1;
+    }
+    int c2p[2], p2c[2];
+    if (pipe(c2p) || pipe(p2c)) {
+        perror("pipe");
+        return 2;
+    }
+    pid_t parent = getpid();
+    /* fork before allocating: pools shared copy-on-write lose their huge pages */
+    pid_t pid = fork();
+    if (pid == 0) { /* reads the parent's pool into its own, as an shm target does */
+        char *mine = alloc_pool(POOL_BYTES, huge);
+        memset(mine, 0, POOL_BYTES);
+        char *src;
+        xread(p2c[0], &src, sizeof(src));
+        copy_rate(mine, src, size, POOL_BYTES, parent); /* warm-up */
+        double cma = copy_rate(mine, src, size, total, parent);
+        long kib = huge_kib(mine, POOL_BYTES);
+        xwrite(c2p[1], &cma, sizeof(cma));
+        xwrite(c2p[1], &kib, sizeof(kib));
+        _exit(0);
+    }
+    char *src = alloc_pool(POOL_BYTES, huge), *dst = alloc_pool(POOL_BYTES, huge);
+    memset(src, 0x5a, POOL_BYTES);
+    memset(dst, 0, POOL_BYTES);
+    copy_rate(dst, src, size, POOL_BYTES, 0); /* warm-up */
+    double mem = copy_rate(dst, src, size, total, 0);
+    xwrite(p2c[1], &src, sizeof(src));
+    double cma;
+    long child_kib;
+    xread(c2p[0], &cma, sizeof(cma));
+    xread(c2p[0], &child_kib, sizeof(child_kib));
+    waitpid(pid, NULL, 0);
+    printf("{\"size\": %llu, \"huge\": %d, \"memcpy_gbps\": %.4f, \"cma_gbps\": %.4f, \"src_huge_kib\": %ld, "
+           "\"dst_huge_kib\": %ld}\n",
+           (unsigned long long)size, huge, mem / 1e9, cma / 1e9, huge_kib(src, POOL_BYTES), child_kib);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
+    if (argc == 5 && strcmp(argv[1], "copy") == 0)
+        return copy_main(strtoull(argv[2], NULL, 0), strtoull(argv[3], NULL, 0), atoi(argv[4]));
     if (argc != 8) {
         fprintf(stderr, "usage: %s PROVIDER NODE SIZE TOTAL_BYTES WINDOW LAT_ITERS HUGE\n", argv[0]);
         return 1;
@@ -286,6 +365,7 @@ int main(int argc, char **argv)
     }
     double bw_s = now_s() - t0;
     double lat_total = 0;
+    double *lats = calloc((size_t)(lat_iters > 0 ? lat_iters : 1), sizeof(double));
     for (long i = 0; i < lat_iters; i++) {
         double t = now_s();
         ssize_t r;
@@ -294,17 +374,20 @@ int main(int argc, char **argv)
         CHECK(r);
         while (poll_cq(&c, &imm) == 0)
             ;
-        lat_total += now_s() - t;
+        lats[i] = now_s() - t;
+        lat_total += lats[i];
     }
+    qsort(lats, (size_t)lat_iters, sizeof(double), cmp_double);
     xwrite(s2r[1], "x", 1);
     int status = 0;
     waitpid(pid, &status, 0);
     printf("{\"provider\": \"%s\", \"size\": %llu, \"writes\": %ld, \"window\": %ld, \"seconds\": %.6f, "
-           "\"gbps\": %.4f, \"lat_us\": %.3f, \"src_huge_kib\": %ld, \"dst_huge_kib\": %ld, "
-           "\"receiver_status\": %d}\n",
+           "\"gbps\": %.4f, \"lat_us\": %.3f, \"lat_p50_us\": %.3f, \"src_huge_kib\": %ld, "
+           "\"dst_huge_kib\": %ld, \"receiver_status\": %d}\n",
            prov, (unsigned long long)size, nwrites, window, bw_s, (double)nwrites * (double)size / bw_s / 1e9,
-           lat_iters ? lat_total / (double)lat_iters * 1e6 : 0.0, huge_kib(c.pool, POOL_BYTES), peer.huge_kib,
-           status);
+           lat_iters ? lat_total / (double)lat_iters * 1e6 : 0.0, lat_iters ? lats[lat_iters / 2] * 1e6 : 0.0,
+           huge_kib(c.pool, POOL_BYTES), peer.huge_kib, status);
+    free(lats);
     close_ctx(&c);
     free(ctxs);
     return status ? 4 : 0;
