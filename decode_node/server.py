@@ -18,6 +18,12 @@ on_kv_wait hook when disaggregated, the first scheduled chunk when colocated); K
 received and seconds from the Prefill dispatch to the last write landed (side="decode"). The
 engine's gauges come from an EngineCollector over `AsyncEngine.last_metrics` (decode_node/__main__).
 Logs: every line of a request's handler or transfer task carries its request id.
+
+Usage (R2): cached_prompt_tokens is the engine's prefix-cache hit when colocated; when the prompt
+was prefilled remotely, the prefill node's (PrefillResponse.prefill_cached_tokens), since this
+node computed none of the prompt but its last token. A locally prefilled fallback reports 0.
+The handler waits (briefly, PREFILL_RESPONSE_WAIT_S) for the Prefill response when the request
+finishes before it was processed, so that timings and usage never depend on that race.
 """
 
 from __future__ import annotations
@@ -41,6 +47,20 @@ from pdserve.request import RequestStatus
 from pdserve.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# A request whose KV has landed may finish before its Prefill response is processed (a one-token
+# answer): its final message waits this long at most for the response's timings and cached count.
+PREFILL_RESPONSE_WAIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class _PrefillOutcome:
+    """A successful remote prefill, as the final message reports it."""
+
+    call_start: float      # time.monotonic() of the Prefill call
+    prefill_s: float       # prefill-side time from receipt to the last layer done
+    tail_s: float          # the rest until the write count completed here
+    cached_tokens: int     # prompt tokens the prefill node took from its prefix cache (not computed)
 
 
 @dataclass
@@ -89,7 +109,7 @@ class DecodeNode:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.transfers: dict[str, _Transfer] = {}
         self.prefilled_on: dict[str, str] = {}   # request id -> prefill node address (for timings)
-        self.transfer_times: dict[str, tuple[float, float, float]] = {}  # rid -> (call start, prefill s, tail s)
+        self.prefill_outcomes: dict[str, _PrefillOutcome] = {}  # request id -> its successful remote prefill
         self.fabric = self.receiver = self.pool = None
         if not colocated:
             from fabric import FabricConfig, TransferEngine
@@ -247,7 +267,9 @@ class DecodeNode:
             # Prefill-side time from receipt to the last layer done; the rest until the count
             # completed here is the transfer tail (loopback RPC latency included, ~0.1 ms).
             prefill_s = resp.timings.queue_time_s + resp.timings.compute_time_s
-            self.transfer_times[t.request_id] = (call_start, prefill_s, t.ready_time - call_start - prefill_s)
+            self.prefill_outcomes[t.request_id] = _PrefillOutcome(call_start, prefill_s,
+                                                                  t.ready_time - call_start - prefill_s,
+                                                                  resp.prefill_cached_tokens)
             self.metrics.kv_transfer_bytes.labels(model_name=self.model_name, side="decode").inc(resp.bytes_written)
             self.metrics.kv_transfer_seconds.labels(model_name=self.model_name, side="decode").observe(
                 t.ready_time - call_start)
@@ -277,6 +299,20 @@ class DecodeNode:
             # our memory descriptors through a live Prefill either.
             return True
         return await asyncio.to_thread(self.fabric.wait_peer_gone, node.peer, 10.0)
+
+    async def prefill_outcome(self, rid: str) -> _PrefillOutcome | None:
+        """Loop: the successful remote prefill of a request that is finishing, if it had one.
+
+        Its KV landed (so it could decode) but the Prefill response may not be processed yet: wait
+        for the transfer task, at most PREFILL_RESPONSE_WAIT_S. A transfer whose KV never landed
+        (aborted, failed, prefilled locally) is not waited for."""
+        t = self.transfers.get(rid)
+        if t is not None and t.task is not None and t.ready.is_set() and not t.task.done():
+            done, _ = await asyncio.wait({t.task}, timeout=PREFILL_RESPONSE_WAIT_S)
+            if not done:
+                logger.warning("request %s: no Prefill response %.0f s after its KV landed; timings and "
+                               "cached prompt tokens reported as 0", rid, PREFILL_RESPONSE_WAIT_S)
+        return self.prefill_outcomes.pop(rid, None)
 
     def _reprepare(self, rid: str):
         """Engine thread: a fresh tag for a retry on another prefill node (same pages)."""
@@ -376,7 +412,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 timer.tokens(len(out.new_token_ids))
                 if out.finished:
                     now = time.monotonic()
-                    call_start, prefill_s, tail_s = node.transfer_times.pop(rid, (t0, 0.0, 0.0))
+                    remote = await node.prefill_outcome(rid)
+                    call_start, prefill_s, tail_s = (t0, 0.0, 0.0) if remote is None else (
+                        remote.call_start, remote.prefill_s, remote.tail_s)
+                    if remote is not None:  # the prompt was computed (or taken from its cache) there
+                        msg.usage.cached_prompt_tokens = remote.cached_tokens
                     if node.colocated and stamps.admitted:  # prefilled here: from admission to the first token
                         call_start, prefill_s = stamps.admitted, (first or now) - stamps.admitted
                     msg.timings.CopyFrom(generate_pb2.ServerTimings(
@@ -397,7 +437,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
                 del node.stamps[rid]
             await gen.aclose()
             node.prefilled_on.pop(rid, None)
-            node.transfer_times.pop(rid, None)
+            node.prefill_outcomes.pop(rid, None)
             t = node.transfers.get(rid)
             if t is not None and t.task is not None and not t.task.done() and not t.ready.is_set():
                 t.task.cancel()

@@ -381,6 +381,7 @@ class LLMEngine:
             num_prompt_tokens=r.num_prompt_tokens_original,
             num_output_tokens=len(r.output_token_ids),
             new_logprobs=new_lp,
+            num_cached_tokens=r.num_cached_prompt_tokens or 0,
         )
 
     def _finish(
@@ -426,6 +427,7 @@ class LLMEngine:
             new_logprobs=new_logprobs,
             completion=completion,
             error=error,
+            num_cached_tokens=r.num_cached_prompt_tokens or 0,
         )
 
     def _stalled(self) -> list[RequestOutput]:

@@ -31,6 +31,10 @@ class RequestOutput:
     new_logprobs: tuple[SampleLogprobs, ...] = ()
     completion: CompletionOutput | None = None  # set when finished
     error: str | None = None
+    # Prompt tokens this engine took from its prefix cache instead of computing (E12), counted at
+    # the request's first admission (Request.num_cached_prompt_tokens). 0 for a remote-prefill
+    # request (a decode node's): the prefill node reports its own count in PrefillResponse.
+    num_cached_tokens: int = 0
 
     @property
     def finish_reason(self) -> str | None:

@@ -70,6 +70,12 @@ class Request:
     # computed chunk starts there (a multiple of page_size), pages [0, num_cached_tokens // P)
     # of its table are shared blocks that already hold that KV.
     num_cached_tokens: int = 0
+    # What usage reports (RequestOutput.num_cached_tokens, OpenAI's prompt_tokens_details.
+    # cached_tokens): prompt tokens this engine did not compute because their KV came from its
+    # prefix cache, counted at the request's first admission (a later soft reset recomputes, but
+    # the prompt was served from cache once; as vLLM counts it). None until first admitted; stays
+    # None (reported as 0) for a remote-prefill request, whose KV another node computed.
+    num_cached_prompt_tokens: int | None = None
     # Chained hashes of its complete blocks, extended on demand (prefix_cache.request_block_hashes).
     block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
     # When a soft reset folded generated tokens back into the prompt, the original prompt length.

@@ -93,6 +93,9 @@ class PrefillOutcome:
     queue_time_s: float
     compute_time_s: float
     last_layer_to_completion_s: float
+    # Leading tokens this node took from its prefix cache instead of computing (E12; their pages
+    # were still written to the decode node): PrefillResponse.prefill_cached_tokens.
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -275,8 +278,11 @@ class PrefillNode:
         if exc is None:
             res: TransferResult = job.future.result()
             first = job.first_scheduled or res.first_post_time or job.received
+            if final is None:  # the engine stream did not end in time (logged above): its count is unknown
+                logger.warning("request %s: prefix-cache hit unknown, reporting 0 cached tokens", rid)
             return PrefillOutcome(res, max(0.0, first - job.received), max(0.0, res.last_layer_time - first),
-                                  max(0.0, res.done_time - res.last_layer_time))
+                                  max(0.0, res.done_time - res.last_layer_time),
+                                  cached_tokens=final.num_cached_tokens if final is not None else 0)
         if isinstance(exc, FabricError):
             self._peers.pop(spec.peer.engine_id, None)   # reconnect next time: a failed peer stays failed
             raise UnavailableError(f"request {rid}: KV transfer to decode node peer {spec.peer.engine_id[:8]} "

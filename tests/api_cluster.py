@@ -22,8 +22,8 @@ NODES_EXIST = (ROOT / "prefill_node" / "__main__.py").exists() and (ROOT / "deco
 # the prefill node busy long enough to be cut short.
 # Pages of 64 tokens: the short prompts these tests repeat (a chat turn is 37 tokens with its
 # template) never fill a page, so no request reuses pages another one left in a prefix cache; the
-# long prompts start with a tag of their own. (Prefix caching is tested elsewhere; a prefill node
-# that finds a prompt's full pages cached currently fails it, see test_bench_harness's xfail.)
+# long prompts start with a tag of their own (test_http_api's cached-tokens test repeats one on
+# purpose).
 CLUSTER = dict(prefill=1, decode=1, port=0, http_port=0, num_blocks=64, threads_per_node=1,
                engine_args=("--max-batch-tokens", "16", "--page-size", "64"), startup_timeout_s=150,
                router_health_interval_s=0.5)

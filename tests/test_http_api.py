@@ -443,6 +443,37 @@ def test_openai_whole_answers_logprobs_stop_and_seed_match_grpc(cluster, openai_
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == ref.text[:ref.text.index(stop)]
 
 
+# ~170 tokens with its own leading tag: two full 64-token pages of the prompt minus its last token
+CACHED_PROMPT = "Cached usage: " + "A prefix cache keeps the pages of a prompt it has seen before. " * 12
+
+
+@needs_nodes
+@pytest.mark.slow
+def test_a_repeated_prompt_reports_cached_tokens(cluster, openai_client, model):
+    """usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefill node took from its
+    prefix cache instead of computing; 0 the first time, whole pages the second (HTTP and gRPC)."""
+    first = openai_client.completions.create(model=model, prompt=CACHED_PROMPT, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens > 2 * 64 + 1, first.usage
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    chunks = list(openai_client.completions.create(
+        model=model, prompt=CACHED_PROMPT, max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.prompt_tokens == first.usage.prompt_tokens
+    cached = usage.prompt_tokens_details.cached_tokens
+    # whole pages of the prompt minus its last token (the decode node computes that one)
+    assert cached >= 2 * 64 and cached % 64 == 0 and cached <= usage.prompt_tokens - 1, usage
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == first.choices[0].text
+    with Client(cluster.url, timeout=120) as grpc_client:
+        again = grpc_client.complete(CACHED_PROMPT, SamplingParams(temperature=0, max_tokens=4))
+    assert again.usage.cached_prompt_tokens == cached and again.text == first.choices[0].text
+    chats = [openai_client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": CACHED_PROMPT}], max_tokens=1, temperature=0)
+        for _ in range(2)]
+    assert chats[0].usage.prompt_tokens_details.cached_tokens == 0  # templated: another prefix
+    assert chats[1].usage.prompt_tokens_details.cached_tokens >= 2 * 64
+
+
 @needs_nodes
 @pytest.mark.slow
 def test_models_health_and_metrics(cluster, model):

@@ -179,6 +179,8 @@ class Scheduler(abc.ABC):
             return False
         request.num_computed_tokens = hit.num_tokens
         request.num_cached_tokens = hit.num_tokens
+        if request.num_cached_prompt_tokens is None:  # first admission: what usage reports
+            request.num_cached_prompt_tokens = min(hit.num_tokens, request.num_prompt_tokens_original)
         self.waiting.popleft()
         self.running.append(request)
         request.status = RequestStatus.PREFILLING

@@ -90,7 +90,8 @@ def output_to_pb(out, tokenizer=None) -> generate_pb2.GenerateResponse:
         elif c is not None and isinstance(c.stop_reason, int):
             msg.stop_token_id = c.stop_reason
         msg.usage.CopyFrom(generate_pb2.Usage(prompt_tokens=out.num_prompt_tokens,
-                                              completion_tokens=out.num_output_tokens))
+                                              completion_tokens=out.num_output_tokens,
+                                              cached_prompt_tokens=out.num_cached_tokens))
     return msg
 
 
