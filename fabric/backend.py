@@ -15,7 +15,8 @@ Threading rules:
 - Every public method may be called from any thread, except ``close`` which
   must not be called from a callback.
 - Callbacks (on_done, on_error, ImmCounter.on_complete, message handlers) run
-  on the backend's progress thread: keep them short, never block in them.
+  on the backend's progress thread: keep them short, never block in them
+  (and never call write_pages_sync from one: it waits for that thread).
 """
 
 from __future__ import annotations

@@ -5,7 +5,15 @@ The native half (csrc/pdf_core.c, inside the cffi extension
 this module validates requests, keeps the Python-side bookkeeping (callbacks
 per batch, peers, regions) and runs the progress thread that dispatches
 events. Primitives: register/deregister, connect/disconnect, write_pages,
-send, wait_peer_gone, close; plus the receiver's ImmCounter and stats().
+write_pages_sync, send, wait_peer_gone, close; plus the receiver's
+ImmCounter and stats().
+
+Two ways to learn that writes completed: write_pages (batches, callbacks on
+the progress thread: the KV messenger's path, for throughput) and
+write_pages_sync (one batch, the calling thread polls the completion queue
+itself for up to config.sync_spin_us with the GIL released, then sleeps
+while the progress thread finishes: for lone latency-bound writes, it saves
+the two thread wake-ups of progress thread -> callback -> waiter).
 
 Progress: the thread spins briefly after activity, then sleeps until work
 arrives, on the CQ's wait fd (tcp, verbs) or, for shm, on a doorbell: a small
@@ -567,6 +575,8 @@ class TransferEngine(TransferBackend):
         then stays in flight and the region busy until it completes or
         fails). Validation as in write_pages.
         """
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("write_pages_sync called from a fabric callback (it may wait for that thread)")
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
             raise ValueError(f"timeout={timeout!r}: expected None or seconds >= 0")
         spin = self.config.sync_spin_us if spin_us is None else spin_us

@@ -150,7 +150,21 @@ def test_sync_validation_before_posting(provider: str) -> None:
             engine.write_pages_sync(region, [0], peer.descriptor, [0], [4096], 1, spin_us=-1)
         with pytest.raises(ValueError, match="timeout"):
             engine.write_pages_sync(region, [0], peer.descriptor, [0], [4096], 1, timeout=-1.0)
-        assert engine.stats().batches == 0
+        # from a callback (the progress thread) it could wait for itself: refused
+        refused: list[Exception] = []
+        done = threading.Event()
+
+        def on_done() -> None:
+            try:
+                engine.write_pages_sync(region, [0], peer.descriptor, [0], [4096], 1)
+            except RuntimeError as exc:
+                refused.append(exc)
+            done.set()
+
+        engine.write_pages(region, [0], peer.descriptor, [0], [4096], 1, on_done, refused.append)
+        assert done.wait(30)
+        assert len(refused) == 1 and isinstance(refused[0], RuntimeError), refused
+        assert engine.stats().batches == 1
         assert region.inflight == 0
     finally:
         engine.close()
