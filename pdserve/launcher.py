@@ -16,12 +16,21 @@ and every other child is stopped. Stopping: SIGTERM to every child (router first
 to any still running after `stop_timeout_s`. On Linux a child also gets SIGTERM when the launcher
 dies (PR_SET_PDEATHSIG), so a killed test run leaves no orphans.
 
+Spawning (`spawn`): no preexec_fn. A preexec_fn makes subprocess run the launcher's Python at-fork
+handlers around a real fork(), and gRPC's (with GRPC_ENABLE_FORK_SUPPORT) can block there for good
+in a process whose gRPC threads are busy (a cluster test once hung inside Popen). Instead the child
+sets itself up: it starts as `python -m pdserve.launcher --parent-pid P [--cpus C] -m MODULE ARGS`
+(`child_command`), which asks for PR_SET_PDEATHSIG, exits if the launcher is already gone, pins
+itself with sched_setaffinity, and only then runs MODULE as __main__ (`child_main`), before any
+thread of the child exists. Without a preexec_fn, Popen runs no Python code between fork and exec
+(vfork where CPython can), so the launcher's gRPC state, fork support on or off, is never involved.
+
 Ports: every port given as 0 (router gRPC, router HTTP) and each node's `--metrics-port` (with
 node_metrics, the default) is chosen free by the launcher before the start and passed explicitly,
 so `url`, `http_url` and `metrics_urls` are known up front. With
 `pin_cores`, node i runs on its own `threads_per_node` cores (the i-th slice of the launcher's
-allowed CPUs, set with sched_setaffinity in the child before exec); the router is not pinned. Too
-few cores for every node is a ValueError naming the counts.
+allowed CPUs, set with sched_setaffinity by the child at its start, see Spawning); the router is not
+pinned. Too few cores for every node is a ValueError naming the counts.
 
 Threads: none of its own. `Cluster` is driven by the caller's thread; `cmd_up` waits in the main
 thread for SIGINT/SIGTERM (or a child's unexpected exit).
@@ -30,8 +39,10 @@ thread for SIGINT/SIGTERM (or a child's unexpected exit).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
+import runpy
 import shlex
 import signal
 import socket
@@ -284,28 +295,81 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _die_with_parent() -> None:
-    """Child side of fork (Linux): SIGTERM this child when the launcher dies, even by SIGKILL, so a
-    killed test run or `pdserve up` leaves no orphan nodes behind. (Tied to the thread that spawned
-    it: start clusters from a thread that outlives them.)"""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: children outlive a killed launcher
-        pass
+PR_SET_PDEATHSIG = 1
+CHILD_ENTRY = "pdserve.launcher"  # `python -m pdserve.launcher ...` runs child_main
 
 
-def _child_setup(cpus: tuple[int, ...]):  # noqa: ANN202 - a preexec_fn
-    """The preexec_fn of a child: die with the launcher (Linux), and run on `cpus` when given (the
-    affinity is inherited by every thread the child starts, torch's included)."""
-    def setup() -> None:
-        if sys.platform == "linux":
-            _die_with_parent()
-        if cpus:
-            os.sched_setaffinity(0, cpus)
+def child_command(argv: Sequence[str], parent_pid: int, cpus: Sequence[int] = ()) -> list[str]:
+    """The command line that runs `argv` ([python, "-m", MODULE, ARGS...] or [python, "-c", CODE,
+    ARGS...]) as a child of the process `parent_pid`: the same interpreter starts `child_main`,
+    which dies with that parent (Linux), runs on `cpus` when given, then runs MODULE (or CODE)."""
+    if len(argv) < 3 or argv[1] not in ("-m", "-c"):
+        raise ValueError(f"a child command must be [python, '-m', MODULE, ...] or [python, '-c', CODE, ...], "
+                         f"got {list(argv)[:3]}")
+    bad = [c for c in cpus if isinstance(c, bool) or not isinstance(c, int) or c < 0]
+    if bad:
+        raise ValueError(f"cpus must be non-negative core numbers, got {list(cpus)}")
+    wrapper = [argv[0], "-m", CHILD_ENTRY, "--parent-pid", str(parent_pid)]
+    if cpus:
+        wrapper += ["--cpus", ",".join(map(str, cpus))]
+    return [*wrapper, *argv[1:]]
 
-    return setup
+
+def spawn(argv: Sequence[str], cpus: Sequence[int] = (), **popen: object) -> subprocess.Popen:
+    """Start `argv` (see child_command) as a child of this process that dies with it and runs on
+    `cpus`; `popen` are subprocess.Popen's keyword arguments (never preexec_fn: see Spawning)."""
+    if "preexec_fn" in popen:
+        raise ValueError("spawn sets the child up in the child itself; preexec_fn is not accepted")
+    return subprocess.Popen(child_command(argv, os.getpid(), cpus), **popen)  # type: ignore[call-overload]
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Child side (Linux): SIGTERM this process when its parent dies, even by SIGKILL, so a killed
+    test run or `pdserve up` leaves no orphan nodes behind. (Tied to the parent's thread that
+    spawned it: start clusters from a thread that outlives them.) If the parent died before the
+    request took effect, no signal will come: exit now."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG, SIGTERM) failed: {os.strerror(err)}")
+    if os.getppid() != parent_pid:
+        raise SystemExit(f"pdserve child: launcher pid {parent_pid} exited before this child started "
+                         f"(parent is now pid {os.getppid()}); exiting")
+
+
+def child_main(argv: Sequence[str]) -> None:
+    """`python -m pdserve.launcher --parent-pid P [--cpus C1,C2] (-m MODULE | -c CODE) ARGS...`:
+    set this process up (die with P on Linux; run on cores C), then run MODULE as __main__ (or
+    CODE) with sys.argv as `python -m MODULE ARGS` would have it. Runs before any other thread of
+    the child exists, so the affinity holds for every thread started later (torch's included)."""
+    args = list(argv)
+    parent_pid: int | None = None
+    cpus: tuple[int, ...] = ()
+    while args and args[0] in ("--parent-pid", "--cpus"):
+        if len(args) < 2:
+            raise SystemExit(f"pdserve child: {args[0]} needs a value")
+        flag, value, args = args[0], args[1], args[2:]
+        try:
+            if flag == "--parent-pid":
+                parent_pid = int(value)
+            else:
+                cpus = tuple(int(c) for c in value.split(","))
+        except ValueError:
+            raise SystemExit(f"pdserve child: {flag} {value!r} is not a number (list)") from None
+    if parent_pid is None or len(args) < 2 or args[0] not in ("-m", "-c"):
+        raise SystemExit("usage: python -m pdserve.launcher --parent-pid PID [--cpus C1,C2] "
+                         "(-m MODULE | -c CODE) [ARGS...]")
+    if sys.platform == "linux":
+        _die_with_parent(parent_pid)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    kind, target, rest = args[0], args[1], args[2:]
+    if kind == "-m":
+        sys.argv = [target, *rest]  # run_module puts the module's path in argv[0], as `python -m` does
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = ["-c", *rest]
+        exec(compile(target, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 
 
 def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
@@ -409,9 +473,8 @@ class Cluster:
         try:
             log.write(f"$ {shlex.join(child.spec.argv)}\n".encode())
             log.flush()
-            child.proc = subprocess.Popen(child.spec.argv, stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, env=_child_env(), start_new_session=True,
-                                          preexec_fn=_child_setup(child.spec.cpus))
+            child.proc = spawn(child.spec.argv, child.spec.cpus, stdin=subprocess.DEVNULL, stdout=log,
+                               stderr=subprocess.STDOUT, env=_child_env(), start_new_session=True)
         finally:
             log.close()
         logger.info("started %s pid=%d on %s%s", name, child.proc.pid, child.spec.address,
@@ -585,3 +648,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+if __name__ == "__main__":  # a child's entry: see child_main
+    child_main(sys.argv[1:])

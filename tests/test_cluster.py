@@ -131,12 +131,74 @@ def test_a_pinned_child_runs_only_on_its_cores():
     import os
     import subprocess
 
-    from pdserve.launcher import _child_setup
+    from pdserve.launcher import child_command, spawn
 
     core = sorted(os.sched_getaffinity(0))[-1]
-    out = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
-                         capture_output=True, text=True, check=True, timeout=60, preexec_fn=_child_setup((core,)))
-    assert out.stdout.strip() == f"[{core}]"
+    code = "import os, sys; print(sorted(os.sched_getaffinity(0)), sys.argv[1:])"
+    proc = spawn([sys.executable, "-c", code, "a", "--b"], (core,), stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.strip() == f"[{core}] ['a', '--b']"
+    assert child_command([sys.executable, "-m", "router", "--port", "1"], 42, (2, 3)) == [
+        sys.executable, "-m", "pdserve.launcher", "--parent-pid", "42", "--cpus", "2,3", "-m", "router", "--port", "1"]
+    with pytest.raises(ValueError, match="preexec_fn is not accepted"):
+        spawn([sys.executable, "-c", "pass"], preexec_fn=lambda: None)
+    with pytest.raises(ValueError, match=r"must be \[python, '-m', MODULE"):
+        child_command(["router", "--port", "1"], 42)
+
+
+# A launcher in its own process: it counts Python at-fork handler calls (gRPC's pre-fork handler,
+# with fork support, is one of those: a cluster test once hung in it inside Popen), spawns a child
+# that prints its pid and sleeps, reports, and waits to be killed.
+_LAUNCHER = """
+import os, subprocess, sys, time
+from pdserve.launcher import spawn
+forks = []
+os.register_at_fork(before=lambda: forks.append(1))
+subprocess.run([sys.executable, "-c", "pass"], preexec_fn=lambda: None, check=True)
+with_preexec = len(forks)
+child = spawn([sys.executable, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(300)"],
+              stdout=subprocess.PIPE, text=True)
+print(with_preexec, len(forks) - with_preexec, child.stdout.readline().strip(), flush=True)
+time.sleep(300)
+"""
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (Z: a zombie), or "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+def test_children_run_no_at_fork_handler_and_die_with_the_launcher():
+    import os
+    import signal
+    import subprocess
+
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    child = None
+    try:
+        line = launcher.stdout.readline().split()
+        assert len(line) == 3, f"launcher said {line!r} (exit {launcher.poll()})"
+        with_preexec, with_spawn, child = (int(x) for x in line)
+        assert with_preexec == 1, "the at-fork counter does not see a preexec_fn fork: the check below proves nothing"
+        assert with_spawn == 0, "spawning a child ran the launcher's at-fork handlers (it must not fork with them)"
+        assert _state(child) not in ("gone", "Z")
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _state(child) not in ("gone", "Z"):
+            assert time.monotonic() < deadline, f"child {child} outlived its killed launcher by 30 s"
+            time.sleep(0.05)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=30)
+        if child is not None and _state(child) not in ("gone", "Z"):
+            os.kill(child, signal.SIGKILL)  # the test failed: leave no sleeper behind
 
 
 def test_free_ports_are_distinct_and_bindable():
