@@ -25,7 +25,7 @@ output tokens / wall seconds.
 When pdserve runs, the script also times one decode step at batch --decode-batch (32): that many
 requests with prompts of the workload's mean length are prefilled, then --decode-steps
 ``engine.step()`` calls in which every chunk is a 1-token decode are timed (median). Beside it,
-the step's matrix multiplications alone: the same ``F.linear`` calls (per layer qkv_proj, o_proj,
+the step's matrix multiplications alone: the same linear calls (``pdserve.ops.linear.linear``) (per layer qkv_proj, o_proj,
 gate_up_proj, down_proj at 32 rows, then lm_head on 32 rows) in a loop, one pass after each
 timed step so both see the same machine load (median); and the attention backend's time inside
 the step. "other" = step - matmuls - attention (norms, RoPE, KV writes, sampling, Python).
@@ -65,7 +65,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
@@ -73,6 +72,7 @@ sys.path.insert(0, REPO_ROOT)
 from pdserve import LLM, SamplingParams  # noqa: E402
 from pdserve.engine import LLMEngine  # noqa: E402
 from pdserve.model.loader import ModelSource, resolve_model  # noqa: E402
+from pdserve.ops.linear import linear  # noqa: E402
 
 SYSTEMS = ("pdserve", "hf-cb", "hf-static")
 STATIC_BATCH = 16
@@ -264,7 +264,7 @@ class AttentionTimer:
 
 
 def linear_calls(engine: LLMEngine, rows: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-    """(input [rows, in], weight, bias) for every F.linear a decode step of `rows` tokens makes."""
+    """(input [rows, in], weight, bias) for every linear a decode step of `rows` tokens makes."""
     model = engine.model
     dtype = model.embed_tokens.weight.dtype
     gen = torch.Generator().manual_seed(0)
@@ -279,11 +279,12 @@ def linear_calls(engine: LLMEngine, rows: int) -> list[tuple[torch.Tensor, torch
 
 
 def matmul_pass(calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> float:
-    """Seconds of one pass over the step's linear layers (same order, same weights)."""
+    """Seconds of one pass over the step's linear layers (same order, same weights, and the same
+    `pdserve.ops.linear.linear` dispatch the model uses: the C kernel up to its row limit, MKL above)."""
     with torch.inference_mode():
         t0 = time.perf_counter()
         for x, w, b in calls:
-            F.linear(x, w, b)
+            linear(x, w, b)
         return time.perf_counter() - t0
 
 
@@ -421,7 +422,7 @@ def report_lines(args: argparse.Namespace, results: dict[str, SystemResult], ste
         lines += ["", f"Decode step at batch {step['batch']} (prompts of {step['prompt_len']} tokens, median of "
                   f"{step['timed_steps']} steps):", "",
                   "| part | ms | share of step |", "|---|---|---|"]
-        for key, label in (("step_s", "whole engine.step()"), ("matmul_s", "matmuls alone (F.linear loop)"),
+        for key, label in (("step_s", "whole engine.step()"), ("matmul_s", "matmuls alone (linear loop)"),
                            ("attention_s", "attention backend inside the step"),
                            ("other_s", "other (step - matmuls - attention)")):
             lines.append(f"| {label} | {step[key] * 1e3:.2f} | {100 * step[key] / step['step_s']:.0f}% |")

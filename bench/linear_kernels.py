@@ -40,13 +40,13 @@ def _weights() -> list[torch.Tensor]:
     return mats
 
 
-def _step_ms(fn, mats: list[torch.Tensor], inputs: dict[int, torch.Tensor], repeats: int) -> list[float]:
+def _step_ms(fn, mats: list[torch.Tensor], inputs: dict[int, torch.Tensor], repeats: int, clock) -> list[float]:
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         for w in mats:
             fn(inputs[w.shape[1]], w)
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append((clock() - t0) * 1e3)
     return times
 
 
@@ -55,10 +55,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch / kernel threads (default 1)")
     parser.add_argument("--rows", default="1,2,3,4,8,12,16,24,32", help="row counts M to measure")
     parser.add_argument("--repeats", type=int, default=7, help="steps per measurement (median reported)")
+    parser.add_argument("--clock", choices=("thread", "wall"), default="thread",
+                        help="thread: this thread's CPU time (default; robust to other processes "
+                             "taking turns on the cores, single-threaded runs only); wall: elapsed time")
     parser.add_argument("--record", help="also write the table (markdown) to this path")
     args = parser.parse_args()
     if not ops_linear.available():
         sys.exit(f"kernel not built: {ops_linear.unavailable_reason()}")
+    if args.clock == "thread" and args.threads != 1:
+        parser.error("--clock thread measures one thread: use it with --threads 1 (or --clock wall)")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     torch.set_num_threads(args.threads)
     mats = _weights()
     weight_bytes = sum(w.numel() * 4 for w in mats)
@@ -66,9 +72,9 @@ def main() -> None:
     lines = [
         f"# Linear layers of one SmolLM2-135M decode step ({weight_bytes / 1e6:.0f} MB float32 weights)",
         "",
-        f"`.venv/bin/python bench/linear_kernels.py --threads {args.threads} --rows {args.rows}`, "
+        f"`.venv/bin/python bench/linear_kernels.py --threads {args.threads} --rows {args.rows} --clock {args.clock}`, "
         f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"threads {args.threads}, median of {args.repeats} steps.",
+        f"threads {args.threads}, median of {args.repeats} steps, {args.clock} clock.",
         "",
         "| rows M | F.linear (MKL) ms | small kernel ms | speed-up | kernel GB/s of weights | kernel ms / M=1 ms |",
         "|---:|---:|---:|---:|---:|---:|",
@@ -78,8 +84,8 @@ def main() -> None:
     base = None
     for m in [int(r) for r in args.rows.split(",")]:
         inputs = {k: torch.randn(m, k) for k in {w.shape[1] for w in mats}}  # [M, K]
-        mkl = statistics.median(_step_ms(F.linear, mats, inputs, args.repeats))
-        ours = statistics.median(_step_ms(ops_linear.small_linear, mats, inputs, args.repeats))
+        mkl = statistics.median(_step_ms(F.linear, mats, inputs, args.repeats, clock))
+        ours = statistics.median(_step_ms(ops_linear.small_linear, mats, inputs, args.repeats, clock))
         base = base or ours
         gbs = weight_bytes / ours / 1e6
         print(f"{m:>4} {mkl:>12.1f} {ours:>10.1f} {mkl / ours:>6.2f} {gbs:>6.1f} {ours / base:>7.2f}")

@@ -9,13 +9,14 @@
  * row's time; this kernel reads each W row once per call and reuses it from L1 for every row of
  * x, so the time stays close to one row's until the FMAs, not the bytes, dominate.
  *
- * Tiles of NB = 3 rows of W by MB = 4 rows of x keep 12 accumulators of 8 floats in registers
- * (plus 3 W vectors and 1 x vector: 16 registers on AVX2). Each output element is a dot product
- * summed in the same order whatever M, tile position or thread count: 8 lane-wise partial sums
+ * Tiles of 3 rows of W by 4 rows of x keep 12 accumulators of 8 floats in registers (plus 3 W
+ * vectors and 1 x vector: 16 registers on AVX2); 1 or 2 rows of x get taller tiles (see
+ * rows()). Each output element is a dot product summed in the same order whatever M, tile
+ * shape, position or thread count: 8 lane-wise partial sums
  * over k = 0, 8, 16, ..., a fixed lane reduction, then the k tail, then the bias. So a row's
  * result does not depend on which other rows share the call (batch invariance).
  *
- * Threads: OpenMP over W tiles (static split); `num_threads` <= 1 runs inline.
+ * Threads: OpenMP over bands of W rows (static split); `num_threads` <= 1 runs inline.
  * Vector code uses GCC vector extensions (8 x float), compiled for the -march the build allows.
  */
 #include <stdint.h>
@@ -55,13 +56,20 @@ ALWAYS_INLINE float hsum8(v8f v) {
     return (a0 + a2) + (a1 + a3);
 }
 
-#define NB 3
+/* Largest tile: NB rows of W by MB rows of x (accumulator array bounds). */
+#define NB 8
 #define MB 4
+/* W rows per band: the unit of work split across threads; a multiple of every tile height. */
+#define BAND 24
+/* Software prefetch distance along each W row, in floats (0 = off). */
+#ifndef SL_PREFETCH
+#define SL_PREFETCH 256
+#endif
 
 /*
  * One tile: rows n0 .. n0+nb-1 of W against rows m0 .. m0+mb-1 of x (nb <= NB, mb <= MB, both
  * compile-time constants at every call site so the loops unroll and the accumulators stay in
- * registers).
+ * registers). Only the first m-tile of a W tile prefetches (later ones find W in L1).
  */
 ALWAYS_INLINE void tile(float *y, int64_t ldy, const float *x, int64_t ldx, const float *w,
                         const float *bias, int K, int n0, int m0, const int nb, const int mb) {
@@ -75,6 +83,8 @@ ALWAYS_INLINE void tile(float *y, int64_t ldy, const float *x, int64_t ldx, cons
     const int k8 = K & ~7;
     for (int k = 0; k < k8; k += 8) {
         v8f wv[NB];
+        if (SL_PREFETCH > 0 && m0 == 0 && (k & 15) == 0)
+            for (int i = 0; i < nb; i++) __builtin_prefetch(wr[i] + k + SL_PREFETCH, 0, 0);
         for (int i = 0; i < nb; i++) wv[i] = load8(wr[i] + k);
         for (int j = 0; j < mb; j++) {
             const v8f xv = load8(xr[j] + k);
@@ -91,7 +101,7 @@ ALWAYS_INLINE void tile(float *y, int64_t ldy, const float *x, int64_t ldx, cons
     }
 }
 
-/* Every row of x against W rows n0 .. n0+nb-1 (nb compile-time). */
+/* Every row of x (M >= 3: tiles of 4 rows, then the rest) against W rows n0 .. n0+nb-1. */
 ALWAYS_INLINE void column(float *y, int64_t ldy, const float *x, int64_t ldx, const float *w,
                           const float *bias, int M, int K, int n0, const int nb) {
     int m0 = 0;
@@ -104,16 +114,33 @@ ALWAYS_INLINE void column(float *y, int64_t ldy, const float *x, int64_t ldx, co
     }
 }
 
-static void columns(float *y, int64_t ldy, const float *x, int64_t ldx, const float *w,
-                    const float *bias, int M, int N, int K, int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) {
-        const int n0 = (int)(t * NB);
-        switch (N - n0 >= NB ? NB : N - n0) {
-        case 3: column(y, ldy, x, ldx, w, bias, M, K, n0, 3); break;
-        case 2: column(y, ldy, x, ldx, w, bias, M, K, n0, 2); break;
-        default: column(y, ldy, x, ldx, w, bias, M, K, n0, 1); break;
-        }
+/*
+ * W rows [n0, n1) in tiles shaped for M: with 1 or 2 rows of x there are few accumulators per
+ * W row, so tiles are taller (8 x 1, 6 x 2: more W streams and independent FMA chains); from 3
+ * rows on, 3 x 4. A band (BAND rows) splits evenly into each shape; a short last band finishes
+ * with smaller tiles.
+ */
+static void rows(float *y, int64_t ldy, const float *x, int64_t ldx, const float *w,
+                 const float *bias, int M, int K, int n0, int n1) {
+    int n = n0;
+    if (M == 1) {
+        for (; n + 8 <= n1; n += 8) tile(y, ldy, x, ldx, w, bias, K, n, 0, 8, 1);
+    } else if (M == 2) {
+        for (; n + 6 <= n1; n += 6) tile(y, ldy, x, ldx, w, bias, K, n, 0, 6, 2);
     }
+    for (; n + 3 <= n1; n += 3) column(y, ldy, x, ldx, w, bias, M, K, n, 3);
+    switch (n1 - n) {
+    case 2: column(y, ldy, x, ldx, w, bias, M, K, n, 2); break;
+    case 1: column(y, ldy, x, ldx, w, bias, M, K, n, 1); break;
+    default: break;
+    }
+}
+
+static void bands(float *y, int64_t ldy, const float *x, int64_t ldx, const float *w,
+                  const float *bias, int M, int N, int K, int64_t b0, int64_t b1) {
+    const int n0 = (int)(b0 * BAND);
+    const int n1 = b1 * BAND < N ? (int)(b1 * BAND) : N;
+    rows(y, ldy, x, ldx, w, bias, M, K, n0, n1);
 }
 
 int sl_linear(float *y, const float *x, const float *w, const float *bias, int M, int N, int K,
@@ -121,21 +148,21 @@ int sl_linear(float *y, const float *x, const float *w, const float *bias, int M
     if (M < 0 || N < 0 || K < 0) return SL_ERR_SHAPE;
     if (ldx < K || ldy < N) return SL_ERR_STRIDE;
     if (M == 0 || N == 0) return SL_OK;
-    const int64_t tiles = ((int64_t)N + NB - 1) / NB;
-    /* Below ~64 tiles per thread the fork/join costs more than the split saves. */
+    const int64_t nbands = ((int64_t)N + BAND - 1) / BAND;
+    /* Below ~8 bands (192 W rows) per thread the fork/join costs more than the split saves. */
     int64_t nt = num_threads;
-    if (nt > tiles / 64) nt = tiles / 64;
+    if (nt > nbands / 8) nt = nbands / 8;
 #ifdef _OPENMP
     if (nt > 1) {
 #pragma omp parallel num_threads((int)nt)
         {
             const int64_t id = omp_get_thread_num(), n = omp_get_num_threads();
-            columns(y, ldy, x, ldx, w, bias, M, N, K, tiles * id / n, tiles * (id + 1) / n);
+            bands(y, ldy, x, ldx, w, bias, M, N, K, nbands * id / n, nbands * (id + 1) / n);
         }
         return SL_OK;
     }
 #endif
-    columns(y, ldy, x, ldx, w, bias, M, N, K, 0, tiles);
+    bands(y, ldy, x, ldx, w, bias, M, N, K, 0, nbands);
     return SL_OK;
 }
 
