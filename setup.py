@@ -2,7 +2,7 @@
 
 - fabric/_ffi_build.py: libfabric bindings (needs libfabric-dev, see scripts/setup.sh)
 - pdserve/attention/_kernels_build.py: the C paged-attention kernel (OpenMP)
-- pdserve/ops/_linear_build.py: the C small-batch linear kernel (decode-step matmuls)
+- pdserve/ops/_ops_build.py: C CPU ops (small-batch linear, fused RMSNorm / SiLU-mul / argmax)
 """
 
 from setuptools import setup
@@ -11,6 +11,6 @@ setup(
     cffi_modules=[
         "fabric/_ffi_build.py:ffibuilder",
         "pdserve/attention/_kernels_build.py:ffibuilder",
-        "pdserve/ops/_linear_build.py:ffibuilder",
+        "pdserve/ops/_ops_build.py:ffibuilder",
     ]
 )

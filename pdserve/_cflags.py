@@ -1,7 +1,7 @@
 """C compiler flags for the cffi kernel modules (attention, small linear), probed on this machine.
 
 Loaded by path from the builders (`pdserve/attention/_kernels_build.py`,
-`pdserve/ops/_linear_build.py`), which setuptools runs as plain files before the package is
+`pdserve/ops/_ops_build.py`), which setuptools runs as plain files before the package is
 importable, so this module imports nothing from pdserve.
 
 Flags: ``-O3 -std=gnu11`` always; ``-march=native`` (a module is built on the machine that runs

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.ops.linear import linear
+from pdserve.ops.norm_act import add_rms_norm, rms_norm_reference
 
 
 class MergedColumnLinear(nn.Module):
@@ -101,11 +102,11 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:
             # One fused kernel; in float32 it gives the same bits as the reference's op sequence.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        var = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(var + self.eps)
-        return self.weight * h.to(dtype)
+        return rms_norm_reference(x, self.weight, self.eps)
+
+    def add_forward(self, h: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """h += delta (in place: h is the residual stream), then the norm of h. h, delta: [T, size]."""
+        return add_rms_norm(h, delta, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.attention.base import AttentionBackend
@@ -19,6 +18,7 @@ from pdserve.model.arch import ModelArch, rope_inv_freq
 from pdserve.model.layers import MergedColumnLinear, RMSNorm, RotaryEmbedding, RowLinear
 from pdserve.model.weights import CheckpointReader
 from pdserve.ops.linear import linear
+from pdserve.ops.norm_act import silu_mul
 
 LayerHook = Callable[[int], None]
 
@@ -66,8 +66,7 @@ class MLP(nn.Module):
         self.down_proj = RowLinear(inter, arch.hidden_size, arch.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
-        gate, up = self.gate_up_proj.split(self.gate_up_proj.forward(x))      # [T, inter] each
-        return self.down_proj.forward(F.silu(gate).mul_(up))
+        return self.down_proj.forward(silu_mul(self.gate_up_proj.forward(x)))  # [T, 2 inter] -> [T, inter]
 
 
 class DecoderLayer(nn.Module):
@@ -111,15 +110,20 @@ class LlamaForCausalLM(nn.Module):
         cos_sin = self.rope.tables(positions)
         # Submodules are called through .forward: nn.Module.__call__'s hook machinery costs a few
         # microseconds per call, ~300 calls per pass, and no hooks are ever registered here.
-        for i, layer in enumerate(self.layers):
-            residual = h
-            h = layer.self_attn.forward(layer.input_layernorm.forward(h), cos_sin, k_pools[i], v_pools[i],
-                                        backend, plan)
+        # The residual stream h is updated in place by add_rms_norm (h += delta, then the norm):
+        # one pass per layer boundary instead of an add and a norm.
+        layers = self.layers
+        x = layers[0].input_layernorm.forward(h)                                # [T, hidden]
+        for i, layer in enumerate(layers):
+            a = layer.self_attn.forward(x, cos_sin, k_pools[i], v_pools[i], backend, plan)
             if layer_hook is not None:
                 layer_hook(i)
-            h = residual + h
-            residual = h
-            h = residual + layer.mlp.forward(layer.post_attention_layernorm.forward(h))
+            x = layer.post_attention_layernorm.add_forward(h, a)                # h += a; norm(h)
+            m = layer.mlp.forward(x)
+            if i + 1 < len(layers):
+                x = layers[i + 1].input_layernorm.add_forward(h, m)             # h += m; norm(h)
+            else:
+                h += m
         last = self.norm.forward(h[logits_indices])                                    # [S, hidden]
         logits = linear(last, self.lm_head_weight).float()                   # [S, V]
         return logits, last

@@ -17,25 +17,14 @@ MKL's, so results differ from F.linear by float32 rounding (a few ulp of the dot
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+from pdserve.ops.native import available, ffi as _ffi, lib as _lib, unavailable_reason
 
-try:
-    from pdserve.ops import _linear_kernels  # built by _linear_build.py
-
-    _ffi = _linear_kernels.ffi
-    _lib = _linear_kernels.lib
-    _IMPORT_ERROR: str | None = None
-except ImportError as exc:  # not compiled (or built for another interpreter)
-    _ffi = None
-    _lib = None
-    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
-    logger.info("small-batch linear kernel unavailable (%s); F.linear is used for every shape", _IMPORT_ERROR)
+__all__ = ["available", "linear", "max_rows", "small_linear", "unavailable_reason"]
 
 # Up to this many rows the kernel beats MKL on this machine (bench/linear_kernels.py).
 _DEFAULT_MAX_ROWS = 16
@@ -57,16 +46,6 @@ def _max_rows_from_env() -> int:
 _MAX_ROWS = _max_rows_from_env()
 
 
-def available() -> bool:
-    """True when the compiled kernel module imported."""
-    return _lib is not None
-
-
-def unavailable_reason() -> str | None:
-    """Why the compiled module is missing (None when it is available)."""
-    return _IMPORT_ERROR
-
-
 def max_rows() -> int:
     """Largest M that goes to the C kernel (0: never)."""
     return _MAX_ROWS if _lib is not None else 0
@@ -80,7 +59,7 @@ def small_linear(
 ) -> torch.Tensor:                   # [M, N] float32
     """y = x weight^T (+ bias) with the C kernel, for any M; raises if it cannot run."""
     if _lib is None:
-        raise RuntimeError(f"small-batch linear kernel is not built: {_IMPORT_ERROR}")
+        raise RuntimeError(f"small-batch linear kernel is not built: {unavailable_reason()}")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"small_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain")
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.ops.norm_act import argmax_rows
 from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class Sampler:
         greedy = [p.temperature < _GREEDY_EPS for p in params]
         if all(greedy):
             # Hot path: one argmax for the whole batch.
-            token_ids_t = logits.argmax(dim=-1)  # token_ids_t: [num_seqs]
+            token_ids_t = argmax_rows(logits)  # token_ids_t: [num_seqs]
         else:
             token_ids_t = self._sample_mixed(logits, params, generators, greedy)
 
@@ -125,7 +126,7 @@ class Sampler:
     ) -> torch.Tensor:
         """Token ids for a batch with at least one sampled row. logits: [num_seqs, vocab]."""
         device = logits.device
-        token_ids = logits.argmax(dim=-1)  # token_ids: [num_seqs]; greedy rows keep these
+        token_ids = argmax_rows(logits)  # token_ids: [num_seqs]; greedy rows keep these
         rows = [i for i, g in enumerate(greedy) if not g]
         row_params = [params[i] for i in rows]
         rows_t = torch.tensor(rows, dtype=torch.long, device=device)  # rows_t: [m]

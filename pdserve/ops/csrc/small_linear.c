@@ -26,10 +26,7 @@
 #endif
 
 #include "small_linear.h"
-
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-typedef float v8f __attribute__((vector_size(32)));
+#include "vec8.h"
 
 /*
  * acc + a * b. Explicit, because the build passes -ffp-contract=off: left to itself GCC fused
@@ -43,18 +40,6 @@ ALWAYS_INLINE float fma1(float a, float b, float acc) { return __builtin_fmaf(a,
 ALWAYS_INLINE v8f fma8(v8f a, v8f b, v8f acc) { return acc + a * b; }
 ALWAYS_INLINE float fma1(float a, float b, float acc) { return acc + a * b; }
 #endif
-
-ALWAYS_INLINE v8f load8(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-/* Fixed-order reduction of the 8 lanes: ((0+4)+(2+6)) + ((1+5)+(3+7)). */
-ALWAYS_INLINE float hsum8(v8f v) {
-    float a0 = v[0] + v[4], a1 = v[1] + v[5], a2 = v[2] + v[6], a3 = v[3] + v[7];
-    return (a0 + a2) + (a1 + a3);
-}
 
 /* Largest tile: NB rows of W by MB rows of x (accumulator array bounds). */
 #define NB 8
@@ -75,7 +60,7 @@ ALWAYS_INLINE void tile(float *y, int64_t ldy, const float *x, int64_t ldx, cons
                         const float *bias, int K, int n0, int m0, const int nb, const int mb) {
     v8f acc[NB][MB];
     for (int i = 0; i < nb; i++)
-        for (int j = 0; j < mb; j++) acc[i][j] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};
+        for (int j = 0; j < mb; j++) acc[i][j] = splat8(0.0f);
     const float *wr[NB];
     const float *xr[MB];
     for (int i = 0; i < nb; i++) wr[i] = w + (int64_t)(n0 + i) * K;

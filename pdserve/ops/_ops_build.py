@@ -1,0 +1,68 @@
+"""cffi (API mode) builder for pdserve's CPU ops: csrc/small_linear.c and csrc/norm_act.c.
+
+setup.py lists ``"pdserve/ops/_ops_build.py:ffibuilder"`` in ``cffi_modules`` so that
+``pip install -e .`` compiles ``pdserve.ops._cpu_ops``. For development, compile in place:
+
+    cd /work/main && .venv/bin/python pdserve/ops/_ops_build.py
+
+Compiler flags: pdserve/_cflags.py (-O3, -march=native and -fopenmp where accepted), plus
+-ffp-contract=off (the kernels fuse multiply-adds only where the source says, so every tile of
+the linear kernel sums alike).
+"""
+
+import os
+import runpy
+import tempfile
+
+from cffi import FFI
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_CSRC = os.path.join(_HERE, "csrc")
+_SOURCES = ("small_linear.c", "norm_act.c")
+
+_CDEF = """
+#define SL_OK 0
+#define SL_ERR_SHAPE 1
+#define SL_ERR_STRIDE 2
+int sl_linear(float *y, const float *x, const float *w, const float *bias, int M, int N, int K,
+              int64_t ldx, int64_t ldy, int num_threads);
+int sl_has_openmp(void);
+
+#define OP_OK 0
+#define OP_ERR_SHAPE 1
+#define OP_ERR_STRIDE 2
+int op_add_rms_norm(float *out, float *h, const float *delta, const float *w, int rows, int H,
+                    int64_t ld_out, int64_t ld_h, int64_t ld_delta, float eps);
+int op_silu_mul(float *out, const float *gate_up, int rows, int I, int64_t ld_out, int64_t ld_in);
+int op_argmax_rows(int64_t *out, const float *x, int rows, int V, int64_t ld);
+"""
+
+
+def make_builder(absolute_sources: bool) -> FFI:
+    """setuptools wants the C files relative to its working directory (the repository root);
+    cffi's own compile() runs in a temporary directory and needs them absolute."""
+    # pdserve/_cflags.py by path: setuptools runs this file before pdserve is importable.
+    compile_args, link_args = runpy.run_path(os.path.join(os.path.dirname(_HERE), "_cflags.py"))["flags"]()
+    paths = [os.path.join(_CSRC, name) for name in _SOURCES]
+    builder = FFI()
+    builder.cdef(_CDEF)
+    builder.set_source(
+        "pdserve.ops._cpu_ops",
+        '#include "small_linear.h"\n#include "norm_act.h"\n',
+        sources=paths if absolute_sources else [os.path.relpath(p) for p in paths],
+        include_dirs=[_CSRC],
+        extra_compile_args=[*compile_args, "-ffp-contract=off"],
+        extra_link_args=link_args,
+    )
+    return builder
+
+
+ffibuilder = make_builder(absolute_sources=False)  # setup.py: cffi_modules=[...:ffibuilder]
+
+if __name__ == "__main__":
+    # Build in place: the .so lands next to this file (pdserve/ops/_cpu_ops*.so).
+    with tempfile.TemporaryDirectory(prefix="pdserve-ops-build-") as tmp:
+        so_path = make_builder(absolute_sources=True).compile(tmpdir=tmp, verbose=False)
+        target = os.path.join(_HERE, os.path.basename(so_path))
+        os.replace(so_path, target)
+        print(target)

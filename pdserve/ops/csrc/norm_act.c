@@ -1,0 +1,143 @@
+/*
+ * The small per-token operations of a decoder layer, fused so that each reads its input once:
+ *
+ *   add_rms_norm: h += delta (optional), out = w * (h / sqrt(mean(h^2) + eps))   rows of H floats
+ *   silu_mul:     out = silu(gate) * up, gate | up side by side in one row        rows of 2I floats
+ *   argmax_rows:  index of each row's largest value (first on ties; first NaN wins, as torch)
+ *
+ * float32 only; rows may be strided (leading dimensions in elements). Single-threaded: a decode
+ * step's rows are a few KB and a prefill chunk's well under a millisecond here, so forking
+ * threads would cost more than it saves. Vector code uses GCC vector extensions (8 x float).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "norm_act.h"
+#include "vec8.h"
+
+/*
+ * exp(x) for x <= 0 (Cephes expf polynomial, ~1-2 ulp); x below -87 gives 0. Callers pass
+ * -|g| so the argument is never positive.
+ */
+ALWAYS_INLINE v8f exp_nonpos(v8f x) {
+    const v8i keep = x > splat8(-87.0f);
+    x = select8(keep, x, splat8(-87.0f));
+    v8f fx = x * 1.44269504088896341f + 0.5f;
+    v8i n = __builtin_convertvector(fx, v8i); /* truncates toward zero */
+    v8f tf = __builtin_convertvector(n, v8f);
+    n = n + (v8i)(tf > fx);                    /* floor for negatives (true is -1) */
+    tf = __builtin_convertvector(n, v8f);
+    x = x - tf * 0.693359375f;
+    x = x - tf * -2.12194440e-4f;
+    v8f y = splat8(1.9875691500e-4f);
+    y = y * x + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * (x * x) + x + 1.0f;
+    y = y * (v8f)((n + 127) << 23);
+    return select8(keep, y, splat8(0.0f));
+}
+
+/* silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) so that nothing overflows. */
+ALWAYS_INLINE v8f silu8(v8f g) {
+    const v8i neg = g < splat8(0.0f);
+    const v8f e = exp_nonpos(select8(neg, g, -g));
+    const v8f one = splat8(1.0f);
+    const v8f sig = select8(neg, e, one) / (one + e);
+    return g * sig;
+}
+
+ALWAYS_INLINE float silu1(float g) {
+    const float e = expf(-fabsf(g));
+    return g * ((g < 0.0f ? e : 1.0f) / (1.0f + e));
+}
+
+int op_add_rms_norm(float *out, float *h, const float *delta, const float *w, int rows, int H,
+                    int64_t ld_out, int64_t ld_h, int64_t ld_delta, float eps) {
+    if (rows < 0 || H <= 0) return OP_ERR_SHAPE;
+    if (ld_out < H || ld_h < H || (delta && ld_delta < H)) return OP_ERR_STRIDE;
+    const int H8 = H & ~7;
+    for (int r = 0; r < rows; r++) {
+        float *hr = h + (int64_t)r * ld_h;
+        float *orow = out + (int64_t)r * ld_out;
+        v8f ss = splat8(0.0f);
+        float tail = 0.0f;
+        if (delta) {
+            const float *dr = delta + (int64_t)r * ld_delta;
+            for (int i = 0; i < H8; i += 8) {
+                const v8f v = load8(hr + i) + load8(dr + i);
+                store8(hr + i, v);
+                ss += v * v;
+            }
+            for (int i = H8; i < H; i++) {
+                hr[i] += dr[i];
+                tail += hr[i] * hr[i];
+            }
+        } else {
+            for (int i = 0; i < H8; i += 8) {
+                const v8f v = load8(hr + i);
+                ss += v * v;
+            }
+            for (int i = H8; i < H; i++) tail += hr[i] * hr[i];
+        }
+        const float inv = 1.0f / sqrtf((hsum8(ss) + tail) / (float)H + eps);
+        const v8f vinv = splat8(inv);
+        for (int i = 0; i < H8; i += 8) store8(orow + i, load8(w + i) * (load8(hr + i) * vinv));
+        for (int i = H8; i < H; i++) orow[i] = w[i] * (hr[i] * inv);
+    }
+    return OP_OK;
+}
+
+int op_silu_mul(float *out, const float *gate_up, int rows, int I, int64_t ld_out, int64_t ld_in) {
+    if (rows < 0 || I <= 0) return OP_ERR_SHAPE;
+    if (ld_out < I || ld_in < 2 * (int64_t)I) return OP_ERR_STRIDE;
+    const int I8 = I & ~7;
+    for (int r = 0; r < rows; r++) {
+        const float *g = gate_up + (int64_t)r * ld_in;
+        const float *u = g + I;
+        float *o = out + (int64_t)r * ld_out;
+        for (int i = 0; i < I8; i += 8) store8(o + i, silu8(load8(g + i)) * load8(u + i));
+        for (int i = I8; i < I; i++) o[i] = silu1(g[i]) * u[i];
+    }
+    return OP_OK;
+}
+
+int op_argmax_rows(int64_t *out, const float *x, int rows, int V, int64_t ld) {
+    if (rows < 0 || V <= 0) return OP_ERR_SHAPE;
+    if (ld < V) return OP_ERR_STRIDE;
+    const int V8 = V & ~7;
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (int64_t)r * ld;
+        /* Pass 1: the row's max (lane-wise, ignoring NaN) and whether any NaN occurs. */
+        v8f m = splat8(-INFINITY);
+        v8i nan = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int i = 0; i < V8; i += 8) {
+            const v8f v = load8(xr + i);
+            m = select8(v > m, v, m);
+            nan |= (v8i)(v != v);
+        }
+        float best = -INFINITY;
+        int any_nan = 0;
+        for (int l = 0; l < 8; l++) {
+            best = m[l] > best ? m[l] : best;
+            any_nan |= nan[l];
+        }
+        for (int i = V8; i < V; i++) {
+            best = xr[i] > best ? xr[i] : best;
+            any_nan |= xr[i] != xr[i];
+        }
+        /* Pass 2: the first index holding it (the first NaN when there is one). */
+        int64_t idx = 0;
+        for (int i = 0; i < V; i++) {
+            if (any_nan ? xr[i] != xr[i] : xr[i] == best) {
+                idx = i;
+                break;
+            }
+        }
+        out[r] = idx;
+    }
+    return OP_OK;
+}
