@@ -204,6 +204,25 @@ ALWAYS_INLINE void score_2x4(const float *Q, int D, const void *K, float *S, int
     reduce4x8(b[0], b[1], b[2], b[3], S + ldS);
 }
 
+/* Three rows x 4 keys (12 chains; each K load feeds 3 FMAs): the decode shape of G = 3 groups. */
+ALWAYS_INLINE void score_3x4(const float *Q, int D, const void *K, float *S, int ldS,
+                             const int bf16) {
+    v8f a[4], b[4], c[4];
+    for (int k = 0; k < 4; k++) a[k] = b[k] = c[k] = splat8(0.0f);
+    for (int d = 0; d < D; d += 8) {
+        v8f q0 = ld8(Q + d), q1 = ld8(Q + D + d), q2 = ld8(Q + 2 * D + d);
+        for (int k = 0; k < 4; k++) {
+            v8f kv = ldkv(K, (size_t)k * D + d, bf16);
+            a[k] += q0 * kv;
+            b[k] += q1 * kv;
+            c[k] += q2 * kv;
+        }
+    }
+    reduce4x8(a[0], a[1], a[2], a[3], S);
+    reduce4x8(b[0], b[1], b[2], b[3], S + ldS);
+    reduce4x8(c[0], c[1], c[2], c[3], S + 2 * ldS);
+}
+
 /* Single score (only for keys past a page whose size is not a multiple of 8). */
 ALWAYS_INLINE float score_1x1(const float *Q, int D, const void *K, size_t k0, const int bf16) {
     v8f a = splat8(0.0f);
@@ -225,6 +244,10 @@ ALWAYS_INLINE void scores(const float *Q, int M, int D, const void *K, int nk, i
         const char *Kj = (const char *)K + (size_t)j * D * esz;
         const char *Kj4 = Kj + 4 * (size_t)D * esz;
         int r = 0;
+        for (; r + 3 <= M; r += 3) {
+            score_3x4(Q + (size_t)r * D, D, Kj, S + r * ldS + j, ldS, bf16);
+            score_3x4(Q + (size_t)r * D, D, Kj4, S + r * ldS + j + 4, ldS, bf16);
+        }
         for (; r + 2 <= M; r += 2) {
             score_2x4(Q + (size_t)r * D, D, Kj, S + r * ldS + j, ldS, bf16);
             score_2x4(Q + (size_t)r * D, D, Kj4, S + r * ldS + j + 4, ldS, bf16);
@@ -249,7 +272,7 @@ static PAGE_STAGE void scores_bf16(const float *Q, int M, int D, const void *K, 
 /* ------------------------------------------------------------------------------------------ */
 /* Accumulate: O[r, :] += sum_j Pm[r, j] * V[j, :] for M rows and nk keys.                      */
 
-/* R rows x C columns (R * C / 8 = 8 accumulators), compile-time R and C. */
+/* R rows x C columns (R * C / 8 <= 8 accumulators), compile-time R and C. */
 ALWAYS_INLINE void pv_block(const int R, const int C, const float *Pm, int ldP, const void *V,
                             int d0, int nk, int D, float *O, const int bf16) {
     v8f acc[8];
@@ -270,6 +293,13 @@ ALWAYS_INLINE void pv_block(const int R, const int C, const float *Pm, int ldP, 
 ALWAYS_INLINE void pv(const float *Pm, int ldP, int M, const void *V, int nk, int D, float *O,
                       const int bf16) {
     int r = 0;
+    for (; r + 3 <= M; r += 3) { /* 6 accumulators: each V load feeds 3 rows */
+        const float *Pr = Pm + r * ldP;
+        float *Or = O + (size_t)r * D;
+        int d = 0;
+        for (; d + 16 <= D; d += 16) pv_block(3, 16, Pr, ldP, V, d, nk, D, Or + d, bf16);
+        for (; d < D; d += 8) pv_block(3, 8, Pr, ldP, V, d, nk, D, Or + d, bf16);
+    }
     for (; r + 2 <= M; r += 2) {
         const float *Pr = Pm + r * ldP;
         float *Or = O + (size_t)r * D;
