@@ -1572,6 +1572,7 @@ int pdf_write_sync(pdf_engine *e, uint64_t id, uint64_t peer, uint64_t local_bas
     b->sync = 0; /* sweep frees it once nothing of it is in flight */
     b->sleeping = 0;
     e->sync_waiters--;
+    sweep(e); /* now, so that the next batch finds the engine idle and posts inline */
     unlock(e);
     return 0;
 }
