@@ -278,13 +278,14 @@ def linear_calls(engine: LLMEngine, rows: int) -> list[tuple[torch.Tensor, torch
     return calls
 
 
-def matmul_pass(calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> float:
-    """Seconds of one pass over the step's linear layers (same order, same weights, and the same
-    `pdserve.ops.linear.linear` dispatch the model uses: the C kernel up to its row limit, MKL above)."""
+def matmul_pass(calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], fn=linear) -> float:
+    """Seconds of one pass over the step's linear layers (same order, same weights). `fn` defaults
+    to the dispatch the model uses (`pdserve.ops.linear.linear`: the C kernel up to its row limit,
+    MKL above); F.linear gives torch's (MKL) time for the same products, for reference."""
     with torch.inference_mode():
         t0 = time.perf_counter()
         for x, w, b in calls:
-            linear(x, w, b)
+            fn(x, w, b)
         return time.perf_counter() - t0
 
 
@@ -302,26 +303,30 @@ def decode_step_bench(engine: LLMEngine, batch: int, prompt_len: int, steps: int
     engine.hooks.on_schedule = lambda s: seen.append((len(s.chunks), s.num_batched_tokens))
     timer = AttentionTimer(engine)
     calls = linear_calls(engine, batch)
-    step_times, attn_times, matmul_times = [], [], []
+    step_times, attn_times, matmul_times, torch_times = [], [], [], []
     try:
-        # Steps and matmul passes alternate, so both see the same machine load.
+        # Steps and matmul passes alternate, so all see the same machine load.
         for i in range(steps + 2):
             timer.seconds = 0.0
             _, wall = timed(engine.step)
             matmul = matmul_pass(calls)
+            torch_matmul = matmul_pass(calls, torch.nn.functional.linear)
             if i >= 2:
                 step_times.append(wall)
                 attn_times.append(timer.seconds)
                 matmul_times.append(matmul)
+                torch_times.append(torch_matmul)
     finally:
         timer.remove()
         engine.hooks.on_schedule = None
         for r in requests:
             engine.abort_request(r.request_id)
     assert all(s == (batch, batch) for s in seen), f"not every timed step was {batch} 1-token decodes: {seen}"
-    step, attn, matmul = (statistics.median(t) for t in (step_times, attn_times, matmul_times))
+    step, attn, matmul, torch_matmul = (statistics.median(t) for t in (step_times, attn_times, matmul_times,
+                                                                        torch_times))
     return {"batch": batch, "prompt_len": prompt_len, "prefill_steps": prefill_steps, "timed_steps": steps,
             "step_s": step, "step_min_s": min(step_times), "matmul_s": matmul, "matmul_min_s": min(matmul_times),
+            "torch_matmul_s": torch_matmul, "step_over_torch_matmul": step / torch_matmul,
             "attention_s": attn, "other_s": step - matmul - attn, "step_over_matmul": step / matmul,
             "step_over_matmul_min": min(step_times) / min(matmul_times)}
 
@@ -428,6 +433,9 @@ def report_lines(args: argparse.Namespace, results: dict[str, SystemResult], ste
             lines.append(f"| {label} | {step[key] * 1e3:.2f} | {100 * step[key] / step['step_s']:.0f}% |")
         lines.append(f"| step / matmuls | {step['step_over_matmul']:.2f}x (of the minima: "
                      f"{step['step_over_matmul_min']:.2f}x) | |")
+        if "torch_matmul_s" in step:
+            lines.append(f"| for reference: the same matmuls with torch F.linear (MKL) | "
+                         f"{step['torch_matmul_s'] * 1e3:.2f} | step / these: {step['step_over_torch_matmul']:.2f}x |")
     lines += ["", "Targets:", "", "| target | measured | verdict | margin |", "|---|---|---|---|"]
     for t in targets:
         value = "n/a" if t["value"] is None else f"{t['value']:.2f}x"

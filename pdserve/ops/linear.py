@@ -2,7 +2,7 @@
 
 A decode step multiplies a handful of rows (one per running sequence) by every weight matrix.
 That product is bound by reading the weights once; torch's CPU GEMM does not behave that way
-for 2-16 rows (measured here: 2 rows cost 2.2x one row, 3 rows 3.3x). csrc/small_linear.c reads
+for 2-32 rows (measured here: 2 rows cost 2x one row, 3 rows 2.7x). csrc/small_linear.c reads
 each weight row once per call and reuses it for every input row. It is used when
 
 - x is a float32 CPU matrix [M, K] with unit column stride and M <= `max_rows()`,
@@ -26,8 +26,10 @@ from pdserve.ops.native import available, ffi as _ffi, lib as _lib, unavailable_
 
 __all__ = ["available", "linear", "max_rows", "small_linear", "unavailable_reason"]
 
-# Up to this many rows the kernel beats MKL on this machine (bench/linear_kernels.py).
-_DEFAULT_MAX_ROWS = 16
+# Up to this many rows the kernel beats or matches MKL on this machine (bench/linear_kernels.py,
+# bench/results/linear_kernels.md): at 32 rows equal on 1 thread, 1.3-1.5x faster on 2 threads
+# (MKL scales poorly across threads at these shapes); from 48 rows on 1 thread MKL wins.
+_DEFAULT_MAX_ROWS = 32
 
 
 def _max_rows_from_env() -> int:
