@@ -48,7 +48,7 @@ ALWAYS_INLINE float fma1(float a, float b, float acc) { return acc + a * b; }
 #define BAND 24
 /* Software prefetch distance along each W row, in floats (0 = off). */
 #ifndef SL_PREFETCH
-#define SL_PREFETCH 256
+#define SL_PREFETCH 512
 #endif
 
 /*
