@@ -50,7 +50,7 @@ def make_builder(absolute_sources: bool) -> FFI:
         "pdserve.ops._cpu_ops",
         '#include "small_linear.h"\n#include "norm_act.h"\n',
         sources=paths if absolute_sources else [os.path.relpath(p) for p in paths],
-        include_dirs=[_CSRC],
+        include_dirs=[_CSRC, os.path.join(os.path.dirname(_HERE), "csrc")],  # + pdserve/csrc (exp8.h)
         extra_compile_args=[*compile_args, "-ffp-contract=off"],
         extra_link_args=link_args,
     )

@@ -15,36 +15,12 @@
 
 #include "norm_act.h"
 #include "vec8.h"
-
-/*
- * exp(x) for x <= 0 (Cephes expf polynomial, ~1-2 ulp); x below -87 gives 0. Callers pass
- * -|g| so the argument is never positive.
- */
-ALWAYS_INLINE v8f exp_nonpos(v8f x) {
-    const v8i keep = x > splat8(-87.0f);
-    x = select8(keep, x, splat8(-87.0f));
-    v8f fx = x * 1.44269504088896341f + 0.5f;
-    v8i n = __builtin_convertvector(fx, v8i); /* truncates toward zero */
-    v8f tf = __builtin_convertvector(n, v8f);
-    n = n + (v8i)(tf > fx);                    /* floor for negatives (true is -1) */
-    tf = __builtin_convertvector(n, v8f);
-    x = x - tf * 0.693359375f;
-    x = x - tf * -2.12194440e-4f;
-    v8f y = splat8(1.9875691500e-4f);
-    y = y * x + 1.3981999507e-3f;
-    y = y * x + 8.3334519073e-3f;
-    y = y * x + 4.1665795894e-2f;
-    y = y * x + 1.6666665459e-1f;
-    y = y * x + 5.0000001201e-1f;
-    y = y * (x * x) + x + 1.0f;
-    y = y * (v8f)((n + 127) << 23);
-    return select8(keep, y, splat8(0.0f));
-}
+#include "exp8.h" /* pdserve/csrc */
 
 /* silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) so that nothing overflows. */
 ALWAYS_INLINE v8f silu8(v8f g) {
     const v8i neg = g < splat8(0.0f);
-    const v8f e = exp_nonpos(select8(neg, g, -g));
+    const v8f e = exp8(select8(neg, g, -g));
     const v8f one = splat8(1.0f);
     const v8f sig = select8(neg, e, one) / (one + e);
     return g * sig;
