@@ -32,7 +32,8 @@ from torch import nn
 
 from pdserve.attention.base import AttentionBackend, LayerPlans
 from pdserve.model.arch import FULL_ATTENTION, SLIDING_ATTENTION, ModelArch, rope_inv_freq
-from pdserve.model.layers import MergedColumnLinear, RotaryEmbedding, RowLinear
+from pdserve.model.layers import (MergedColumnLinear, RotaryEmbedding, RowLinear, embedding_and_head,
+                                  load_embedding_and_head)
 from pdserve.model.weights import CheckpointReader
 from pdserve.ops.linear import linear
 from pdserve.model.llama import LayerHook
@@ -134,8 +135,8 @@ class Gemma3ForCausalLM(nn.Module):
         if arch.family != "gemma3":
             raise ValueError(f"Gemma3ForCausalLM cannot run model_type {arch.model_type!r} (family {arch.family!r})")
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens, self.lm_head_weight = embedding_and_head(   # lm_head_weight: [V, hidden]
+            arch.vocab_size, arch.hidden_size, arch.tie_word_embeddings, dtype)
         # The reference keeps sqrt(hidden) as a float32 scalar and rounds it to the model dtype.
         self.register_buffer("embed_scale", torch.tensor(arch.hidden_size**0.5).to(dtype), persistent=False)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(arch, dtype) for _ in range(arch.num_layers))
@@ -146,11 +147,6 @@ class Gemma3ForCausalLM(nn.Module):
         for layer_type in sorted(set(arch.layer_types)):
             inv_freq, scaling = rope_inv_freq(hf_config, arch.head_dim, layer_type)
             self.ropes[layer_type] = RotaryEmbedding(inv_freq, scaling, max_positions, dtype)
-        if arch.tie_word_embeddings:
-            self.lm_head_weight = self.embed_tokens.weight                     # [V, hidden]
-        else:
-            self.lm_head_weight = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype),
-                                               requires_grad=False)
 
     @torch.inference_mode()
     def forward(
@@ -212,12 +208,8 @@ class Gemma3ForCausalLM(nn.Module):
 
         arch = self.arch
         bias = arch.attention_bias
-        copy(self.embed_tokens.weight, "embed_tokens.weight")
+        load_embedding_and_head(ckpt, self.embed_tokens, self.lm_head_weight, arch.tie_word_embeddings)
         load_norm(self.norm, "norm.weight")
-        if arch.tie_word_embeddings:
-            take("lm_head.weight", required=False)  # some tied checkpoints still store a copy
-        else:
-            copy(self.lm_head_weight, "lm_head.weight")
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.model.weights import CheckpointReader
 from pdserve.ops.linear import linear
 from pdserve.ops.norm_act import add_rms_norm, rms_norm_reference
 
@@ -88,6 +89,24 @@ class RowLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_shard] -> [T, out]
         return linear(x, self.weight, self.bias)
+
+
+def embedding_and_head(vocab_size: int, hidden_size: int, tied: bool, dtype: torch.dtype) -> tuple[nn.Embedding, torch.Tensor]:
+    """The token embedding and the lm_head weight [V, hidden]: the embedding's own weight when tied."""
+    embed = nn.Embedding(vocab_size, hidden_size, dtype=dtype)
+    embed.weight.requires_grad_(False)
+    if tied:
+        return embed, embed.weight                                             # [V, hidden]
+    return embed, nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+
+
+def load_embedding_and_head(ckpt: CheckpointReader, embed: nn.Embedding, head: torch.Tensor, tied: bool) -> None:
+    """Copy embed_tokens.weight and (untied) lm_head.weight; a tied checkpoint's stray lm_head copy is consumed."""
+    ckpt.copy(embed.weight, "embed_tokens.weight")
+    if tied:
+        ckpt.take("lm_head.weight", required=False)  # some tied checkpoints still store a copy
+    else:
+        ckpt.copy(head, "lm_head.weight")
 
 
 class RMSNorm(nn.Module):

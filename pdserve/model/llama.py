@@ -15,7 +15,8 @@ from torch import nn
 
 from pdserve.attention.base import AttentionBackend
 from pdserve.model.arch import ModelArch, rope_inv_freq
-from pdserve.model.layers import MergedColumnLinear, RMSNorm, RotaryEmbedding, RowLinear
+from pdserve.model.layers import (MergedColumnLinear, RMSNorm, RotaryEmbedding, RowLinear, embedding_and_head,
+                                  load_embedding_and_head)
 from pdserve.model.weights import CheckpointReader
 from pdserve.ops.linear import linear
 from pdserve.ops.norm_act import silu_mul
@@ -82,17 +83,12 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch, hf_config: object, dtype: torch.dtype, max_positions: int) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens, self.lm_head_weight = embedding_and_head(   # lm_head_weight: [V, hidden]
+            arch.vocab_size, arch.hidden_size, arch.tie_word_embeddings, dtype)
         self.layers = nn.ModuleList(DecoderLayer(arch, dtype) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         inv_freq, scaling = rope_inv_freq(hf_config, arch.head_dim)
         self.rope = RotaryEmbedding(inv_freq, scaling, max_positions, dtype)
-        if arch.tie_word_embeddings:
-            self.lm_head_weight = self.embed_tokens.weight                     # [V, hidden]
-        else:
-            self.lm_head_weight = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size, dtype=dtype),
-                                               requires_grad=False)
 
     @torch.inference_mode()
     def forward(
@@ -137,12 +133,8 @@ class LlamaForCausalLM(nn.Module):
         ckpt = CheckpointReader(weights)
         take, copy = ckpt.take, ckpt.copy
         arch = self.arch
-        copy(self.embed_tokens.weight, "embed_tokens.weight")
+        load_embedding_and_head(ckpt, self.embed_tokens, self.lm_head_weight, arch.tie_word_embeddings)
         copy(self.norm.weight, "norm.weight")
-        if arch.tie_word_embeddings:
-            take("lm_head.weight", required=False)  # some tied checkpoints still store a copy
-        else:
-            copy(self.lm_head_weight, "lm_head.weight")
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
