@@ -11,12 +11,11 @@ memory, and an allocator that returns the wrong tensor is refused by name.
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 import torch
 
-from fabric.hostmem import HUGE_PAGE_BYTES, thp_mode
+from fabric.hostmem import HUGE_PAGE_BYTES, anon_huge_bytes, thp_mode
 from pdserve.cache.kv_cache import KVCacheShape, PagedKVCache
 from pdserve.config import EngineConfig
 from tiny_models import make_tiny_checkpoint
@@ -32,20 +31,6 @@ def tiny_llama(tmp_path_factory) -> str:
 
 def _config(model: str) -> EngineConfig:
     return EngineConfig.from_options(model=model, num_blocks=NUM_BLOCKS, num_threads=1, max_batch_tokens=64)
-
-
-def anon_huge_bytes(start: int, end: int) -> int:
-    """AnonHugePages of this process's mappings that overlap [start, end), from /proc/self/smaps."""
-    total, inside = 0, False
-    with open(f"/proc/{os.getpid()}/smaps", encoding="ascii", errors="replace") as f:
-        for line in f:
-            head = line.split(None, 1)[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo < end and hi > start
-            elif inside and head == "AnonHugePages:":
-                total += int(line.split()[1]) * 1024
-    return total
 
 
 def check_pool_on_huge_pages(buf: torch.Tensor) -> None:
