@@ -584,6 +584,19 @@ static void note_eagain(pdf_engine *e, pdf_peer *p)
         p->eagain_since = now_ns();
 }
 
+/* A write or send was posted: it holds a credit until its completion, and its
+ * peer's progress clock starts when it had nothing outstanding. */
+static void note_posted(pdf_engine *e, pdf_peer *p)
+{
+    e->credits--;
+    e->active_ops++;
+    if (p) {
+        if (p->outstanding == 0)
+            p->last_progress_ns = now_ns();
+        p->outstanding++;
+    }
+}
+
 /* Post write b->next of batch b (the caller checked that a credit is free).
  * Returns 1 if posted; 0 if it must wait (the tagged write waits for the
  * others, or FI_EAGAIN: *eagain set); -1 if the batch failed (reported into
@@ -648,13 +661,7 @@ static int post_one_write(pdf_engine *e, pdf_batch *b, pdf_peer *p, evbuf *out, 
         p->eagain_since = 0;
     b->next++;
     b->inflight++;
-    e->credits--;
-    e->active_ops++;
-    if (p) {
-        if (p->outstanding == 0)
-            p->last_progress_ns = now_ns();
-        p->outstanding++;
-    }
+    note_posted(e, p);
     return 1;
 }
 
@@ -716,14 +723,9 @@ static int post_work(pdf_engine *e, evbuf *out, int *eagain)
             continue;
         }
         e->send_free_n--;
-        e->credits--;
-        e->active_ops++;
-        if (p) {
-            if (p->outstanding == 0)
-                p->last_progress_ns = now_ns();
-            p->outstanding++;
+        note_posted(e, p);
+        if (p)
             p->posted_round = e->round;
-        }
         posted++;
     }
     for (pdf_batch *b = e->act_head; b; b = b->link) {
