@@ -95,11 +95,6 @@ class DecodeNode:
         self.local_prefill_fallback = local_prefill_fallback
         self.hooks = EngineHooks(on_kv_wait=None if colocated else self._on_kv_wait,
                                  on_schedule=self._on_schedule if colocated else None)
-        if not colocated:
-            # The pool the fabric registers sits on huge pages (faster shm transfers).
-            from kv_messenger.wiring import HugePageKVAllocator
-
-            self.hooks.allocate_kv = HugePageKVAllocator()
         self.engine = AsyncEngine(engine_config, self.hooks)
         self.llm = self.engine.engine
         self.model_name: str = self.llm.source.name

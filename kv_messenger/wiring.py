@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from fabric.hostmem import HUGE_PAGE_BYTES, HostBuffer, alloc_buffer
 from kv_messenger.plan import KvLayout
-
-logger = logging.getLogger(__name__)
 
 _DTYPE_NAMES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
@@ -45,39 +40,6 @@ def check_transferable(engine) -> None:
         f"sliding-window layers' KV would never reach the decode node (wrong output, no error). Sliding-window "
         f"and hybrid models are not supported in disaggregated mode yet; serve this model colocated "
         f"(decode node --colocated, pdserve up --colocated N)")
-
-
-class HugePageKVAllocator:
-    """The KV pool allocator nodes give the engine (EngineHooks.allocate_kv): the pool a node
-    registers with the fabric sits on 2 MiB aligned, transparent-huge-page memory (shm transfers
-    from and to huge pages are ~2x faster, bench/results/fabric-notes.md).
-
-    Nothing is committed up front: the mapping reads as zeros (the pool's slots must be finite)
-    and the kernel backs it with huge pages as pages are first written. Where the kernel refuses
-    huge pages, the fabric falls back to normal pages and `host.reason` says why (logged).
-    `host` is the last pool's HostBuffer (its mapping lives as long as the tensor).
-    """
-
-    def __init__(self) -> None:
-        self.host: HostBuffer | None = None
-
-    def __call__(self, dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        numel = 1
-        for d in dims:
-            if not isinstance(d, int) or d < 1:
-                raise ValueError(f"KV pool dims {dims}: expected positive ints")
-            numel *= d
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        host = alloc_buffer(nbytes, huge_pages=True, populate=False)
-        tensor = host.torch(dtype, tuple(dims))
-        self.host = host
-        if host.huge_pages:
-            logger.info("KV pool: %.1f MiB at 0x%x on transparent huge pages (%d MiB aligned)",
-                        nbytes / 2**20, host.address, HUGE_PAGE_BYTES // 2**20)
-        else:
-            logger.warning("KV pool: %.1f MiB at 0x%x on normal pages: %s", nbytes / 2**20, host.address,
-                           host.reason)
-        return tensor
 
 
 def layout_of(kv_cache) -> KvLayout:

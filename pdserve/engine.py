@@ -14,7 +14,7 @@ Hooks let the KV messenger plug in without the engine knowing about it: `on_sche
 pass before it runs (D6), `on_layer_done` fires after each layer's attention output projection
 (D7), `on_prefill_done` receives a prefill-only request's final hidden state and logits (D12).
 One hook is not a step callback: `allocate_kv`, called once while the engine is built, gives the
-KV pool its memory (nodes pass the fabric's huge-page allocator; default: plain torch memory).
+KV pool its memory (default: an anonymous mapping on transparent huge pages, pdserve.cache.kv_cache).
 
 Threading: an engine is driven by one thread (the caller of `step`); `AsyncEngine` runs that
 thread for servers.
@@ -73,7 +73,7 @@ class EngineHooks:
     # A remote-prefill request got its pages (block ids in order) and now waits for its KV.
     on_kv_wait: Callable[[Request, list[int]], None] | None = None
     # allocate_kv(dims, dtype) -> the pool's buffer [layers, 2, pages, kv_heads, page_size, head_dim];
-    # None: torch.zeros / torch.empty.
+    # None: the default (CPU: huge-page mapping; other devices: torch.zeros).
     allocate_kv: KVAllocator | None = None
 
 

@@ -33,7 +33,7 @@ from pdserve_api.servers import StatusError, UnavailableError
 
 from fabric import FabricConfig, FabricError, PeerDescriptor, TransferEngine
 from kv_messenger import ContextCodec, KvSender, ShardingScheme, TransferResult, TransferTarget, expected_writes
-from kv_messenger.wiring import HugePageKVAllocator, check_transferable, layout_of, register_kv
+from kv_messenger.wiring import check_transferable, layout_of, register_kv
 from kv_messenger.sender import check_target
 from pdserve.async_engine import AsyncEngine, EngineDeadError
 from pdserve.config import EngineConfig
@@ -135,8 +135,8 @@ class PrefillNode:
         self._closing = False
         self._background: set[asyncio.Future] = set()
         self._last_load = LoadSnapshot()
-        # The pool the fabric registers sits on huge pages (faster shm transfers).
-        hooks = EngineHooks(allocate_kv=HugePageKVAllocator())
+        # The engine's default pool is on huge pages, which the fabric registers (faster shm transfers).
+        hooks = EngineHooks()  # filled in below, once the sender exists
         self.engine = AsyncEngine(config.engine, hooks)
         eng = self.engine.engine
         try:

@@ -1,11 +1,10 @@
-"""The KV pool a node registers with the fabric sits on huge pages (EngineHooks.allocate_kv).
+"""Every CPU KV pool sits on huge pages: the engine's default allocator (pdserve.cache.kv_cache).
 
-Prefill and decode nodes (disaggregated) build their engine with kv_messenger.wiring's
-HugePageKVAllocator: the pool is 2 MiB aligned and, where the kernel has transparent huge pages
-(always or madvise), the kernel backs it with huge pages once it is written (AnonHugePages in
-/proc/self/smaps for the pool's range; nothing is committed before). A colocated decode node
-registers nothing and keeps plain torch memory. Without an allocator the cache is plain torch
-memory, and an allocator that returns the wrong tensor is refused by name.
+The pool is a fresh anonymous mapping, 2 MiB aligned, and where the kernel has transparent huge
+pages (always or madvise) the kernel backs it with huge pages once it is written (AnonHugePages in
+/proc/self/smaps for the pool's range; nothing is committed before). That holds for prefill nodes,
+decode nodes (whose pools the fabric registers) and colocated decode nodes alike. A custom
+allocator (EngineHooks.allocate_kv) that returns the wrong tensor is refused by name.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ def test_prefill_node_pool_is_on_huge_pages(tiny_llama):
         loop.close()
 
 
-def test_decode_node_pool_is_on_huge_pages_and_colocated_is_not(tiny_llama):
+def test_decode_node_pool_is_on_huge_pages_colocated_or_not(tiny_llama):
     from decode_node.server import DecodeNode
 
     async def build(colocated: bool) -> None:
@@ -74,8 +73,7 @@ def test_decode_node_pool_is_on_huge_pages_and_colocated_is_not(tiny_llama):
             buf = node.llm.kv_cache.buffer
             if colocated:
                 assert node.hooks.allocate_kv is None and node.fabric is None
-            else:
-                check_pool_on_huge_pages(buf)
+            check_pool_on_huge_pages(buf)
         finally:
             await node.close()
 
@@ -83,11 +81,17 @@ def test_decode_node_pool_is_on_huge_pages_and_colocated_is_not(tiny_llama):
     asyncio.run(build(colocated=False))
 
 
-def test_cache_without_allocator_is_plain_torch_and_bad_allocators_are_refused():
+def test_cache_without_allocator_is_on_huge_pages_and_bad_allocators_are_refused():
+    # 4 MiB: 2 layers x K/V x 512 pages x 2 kv heads x 16 tokens x 16 dims x 4 bytes
+    default = PagedKVCache(KVCacheShape(num_layers=2, num_pages=512, kv_heads=2, page_size=16, head_dim=16),
+                           torch.float32)
+    assert tuple(default.buffer.shape) == (2, 2, 512, 2, 16, 16) and default.nbytes == 4 * MiB
+    check_pool_on_huge_pages(default.buffer)
+
     shape = KVCacheShape(num_layers=2, num_pages=4, kv_heads=2, page_size=8, head_dim=16)
     dims = (2, 2, 4, 2, 8, 16)
-    plain = PagedKVCache(shape, torch.float32)
-    assert tuple(plain.buffer.shape) == dims and int(plain.buffer.abs().sum()) == 0
+    small = PagedKVCache(shape, torch.float32)
+    assert tuple(small.buffer.shape) == dims and int(small.buffer.abs().sum()) == 0
 
     seen = []
 

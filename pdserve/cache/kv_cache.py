@@ -6,25 +6,26 @@ tensor-parallel shard of a page (a range of kv heads) is contiguous, and consecu
 adjacent in memory, so a run of pages is one contiguous byte range (D13). One buffer means one
 memory registration for the fabric.
 
-Allocation seam: `PagedKVCache(..., allocate=fn)` takes the buffer from `fn(dims, dtype)` instead of
-torch (the nodes pass the fabric's huge-page allocator, kv_messenger.wiring.HugePageKVAllocator, so that
-the registered pool sits on 2 MiB pages: shm transfers are ~2x faster from and to huge pages). The
-engine never imports the fabric; without an allocator the buffer is plain torch memory.
+Allocation: by default a CPU pool is a fresh anonymous mapping on transparent huge pages
+(fabric.hostmem, standard library only): decode attention reads it 10-30% faster than 4 KiB
+pages, and the fabric registers the same memory (shm transfers ~2x faster from and to huge pages).
+Seam: `PagedKVCache(..., allocate=fn)` takes the buffer from `fn(dims, dtype)` instead.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 # allocate(dims, dtype) -> a contiguous CPU tensor of exactly `dims` and `dtype`, zero-filled (or
 # at least finite: slots beyond a sequence's length are read under a mask), that stays where it is
 # for its lifetime (it is registered with the fabric by address).
 KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
-
-_ZERO_FILL_LIMIT = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -77,17 +78,28 @@ class PagedKVCache:
 
 
 def _torch_allocate(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The default allocator: plain torch memory.
+    """The default allocator. On the CPU: a fresh anonymous mapping, 2 MiB aligned and advised
+    onto transparent huge pages (fabric.hostmem, the same memory the fabric registers), so it
+    reads as zeros and nothing is committed before it is written.
 
-    Slots beyond a sequence's length are read under a mask, so they must hold finite values.
-    Small pools are zeroed; a large one comes straight from mmap (zero pages the kernel hands out
-    on first touch), so zeroing it would only commit gigabytes up front."""
+    Decode attention streams every sequence's pages from DRAM; on 4 KiB pages each 4 KiB costs a
+    TLB entry, and the same kernel runs 10-30% faster on 2 MiB pages here (30 layers of batch-32
+    decode pools: 33 vs 37-47 ms). Shared-memory fabric transfers from and to huge pages are ~2x
+    faster too. Where the kernel has no THP the pool stays on normal pages (logged once).
+    A fresh mapping rather than torch.empty + madvise: torch's allocator may hand back heap memory
+    that is already faulted in on small pages, which madvise does not convert.
+    """
+    if device.type != "cpu":
+        return torch.zeros(dims, dtype=dtype, device=device)
+    from fabric.hostmem import alloc_buffer  # standard library only: no compiled fabric needed
+
     nbytes = torch.empty((), dtype=dtype).element_size()
     for d in dims:
         nbytes *= d
-    if nbytes <= _ZERO_FILL_LIMIT or device.type != "cpu":
-        return torch.zeros(dims, dtype=dtype, device=device)
-    return torch.empty(dims, dtype=dtype, device=device)
+    host = alloc_buffer(nbytes, huge_pages=True, populate=False)  # the tensor keeps the mapping alive
+    if host.huge_pages:
+        logger.info("KV pool: %.1f MiB at 0x%x on transparent huge pages", nbytes / 2**20, host.address)
+    return host.torch(dtype, dims)
 
 
 def _check_buffer(buf: object, dims: tuple[int, ...], dtype: torch.dtype, device: torch.device,
