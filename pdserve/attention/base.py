@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.ops.rope_kv import write_kv_rows
+
 
 @dataclass(frozen=True)
 class AttentionBatch:
@@ -96,8 +98,6 @@ def write_kv(
     v_pool: torch.Tensor,     # [N, Hkv, P, D]
     batch: AttentionBatch,
 ) -> None:
-    """Scatter the step's K/V rows into their pages (HND: page, head, slot, dim)."""
-    D = k.shape[-1]
-    # One row copy per (token, kv head) into the pool seen as a [N*Hkv*P, D] matrix.
-    k_pool.view(-1, D).index_copy_(0, batch.kv_rows, k.reshape(-1, D))
-    v_pool.view(-1, D).index_copy_(0, batch.kv_rows, v.reshape(-1, D))
+    """Scatter the step's K/V rows into their pages (HND: page, head, slot, dim), converted to the
+    pool's dtype: one row copy per (token, kv head) into the pool seen as a [N*Hkv*P, D] matrix."""
+    write_kv_rows(k, v, k_pool, v_pool, batch.kv_rows)

@@ -78,7 +78,7 @@ class Gemma3Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,             # [T, hidden]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],  # this layer type's rotary tables, [T, 1, D] each
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # this layer type's rotary tables, [T, D] each
         k_pool: torch.Tensor,        # [N, Hkv, P, D]
         v_pool: torch.Tensor,        # [N, Hkv, P, D]
         backend: AttentionBackend,

@@ -18,6 +18,7 @@ from torch import nn
 from pdserve.model.weights import CheckpointReader
 from pdserve.ops.linear import linear
 from pdserve.ops.norm_act import add_rms_norm, rms_norm_reference
+from pdserve.ops.rope_kv import rope
 
 
 class MergedColumnLinear(nn.Module):
@@ -133,7 +134,8 @@ class RotaryEmbedding(nn.Module):
 
     rotate_half(x) * sin == roll(x, D/2) * sin_signed, where sin_signed negates the first half of
     sin: one roll instead of two slices, a negation and a concatenation, and bit-identical results
-    ((-a) * b == a * (-b) in IEEE arithmetic).
+    ((-a) * b == a * (-b) in IEEE arithmetic). pdserve.ops.rope does that in one C pass per call
+    (torch's roll / mul / add where the C path does not apply).
     """
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_positions: int, dtype: torch.dtype):
@@ -149,20 +151,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_signed", sin_signed.to(dtype), persistent=False)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin_signed for the step's positions ([T] -> [T, 1, D] each), looked up once per pass."""
-        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+        """cos, sin_signed for the step's positions ([T] -> [T, D] each), looked up once per pass."""
+        return self.cos[positions], self.sin_signed[positions]
 
     @staticmethod
     def apply_one(cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        # cos, sin_signed: [T, 1, D]; x: [T, H, D] (any strides) -> a new contiguous [T, H, D]
-        cos, sin_signed = cos_sin
-        rotated = x.roll(x.shape[-1] // 2, dims=-1).mul_(sin_signed)            # rotate_half(x) * sin
-        # Not addcmul: its fused multiply-add rounds differently from the reference's x*cos + r.
-        return rotated.add_(x * cos)
+        # cos, sin_signed: [T, D]; x: [T, H, D] (any strides) -> a new contiguous [T, H, D]
+        return rope(x, *cos_sin)
 
     @staticmethod
     def apply(
         cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # cos, sin_signed: [T, 1, D]; q: [T, Hq, D]; k: [T, Hkv, D]
-        return RotaryEmbedding.apply_one(cos_sin, q), RotaryEmbedding.apply_one(cos_sin, k)
+        # cos, sin_signed: [T, D]; q: [T, Hq, D]; k: [T, Hkv, D]
+        return rope(q, *cos_sin), rope(k, *cos_sin)

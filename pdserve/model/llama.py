@@ -38,7 +38,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,             # [T, hidden]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],  # rotary tables for the step, [T, 1, D] each
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # rotary tables for the step, [T, D] each
         k_pool: torch.Tensor,        # [N, Hkv, P, D]
         v_pool: torch.Tensor,        # [N, Hkv, P, D]
         backend: AttentionBackend,
@@ -48,14 +48,14 @@ class Attention(nn.Module):
         qkv = self.qkv_proj.forward(x)                                         # [T, (Hq + 2 Hkv) D]
         v = qkv[:, (Hq + Hkv) * D :].view(T, Hkv, D)                           # [T, Hkv, D]
         if self.q_norm is None:
-            # q and k side by side in one view, rotated by one op: [T, Hq + Hkv, D]
-            qk = RotaryEmbedding.apply_one(cos_sin, qkv[:, : (Hq + Hkv) * D].view(T, Hq + Hkv, D))
-            q, k = qk[:, :Hq], qk[:, Hq:]
+            # rotated straight out of the qkv rows into contiguous q and k (no copies before)
+            q = RotaryEmbedding.apply_one(cos_sin, qkv[:, : Hq * D].view(T, Hq, D))            # [T, Hq, D]
+            k = RotaryEmbedding.apply_one(cos_sin, qkv[:, Hq * D : (Hq + Hkv) * D].view(T, Hkv, D))  # [T, Hkv, D]
         else:
             q = self.q_norm.forward(qkv[:, : Hq * D].view(T, Hq, D))           # [T, Hq, D]
             k = self.k_norm.forward(qkv[:, Hq * D : (Hq + Hkv) * D].view(T, Hkv, D))  # [T, Hkv, D]
             q, k = RotaryEmbedding.apply(cos_sin, q, k)
-        o = backend.forward(q.contiguous(), k, v, k_pool, v_pool, plan, self.scale)  # [T, Hq, D]
+        o = backend.forward(q, k, v, k_pool, v_pool, plan, self.scale)              # [T, Hq, D]
         return self.o_proj.forward(o.reshape(T, -1))
 
 

@@ -1,4 +1,4 @@
-"""cffi (API mode) builder for pdserve's CPU ops: csrc/small_linear.c and csrc/norm_act.c.
+"""cffi (API mode) builder for pdserve's CPU ops: csrc/small_linear.c, csrc/norm_act.c, csrc/rope_kv.c.
 
 setup.py lists ``"pdserve/ops/_ops_build.py:ffibuilder"`` in ``cffi_modules`` so that
 ``pip install -e .`` compiles ``pdserve.ops._cpu_ops``. For development, compile in place:
@@ -18,7 +18,7 @@ from cffi import FFI
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _CSRC = os.path.join(_HERE, "csrc")
-_SOURCES = ("small_linear.c", "norm_act.c")
+_SOURCES = ("small_linear.c", "norm_act.c", "rope_kv.c")
 
 _CDEF = """
 #define SL_OK 0
@@ -35,6 +35,13 @@ int op_add_rms_norm(float *out, float *h, const float *delta, const float *w, in
                     int64_t ld_out, int64_t ld_h, int64_t ld_delta, float eps);
 int op_silu_mul(float *out, const float *gate_up, int rows, int I, int64_t ld_out, int64_t ld_in);
 int op_argmax_rows(int64_t *out, const float *x, int rows, int V, int64_t ld);
+
+#define OP_ERR_ROW 3
+int op_rope(float *out, const float *x, const float *cos_t, const float *sin_t, int T, int H, int D,
+            int64_t ld_x);
+int op_write_kv(void *k_pool, void *v_pool, const float *k, const float *v, const int64_t *rows, int T,
+                int Hkv, int D, int64_t ld_k, int64_t ld_v, int64_t pool_rows, int pool_bf16,
+                int64_t *bad);
 """
 
 
@@ -48,7 +55,7 @@ def make_builder(absolute_sources: bool) -> FFI:
     builder.cdef(_CDEF)
     builder.set_source(
         "pdserve.ops._cpu_ops",
-        '#include "small_linear.h"\n#include "norm_act.h"\n',
+        '#include "small_linear.h"\n#include "norm_act.h"\n#include "rope_kv.h"\n',
         sources=paths if absolute_sources else [os.path.relpath(p) for p in paths],
         include_dirs=[_CSRC, os.path.join(os.path.dirname(_HERE), "csrc")],  # + pdserve/csrc (exp8.h)
         extra_compile_args=[*compile_args, "-ffp-contract=off"],
