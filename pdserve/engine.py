@@ -109,7 +109,8 @@ class LLMEngine:
         P = config.cache.page_size
         sched = config.scheduler
         probe = KVCacheShape(self.arch.num_layers, 1, self.arch.num_kv_heads, P, self.arch.head_dim)
-        block_nbytes = probe.block_nbytes(dtype)
+        kv_dtype = config.kv_torch_dtype   # the model's dtype, or bfloat16 K/V under a float32 model
+        block_nbytes = probe.block_nbytes(kv_dtype)
         per_request = max_blocks_per_request(groups, P, self.max_model_len, sched.max_batch_tokens)
         budget = None
         if available is not None:
@@ -121,14 +122,14 @@ class LLMEngine:
                                                sched.max_batch_tokens)
         sharing = config.cache.allow_block_sharing and all(g.sliding_window is None for g in groups)
         self.kv_cache = PagedKVCache(KVCacheShape(self.arch.num_layers, size.num_blocks, self.arch.num_kv_heads, P,
-                                                  self.arch.head_dim), dtype, allocate=self.hooks.allocate_kv)
+                                                  self.arch.head_dim), kv_dtype, allocate=self.hooks.allocate_kv)
         self.pool = BlockPool(size.num_blocks, config.cache.num_padding_blocks)
         self.cache_manager = KVCacheManager(self.pool, P, groups, enable_prefix_caching=sharing)
         swap_slots = config.cache.swap_slots(size.num_blocks, block_nbytes)
         self.swap = SwapSpace(self.kv_cache, self.cache_manager, swap_slots) if swap_slots > 0 else None
-        logger.info("KV cache: %d blocks of %d tokens (%.2f MiB each, %.2f GiB total; %s), groups %s, "
+        logger.info("KV cache: %d blocks of %d tokens (%s, %.2f MiB each, %.2f GiB total; %s), groups %s, "
                     "prefix cache %s%s, swap pool %d blocks (%.2f GiB), max_model_len %d",
-                    size.num_blocks, P, block_nbytes / 2**20, size.num_blocks * block_nbytes / 2**30, size.reason,
+                    size.num_blocks, P, str(kv_dtype).removeprefix("torch."), block_nbytes / 2**20, size.num_blocks * block_nbytes / 2**30, size.reason,
                     self.cache_manager.group_names, "on" if sharing else "off",
                     "" if sharing or not config.cache.allow_block_sharing else " (sliding-window layers)",
                     swap_slots, swap_slots * block_nbytes / 2**30, self.max_model_len)
@@ -318,9 +319,11 @@ class LLMEngine:
         sampling_chunks = [c for c in sched.chunks if c.samples]
         sampled = None
         if sampling_chunks:
-            rows = torch.tensor([out.chunk_rows[c.request_id] for c in sampling_chunks])
+            rows = [out.chunk_rows[c.request_id] for c in sampling_chunks]
+            # logits: [R, V]; a decode step samples every row in order: no 6 MB gather copy then
+            logits = out.logits if rows == list(range(out.logits.shape[0])) else out.logits[torch.tensor(rows)]
             sampled = self.sampler.sample(
-                out.logits[rows],
+                logits,
                 [c.request.sampling for c in sampling_chunks],
                 [c.request.generator or self._default_generator for c in sampling_chunks],
             )

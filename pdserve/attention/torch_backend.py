@@ -85,12 +85,17 @@ class TorchAttentionBackend(AttentionBackend):
         Hkv = k_pool.shape[1]
         G = Hq // Hkv
         out = torch.empty_like(q)                                                # [T, Hq, D]
+        # A pool narrower than q (bfloat16 K/V under float32 math) is read widened; a fresh chunk's
+        # own k, v are rounded through the pool's dtype, so every key reads as it is stored.
+        widen = k_pool.dtype != q.dtype
         nd = plan.batch.num_decode
         if nd:
             B, max_pages = plan.decode_pages.shape
             # kd, vd: [B, Hkv, max_pages * P, D]
             kd = k_pool[plan.decode_pages].permute(0, 2, 1, 3, 4).reshape(B, Hkv, -1, D)
             vd = v_pool[plan.decode_pages].permute(0, 2, 1, 3, 4).reshape(B, Hkv, -1, D)
+            if widen:
+                kd, vd = kd.to(q.dtype), vd.to(q.dtype)
             qd = q[:nd].view(nd, Hkv, G, D)                                      # [B, Hkv, G, D]
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=scale)
             out[:nd] = od.reshape(nd, Hq, D)
@@ -104,6 +109,8 @@ class TorchAttentionBackend(AttentionBackend):
                 L = seq.ctx_len - seq.key_start
                 ks = k_pool[seq.pages].transpose(0, 1).reshape(Hkv, -1, D)[:, :L]  # [Hkv, L, D]
                 vs = v_pool[seq.pages].transpose(0, 1).reshape(Hkv, -1, D)[:, :L]
+            if widen:
+                ks, vs = ks.to(k_pool.dtype).to(q.dtype), vs.to(k_pool.dtype).to(q.dtype)
             qs = q[rows].view(seq.q_len, Hkv, G, D).transpose(0, 1)              # [Hkv, n, G, D]
             if seq.mask is None:
                 o = F.scaled_dot_product_attention(
