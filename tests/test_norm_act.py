@@ -58,6 +58,19 @@ def test_silu_mul(rows: int, inter: int) -> None:
     assert torch.allclose(out.double(), expected, rtol=2e-6, atol=1e-7)
 
 
+def test_silu_mul_rows_split_over_threads_give_the_one_thread_bits() -> None:
+    gate_up = torch.randn(32, 2 * 1536, generator=torch.Generator().manual_seed(3)) * 8  # [T, 2I]: threaded
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = silu_mul(gate_up)
+        torch.set_num_threads(2)
+        two = silu_mul(gate_up)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
 def test_silu_extremes() -> None:
     gate = torch.tensor([[-200.0, -88.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.0, 200.0]])
     out = silu_mul(torch.cat([gate, torch.ones_like(gate)], dim=1))

@@ -74,7 +74,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     if _c_ok(gate_up):
         rows, width = gate_up.shape
         out = torch.empty(rows, width // 2, dtype=torch.float32)      # [T, I]
-        rc = _lib.op_silu_mul(_ptr(out), _ptr(gate_up), rows, width // 2, width // 2, gate_up.stride(0))
+        rc = _lib.op_silu_mul(_ptr(out), _ptr(gate_up), rows, width // 2, width // 2, gate_up.stride(0),
+                              torch.get_num_threads())
         _check(rc, "silu_mul", gate_up=gate_up)
         return out
     gate, up = gate_up.chunk(2, dim=-1)
