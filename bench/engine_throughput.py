@@ -145,7 +145,7 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 
 def make_llm(args: argparse.Namespace) -> LLM:
-    return LLM(model=args.model, dtype=args.dtype, num_threads=args.threads,
+    return LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, num_threads=args.threads,
                max_batch_tokens=args.max_batch_tokens, max_requests_per_batch=args.max_requests_per_batch)
 
 
@@ -378,7 +378,8 @@ def machine_info() -> dict[str, Any]:
 # --- report ------------------------------------------------------------------------------------
 
 
-def target_lines(results: dict[str, SystemResult], step: dict[str, Any] | None, dtype: str) -> list[dict[str, Any]]:
+def target_lines(results: dict[str, SystemResult], step: dict[str, Any] | None, dtype: str,
+                 kv_cache_dtype: str = "auto") -> list[dict[str, Any]]:
     """Each target: name, measured value, goal, PASS / MISS / n/a, margin."""
     out = []
     pd = results.get("pdserve")
@@ -401,7 +402,7 @@ def target_lines(results: dict[str, SystemResult], step: dict[str, Any] | None, 
         out.append({"target": name, "value": value, "goal": TARGET_STEP_OVER_MATMUL,
                     "verdict": "PASS" if value <= TARGET_STEP_OVER_MATMUL else "MISS",
                     "margin": TARGET_STEP_OVER_MATMUL / value})
-    if dtype != "float32":
+    if dtype != "float32" or kv_cache_dtype not in ("auto", "float32"):
         for t in out:
             t["target"] += " (targets are defined for float32)"
     return out
@@ -410,7 +411,8 @@ def target_lines(results: dict[str, SystemResult], step: dict[str, Any] | None, 
 def report_lines(args: argparse.Namespace, results: dict[str, SystemResult], step: dict[str, Any] | None,
                  targets: list[dict[str, Any]], machine: dict[str, Any], command: str) -> list[str]:
     pd = results.get("pdserve")
-    lines = [f"# Engine throughput: pdserve vs transformers ({args.dtype}, {args.threads} threads)", ""]
+    kv = "" if args.kv_cache_dtype in ("auto", args.dtype) else f", pdserve KV cache {args.kv_cache_dtype}"
+    lines = [f"# Engine throughput: pdserve vs transformers ({args.dtype}{kv}, {args.threads} threads)", ""]
     lines.append(f"Workload: {args.num_requests} requests, prompts uniform in [{args.min_prompt}, "
                  f"{args.max_prompt}] tokens (seed {args.seed}), {args.output_len} output tokens each, greedy, "
                  f"EOS ignored. pdserve: max_batch_tokens={args.max_batch_tokens}, "
@@ -473,6 +475,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="pdserve's KV cache storage (auto = --dtype); transformers keeps --dtype")
     p.add_argument("--model", default=None, help="checkpoint dir or .gguf (default: pdserve's default model)")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="pdserve and hf-cb token budget per pass")
     p.add_argument("--max-requests-per-batch", type=int, default=64, help="pdserve and hf-cb request cap")
@@ -480,7 +484,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-batch", type=int, default=32)
     p.add_argument("--decode-steps", type=int, default=10)
     p.add_argument("--results-dir", default=os.path.join(REPO_ROOT, "bench", "results"))
-    p.add_argument("--tag", default=None, help="results file suffix (default: the dtype when not float32)")
+    p.add_argument("--tag", default=None, help="results file suffix (default: the dtype when not float32, "
+                                                "then kv-<dtype> when --kv-cache-dtype is set)")
     args = p.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(systems) - set(SYSTEMS))
@@ -489,8 +494,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.systems = [s for s in SYSTEMS if s in systems]
     if not 1 <= args.min_prompt <= args.max_prompt:
         p.error("need 1 <= --min-prompt <= --max-prompt")
-    if args.tag is None and args.dtype != "float32":
-        args.tag = args.dtype
+    if args.tag is None:
+        parts = ([args.dtype] if args.dtype != "float32" else []) + (
+            [f"kv-{args.kv_cache_dtype}"] if args.kv_cache_dtype not in ("auto", args.dtype) else [])
+        args.tag = "-".join(parts) or None
     return args
 
 
@@ -531,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         del llm
         gc.collect()  # the system's model and KV cache go before the next one loads
 
-    targets = target_lines(results, step, args.dtype)
+    targets = target_lines(results, step, args.dtype, args.kv_cache_dtype)
     machine = machine_info()
     lines = report_lines(args, results, step, targets, machine, command)
     print("\n" + "\n".join(lines), flush=True)
