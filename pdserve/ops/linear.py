@@ -22,7 +22,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from pdserve.ops.native import available, ffi as _ffi, lib as _lib, unavailable_reason
+from pdserve.ops.native import available, lib as _lib, unavailable_reason
 
 __all__ = ["available", "linear", "max_rows", "small_linear", "unavailable_reason"]
 
@@ -82,13 +82,8 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_t
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)                         # [M, N]
-    rc = _lib.sl_linear(
-        _ffi.cast("float *", y.data_ptr()),
-        _ffi.cast("float *", x.data_ptr()),
-        _ffi.cast("float *", weight.data_ptr()),
-        _ffi.NULL if bias is None else _ffi.cast("float *", bias.data_ptr()),
-        m, n, k, max(x.stride(0), k), n, num_threads,
-    )
+    rc = _lib.sl_linear_addr(y.data_ptr(), x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                             m, n, k, max(x.stride(0), k), n, num_threads)
     if rc != _lib.SL_OK:
         raise ValueError(f"small_linear: kernel refused x {tuple(x.shape)} strides {x.stride()}, "
                          f"weight {tuple(weight.shape)} (code {rc})")
