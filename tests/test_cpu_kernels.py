@@ -1,11 +1,15 @@
 """Tests of the C paged-attention kernel (pdserve/attention/cpu_kernels.py) against the torch
 reference: decode, chunked prefill with earlier context, mixed batches, GQA, head dims, page
-sizes, float32 and bfloat16, scattered pages, key splits, and input validation.
+sizes, float32, bfloat16 and float32 queries over a bfloat16 KV pool, scattered pages, key
+splits, and input validation.
 
 Tolerances: float32 1e-5 absolute (same math, different summation order; outputs are convex
 combinations of V entries of magnitude ~1). bfloat16: kernel and reference read the same bf16
 inputs and compute in fp32, so they differ by fp32 rounding plus the final bf16 rounding of the
 output (half an ulp of bf16 = 2^-9 relative, ~4e-3 for |x| < 2): 1e-2 absolute / 1e-2 relative.
+float32 queries with a bfloat16 pool: the output is float32 and the reference reads the same
+bf16 K/V values, widened exactly to float32, so only float32 summation order differs (~1e-6 on
+these outputs): the float32 tolerance, 1e-5.
 """
 
 from __future__ import annotations
@@ -31,8 +35,11 @@ def make_case(
     dtype: torch.dtype = torch.float32,
     extra_pages: int = 7,
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
 ) -> dict:
-    """Random pool with each sequence's pages scattered through it (non-trivial page ids)."""
+    """Random pool with each sequence's pages scattered through it (non-trivial page ids).
+    q is `dtype`, the pools `kv_dtype` (default: `dtype`)."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     gen = torch.Generator().manual_seed(seed)
     pages_per_seq = [-(-c // p) for c in ctx_lens]
     n_pages = sum(pages_per_seq) + extra_pages
@@ -45,8 +52,8 @@ def make_case(
         used += n
     t = sum(q_lens)
     q = torch.randn(t, hkv * g, d, generator=gen).to(dtype)           # [T, Hq, D]
-    k_pool = torch.randn(n_pages, hkv, p, d, generator=gen).to(dtype)  # [N, Hkv, P, D]
-    v_pool = torch.randn(n_pages, hkv, p, d, generator=gen).to(dtype)  # [N, Hkv, P, D]
+    k_pool = torch.randn(n_pages, hkv, p, d, generator=gen).to(kv_dtype)  # [N, Hkv, P, D]
+    v_pool = torch.randn(n_pages, hkv, p, d, generator=gen).to(kv_dtype)  # [N, Hkv, P, D]
     query_start = torch.zeros(len(q_lens) + 1, dtype=torch.int32)     # [S + 1]
     query_start[1:] = torch.cumsum(torch.tensor(q_lens), 0)
     context_lens = torch.tensor(ctx_lens, dtype=torch.int32)          # [S]
@@ -197,10 +204,12 @@ def test_runs_beside_torch_threads_without_hang() -> None:
 
 
 def windowed_case(q_lens: list[int], ctx_lens: list[int], window: int, p: int, hkv: int = 2,
-                  g: int = 2, d: int = 64, dtype: torch.dtype = torch.float32) -> dict:
+                  g: int = 2, d: int = 64, dtype: torch.dtype = torch.float32,
+                  kv_dtype: torch.dtype | None = None) -> dict:
     """A case whose table entries before each sequence's window point at a NaN-filled padding
     page 0, as a sliding-window allocator leaves them: reading one would poison the output."""
-    case = make_case(q_lens, ctx_lens, hkv=hkv, g=g, d=d, p=p, dtype=dtype, seed=3)
+    case = make_case(q_lens, ctx_lens, hkv=hkv, g=g, d=d, p=p, dtype=dtype, seed=3,
+                     kv_dtype=kv_dtype)
     # Page 0 becomes the padding page: move whatever sequence page sat there to a fresh page.
     n = case["k_pool"].shape[0]
     case["k_pool"] = torch.cat([case["k_pool"], case["k_pool"][:1].clone()])    # [N + 1, ...]
@@ -336,3 +345,101 @@ def test_torch_backend_matches_kernel_backend(window: int | None) -> None:
         assert torch.equal(kp.view(-1, d)[kv_rows], k.reshape(-1, d))
     assert torch.isfinite(outs[0]).all() and torch.isfinite(outs[1]).all()
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+# --- float32 queries, bfloat16 KV pool --------------------------------------------------------
+# (f32 q / out, bf16 k_pool / v_pool): a float32 model with a bfloat16 KV cache. Tolerance: the
+# float32 one, see the module docstring (check() picks it from the float32 output).
+
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("g", [1, 3, 4])
+@pytest.mark.parametrize("d,p", [(64, 16), (128, 16), (64, 32), (40, 13)])
+def test_f32_queries_bf16_pool_decode(g: int, d: int, p: int) -> None:
+    # Partial last pages (p - 1, p + 1, 37, 1000), a one-token context, a page size that is not
+    # a multiple of 8 (13) and a head dim that is not a multiple of 16 (40).
+    ctx = [1, p - 1, p, p + 1, 1000, 37]
+    case = make_case([1] * len(ctx), ctx, hkv=2, g=g, d=d, p=p, kv_dtype=BF16)
+    assert case["q"].dtype == torch.float32 and case["k_pool"].dtype == BF16
+    out, ref = run_both(case)
+    assert out.dtype == torch.float32
+    check(out, ref)
+
+
+@pytest.mark.parametrize("g", [1, 3])
+def test_f32_queries_bf16_pool_chunked_prefill_and_mixed_batch(g: int) -> None:
+    # Prefill chunks with earlier context in the cache, then decodes mixed with chunks.
+    case = make_case([1, 17, 128, 300], [1, 17 + 40, 128 + 512, 300 + 5], hkv=3, g=g, d=64,
+                     p=16, kv_dtype=BF16)
+    check(*run_both(case))
+    mixed = make_case([1, 1, 1, 33, 1, 64], [500, 16, 2, 33, 129, 64 + 250], hkv=2, g=4, d=128,
+                      p=32, kv_dtype=BF16)
+    check(*run_both(mixed))
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_f32_queries_bf16_pool_key_splits(num_threads: int) -> None:
+    # One long decode (keys split across threads) and a batch of SmolLM2-shaped decodes.
+    case = make_case([1], [2048 + 5], hkv=1, g=3, d=64, p=16, kv_dtype=BF16)
+    check(*run_both(case, num_threads=num_threads))
+    batch = make_case([1] * 32, [320 + 7 * i for i in range(32)], hkv=3, g=3, d=64, p=16,
+                      kv_dtype=BF16)
+    check(*run_both(batch, num_threads=num_threads))
+
+
+@pytest.mark.parametrize("window,p", [(16, 16), (20, 8), (100, 32)])
+def test_f32_queries_bf16_pool_sliding_window(window: int, p: int) -> None:
+    q_lens = [1, 1, 1, 1, 1, 40, 7, 64]
+    ctx = [3, window, window + 1, window + p + 3, 700, 40, 7 + 90, 64 + 300]
+    case = windowed_case(q_lens, ctx, window, p, kv_dtype=BF16)
+    out, ref = run_both(case)
+    check(out, ref)
+    torch.testing.assert_close(out, dense_windowed(case), atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_pool_is_widened_exactly() -> None:
+    # The kernel widens bf16 K/V to exactly the float32 values a float32 pool would hold, and
+    # (today) sums in the same order for both pool dtypes: the outputs are identical. A kernel
+    # that sums bf16 pools in another order would relax this to the 1e-5 tolerance.
+    case = make_case([1, 1, 30], [300, 17, 30 + 64], hkv=3, g=3, d=64, p=16, kv_dtype=BF16)
+    widened = {**case, "k_pool": case["k_pool"].float(), "v_pool": case["v_pool"].float()}
+    out_bf16, out_f32 = torch.empty_like(case["q"]), torch.empty_like(case["q"])
+    cpu_kernels.paged_attention(out_bf16, **case, num_threads=2)
+    cpu_kernels.paged_attention(out_f32, **widened, num_threads=2)
+    assert torch.equal(out_bf16, out_f32)
+
+
+def test_unsupported_dtype_pairs_raise_naming_dtypes() -> None:
+    case = make_case([1, 3], [10, 20], hkv=2, g=2, d=64, p=16)
+    # bf16 queries over a float32 pool: not a supported pair, in the kernel or the reference.
+    bf16_q = {**case, "q": case["q"].to(BF16)}
+    for fn in (cpu_kernels.paged_attention, cpu_kernels.paged_attention_reference):
+        with pytest.raises(ValueError, match=r"q dtype torch\.bfloat16 with K/V pool dtype "
+                                             r"torch\.float32 is unsupported; supported \(q, K/V\): "
+                                             r"\(torch\.float32, torch\.float32\)"):
+            fn(torch.empty_like(bf16_q["q"]), **bf16_q)
+    # float16 pools are not supported either.
+    half = {**case, "k_pool": case["k_pool"].half(), "v_pool": case["v_pool"].half()}
+    with pytest.raises(ValueError, match=r"K/V pool dtype torch\.float16 is unsupported"):
+        cpu_kernels.paged_attention(torch.empty_like(case["q"]), **half)
+    # K and V pools of different dtypes.
+    with pytest.raises(ValueError, match=r"v_pool dtype torch\.float32 != k_pool dtype torch\.bfloat16"):
+        cpu_kernels.paged_attention(torch.empty_like(case["q"]),
+                                    **{**case, "k_pool": case["k_pool"].to(BF16)})
+    # With a bf16 pool, out still follows q (float32).
+    mixed = {**case, "k_pool": case["k_pool"].to(BF16), "v_pool": case["v_pool"].to(BF16)}
+    with pytest.raises(ValueError, match=r"out dtype torch\.bfloat16 != q dtype torch\.float32"):
+        cpu_kernels.paged_attention(torch.empty_like(case["q"], dtype=BF16), **mixed)
+
+
+def test_kernel_refuses_bf16_queries_over_f32_pool() -> None:
+    # The C entry point checks the dtype flags itself (before reading any pointer).
+    lib, ffi = cpu_kernels._lib, cpu_kernels._ffi
+    err = ffi.new("int64_t[3]")
+    null = ffi.NULL
+    for q_bf16, kv_bf16 in ((1, 0), (2, 1), (0, -1)):
+        rc = lib.pa_forward(null, null, null, null, null, null, null, 1, 1, 1, 1, 2, 1, 16, 64,
+                            0.125, 0, q_bf16, kv_bf16, 1, err)
+        assert rc == lib.PA_ERR_DTYPE
+        assert (err[0], err[1]) == (q_bf16, kv_bf16)

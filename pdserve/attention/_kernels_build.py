@@ -27,12 +27,13 @@ _CDEF = """
 #define PA_ERR_PAGE_ID 4
 #define PA_ERR_ALLOC 5
 #define PA_ERR_WINDOW 6
+#define PA_ERR_DTYPE 7
 
 int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
                const int32_t *block_tables, const int32_t *query_start,
                const int32_t *context_lens, int num_tokens, int num_seqs, int max_pages,
                int num_pages, int hq, int hkv, int page_size, int head_dim, float scale,
-               int window, int is_bf16, int num_threads, int64_t *err_info);
+               int window, int q_bf16, int kv_bf16, int num_threads, int64_t *err_info);
 int pa_has_openmp(void);
 """
 

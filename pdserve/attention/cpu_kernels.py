@@ -14,6 +14,11 @@ sequence's first query are never read (a sliding-window allocator points them at
 page). Softmax in float32; output cast to q's dtype. Rows of q
 that belong to no sequence are left untouched in `out`.
 
+Dtypes: q and out share one dtype, k_pool and v_pool another; the supported (q, K/V) pairs are
+(float32, float32), (bfloat16, bfloat16) and (float32, bfloat16), the last for a float32 model
+with a bfloat16 KV cache (half the bytes per key read from memory). Whatever the pair, scores,
+softmax and the weighted sum are float32: bf16 elements are widened to float32 exactly.
+
 Threads: the kernel uses OpenMP with exactly `num_threads` threads per call (default
 torch.get_num_threads()). It links libgomp; when torch is imported first (as here), the process
 keeps a single libgomp (torch's), so the two share one runtime. The C call releases the GIL.
@@ -44,7 +49,13 @@ except ImportError as exc:  # not compiled (or built for another interpreter)
         _IMPORT_ERROR,
     )
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C kernel's q_bf16 / kv_bf16 flags
+# (q / out dtype, k_pool / v_pool dtype) pairs the kernel runs.
+SUPPORTED_DTYPES = (
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),
+)
 
 
 def available() -> bool:
@@ -86,11 +97,14 @@ def _validate(
 
     if q.dim() != 3 or k_pool.dim() != 4:
         fail("q must be [T, Hq, D] and k_pool [N, Hkv, P, D]")
-    if q.dtype not in _DTYPES:
-        fail(f"dtype {q.dtype} unsupported (float32 or bfloat16)")
-    for name, t in (("out", out), ("k_pool", k_pool), ("v_pool", v_pool)):
-        if t.dtype != q.dtype:
-            fail(f"{name} dtype {t.dtype} != q dtype {q.dtype}")
+    if out.dtype != q.dtype:
+        fail(f"out dtype {out.dtype} != q dtype {q.dtype}")
+    if v_pool.dtype != k_pool.dtype:
+        fail(f"v_pool dtype {v_pool.dtype} != k_pool dtype {k_pool.dtype}")
+    if (q.dtype, k_pool.dtype) not in SUPPORTED_DTYPES:
+        pairs = ", ".join(f"({a}, {b})" for a, b in SUPPORTED_DTYPES)
+        fail(f"q dtype {q.dtype} with K/V pool dtype {k_pool.dtype} is unsupported; "
+             f"supported (q, K/V): {pairs}")
     if out.shape != q.shape:
         fail(f"out shape {tuple(out.shape)} != q shape {tuple(q.shape)}")
     if v_pool.shape != k_pool.shape:
@@ -129,6 +143,7 @@ _ERRORS = {
     "PA_ERR_PAGE_ID": "seq {}: block_tables entry {} holds page id {} outside [0, N)",
     "PA_ERR_ALLOC": "out of memory for scratch buffers ({} {} {})",
     "PA_ERR_WINDOW": "sliding window {} is not >= 1 ({} {})",
+    "PA_ERR_DTYPE": "unsupported dtype flags q_bf16={}, kv_bf16={}",
 }
 
 
@@ -144,8 +159,8 @@ def _window_arg(window: int | None) -> int:
 def paged_attention(
     out: torch.Tensor,           # [T, Hq, D] written in place, same dtype as q
     q: torch.Tensor,             # [T, Hq, D] contiguous, float32 or bfloat16
-    k_pool: torch.Tensor,        # [N, Hkv, P, D] contiguous (HND pages)
-    v_pool: torch.Tensor,        # [N, Hkv, P, D]
+    k_pool: torch.Tensor,        # [N, Hkv, P, D] contiguous (HND pages), bfloat16 or q's dtype
+    v_pool: torch.Tensor,        # [N, Hkv, P, D] same dtype as k_pool
     block_tables: torch.Tensor,  # [S, max_pages] int32
     query_start: torch.Tensor,   # [S + 1] int32
     context_lens: torch.Tensor,  # [S] int32, including this step's queries
@@ -166,18 +181,19 @@ def paged_attention(
         num_threads = torch.get_num_threads()
     t, hq, d = q.shape
     n, hkv, p, _ = k_pool.shape
-    ptr = "uint16_t *" if q.dtype == torch.bfloat16 else "float *"
+    q_ptr = "uint16_t *" if q.dtype == torch.bfloat16 else "float *"
+    kv_ptr = "uint16_t *" if k_pool.dtype == torch.bfloat16 else "float *"
     err = _ffi.new("int64_t[3]")
     rc = _lib.pa_forward(
-        _ffi.cast(ptr, out.data_ptr()),
-        _ffi.cast(ptr, q.data_ptr()),
-        _ffi.cast(ptr, k_pool.data_ptr()),
-        _ffi.cast(ptr, v_pool.data_ptr()),
+        _ffi.cast(q_ptr, out.data_ptr()),
+        _ffi.cast(q_ptr, q.data_ptr()),
+        _ffi.cast(kv_ptr, k_pool.data_ptr()),
+        _ffi.cast(kv_ptr, v_pool.data_ptr()),
         _ffi.cast("int32_t *", block_tables.data_ptr()),
         _ffi.cast("int32_t *", query_start.data_ptr()),
         _ffi.cast("int32_t *", context_lens.data_ptr()),
         t, context_lens.shape[0], block_tables.shape[1], n, hq, hkv, p, d,
-        float(scale), c_window, _DTYPES[q.dtype], int(num_threads), err,
+        float(scale), c_window, _DTYPES[q.dtype], _DTYPES[k_pool.dtype], int(num_threads), err,
     )
     if rc != _lib.PA_OK:
         for name, template in _ERRORS.items():
@@ -194,9 +210,9 @@ def paged_attention(
 
 
 def paged_attention_reference(
-    out: torch.Tensor,           # [T, Hq, D]
+    out: torch.Tensor,           # [T, Hq, D] same dtype as q
     q: torch.Tensor,             # [T, Hq, D]
-    k_pool: torch.Tensor,        # [N, Hkv, P, D]
+    k_pool: torch.Tensor,        # [N, Hkv, P, D] a dtype pair of SUPPORTED_DTYPES with q
     v_pool: torch.Tensor,        # [N, Hkv, P, D]
     block_tables: torch.Tensor,  # [S, max_pages] int32
     query_start: torch.Tensor,   # [S + 1] int32

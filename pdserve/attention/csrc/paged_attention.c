@@ -2,8 +2,8 @@
  * CPU paged attention for pdserve (decode and chunked prefill in one call).
  *
  * Layouts (all row-major, contiguous):
- *   q, out        [T, Hq, D]        float32 or bfloat16 (uint16_t bits)
- *   k_pool,v_pool [N, Hkv, P, D]    same dtype as q (HND pages)
+ *   q, out        [T, Hq, D]        float32 or bfloat16 (uint16_t bits), one dtype for both
+ *   k_pool,v_pool [N, Hkv, P, D]    float32 or bfloat16, one dtype for both (HND pages)
  *   block_tables  [S, max_pages]    int32 page ids
  *   query_start   [S + 1]           int32 row offsets into q
  *   context_lens  [S]               int32 tokens in the cache, including this step's queries
@@ -24,6 +24,12 @@
  * streaming (online) form in float32, one page at a time. Items run in parallel with OpenMP
  * (dynamic schedule, largest first). Long decode contexts with too few items for the threads are
  * split along the keys (flash-decoding) and merged with their log-sum-exp.
+ *
+ * Dtypes (q/out, K/V pools): (f32, f32), (bf16, bf16) and (f32, bf16), the last for a float32
+ * model with a bfloat16 KV cache (half the bytes read per key). All math is float32 whatever the
+ * dtypes: queries are converted (and scaled) into a float32 scratch once per item, K/V elements
+ * are widened bf16 -> f32 exactly (8 at a time, in registers) where the score / PV loops load
+ * them, and the output is rounded to bf16 only when q is bf16. (bf16 q, f32 K/V) is refused.
  *
  * Vector code uses GCC vector extensions (8 x float), which compile to AVX2/AVX-512/SSE as the
  * -march flags allow; there is no scalar-only path to keep in sync. D must be a multiple of 8.
@@ -336,7 +342,9 @@ typedef struct {
     const int32_t *block_tables;
     const int32_t *query_start;
     const int32_t *context_lens;
-    int max_pages, hq, hkv, P, D, G, is_bf16, ldS;
+    int max_pages, hq, hkv, P, D, G, ldS;
+    int q_bf16;  /* q and out hold bf16 bits (else float32) */
+    int kv_bf16; /* k_pool and v_pool hold bf16 bits (else float32) */
     int window; /* sliding window in tokens, 0 = full attention */
     float scale;
     /* split-K partial results: [n_partials, G, D] outputs and [n_partials, G] max / sum */
@@ -348,12 +356,12 @@ typedef struct {
 /* Base of the [P, D] block of kv head h in page `page` of a pool (float32 or bf16 elements). */
 ALWAYS_INLINE const void *page_block(const params *pr, const void *pool, int32_t page, int h) {
     size_t base = ((size_t)page * pr->hkv + h) * pr->P * pr->D;
-    return pr->is_bf16 ? (const void *)((const uint16_t *)pool + base)
+    return pr->kv_bf16 ? (const void *)((const uint16_t *)pool + base)
                        : (const void *)((const float *)pool + base);
 }
 
 static void prefetch_page(const params *pr, const void *pool, int32_t page, int h) {
-    size_t elt = pr->is_bf16 ? 2 : 4;
+    size_t elt = pr->kv_bf16 ? 2 : 4;
     const char *p = (const char *)pool + ((size_t)page * pr->hkv + h) * pr->P * pr->D * elt;
     size_t bytes = (size_t)pr->P * pr->D * elt;
     if (PA_PREFETCH_LINES > 0 && bytes > 64 * (size_t)PA_PREFETCH_LINES)
@@ -445,7 +453,7 @@ ALWAYS_INLINE void run_item_impl(const params *pr, const work_item *it, int64_t 
             int r = i * G + g;
             size_t off = (tok * pr->hq + (size_t)h * G + g) * D;
             float *dst = sc->q + (size_t)r * D;
-            if (pr->is_bf16) {
+            if (pr->q_bf16) {
                 const uint16_t *src = (const uint16_t *)pr->q + off;
                 for (int d = 0; d < D; d += 8) st8(dst + d, bf16x8_to_f32(src + d) * pr->scale);
             } else {
@@ -484,7 +492,7 @@ ALWAYS_INLINE void run_item_impl(const params *pr, const work_item *it, int64_t 
             prefetch_page(pr, pr->v_pool, bt[pg + PA_PREFETCH_DIST], h);
         }
         const void *K = page_block(pr, pr->k_pool, page, h);
-        if (pr->is_bf16)
+        if (pr->kv_bf16)
             scores_bf16(sc->q, M, D, K, nk, P, sc->s, ldS);
         else
             scores_f32(sc->q, M, D, K, nk, P, sc->s, ldS);
@@ -495,7 +503,7 @@ ALWAYS_INLINE void run_item_impl(const params *pr, const work_item *it, int64_t 
             softmax_page(sc, M, D, ldS, t0, nk);
 
         const void *V = page_block(pr, pr->v_pool, page, h);
-        if (pr->is_bf16)
+        if (pr->kv_bf16)
             pv_bf16(sc->s, ldS, M, V, nk, D, sc->o);
         else
             pv_f32(sc->s, ldS, M, V, nk, D, sc->o);
@@ -515,7 +523,7 @@ ALWAYS_INLINE void run_item_impl(const params *pr, const work_item *it, int64_t 
             size_t off = (tok * pr->hq + (size_t)h * G + g) * D;
             const float inv = 1.0f / sc->l[r];
             const float *o = sc->o + (size_t)r * D;
-            if (pr->is_bf16) {
+            if (pr->q_bf16) {
                 uint16_t *dst = (uint16_t *)out + off;
                 for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(o[d] * inv);
             } else {
@@ -557,7 +565,7 @@ static void merge_item(const params *pr, const work_item *it, int64_t part_index
         }
         const float inv = 1.0f / l;
         size_t off = (tok * pr->hq + (size_t)it->head * G + g) * D;
-        if (pr->is_bf16) {
+        if (pr->q_bf16) {
             uint16_t *dst = (uint16_t *)out + off;
             for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(acc[d] * inv);
         } else {
@@ -573,8 +581,14 @@ int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
                const int32_t *block_tables, const int32_t *query_start,
                const int32_t *context_lens, int num_tokens, int num_seqs, int max_pages,
                int num_pages, int hq, int hkv, int page_size, int head_dim, float scale,
-               int window, int is_bf16, int num_threads, int64_t *err_info) {
+               int window, int q_bf16, int kv_bf16, int num_threads, int64_t *err_info) {
     err_info[0] = err_info[1] = err_info[2] = 0;
+    /* flags are 0 / 1; bf16 q with float32 K/V is not a supported combination */
+    if ((q_bf16 != 0 && q_bf16 != 1) || (kv_bf16 != 0 && kv_bf16 != 1) || (q_bf16 && !kv_bf16)) {
+        err_info[0] = q_bf16;
+        err_info[1] = kv_bf16;
+        return PA_ERR_DTYPE;
+    }
     if (window < 0) {
         err_info[0] = window;
         return PA_ERR_WINDOW;
@@ -779,7 +793,8 @@ int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
     pr.P = P;
     pr.D = head_dim;
     pr.G = G;
-    pr.is_bf16 = is_bf16;
+    pr.q_bf16 = q_bf16;
+    pr.kv_bf16 = kv_bf16;
     pr.ldS = (P + 7) & ~7;
     pr.scale = scale;
     pr.window = window;

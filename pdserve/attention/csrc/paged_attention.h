@@ -12,12 +12,15 @@
 #define PA_ERR_PAGE_ID 4     /* err_info = {seq, page index in the row, page id} */
 #define PA_ERR_ALLOC 5
 #define PA_ERR_WINDOW 6      /* err_info = {window} */
+#define PA_ERR_DTYPE 7       /* err_info = {q_bf16, kv_bf16} */
 
+/* q_bf16: q and out hold bfloat16 bits (else float32); kv_bf16: likewise for k_pool and
+ * v_pool. Supported (q_bf16, kv_bf16): (0, 0), (1, 1), (0, 1). */
 int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
                const int32_t *block_tables, const int32_t *query_start,
                const int32_t *context_lens, int num_tokens, int num_seqs, int max_pages,
                int num_pages, int hq, int hkv, int page_size, int head_dim, float scale,
-               int window, int is_bf16, int num_threads, int64_t *err_info);
+               int window, int q_bf16, int kv_bf16, int num_threads, int64_t *err_info);
 
 /* 1 when compiled with OpenMP, else 0 (the kernel then runs on one thread). */
 int pa_has_openmp(void);
