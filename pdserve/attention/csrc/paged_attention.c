@@ -25,6 +25,16 @@
  * (dynamic schedule, largest first). Long decode contexts with too few items for the threads are
  * split along the keys (flash-decoding) and merged with their log-sum-exp.
  *
+ * Prefetch: decode reads each K/V page block once, from DRAM, as scattered runs of P * D
+ * elements (2 KiB for bf16 at P = 16, D = 64), so the kernel prefetches the next page's K and V
+ * blocks itself. The prefetches are spread over the current page's work, a few lines before
+ * each 8-key block of scores and of PV and before the softmax: issued all at once, they stall
+ * on the core's few outstanding-miss slots and memory then idles while the page is computed.
+ * A thread claims its next item before running the current one, so that the current item's
+ * last page prefetches the next item's first page. (Together: batch-32 decode at context
+ * 320-512 took ~20-25% less time for float32 and bfloat16 pools on the 2-core EPYC VM, paired
+ * runs against a whole-page burst one page ahead.)
+ *
  * Dtypes (q/out, K/V pools): (f32, f32), (bf16, bf16) and (f32, bf16), the last for a float32
  * model with a bfloat16 KV cache (half the bytes read per key). All math is float32 whatever the
  * dtypes: queries are converted (and scaled) into a float32 scratch once per item, K/V elements
@@ -65,15 +75,12 @@ typedef uint16_t v8h_u __attribute__((vector_size(16), aligned(2)));
 #define TARGET_ROWS 32
 /* Split a decode item along its keys only when it has at least this many pages per split. */
 #define MIN_PAGES_PER_SPLIT 8
-/* Software prefetch: pages ahead (0 = off) and cache lines per K or V page block (0 = all). */
+/* Software prefetch: pages ahead (0 = off) and the locality hint of __builtin_prefetch. */
 #ifndef PA_PREFETCH_DIST
 #define PA_PREFETCH_DIST 1
 #endif
 #ifndef PA_PREFETCH_HINT
 #define PA_PREFETCH_HINT 3
-#endif
-#ifndef PA_PREFETCH_LINES
-#define PA_PREFETCH_LINES 0
 #endif
 
 ALWAYS_INLINE v8f ld8(const float *p) { return *(const v8f_u *)p; }
@@ -364,9 +371,30 @@ static void prefetch_page(const params *pr, const void *pool, int32_t page, int 
     size_t elt = pr->kv_bf16 ? 2 : 4;
     const char *p = (const char *)pool + ((size_t)page * pr->hkv + h) * pr->P * pr->D * elt;
     size_t bytes = (size_t)pr->P * pr->D * elt;
-    if (PA_PREFETCH_LINES > 0 && bytes > 64 * (size_t)PA_PREFETCH_LINES)
-        bytes = 64 * (size_t)PA_PREFETCH_LINES;
     for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, PA_PREFETCH_HINT);
+}
+
+/*
+ * Spread prefetch of one page: the 2 * n cache lines of its K block (lines 0..n-1) then its V
+ * block (lines n..2n-1), `per` lines per pf_step call. k == NULL: nothing to prefetch.
+ */
+typedef struct {
+    const char *k, *v; /* the K and V blocks */
+    int n;             /* lines per block */
+    int per;           /* lines per step */
+    int next;          /* next line of the 2 * n */
+} pf_plan;
+
+ALWAYS_INLINE void pf_step(pf_plan *pf) {
+    if (!pf->k) return;
+    const int a = pf->next, b = a + pf->per < 2 * pf->n ? a + pf->per : 2 * pf->n;
+    const int ke = b < pf->n ? b : pf->n, vs = a > pf->n ? a : pf->n;
+#pragma GCC unroll 8
+    for (int l = a; l < ke; l++) __builtin_prefetch(pf->k + 64 * (size_t)l, 0, PA_PREFETCH_HINT);
+#pragma GCC unroll 8
+    for (int l = vs; l < b; l++)
+        __builtin_prefetch(pf->v + 64 * (size_t)(l - pf->n), 0, PA_PREFETCH_HINT);
+    pf->next = b;
 }
 
 /*
@@ -430,14 +458,32 @@ ALWAYS_INLINE int first_key(int p, int window) {
     return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
 }
 
+/* Key pages [*lo, *hi) an item reads: from the page of the first key its first row sees (0
+ * without a window) to the page of its last row's last key, or its split's share of them. */
+static inline void item_pages(const params *pr, const work_item *it, int *lo, int *hi) {
+    const int s = it->seq, P = pr->P;
+    const int q_len = pr->query_start[s + 1] - pr->query_start[s];
+    const int p0 = pr->context_lens[s] - q_len + it->q0; /* position of the tile's first query */
+    const int n_pages = (p0 + it->nq + P - 1) / P;
+    const int first_page = first_key(p0, pr->window) / P;
+    *lo = first_page;
+    *hi = n_pages;
+    if (it->nsplit > 1) {
+        int per = (n_pages - first_page + it->nsplit - 1) / it->nsplit;
+        *lo = first_page + it->split * per;
+        *hi = *lo + per < n_pages ? *lo + per : n_pages;
+    }
+}
+
 /*
  * Runs one item: rows (query i of the tile, head g of the group) over key pages
  * [page_lo, page_hi). Writes either the final output (nsplit == 1) or a partial result.
  * `windowed` is a compile-time constant (see run_item): the full-attention instance has no
- * window arithmetic at all.
+ * window arithmetic at all. `next` (or NULL) is the item this thread runs next: the last page
+ * prefetches its first page.
  */
-ALWAYS_INLINE void run_item_impl(const params *pr, const work_item *it, int64_t part_index,
-                                 scratch *sc, void *out, const int windowed) {
+ALWAYS_INLINE void run_item_impl(const params *pr, const work_item *it, const work_item *next,
+                                 int64_t part_index, scratch *sc, void *out, const int windowed) {
     const int D = pr->D, G = pr->G, P = pr->P, ldS = pr->ldS;
     const int s = it->seq, h = it->head;
     const int32_t qs = pr->query_start[s];
@@ -468,45 +514,67 @@ ALWAYS_INLINE void run_item_impl(const params *pr, const work_item *it, int64_t 
     }
     memset(sc->o, 0, sizeof(float) * (size_t)M * D);
 
-    const int kmax = sc->lim[M - 1];        /* last row sees the most */
-    const int n_pages = (kmax + P - 1) / P;
-    const int first_page = windowed ? sc->lo[0] / P : 0; /* first row sees the earliest key */
-    int page_lo = first_page, page_hi = n_pages;
-    if (it->nsplit > 1) {
-        int per = (n_pages - first_page + it->nsplit - 1) / it->nsplit;
-        page_lo = first_page + it->split * per;
-        page_hi = page_lo + per < n_pages ? page_lo + per : n_pages;
-    }
+    const int kmax = sc->lim[M - 1]; /* last row sees the most */
+    int page_lo, page_hi;
+    item_pages(pr, it, &page_lo, &page_hi);
     const int32_t *bt = pr->block_tables + (size_t)s * pr->max_pages;
+    int next_lo = 0, next_hi = 0;
+    if (next) item_pages(pr, next, &next_lo, &next_hi);
 
     for (int pg = page_lo; pg < page_lo + PA_PREFETCH_DIST && pg < page_hi; pg++) {
         prefetch_page(pr, pr->k_pool, bt[pg], h);
         prefetch_page(pr, pr->v_pool, bt[pg], h);
     }
+    const size_t esz = pr->kv_bf16 ? 2 : 4;
+    /* a full page's work has 2 * ceil(P / 8) + 1 prefetch steps (pf_step calls, below) */
+    const int pf_lines = (int)(((size_t)P * D * esz + 63) / 64);
+    const int pf_steps = 2 * ((P + 7) / 8) + 1;
     for (int pg = page_lo; pg < page_hi; pg++) {
         const int t0 = pg * P;
         const int nk = kmax - t0 < P ? kmax - t0 : P;
         const int32_t page = bt[pg];
-        if (PA_PREFETCH_DIST > 0 && pg + PA_PREFETCH_DIST < page_hi) {
-            prefetch_page(pr, pr->k_pool, bt[pg + PA_PREFETCH_DIST], h);
-            prefetch_page(pr, pr->v_pool, bt[pg + PA_PREFETCH_DIST], h);
-        }
-        const void *K = page_block(pr, pr->k_pool, page, h);
-        if (pr->kv_bf16)
-            scores_bf16(sc->q, M, D, K, nk, P, sc->s, ldS);
-        else
-            scores_f32(sc->q, M, D, K, nk, P, sc->s, ldS);
 
+        /* the page PA_PREFETCH_DIST ahead: in this item, else in the next one */
+        pf_plan pf = {NULL, NULL, pf_lines, (2 * pf_lines + pf_steps - 1) / pf_steps, 0};
+        const int ahead = pg + PA_PREFETCH_DIST - page_hi; /* >= 0: index into the next item */
+        if (PA_PREFETCH_DIST > 0 && ahead < 0) {
+            pf.k = (const char *)page_block(pr, pr->k_pool, bt[pg + PA_PREFETCH_DIST], h);
+            pf.v = (const char *)page_block(pr, pr->v_pool, bt[pg + PA_PREFETCH_DIST], h);
+        } else if (PA_PREFETCH_DIST > 0 && next && next_lo + ahead < next_hi) {
+            const int32_t np = pr->block_tables[(size_t)next->seq * pr->max_pages + next_lo + ahead];
+            pf.k = (const char *)page_block(pr, pr->k_pool, np, next->head);
+            pf.v = (const char *)page_block(pr, pr->v_pool, np, next->head);
+        }
+
+        /* scores and PV in blocks of 8 keys, one prefetch step before each and before softmax */
+        const int nkb = (nk + 7) / 8;
+        const char *K = (const char *)page_block(pr, pr->k_pool, page, h);
+        for (int b = 0; b < nkb; b++) {
+            pf_step(&pf);
+            const int nkk = nk - 8 * b < 8 ? nk - 8 * b : 8;
+            const char *Kb = K + (size_t)8 * b * D * esz;
+            if (pr->kv_bf16)
+                scores_bf16(sc->q, M, D, Kb, nkk, P - 8 * b, sc->s + 8 * b, ldS);
+            else
+                scores_f32(sc->q, M, D, Kb, nkk, P - 8 * b, sc->s + 8 * b, ldS);
+        }
+
+        pf_step(&pf);
         if (windowed)
             softmax_page_window(sc, M, D, ldS, t0, nk);
         else
             softmax_page(sc, M, D, ldS, t0, nk);
 
-        const void *V = page_block(pr, pr->v_pool, page, h);
-        if (pr->kv_bf16)
-            pv_bf16(sc->s, ldS, M, V, nk, D, sc->o);
-        else
-            pv_f32(sc->s, ldS, M, V, nk, D, sc->o);
+        const char *V = (const char *)page_block(pr, pr->v_pool, page, h);
+        for (int b = 0; b < nkb; b++) {
+            pf_step(&pf);
+            const int nkk = nk - 8 * b < 8 ? nk - 8 * b : 8;
+            const char *Vb = V + (size_t)8 * b * D * esz;
+            if (pr->kv_bf16)
+                pv_bf16(sc->s + 8 * b, ldS, M, Vb, nkk, D, sc->o);
+            else
+                pv_f32(sc->s + 8 * b, ldS, M, Vb, nkk, D, sc->o);
+        }
     }
 
     if (it->nsplit > 1) {
@@ -534,12 +602,12 @@ ALWAYS_INLINE void run_item_impl(const params *pr, const work_item *it, int64_t 
     }
 }
 
-static void run_item(const params *pr, const work_item *it, int64_t part_index, scratch *sc,
-                     void *out) {
+static void run_item(const params *pr, const work_item *it, const work_item *next,
+                     int64_t part_index, scratch *sc, void *out) {
     if (pr->window > 0)
-        run_item_impl(pr, it, part_index, sc, out, 1);
+        run_item_impl(pr, it, next, part_index, sc, out, 1);
     else
-        run_item_impl(pr, it, part_index, sc, out, 0);
+        run_item_impl(pr, it, next, part_index, sc, out, 0);
 }
 
 /* Merge the nsplit partials of one split decode item into the output rows. */
@@ -808,6 +876,7 @@ int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
     int nthreads = num_threads;
     if ((int64_t)nthreads > n_items) nthreads = (int)n_items;
     int alloc_failed = 0;
+    int64_t next_item = 0; /* first unclaimed entry of order[] */
 
 #pragma omp parallel num_threads(nthreads)
     {
@@ -829,11 +898,18 @@ int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
             sc.lim = (int *)(sc.l + Mmax);
             sc.lo = sc.lim + Mmax;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n_items; i++) {
-            if (buf) run_item(&pr, &order[i].it, order[i].part, &sc, out);
+        /* Dynamic schedule (largest items first) with one item claimed ahead, whose first page
+         * the current item's last page prefetches. */
+        int64_t i = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED);
+        while (i < n_items) {
+            const int64_t j = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED);
+            if (buf)
+                run_item(&pr, &order[i].it, j < n_items ? &order[j].it : NULL, order[i].part,
+                         &sc, out);
+            i = j;
         }
-        /* implicit barrier: all partials written */
+#pragma omp barrier
+        /* all partials written */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_groups; i++) {
             if (buf) merge_item(&pr, &merges[i], group_part[i], out);
