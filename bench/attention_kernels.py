@@ -5,10 +5,20 @@ Shapes follow SmolLM2-135M (Hq=9, Hkv=3, D=64, P=16). Decode: batch 1/8/32 x con
 Prefill: one sequence, chunk of 128/512 queries with 0/512 earlier tokens in the cache; torch
 gets an explicit causal mask (the chunk's rows are the last rows of the context).
 
+Dtypes: rows are labelled "q / kv": the query (and output) dtype and the K/V pool dtype.
+float32 / bfloat16 is a float32 model with kv_cache_dtype="bfloat16" (torch's side then widens
+the gathered K/V to float32 before SDPA).
+
 Cache state: a model has ~30 layers, each with its own pool, so a layer's pages are normally
 not in cache when its attention runs. The benchmark therefore cycles through several pools
 ("layers") whose total size is well above the L3 cache, and for decode also rotates disjoint
-page sets, for both implementations.
+page sets, for both implementations. Pools are anonymous mappings on transparent huge pages
+(fabric.hostmem), as the engine allocates its KV pool.
+
+KV-cache dtype section: batch-32 decode at context 320 and 512 over 30 distinct layers' pools
+per dtype, the three dtype pairs called round-robin (one call each per round, so load and
+bandwidth drift hit all three alike); per-call min / median and the median of the per-round
+ratios float32-pool time / this time.
 
 Run:
     cd /work/main && .venv/bin/python bench/attention_kernels.py [--threads 2] [--out PATH]
@@ -30,6 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 
+from fabric.hostmem import alloc_tensor  # noqa: E402
 from pdserve.attention import cpu_kernels  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -37,6 +48,10 @@ logger = logging.getLogger(__name__)
 HQ, HKV, D, P = 9, 3, 64, 16
 POOL_PAGES = 8192  # >= 4000 and >= 2x the pages of the largest decode case (32 x 2048 / 16)
 POOL_BYTES_TARGET = 512 << 20  # pools cycled per measurement: >> 32 MiB L3
+F32, BF16 = torch.float32, torch.bfloat16
+DTYPE_PAIRS = ((F32, F32), (F32, BF16), (BF16, BF16))  # (q / out, K/V pool)
+KV_LAYERS = 30         # KV-cache dtype section: distinct per-layer pools per dtype
+KV_LAYER_PAGES = 2048  # pages per layer pool there (2 disjoint batch-32 x 512 page sets)
 
 
 def cpu_model() -> str:
@@ -73,6 +88,17 @@ def timeit(fn, reps: int, warmup: int = 2) -> tuple[float, float]:
     return min(times), statistics.median(times)
 
 
+def pool_tensor(n_pages: int, dtype: torch.dtype) -> torch.Tensor:
+    """[n_pages, Hkv, P, D] of randn values, on transparent huge pages like the engine's pool."""
+    t = alloc_tensor((n_pages, HKV, P, D), dtype, huge_pages=True)
+    t.copy_(torch.randn(n_pages, HKV, P, D))
+    return t
+
+
+def pair_name(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
+    return f"{str(q_dtype).replace('torch.', '')} / {str(kv_dtype).replace('torch.', '')}"
+
+
 def bandwidth() -> tuple[float, float]:
     """(memcpy GB/s counting read + write bytes, read-only GB/s via sum), 256 MiB buffers."""
     n = (256 << 20) // 4
@@ -99,18 +125,18 @@ class Pools:
     def __init__(self, n_pages: int, dtype: torch.dtype) -> None:
         page_bytes = 2 * HKV * P * D * torch.tensor([], dtype=dtype).element_size()
         self.count = max(2, POOL_BYTES_TARGET // (n_pages * page_bytes))
-        self.k = [torch.randn(n_pages, HKV, P, D).to(dtype) for _ in range(self.count)]
-        self.v = [torch.randn(n_pages, HKV, P, D).to(dtype) for _ in range(self.count)]
+        self.k = [pool_tensor(n_pages, dtype) for _ in range(self.count)]
+        self.v = [pool_tensor(n_pages, dtype) for _ in range(self.count)]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[i % self.count], self.v[i % self.count]
 
 
 def torch_decode(q, k_pool, v_pool, block_tables, ctx: int, scale: float) -> torch.Tensor:
-    """Gather + SDPA for equal-length decode. q: [B, Hq, D] -> [B, Hq, D]."""
+    """Gather + SDPA for equal-length decode (K/V widened to q's dtype). q: [B, Hq, D]."""
     b = q.shape[0]
-    k = k_pool[block_tables.long()]                       # [B, pages, Hkv, P, D]
-    v = v_pool[block_tables.long()]                       # [B, pages, Hkv, P, D]
+    k = k_pool[block_tables.long()].to(q.dtype)           # [B, pages, Hkv, P, D]
+    v = v_pool[block_tables.long()].to(q.dtype)           # [B, pages, Hkv, P, D]
     k = k.permute(0, 2, 1, 3, 4).reshape(b, HKV, -1, D)[:, :, :ctx]   # [B, Hkv, ctx, D]
     v = v.permute(0, 2, 1, 3, 4).reshape(b, HKV, -1, D)[:, :, :ctx]   # [B, Hkv, ctx, D]
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)
@@ -119,17 +145,18 @@ def torch_decode(q, k_pool, v_pool, block_tables, ctx: int, scale: float) -> tor
 
 def torch_prefill(q, k_pool, v_pool, pages, ctx: int, mask, scale: float) -> torch.Tensor:
     """Gather + SDPA with an explicit causal mask. q: [q_len, Hq, D] -> [q_len, Hq, D]."""
-    k = k_pool[pages].permute(1, 0, 2, 3).reshape(HKV, -1, D)[:, :ctx]   # [Hkv, ctx, D]
-    v = v_pool[pages].permute(1, 0, 2, 3).reshape(HKV, -1, D)[:, :ctx]   # [Hkv, ctx, D]
+    k = k_pool[pages].to(q.dtype).permute(1, 0, 2, 3).reshape(HKV, -1, D)[:, :ctx]  # [Hkv, ctx, D]
+    v = v_pool[pages].to(q.dtype).permute(1, 0, 2, 3).reshape(HKV, -1, D)[:, :ctx]  # [Hkv, ctx, D]
     o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=scale,
                                        enable_gqa=True)                 # [Hq, q_len, D]
     return o.transpose(0, 1)
 
 
-def bench_decode(batch: int, ctx: int, dtype: torch.dtype, threads: int) -> dict:
+def bench_decode(batch: int, ctx: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                 threads: int) -> dict:
     pages_per_seq = -(-ctx // P)
     n_pages = POOL_PAGES
-    pools = pools_for(dtype)
+    pools = pools_for(kv_dtype)
     gen = torch.Generator().manual_seed(batch * 7919 + ctx)
     # Disjoint page sets, rotated with the pools, so small batches do not stay in L3 either.
     n_sets = max(1, min(16, n_pages // (batch * pages_per_seq)))
@@ -138,7 +165,7 @@ def bench_decode(batch: int, ctx: int, dtype: torch.dtype, threads: int) -> dict
               for t in perm.chunk(n_sets)]
     query_start = torch.arange(batch + 1, dtype=torch.int32)                       # [B + 1]
     context_lens = torch.full((batch,), ctx, dtype=torch.int32)                     # [B]
-    q = torch.randn(batch, HQ, D).to(dtype)                                         # [B, Hq, D]
+    q = torch.randn(batch, HQ, D).to(q_dtype)                                       # [B, Hq, D]
     out = torch.empty_like(q)                                                       # [B, Hq, D]
     scale = D ** -0.5
     reps = max(20, min(200, int(2e8 / (batch * ctx * HKV * D * 8))))
@@ -157,22 +184,23 @@ def bench_decode(batch: int, ctx: int, dtype: torch.dtype, threads: int) -> dict
     err = (out.float() - expected.float()).abs().max().item()
     t_kernel = timeit(kernel, reps)
     t_torch = timeit(reference, max(5, reps // 4))
-    kv_bytes = 2 * batch * ctx * HKV * D * q.element_size()
-    return dict(batch=batch, ctx=ctx, dtype=str(dtype).replace("torch.", ""), t_kernel=t_kernel,
+    kv_bytes = 2 * batch * ctx * HKV * D * torch.empty((), dtype=kv_dtype).element_size()
+    return dict(batch=batch, ctx=ctx, dtype=pair_name(q_dtype, kv_dtype), t_kernel=t_kernel,
                 t_torch=t_torch, gbps=kv_bytes / t_kernel[0] / 1e9, kv_mb=kv_bytes / 1e6, err=err)
 
 
-def bench_prefill(q_len: int, earlier: int, dtype: torch.dtype, threads: int) -> dict:
+def bench_prefill(q_len: int, earlier: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                  threads: int) -> dict:
     ctx = earlier + q_len
     pages_per_seq = -(-ctx // P)
     n_pages = POOL_PAGES
-    pools = pools_for(dtype)
+    pools = pools_for(kv_dtype)
     gen = torch.Generator().manual_seed(q_len * 31 + earlier)
     pages = torch.randperm(n_pages, generator=gen)[:pages_per_seq]                # [pages]
     block_tables = pages.to(torch.int32).unsqueeze(0).contiguous()                 # [1, pages]
     query_start = torch.tensor([0, q_len], dtype=torch.int32)                      # [2]
     context_lens = torch.tensor([ctx], dtype=torch.int32)                          # [1]
-    q = torch.randn(q_len, HQ, D).to(dtype)                                        # [q_len, Hq, D]
+    q = torch.randn(q_len, HQ, D).to(q_dtype)                                      # [q_len, Hq, D]
     out = torch.empty_like(q)
     pos = torch.arange(earlier, ctx).unsqueeze(1)                                  # [q_len, 1]
     mask = torch.arange(ctx).unsqueeze(0) <= pos                                   # [q_len, ctx]
@@ -195,8 +223,49 @@ def bench_prefill(q_len: int, earlier: int, dtype: torch.dtype, threads: int) ->
     # causal attention FLOPs: 2 matmuls x 2 FLOP x Hq x D x (visible keys summed over rows)
     visible = q_len * earlier + q_len * (q_len + 1) // 2
     gflops = 4 * HQ * D * visible / t_kernel[0] / 1e9
-    return dict(q_len=q_len, earlier=earlier, dtype=str(dtype).replace("torch.", ""),
+    return dict(q_len=q_len, earlier=earlier, dtype=pair_name(q_dtype, kv_dtype),
                 t_kernel=t_kernel, t_torch=t_torch, gflops=gflops, err=err)
+
+
+def bench_kv_dtypes(batch: int, ctx: int, threads: int, rounds: int) -> dict:
+    """Batch decode over KV_LAYERS distinct pools per K/V dtype, the DTYPE_PAIRS called
+    round-robin. Returns per pair: call times (s) and the per-round ratios vs float32 / float32."""
+    pages_per_seq = -(-ctx // P)
+    n_sets = KV_LAYER_PAGES // (batch * pages_per_seq)
+    if n_sets < 1:
+        raise ValueError(f"batch {batch} x ctx {ctx} needs {batch * pages_per_seq} pages, "
+                         f"more than the {KV_LAYER_PAGES} of a layer pool")
+    gen = torch.Generator().manual_seed(batch * 31 + ctx)
+    perm = torch.randperm(KV_LAYER_PAGES, generator=gen)[: n_sets * batch * pages_per_seq]
+    tables = [t.reshape(batch, pages_per_seq).to(torch.int32).contiguous()      # [B, pages]
+              for t in perm.chunk(n_sets)]
+    query_start = torch.arange(batch + 1, dtype=torch.int32)                       # [B + 1]
+    context_lens = torch.full((batch,), ctx, dtype=torch.int32)                     # [B]
+    layers = {kv: [(pool_tensor(KV_LAYER_PAGES, kv), pool_tensor(KV_LAYER_PAGES, kv))
+                   for _ in range(KV_LAYERS)] for kv in (F32, BF16)}
+    q32 = torch.randn(batch, HQ, D)                                                  # [B, Hq, D]
+    qs = {F32: q32, BF16: q32.to(BF16)}
+    outs = {pair: torch.empty_like(qs[pair[0]]) for pair in DTYPE_PAIRS}
+    times: dict = {pair: [] for pair in DTYPE_PAIRS}
+    warmup = 3
+    for i in range(warmup + rounds):
+        for j, (q_dtype, kv_dtype) in enumerate(DTYPE_PAIRS):
+            k_pool, v_pool = layers[kv_dtype][(i * len(DTYPE_PAIRS) + j) % KV_LAYERS]
+            bt = tables[(i // KV_LAYERS) % n_sets]
+            t0 = time.perf_counter()
+            cpu_kernels.paged_attention(outs[(q_dtype, kv_dtype)], qs[q_dtype], k_pool, v_pool,
+                                        bt, query_start, context_lens, D ** -0.5,
+                                        num_threads=threads)
+            if i >= warmup:
+                times[(q_dtype, kv_dtype)].append(time.perf_counter() - t0)
+    base = times[(F32, F32)]
+    result = {}
+    for pair, t in times.items():
+        kv_bytes = 2 * batch * ctx * HKV * D * torch.empty((), dtype=pair[1]).element_size()
+        result[pair] = dict(t=t, ratio=statistics.median(a / b for a, b in zip(base, t)),
+                            gbps=kv_bytes / min(t) / 1e9)
+    del layers
+    return result
 
 
 def ms(t: tuple[float, float]) -> str:
@@ -231,10 +300,13 @@ def main() -> None:
     emit(f"- shapes: Hq={HQ}, Hkv={HKV}, D={D}, P={P}; pools cycled (> L3) so K/V come from DRAM")
     emit(f"- load average at start (other processes share this machine): "
          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    emit("- dtype column: q (and out) dtype / K/V pool dtype")
     emit("- times per call (one layer): min / median over the reps; ratio and GB/s use the mins")
     emit("- command: `.venv/bin/python bench/attention_kernels.py`")
     for threads in thread_counts:
         run_tables(threads, args.quick, emit)
+    emit()
+    emit(f"- load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if not args.quick:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
@@ -252,6 +324,22 @@ def run_tables(threads: int, quick: bool, emit) -> None:
     emit(f"- memory bandwidth ({threads} threads, 256 MiB, best of 10): memcpy {copy_gbps:.1f} "
          f"GB/s (read + write bytes), read-only (sum) {read_gbps:.1f} GB/s")
     emit()
+    rounds = 60 if quick else 300
+    emit(f"### KV-cache dtype: batch-32 decode, {KV_LAYERS} layers' pools per dtype, "
+         f"{threads} thread(s)")
+    emit()
+    emit(f"Pairs called round-robin, {rounds} rounds; ratio = median over rounds of "
+         f"(float32 / float32 time) / (this time).")
+    emit()
+    emit("| dtype | ctx | kernel ms min / med | ratio vs f32 / f32 (paired median) "
+         "| K+V GB/s at min |")
+    emit("|---|---|---|---|---|")
+    for ctx in (320, 512):
+        res = bench_kv_dtypes(32, ctx, threads, rounds)
+        for pair, r in res.items():
+            t = (min(r["t"]), statistics.median(r["t"]))
+            emit(f"| {pair_name(*pair)} | {ctx} | {ms(t)} | {r['ratio']:.2f}x | {r['gbps']:.1f} |")
+    emit()
     emit(f"### Decode (one query per sequence), {threads} thread(s)")
     emit()
     emit("| dtype | batch | ctx | K+V MB | kernel ms min / med | torch ms min / med | ratio "
@@ -260,11 +348,11 @@ def run_tables(threads: int, quick: bool, emit) -> None:
     cases = [(b, c) for b in (1, 8, 32) for c in (128, 512, 2048)]
     if quick:
         cases = [(32, 512)]
-    for dtype in (torch.float32, torch.bfloat16):
+    for q_dtype, kv_dtype in DTYPE_PAIRS:
         for b, c in cases:
-            if dtype == torch.bfloat16 and (b, c) not in ((32, 512), (32, 2048), (1, 2048)):
+            if q_dtype == BF16 and (b, c) not in ((32, 512), (32, 2048), (1, 2048)):
                 continue
-            r = bench_decode(b, c, dtype, threads)
+            r = bench_decode(b, c, q_dtype, kv_dtype, threads)
             emit(f"| {r['dtype']} | {b} | {c} | {r['kv_mb']:.1f} | {ms(r['t_kernel'])} "
                  f"| {ms(r['t_torch'])} | {r['t_torch'][0] / r['t_kernel'][0]:.1f}x "
                  f"| {r['gbps']:.1f} | {100 * r['gbps'] / copy_gbps:.0f}% "
@@ -278,9 +366,9 @@ def run_tables(threads: int, quick: bool, emit) -> None:
     pcases = [(128, 0), (128, 512), (512, 0), (512, 512)]
     if quick:
         pcases = [(128, 512)]
-    for dtype in (torch.float32, torch.bfloat16):
+    for q_dtype, kv_dtype in DTYPE_PAIRS:
         for q_len, earlier in pcases:
-            r = bench_prefill(q_len, earlier, dtype, threads)
+            r = bench_prefill(q_len, earlier, q_dtype, kv_dtype, threads)
             emit(f"| {r['dtype']} | {q_len} | {earlier} | {ms(r['t_kernel'])} "
                  f"| {ms(r['t_torch'])} | {r['t_torch'][0] / r['t_kernel'][0]:.1f}x "
                  f"| {r['gflops']:.1f} | {r['err']:.1e} |")
