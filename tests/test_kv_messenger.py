@@ -45,10 +45,12 @@ def test_completed_pages_and_expected_counts():
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived " * 6]
 
 
-@pytest.mark.parametrize("provider", ["shm", "tcp;ofi_rxm"])
-def test_prefill_engine_pushes_kv_into_decode_engine(provider):
+@pytest.mark.parametrize("provider,kv_dtype", [("shm", "auto"), ("tcp;ofi_rxm", "auto"), ("shm", "bfloat16")])
+def test_prefill_engine_pushes_kv_into_decode_engine(provider, kv_dtype):
+    # kv_dtype bfloat16: both sides keep K/V as bfloat16 (half the bytes on the wire); the decode
+    # node continues exactly as a colocated engine with the same KV cache dtype does.
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    expected = LLM(num_blocks=128).generate(PROMPTS, params)
+    expected = LLM(num_blocks=128, kv_cache_dtype=kv_dtype).generate(PROMPTS, params)
 
     cfg = FabricConfig(provider=provider, node="127.0.0.1" if provider != "shm" else None)
     fab_p, fab_d = TransferEngine(cfg), TransferEngine(cfg)
@@ -57,13 +59,14 @@ def test_prefill_engine_pushes_kv_into_decode_engine(provider):
         # Decode side
         tickets = {}
         decode_hooks = EngineHooks(on_kv_wait=lambda r, blocks: tickets.__setitem__(r.request_id, blocks))
-        decode = LLM(num_blocks=128, hooks=decode_hooks).engine
+        decode = LLM(num_blocks=128, hooks=decode_hooks, kv_cache_dtype=kv_dtype).engine
+        assert layout_of(decode.kv_cache).dtype == ("bfloat16" if kv_dtype == "bfloat16" else "float32")
         codec = ContextCodec(decode.arch.hidden_size)
         receiver = KvReceiver(fab_d, register_kv(fab_d, decode.kv_cache), layout_of(decode.kv_cache), codec,
                               on_ready=lambda rid: engine_thread_jobs.put(("ready", rid)))
         # Prefill side
         hooks = EngineHooks()
-        prefill = LLM(num_blocks=64, max_batch_tokens=32, hooks=hooks).engine
+        prefill = LLM(num_blocks=64, max_batch_tokens=32, hooks=hooks, kv_cache_dtype=kv_dtype).engine
         sender = KvSender(fab_p, register_kv(fab_p, prefill.kv_cache), layout_of(prefill.kv_cache),
                           block_table=prefill.block_table,
                           release=lambda rid: engine_thread_jobs.put(("release", rid)), codec=codec)
