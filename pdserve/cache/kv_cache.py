@@ -14,13 +14,10 @@ Seam: `PagedKVCache(..., allocate=fn)` takes the buffer from `fn(dims, dtype)` i
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 # allocate(dims, dtype) -> a contiguous CPU tensor of exactly `dims` and `dtype`, zero-filled (or
 # at least finite: slots beyond a sequence's length are read under a mask), that stays where it is
@@ -54,7 +51,7 @@ class PagedKVCache:
         dims = (shape.num_layers, 2, shape.num_pages, shape.kv_heads, shape.page_size, shape.head_dim)
         # buffer: [layers, 2, pages, kv_heads, page_size, head_dim]
         if allocate is None:
-            self.buffer = _torch_allocate(dims, dtype, torch.device(device))
+            self.buffer = _default_allocate(dims, dtype, torch.device(device))
         else:
             self.buffer = allocate(dims, dtype)
             _check_buffer(self.buffer, dims, dtype, torch.device(device), allocate)
@@ -77,7 +74,7 @@ class PagedKVCache:
         return ((layer * 2 + kv) * s.num_pages + page) * self.page_nbytes
 
 
-def _torch_allocate(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _default_allocate(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The default allocator. On the CPU: a fresh anonymous mapping, 2 MiB aligned and advised
     onto transparent huge pages (fabric.hostmem, the same memory the fabric registers), so it
     reads as zeros and nothing is committed before it is written.
@@ -91,15 +88,9 @@ def _torch_allocate(dims: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     """
     if device.type != "cpu":
         return torch.zeros(dims, dtype=dtype, device=device)
-    from fabric.hostmem import alloc_buffer  # standard library only: no compiled fabric needed
+    from fabric.hostmem import alloc_tensor  # standard library only: no compiled fabric needed
 
-    nbytes = torch.empty((), dtype=dtype).element_size()
-    for d in dims:
-        nbytes *= d
-    host = alloc_buffer(nbytes, huge_pages=True, populate=False)  # the tensor keeps the mapping alive
-    if host.huge_pages:
-        logger.info("KV pool: %.1f MiB at 0x%x on transparent huge pages", nbytes / 2**20, host.address)
-    return host.torch(dtype, dims)
+    return alloc_tensor(dims, dtype, huge_pages=True)  # the tensor keeps its mapping alive
 
 
 def _check_buffer(buf: object, dims: tuple[int, ...], dtype: torch.dtype, device: torch.device,
