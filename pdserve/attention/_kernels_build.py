@@ -48,7 +48,7 @@ def _make_builder() -> FFI:
     builder.set_source(
         "pdserve.attention._cpu_kernels",
         source,
-        include_dirs=[_CSRC, os.path.join(os.path.dirname(_HERE), "csrc")],  # + pdserve/csrc (exp8.h)
+        include_dirs=[_CSRC, os.path.join(os.path.dirname(_HERE), "csrc")],  # + pdserve/csrc (exp8.h, bf16.h)
         extra_compile_args=compile_args,
         extra_link_args=link_args,
     )

@@ -74,7 +74,7 @@ def make_builder(absolute_sources: bool) -> FFI:
         "pdserve.ops._cpu_ops",
         _SOURCE_PREAMBLE,
         sources=paths if absolute_sources else [os.path.relpath(p) for p in paths],
-        include_dirs=[_CSRC, os.path.join(os.path.dirname(_HERE), "csrc")],  # + pdserve/csrc (exp8.h)
+        include_dirs=[_CSRC, os.path.join(os.path.dirname(_HERE), "csrc")],  # + pdserve/csrc (exp8.h, bf16.h)
         extra_compile_args=[*compile_args, "-ffp-contract=off"],
         extra_link_args=link_args,
     )

@@ -118,15 +118,7 @@ ALWAYS_INLINE v8f bf16x8_to_f32(const uint16_t *p) {
 }
 #endif
 
-/* float32 -> bf16 bits, round to nearest even, NaN kept quiet. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof(u));
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
+#include "bf16.h" /* pdserve/csrc: f32_to_bf16 */
 #include "exp8.h" /* pdserve/csrc: exp(x) for x <= 0 (x = s - max here) */
 
 /* ------------------------------------------------------------------------------------------ */

@@ -22,6 +22,7 @@
 #include "norm_act.h"
 #include "rope_kv.h"
 #include "vec8.h"
+#include "bf16.h" /* pdserve/csrc: f32_to_bf16 */
 
 int op_rope(float *out, const float *x, const float *cos_t, const float *sin_t, int T, int H, int D,
             int64_t ld_x) {
@@ -42,14 +43,6 @@ int op_rope(float *out, const float *x, const float *cos_t, const float *sin_t, 
         }
     }
     return OP_OK;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);                                             /* nearest even */
-    return (uint16_t)(u >> 16);
 }
 
 /*
