@@ -90,7 +90,7 @@ class Gemma3Attention(nn.Module):
         k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))           # [T, Hkv, D]
         v = v.view(T, self.num_kv_heads, self.head_dim)                        # [T, Hkv, D]
         q, k = RotaryEmbedding.apply(cos_sin, q, k)
-        o = backend.forward(q.contiguous(), k, v, k_pool, v_pool, plan, self.scale)  # [T, Hq, D]
+        o = backend.forward(q, k, v, k_pool, v_pool, plan, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, -1))
 
 
