@@ -1,4 +1,5 @@
-"""Block pool and per-request block tables: exact ids, reference counts, integrity errors."""
+"""Block pool and per-request block tables: exact ids, reference counts, integrity errors (E7: the
+paged KV cache's shared pool, free list and reserved padding blocks)."""
 
 import pytest
 

@@ -1,4 +1,5 @@
-"""The `pdserve` command line, run as a real process."""
+"""The `pdserve` command line, run as a real process (E21: `pdserve simulate` prints the seed's
+static vs continuous batching numbers)."""
 
 from __future__ import annotations
 

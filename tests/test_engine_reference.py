@@ -2,7 +2,9 @@
 
 Every prompt must give the same generated ids as transformers' `generate`, alone and inside a
 batch of 16 mixed-length prompts, with chunked prefill (max_batch_tokens=64 cuts the long
-prompts into several chunks that attend to pages written by earlier chunks).
+prompts into several chunks that attend to pages written by earlier chunks). Requirements: E2
+(every scheduled token of every sequence in one forward pass, attention per sequence over its own
+pages), E3 (chunked prefill), E18 (the Llama-family model against its reference).
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""Scheduler unit tests: exact order, chunk sizes, budgets, admission, safety margin, preemption."""
+"""Scheduler unit tests: exact order, chunk sizes, budgets, admission, safety margin, preemption.
+
+Requirements shown here: E2 (the batch is rebuilt every step), E3 (chunked prefill), E4 (token,
+request and cache budgets), E5 (FIFO order), E6 (prefill-first), E10 (all-or-nothing admission),
+E11 (safety margin).
+"""
 
 from pdserve.cache.block_pool import BlockPool
 from pdserve.cache.manager import KVCacheManager
