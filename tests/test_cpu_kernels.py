@@ -171,6 +171,35 @@ def test_bad_inputs_raise_value_error_naming_shapes() -> None:
             out, **{**case, "query_start": torch.tensor([0, 2, 1], dtype=torch.int32)})
 
 
+def test_prepared_batch_serves_every_layer_and_still_checks_each_call() -> None:
+    # The backend checks a pass's metadata once (prepare_batch) and each layer's tensors per call.
+    case = make_case([1, 3, 1], [10, 20, 33], hkv=2, g=3, d=64, p=16)
+    meta = {k: case.pop(k) for k in ("block_tables", "query_start", "context_lens")}
+    batch = cpu_kernels.prepare_batch(**meta)
+    layers = [(case["k_pool"], case["v_pool"]), (case["k_pool"] * 0.5, case["v_pool"] + 1.0)]
+    for kp, vp in layers:
+        out, ref = torch.empty_like(case["q"]), torch.empty_like(case["q"])
+        cpu_kernels.run_batch(out, case["q"], kp, vp, batch, case["scale"])
+        cpu_kernels.paged_attention_reference(ref, case["q"], kp, vp, **meta, scale=case["scale"])
+        check(out, ref)
+    out = torch.empty_like(case["q"])
+    with pytest.raises(ValueError, match=r"block_tables must be int32.*block_tables=\(3, \d+\)"):
+        cpu_kernels.prepare_batch(**{**meta, "block_tables": meta["block_tables"].long()})
+    with pytest.raises(ValueError, match="S=3 from context_lens disagrees"):
+        cpu_kernels.prepare_batch(**{**meta, "query_start": meta["query_start"][:3]})
+    with pytest.raises(ValueError, match="window must be None or an integer >= 1"):
+        cpu_kernels.prepare_batch(**meta, window=0)
+    with pytest.raises(ValueError, match="head dim"):
+        half = case["k_pool"][..., :32].clone()
+        cpu_kernels.run_batch(out, case["q"], half, half, batch, case["scale"])
+    with pytest.raises(ValueError, match="contiguous"):
+        kt = case["k_pool"].transpose(1, 2).contiguous().transpose(1, 2)
+        cpu_kernels.run_batch(out, case["q"], kt, case["v_pool"], batch, case["scale"])
+    with pytest.raises(ValueError, match="page id"):  # values stay checked in C on every call
+        small = case["k_pool"][:2].clone()
+        cpu_kernels.run_batch(out, case["q"], small, small, batch, case["scale"])
+
+
 def test_runs_beside_torch_threads_without_hang() -> None:
     # The kernel's OpenMP team and torch's intra-op pool share one libgomp; calling the kernel
     # from another Python thread while torch ops run must neither crash nor deadlock.

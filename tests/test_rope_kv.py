@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdserve.ops import native
-from pdserve.ops.rope_kv import rope, rope_reference, write_kv_rows
+from pdserve.ops.rope_kv import rope, rope_qk, rope_reference, write_kv_rows
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"ops not built: {native.unavailable_reason()}")
 
@@ -36,6 +36,34 @@ def test_rope_matches_torch_bit_for_bit_on_strided_qkv_views(T, Hq, Hkv, D):
         assert got.is_contiguous() and got.shape == x.shape
         assert torch.equal(got, want)
     assert torch.equal(qkv[:, : Hq * D].view(T, Hq, D), q_view)  # the input is not touched
+
+
+@pytest.mark.parametrize("T,Hq,Hkv,D", [(1, 9, 3, 64), (37, 9, 3, 64), (5, 4, 1, 128), (3, 2, 2, 16)])
+def test_rope_qk_gives_rope_of_the_q_and_k_heads_of_qkv_rows(T, Hq, Hkv, D):
+    gen = torch.Generator().manual_seed(7 * T + D)
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=gen)                     # [T, (Hq + 2 Hkv) D]
+    cos, sin = tables(T, D, gen)
+    q, k = rope_qk(qkv, cos, sin, Hq, Hkv, D)
+    assert q.shape == (T, Hq, D) and k.shape == (T, Hkv, D) and q.is_contiguous() and k.is_contiguous()
+    assert torch.equal(q, rope_reference(qkv[:, : Hq * D].view(T, Hq, D), cos, sin))
+    assert torch.equal(k, rope_reference(qkv[:, Hq * D : (Hq + Hkv) * D].view(T, Hkv, D), cos, sin))
+    # a single row cut out of a wider matrix (any row stride), and the torch path (bfloat16)
+    wide = torch.randn(3, 2 * qkv.shape[1], generator=gen)[1:2, : qkv.shape[1]]
+    q1, k1 = rope_qk(wide, cos[:1], sin[:1], Hq, Hkv, D)
+    assert torch.equal(q1, rope_reference(wide[:, : Hq * D].view(1, Hq, D), cos[:1], sin[:1]))
+    assert torch.equal(k1, rope_reference(wide[:, Hq * D : (Hq + Hkv) * D].view(1, Hkv, D), cos[:1], sin[:1]))
+    qb, kb = rope_qk(qkv.bfloat16(), cos.bfloat16(), sin.bfloat16(), Hq, Hkv, D)
+    assert torch.equal(qb, rope_reference(qkv.bfloat16()[:, : Hq * D].view(T, Hq, D), cos.bfloat16(), sin.bfloat16()))
+    assert kb.dtype == torch.bfloat16 and kb.shape == (T, Hkv, D)
+
+
+def test_rope_qk_refuses_rows_narrower_than_the_q_and_k_heads():
+    gen = torch.Generator().manual_seed(3)
+    cos, sin = tables(2, 16, gen)
+    with pytest.raises(ValueError, match=r"qkv \(2, 48\) is narrower than q and k heads \(2 \+ 2\) x 16"):
+        rope_qk(torch.randn(2, 48), cos, sin, 2, 2, 16)
+    with pytest.raises(ValueError, match="qkv must be"):
+        rope_qk(torch.randn(2, 4, 16), cos, sin, 2, 2, 16)
 
 
 def test_rope_falls_back_to_torch_where_c_does_not_apply_and_checks_tables():

@@ -72,6 +72,19 @@ def test_dispatch() -> None:
     assert torch.equal(linear(batched, w), F.linear(batched, w))
 
 
+def test_dispatch_never_hands_the_kernel_a_shape_or_layout_it_would_misread() -> None:
+    w, b = torch.randn(64, 32), torch.randn(64)
+    with pytest.raises(RuntimeError):                                    # x has 33 columns, w 32
+        linear(torch.randn(4, 33), w)
+    with pytest.raises(RuntimeError):                                    # a bias of the wrong length
+        linear(torch.randn(4, 32), w, torch.randn(63))
+    row = torch.randn(1, 32)
+    overlapping = row.expand(4, 32)                                      # stride (0, 1): rows overlap
+    assert torch.equal(linear(overlapping, w, b), small_linear(row, w, b).expand(4, 64))
+    with pytest.raises(RuntimeError):                                    # a float64 bias: torch's dtype error
+        linear(torch.randn(4, 32), w, b.double())
+
+
 def test_bad_arguments_name_the_shapes() -> None:
     with pytest.raises(ValueError, match=r"x \(2, 8\) and weight \(4, 9\)"):
         small_linear(torch.randn(2, 8), torch.randn(4, 9))

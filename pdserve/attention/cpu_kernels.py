@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -49,7 +50,7 @@ except ImportError as exc:  # not compiled (or built for another interpreter)
         _IMPORT_ERROR,
     )
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C kernel's q_bf16 / kv_bf16 flags
+_BF16 = torch.bfloat16  # q_bf16 / kv_bf16 flags of the C kernel: True for bfloat16, else float32
 # (q / out dtype, k_pool / v_pool dtype) pairs the kernel runs.
 SUPPORTED_DTYPES = (
     (torch.float32, torch.float32),
@@ -75,6 +76,36 @@ def has_openmp() -> bool:
 
 def _shapes(**tensors: torch.Tensor) -> str:
     return ", ".join(f"{name}={tuple(t.shape)}/{t.dtype}" for name, t in tensors.items())
+
+
+def _validate_meta(block_tables: torch.Tensor, query_start: torch.Tensor, context_lens: torch.Tensor) -> None:
+    """Dtypes, ranks, S and layout of the sequence metadata; raises ValueError naming their shapes."""
+    tensors = {"block_tables": block_tables, "query_start": query_start, "context_lens": context_lens}
+
+    def fail(why: str) -> None:
+        raise ValueError(f"paged_attention: {why} ({_shapes(**tensors)})")
+
+    for name, t in tensors.items():
+        if t.dtype != torch.int32:
+            fail(f"{name} must be int32, got {t.dtype}")
+        if t.device.type != "cpu":
+            fail(f"{name} is on {t.device}, expected cpu")
+        if not t.is_contiguous():
+            fail(f"{name} must be contiguous (strides {t.stride()})")
+    if block_tables.dim() != 2 or context_lens.dim() != 1 or query_start.dim() != 1:
+        fail("block_tables must be [S, max_pages], context_lens [S], query_start [S + 1]")
+    s = context_lens.shape[0]
+    if block_tables.shape[0] != s or query_start.shape[0] != s + 1:
+        fail(f"S={s} from context_lens disagrees with block_tables / query_start")
+
+
+def _tensors_ok(out: torch.Tensor, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """The common case of `_validate`'s tensor checks, as cheap attribute tests (one call per layer)."""
+    return (q.dim() == 3 and k_pool.dim() == 4 and out.dtype is q.dtype and v_pool.dtype is k_pool.dtype
+            and (q.dtype, k_pool.dtype) in SUPPORTED_DTYPES and out.shape == q.shape and v_pool.shape == k_pool.shape
+            and q.shape[2] == k_pool.shape[3] and q.shape[2] % 8 == 0 and k_pool.shape[1] > 0
+            and q.shape[1] % k_pool.shape[1] == 0 and q.is_cpu and out.is_cpu and k_pool.is_cpu and v_pool.is_cpu
+            and q.is_contiguous() and out.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous())
 
 
 def _validate(
@@ -156,6 +187,27 @@ def _window_arg(window: int | None) -> int:
     return window
 
 
+@dataclass(frozen=True)
+class KernelBatch:
+    """A pass's sequence metadata, checked once (`prepare_batch`) for every layer's kernel call."""
+
+    block_tables: torch.Tensor   # [S, max_pages] int32
+    query_start: torch.Tensor    # [S + 1] int32
+    context_lens: torch.Tensor   # [S] int32
+    window: int                  # the C argument: 0 = full attention, else W >= 1
+
+
+def prepare_batch(
+    block_tables: torch.Tensor,  # [S, max_pages] int32
+    query_start: torch.Tensor,   # [S + 1] int32
+    context_lens: torch.Tensor,  # [S] int32, including this step's queries
+    window: int | None = None,
+) -> KernelBatch:
+    """Check dtypes, ranks, S and layout of the metadata (values are checked in C on every call)."""
+    _validate_meta(block_tables, query_start, context_lens)
+    return KernelBatch(block_tables, query_start, context_lens, _window_arg(window))
+
+
 def paged_attention(
     out: torch.Tensor,           # [T, Hq, D] written in place, same dtype as q
     q: torch.Tensor,             # [T, Hq, D] contiguous, float32 or bfloat16
@@ -175,35 +227,44 @@ def paged_attention(
     """
     if _lib is None:
         raise RuntimeError(f"CPU attention kernels are not built: {_IMPORT_ERROR}")
-    _validate(out, q, k_pool, v_pool, block_tables, query_start, context_lens)
-    c_window = 0 if window is None else _window_arg(window)
-    if num_threads is None:
-        num_threads = torch.get_num_threads()
+    _validate(out, q, k_pool, v_pool, block_tables, query_start, context_lens)  # errors name all seven
+    run_batch(out, q, k_pool, v_pool, prepare_batch(block_tables, query_start, context_lens, window), scale,
+              num_threads)
+
+
+def run_batch(
+    out: torch.Tensor,           # [T, Hq, D] written in place, same dtype as q
+    q: torch.Tensor,             # [T, Hq, D]
+    k_pool: torch.Tensor,        # [N, Hkv, P, D]
+    v_pool: torch.Tensor,        # [N, Hkv, P, D]
+    batch: KernelBatch,
+    scale: float,
+    num_threads: int | None = None,
+) -> None:
+    """`paged_attention` over metadata checked once by `prepare_batch` (one call per layer)."""
+    if _lib is None:
+        raise RuntimeError(f"CPU attention kernels are not built: {_IMPORT_ERROR}")
+    bt, qs, cl = batch.block_tables, batch.query_start, batch.context_lens
+    if not _tensors_ok(out, q, k_pool, v_pool):
+        _validate(out, q, k_pool, v_pool, bt, qs, cl)  # raises, naming what is wrong
+        raise ValueError(f"paged_attention: unsupported arguments ({_shapes(out=out, q=q, k_pool=k_pool)})")
     t, hq, d = q.shape
     n, hkv, p, _ = k_pool.shape
-    q_ptr = "uint16_t *" if q.dtype == torch.bfloat16 else "float *"
-    kv_ptr = "uint16_t *" if k_pool.dtype == torch.bfloat16 else "float *"
     err = _ffi.new("int64_t[3]")
-    rc = _lib.pa_forward(
-        _ffi.cast(q_ptr, out.data_ptr()),
-        _ffi.cast(q_ptr, q.data_ptr()),
-        _ffi.cast(kv_ptr, k_pool.data_ptr()),
-        _ffi.cast(kv_ptr, v_pool.data_ptr()),
-        _ffi.cast("int32_t *", block_tables.data_ptr()),
-        _ffi.cast("int32_t *", query_start.data_ptr()),
-        _ffi.cast("int32_t *", context_lens.data_ptr()),
-        t, context_lens.shape[0], block_tables.shape[1], n, hq, hkv, p, d,
-        float(scale), c_window, _DTYPES[q.dtype], _DTYPES[k_pool.dtype], int(num_threads), err,
+    rc = _lib.pa_forward_addr(
+        out.data_ptr(), q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), bt.data_ptr(), qs.data_ptr(),
+        cl.data_ptr(), t, cl.shape[0], bt.shape[1], n, hq, hkv, p, d, scale, batch.window,
+        q.dtype is _BF16, k_pool.dtype is _BF16, torch.get_num_threads() if num_threads is None else num_threads,
+        err,
     )
-    if rc != _lib.PA_OK:
+    if rc != 0:  # PA_OK
         for name, template in _ERRORS.items():
             if rc == getattr(_lib, name):
                 msg = template.format(err[0], err[1], err[2])
                 break
         else:
             msg = f"unknown error code {rc}"
-        shapes = _shapes(q=q, k_pool=k_pool, block_tables=block_tables, query_start=query_start,
-                         context_lens=context_lens)
+        shapes = _shapes(q=q, k_pool=k_pool, block_tables=bt, query_start=qs, context_lens=cl)
         if rc == _lib.PA_ERR_ALLOC:
             raise MemoryError(f"paged_attention: {msg} ({shapes})")
         raise ValueError(f"paged_attention: {msg} ({shapes})")

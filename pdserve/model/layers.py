@@ -155,11 +155,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions], self.sin_signed[positions]
 
     @staticmethod
-    def apply_one(cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        # cos, sin_signed: [T, D]; x: [T, H, D] (any strides) -> a new contiguous [T, H, D]
-        return rope(x, *cos_sin)
-
-    @staticmethod
     def apply(
         cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ from pdserve.model.layers import (MergedColumnLinear, RMSNorm, RotaryEmbedding, 
 from pdserve.model.weights import CheckpointReader
 from pdserve.ops.linear import linear
 from pdserve.ops.norm_act import silu_mul
+from pdserve.ops.rope_kv import rope_qk
 
 LayerHook = Callable[[int], None]
 
@@ -48,9 +49,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj.forward(x)                                         # [T, (Hq + 2 Hkv) D]
         v = qkv[:, (Hq + Hkv) * D :].view(T, Hkv, D)                           # [T, Hkv, D]
         if self.q_norm is None:
-            # rotated straight out of the qkv rows into contiguous q and k (no copies before)
-            q = RotaryEmbedding.apply_one(cos_sin, qkv[:, : Hq * D].view(T, Hq, D))            # [T, Hq, D]
-            k = RotaryEmbedding.apply_one(cos_sin, qkv[:, Hq * D : (Hq + Hkv) * D].view(T, Hkv, D))  # [T, Hkv, D]
+            # rotated straight out of the qkv rows into contiguous q [T, Hq, D] and k [T, Hkv, D]
+            q, k = rope_qk(qkv, *cos_sin, Hq, Hkv, D)
         else:
             q = self.q_norm.forward(qkv[:, : Hq * D].view(T, Hq, D))           # [T, Hq, D]
             k = self.k_norm.forward(qkv[:, Hq * D : (Hq + Hkv) * D].view(T, Hkv, D))  # [T, Hkv, D]

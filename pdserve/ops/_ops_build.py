@@ -45,6 +45,15 @@ int op_rope(float *out, const float *x, const float *cos_t, const float *sin_t, 
 int op_write_kv(void *k_pool, void *v_pool, const float *k, const float *v, const int64_t *rows, int T,
                 int Hkv, int D, int64_t ld_k, int64_t ld_v, int64_t pool_rows, int pool_bf16,
                 int64_t *bad);
+
+int op_add_rms_norm_addr(uintptr_t out, uintptr_t h, uintptr_t delta, uintptr_t w, int rows, int H, int64_t ld_out,
+                         int64_t ld_h, int64_t ld_delta, float eps);
+int op_silu_mul_addr(uintptr_t out, uintptr_t gate_up, int rows, int I, int64_t ld_out, int64_t ld_in,
+                     int num_threads);
+int op_rope_qk_addr(uintptr_t q_out, uintptr_t k_out, uintptr_t qkv, uintptr_t cos_t, uintptr_t sin_t, int T,
+                    int Hq, int Hkv, int D, int64_t ld_qkv);
+int op_write_kv_addr(uintptr_t k_pool, uintptr_t v_pool, uintptr_t k, uintptr_t v, uintptr_t rows, int T, int Hkv,
+                     int D, int64_t ld_k, int64_t ld_v, int64_t pool_rows, int pool_bf16, int64_t *bad);
 """
 
 
@@ -58,6 +67,34 @@ static int sl_linear_addr(uintptr_t y, uintptr_t x, uintptr_t w, uintptr_t bias,
                           int64_t ldx, int64_t ldy, int num_threads) {
     return sl_linear((float *)y, (const float *)x, (const float *)w, (const float *)bias, M, N, K, ldx, ldy,
                      num_threads);
+}
+
+static int op_add_rms_norm_addr(uintptr_t out, uintptr_t h, uintptr_t delta, uintptr_t w, int rows, int H,
+                                int64_t ld_out, int64_t ld_h, int64_t ld_delta, float eps) {
+    return op_add_rms_norm((float *)out, (float *)h, (const float *)delta, (const float *)w, rows, H, ld_out, ld_h,
+                           ld_delta, eps);
+}
+
+static int op_silu_mul_addr(uintptr_t out, uintptr_t gate_up, int rows, int I, int64_t ld_out, int64_t ld_in,
+                            int num_threads) {
+    return op_silu_mul((float *)out, (const float *)gate_up, rows, I, ld_out, ld_in, num_threads);
+}
+
+/* q and k rotated out of one qkv row block ([T, ld_qkv]: q heads at column 0, k heads at Hq * D). */
+static int op_rope_qk_addr(uintptr_t q_out, uintptr_t k_out, uintptr_t qkv, uintptr_t cos_t, uintptr_t sin_t, int T,
+                           int Hq, int Hkv, int D, int64_t ld_qkv) {
+    if (ld_qkv < (int64_t)(Hq + Hkv) * D) return OP_ERR_STRIDE;
+    const float *x = (const float *)qkv;
+    int rc = op_rope((float *)q_out, x, (const float *)cos_t, (const float *)sin_t, T, Hq, D, ld_qkv);
+    if (rc != OP_OK) return rc;
+    return op_rope((float *)k_out, x + (int64_t)Hq * D, (const float *)cos_t, (const float *)sin_t, T, Hkv, D, ld_qkv);
+}
+
+static int op_write_kv_addr(uintptr_t k_pool, uintptr_t v_pool, uintptr_t k, uintptr_t v, uintptr_t rows, int T,
+                            int Hkv, int D, int64_t ld_k, int64_t ld_v, int64_t pool_rows, int pool_bf16,
+                            int64_t *bad) {
+    return op_write_kv((void *)k_pool, (void *)v_pool, (const float *)k, (const float *)v, (const int64_t *)rows, T,
+                       Hkv, D, ld_k, ld_v, pool_rows, pool_bf16, bad);
 }
 """
 

@@ -30,6 +30,7 @@ __all__ = ["available", "linear", "max_rows", "small_linear", "unavailable_reaso
 # bench/results/linear_kernels.md): at 32 rows equal on 1 thread, 1.3-1.5x faster on 2 threads
 # (MKL scales poorly across threads at these shapes); from 48 rows on 1 thread MKL wins.
 _DEFAULT_MAX_ROWS = 32
+_F32 = torch.float32
 
 
 def _max_rows_from_env() -> int:
@@ -81,10 +82,13 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_t
     """The kernel call on checked arguments: x [M, K] unit column stride, weight [N, K] contiguous."""
     m, k = x.shape
     n = weight.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)                         # [M, N]
+    ldx = x.stride(0) if m > 1 else k
+    if ldx < k:  # rows overlap (an expanded tensor): the kernel reads rows ldx apart, so pack them
+        x, ldx = x.contiguous(), k
+    y = torch.empty(m, n, dtype=_F32)                                  # [M, N]
     rc = _lib.sl_linear_addr(y.data_ptr(), x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                             m, n, k, max(x.stride(0), k), n, num_threads)
-    if rc != _lib.SL_OK:
+                             m, n, k, ldx, n, num_threads)
+    if rc:  # SL_OK is 0
         raise ValueError(f"small_linear: kernel refused x {tuple(x.shape)} strides {x.stride()}, "
                          f"weight {tuple(weight.shape)} (code {rc})")
     return y
@@ -96,16 +100,21 @@ def linear(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:                   # [M, N]
     """F.linear semantics; the C kernel takes the few-row float32 CPU case (see module docstring)."""
+    # ~120 calls per decode step: plain attribute tests, cheapest and most selective first.
     if (
-        x.dim() == 2
+        x.dtype is _F32
+        and weight.dtype is _F32
+        and x.dim() == 2
         and x.shape[0] <= _MAX_ROWS
         and _lib is not None
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.device.type == "cpu"
-        and weight.is_contiguous()
+        and x.is_cpu
+        and weight.is_cpu
+        and weight.dim() == 2
+        and weight.shape[1] == x.shape[1]
         and x.stride(1) == 1
-        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype is _F32 and bias.is_cpu and bias.shape == weight.shape[:1]
+                              and bias.is_contiguous()))
         and not (x.requires_grad or weight.requires_grad)
     ):
         return _run(x, weight, bias, torch.get_num_threads())

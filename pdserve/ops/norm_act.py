@@ -18,12 +18,7 @@ import torch.nn.functional as F
 
 from pdserve.ops.native import ffi as _ffi, lib as _lib
 
-
-def _c_ok(*tensors: torch.Tensor) -> bool:
-    """float32 CPU matrices with unit column stride (rows may be strided)."""
-    return _lib is not None and all(
-        t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1
-        and not t.requires_grad for t in tensors)
+_F32 = torch.float32
 
 
 def _ptr(t: torch.Tensor, kind: str = "float *"):  # noqa: ANN202 - a cffi pointer
@@ -43,22 +38,32 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * h.to(x.dtype)
 
 
+def _rows_ok(t: torch.Tensor) -> bool:
+    """A float32 CPU matrix with unit column stride that the C ops may read and write."""
+    return t.dtype is _F32 and t.is_cpu and t.dim() == 2 and t.stride(1) == 1 and not t.requires_grad
+
+
 def add_rms_norm(
     h: torch.Tensor,                  # [T, H] residual stream, updated in place when delta is given
     delta: torch.Tensor | None,       # [T, H] added to h first, or None
     weight: torch.Tensor,             # [H]
     eps: float,
 ) -> torch.Tensor:                    # [T, H] RMSNorm(h + delta) * weight
+    # Called twice per decoder layer: the checks are plain attribute tests (no generic helpers),
+    # and the kernel takes integer addresses.
     if delta is not None and delta.shape != h.shape:
         raise ValueError(f"add_rms_norm: delta {tuple(delta.shape)} does not match h {tuple(h.shape)}")
-    if weight.shape != (h.shape[-1],):
+    if weight.shape != h.shape[-1:]:
         raise ValueError(f"add_rms_norm: weight {tuple(weight.shape)} does not match rows of {h.shape[-1]}")
-    if _c_ok(h, *(() if delta is None else (delta,))) and weight.dtype == torch.float32 and weight.is_contiguous():
+    if (_lib is not None and _rows_ok(h) and (delta is None or _rows_ok(delta))
+            and weight.dtype is _F32 and weight.is_cpu and weight.is_contiguous()):
         rows, size = h.shape
-        out = torch.empty(rows, size, dtype=torch.float32)            # [T, H]
-        rc = _lib.op_add_rms_norm(_ptr(out), _ptr(h), _ffi.NULL if delta is None else _ptr(delta), _ptr(weight),
-                                  rows, size, size, h.stride(0), 0 if delta is None else delta.stride(0), float(eps))
-        _check(rc, "add_rms_norm", h=h, weight=weight)
+        out = torch.empty(rows, size, dtype=_F32)                     # [T, H]
+        rc = _lib.op_add_rms_norm_addr(out.data_ptr(), h.data_ptr(), 0 if delta is None else delta.data_ptr(),
+                                       weight.data_ptr(), rows, size, size, h.stride(0),
+                                       0 if delta is None else delta.stride(0), eps)
+        if rc:
+            _check(rc, "add_rms_norm", h=h, weight=weight)
         return out
     if delta is not None:
         h.add_(delta)
@@ -71,12 +76,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     """silu(gate_up[:, :I]) * gate_up[:, I:]."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"silu_mul: last dim {gate_up.shape[-1]} is not gate|up of equal halves")
-    if _c_ok(gate_up):
+    if _lib is not None and _rows_ok(gate_up):
         rows, width = gate_up.shape
-        out = torch.empty(rows, width // 2, dtype=torch.float32)      # [T, I]
-        rc = _lib.op_silu_mul(_ptr(out), _ptr(gate_up), rows, width // 2, width // 2, gate_up.stride(0),
-                              torch.get_num_threads())
-        _check(rc, "silu_mul", gate_up=gate_up)
+        out = torch.empty(rows, width // 2, dtype=_F32)              # [T, I]
+        rc = _lib.op_silu_mul_addr(out.data_ptr(), gate_up.data_ptr(), rows, width // 2, width // 2,
+                                   gate_up.stride(0), torch.get_num_threads())
+        if rc:
+            _check(rc, "silu_mul", gate_up=gate_up)
         return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
@@ -84,7 +90,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
     """torch.argmax(x, dim=-1)."""
-    if _c_ok(x) and x.shape[1] > 0:
+    if _lib is not None and _rows_ok(x) and x.shape[1] > 0:
         rows, width = x.shape
         out = torch.empty(rows, dtype=torch.int64)                    # [R]
         rc = _lib.op_argmax_rows(_ptr(out, "int64_t *"), _ptr(x), rows, width, x.stride(0))

@@ -4,6 +4,8 @@
   [T, D] (sin_signed = sin with its first half negated), into a new contiguous [T, H, D]. x may be
   a strided view of the qkv projection's output (one token's heads D apart). Bit-identical to
   the torch path (x * cos + roll(x, D/2) * sin_signed, no fused multiply-add).
+- `rope_qk(qkv, cos, sin_signed, Hq, Hkv, D)`: `rope` of the q heads and of the k heads straight out
+  of a fused qkv projection's rows, one kernel call for both.
 - `write_kv_rows(k, v, k_pool, v_pool, rows)`: k[t, h] and v[t, h] into row rows[t * Hkv + h] of
   the pools seen as [N * Hkv * P, D]; a bfloat16 pool stores the rows rounded to nearest even
   (as .to(torch.bfloat16)). Rows are checked against the pool before anything is written.
@@ -23,10 +25,17 @@ from pdserve.ops.native import ffi as _ffi, lib as _lib
 _POOL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
+_F32 = torch.float32
+
+
 def _heads_ok(x: torch.Tensor) -> bool:
     """float32 CPU [T, H, D], elements and heads packed (tokens may be strided)."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3 and x.stride(2) == 1
-            and x.stride(1) == x.shape[2] and not x.requires_grad)
+    return (x.dtype is _F32 and x.is_cpu and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+            and not x.requires_grad)
+
+
+def _table_ok(t: torch.Tensor, T: int, D: int) -> bool:
+    return t.dtype is _F32 and t.is_cpu and t.shape == (T, D) and t.is_contiguous()
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -43,16 +52,43 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.
     if cos.shape != (T, D) or sin_signed.shape != (T, D):
         raise ValueError(f"rope: tables {tuple(cos.shape)} / {tuple(sin_signed.shape)} do not match x "
                          f"{tuple(x.shape)} (need [T, D] = [{T}, {D}])")
-    if (_lib is None or D % 16 or not _heads_ok(x) or cos.dtype != torch.float32 or sin_signed.dtype != torch.float32
-            or not cos.is_contiguous() or not sin_signed.is_contiguous()):
+    if _lib is None or D % 16 or not _heads_ok(x) or not _table_ok(cos, T, D) or not _table_ok(sin_signed, T, D):
         return rope_reference(x, cos, sin_signed)
-    out = torch.empty(T, H, D, dtype=torch.float32)                             # [T, H, D]
+    out = torch.empty(T, H, D, dtype=_F32)                                      # [T, H, D]
     rc = _lib.op_rope(_ffi.cast("float *", out.data_ptr()), _ffi.cast("float *", x.data_ptr()),
                       _ffi.cast("float *", cos.data_ptr()), _ffi.cast("float *", sin_signed.data_ptr()),
                       T, H, D, x.stride(0))
     if rc != _lib.OP_OK:
         raise ValueError(f"rope: kernel refused x {tuple(x.shape)} strides {x.stride()} (code {rc})")
     return out
+
+
+def rope_qk(
+    qkv: torch.Tensor,               # [T, >= (Hq + Hkv) * D]: q heads from column 0, then k heads
+    cos: torch.Tensor,               # [T, D]
+    sin_signed: torch.Tensor,        # [T, D]
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k [T, Hkv, D], new and contiguous
+    """`rope` of the q heads and of the k heads of a fused qkv projection's rows, in one kernel call."""
+    if qkv.dim() != 2:
+        raise ValueError(f"rope_qk: qkv must be [T, width], got {tuple(qkv.shape)}")
+    T, width = qkv.shape
+    Hq, Hkv, D = num_heads, num_kv_heads, head_dim
+    if width < (Hq + Hkv) * D:
+        raise ValueError(f"rope_qk: qkv {tuple(qkv.shape)} is narrower than q and k heads ({Hq} + {Hkv}) x {D}")
+    if (_lib is not None and D % 16 == 0 and qkv.dtype is _F32 and qkv.is_cpu and qkv.stride(1) == 1
+            and not qkv.requires_grad and _table_ok(cos, T, D) and _table_ok(sin_signed, T, D)):
+        q = torch.empty(T, Hq, D, dtype=_F32)                                   # [T, Hq, D]
+        k = torch.empty(T, Hkv, D, dtype=_F32)                                  # [T, Hkv, D]
+        rc = _lib.op_rope_qk_addr(q.data_ptr(), k.data_ptr(), qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
+                                  T, Hq, Hkv, D, qkv.stride(0) if T > 1 else width)
+        if rc != _lib.OP_OK:
+            raise ValueError(f"rope_qk: kernel refused qkv {tuple(qkv.shape)} strides {qkv.stride()} (code {rc})")
+        return q, k
+    q = rope(qkv[:, : Hq * D].view(T, Hq, D), cos, sin_signed)
+    return q, rope(qkv[:, Hq * D : (Hq + Hkv) * D].view(T, Hkv, D), cos, sin_signed)
 
 
 def write_kv_rows(
@@ -71,14 +107,12 @@ def write_kv_rows(
         raise ValueError(f"write_kv_rows: pools {tuple(k_pool.shape)}/{k_pool.dtype} and "
                          f"{tuple(v_pool.shape)}/{v_pool.dtype} do not hold rows of head dim {D}")
     pool_rows = k_pool.numel() // D
-    if (_lib is not None and _heads_ok(k) and _heads_ok(v) and k_pool.dtype in _POOL_DTYPES
-            and k_pool.device.type == "cpu" and k_pool.is_contiguous() and v_pool.is_contiguous()
-            and rows.dtype == torch.int64 and rows.is_contiguous()):
+    if (_lib is not None and _heads_ok(k) and _heads_ok(v) and k_pool.dtype in _POOL_DTYPES and k_pool.is_cpu
+            and v_pool.is_cpu and k_pool.is_contiguous() and v_pool.is_contiguous()
+            and rows.dtype is torch.int64 and rows.is_contiguous()):
         bad = _ffi.new("int64_t[2]")
-        rc = _lib.op_write_kv(_ffi.cast("void *", k_pool.data_ptr()), _ffi.cast("void *", v_pool.data_ptr()),
-                              _ffi.cast("float *", k.data_ptr()), _ffi.cast("float *", v.data_ptr()),
-                              _ffi.cast("int64_t *", rows.data_ptr()), T, Hkv, D, k.stride(0), v.stride(0),
-                              pool_rows, _POOL_DTYPES[k_pool.dtype], bad)
+        rc = _lib.op_write_kv_addr(k_pool.data_ptr(), v_pool.data_ptr(), k.data_ptr(), v.data_ptr(), rows.data_ptr(),
+                                   T, Hkv, D, k.stride(0), v.stride(0), pool_rows, _POOL_DTYPES[k_pool.dtype], bad)
         if rc == _lib.OP_ERR_ROW:
             raise ValueError(f"write_kv_rows: entry {bad[0]} of rows is {bad[1]}, outside the pool's "
                              f"[0, {pool_rows}) rows ({tuple(k_pool.shape)})")
