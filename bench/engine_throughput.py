@@ -29,6 +29,10 @@ the step's matrix multiplications alone: the same linear calls (``pdserve.ops.li
 gate_up_proj, down_proj at 32 rows, then lm_head on 32 rows) in a loop, one pass after each
 timed step so both see the same machine load (median); and the attention backend's time inside
 the step. "other" = step - matmuls - attention (norms, RoPE, KV writes, sampling, Python).
+The step-over-matmul target is judged on the median of the per-step ratios (each step over the
+matmul pass right after it): on a shared VM the machine's speed drifts by 20-30% within seconds,
+and a ratio of two medians taken over different moments carries that drift; the ratio of the
+medians and of the minima are printed beside it.
 
 Targets (from the issue; defined for float32, same run): pdserve >= 5x hf-cb and >= 2x hf-static
 output tokens/s, and the batch-32 decode step <= 1.5x its matmul time. bfloat16 (``--dtype
@@ -328,7 +332,8 @@ def decode_step_bench(engine: LLMEngine, batch: int, prompt_len: int, steps: int
             "step_s": step, "step_min_s": min(step_times), "matmul_s": matmul, "matmul_min_s": min(matmul_times),
             "torch_matmul_s": torch_matmul, "step_over_torch_matmul": step / torch_matmul,
             "attention_s": attn, "other_s": step - matmul - attn, "step_over_matmul": step / matmul,
-            "step_over_matmul_min": min(step_times) / min(matmul_times)}
+            "step_over_matmul_min": min(step_times) / min(matmul_times),
+            "step_over_matmul_paired": statistics.median(s / m for s, m in zip(step_times, matmul_times))}
 
 
 # --- machine -----------------------------------------------------------------------------------
@@ -398,7 +403,7 @@ def target_lines(results: dict[str, SystemResult], step: dict[str, Any] | None, 
     if step is None:
         out.append({"target": name, "value": None, "goal": TARGET_STEP_OVER_MATMUL, "verdict": "n/a", "margin": None})
     else:
-        value = step["step_over_matmul"]
+        value = step["step_over_matmul_paired"]
         out.append({"target": name, "value": value, "goal": TARGET_STEP_OVER_MATMUL,
                     "verdict": "PASS" if value <= TARGET_STEP_OVER_MATMUL else "MISS",
                     "margin": TARGET_STEP_OVER_MATMUL / value})
@@ -433,8 +438,10 @@ def report_lines(args: argparse.Namespace, results: dict[str, SystemResult], ste
                            ("attention_s", "attention backend inside the step"),
                            ("other_s", "other (step - matmuls - attention)")):
             lines.append(f"| {label} | {step[key] * 1e3:.2f} | {100 * step[key] / step['step_s']:.0f}% |")
-        lines.append(f"| step / matmuls | {step['step_over_matmul']:.2f}x (of the minima: "
-                     f"{step['step_over_matmul_min']:.2f}x) | |")
+        lines.append(f"| step / matmuls, median of the per-step ratios (the target's measure) | "
+                     f"{step['step_over_matmul_paired']:.2f}x | |")
+        lines.append(f"| step / matmuls, ratio of the medians above (of the minima) | "
+                     f"{step['step_over_matmul']:.2f}x ({step['step_over_matmul_min']:.2f}x) | |")
         if "torch_matmul_s" in step:
             lines.append(f"| for reference: the same matmuls with torch F.linear (MKL) | "
                          f"{step['torch_matmul_s'] * 1e3:.2f} | step / these: {step['step_over_torch_matmul']:.2f}x |")
@@ -482,7 +489,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-requests-per-batch", type=int, default=64, help="pdserve and hf-cb request cap")
     p.add_argument("--hf-attn", default="sdpa", help="transformers attn_implementation (sdpa or eager)")
     p.add_argument("--decode-batch", type=int, default=32)
-    p.add_argument("--decode-steps", type=int, default=10)
+    p.add_argument("--decode-steps", type=int, default=30)
     p.add_argument("--results-dir", default=os.path.join(REPO_ROOT, "bench", "results"))
     p.add_argument("--tag", default=None, help="results file suffix (default: the dtype when not float32, "
                                                 "then kv-<dtype> when --kv-cache-dtype is set)")
@@ -534,7 +541,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             step = decode_step_bench(llm.engine, args.decode_batch, (args.min_prompt + args.max_prompt) // 2,
                                      args.decode_steps, args.seed, token_range)
             print(f"[decode-step] {step['step_s'] * 1e3:.2f} ms per step, matmuls {step['matmul_s'] * 1e3:.2f} ms "
-                  f"({step['step_over_matmul']:.2f}x)", flush=True)
+                  f"({step['step_over_matmul_paired']:.2f}x, median of per-step ratios)", flush=True)
         del llm
         gc.collect()  # the system's model and KV cache go before the next one loads
 

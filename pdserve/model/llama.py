@@ -17,6 +17,7 @@ from pdserve.attention.base import AttentionBackend
 from pdserve.model.arch import ModelArch, rope_inv_freq
 from pdserve.model.layers import (MergedColumnLinear, RMSNorm, RotaryEmbedding, RowLinear, embedding_and_head,
                                   load_embedding_and_head)
+from pdserve.model.small_batch import SmallBatchLayers
 from pdserve.model.weights import CheckpointReader
 from pdserve.ops.linear import linear
 from pdserve.ops.norm_act import silu_mul
@@ -89,6 +90,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         inv_freq, scaling = rope_inv_freq(hf_config, arch.head_dim)
         self.rope = RotaryEmbedding(inv_freq, scaling, max_positions, dtype)
+        # The C-op layer loop for few-token float32 passes: None = not bound yet, False = does
+        # not apply to this model (see _small_batch_layers).
+        self._small_batch: SmallBatchLayers | bool | None = None
 
     @torch.inference_mode()
     def forward(
@@ -104,12 +108,32 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [S, V] float32, final hidden [S, hidden]
         h = self.embed_tokens(input_ids)                                       # [T, hidden]
         cos_sin = self.rope.tables(positions)
+        x = self.layers[0].input_layernorm.forward(h)                           # [T, hidden]
+        small = self._small_batch_layers(h)
+        if small is not None:  # few tokens, float32 on CPU: the same ops, called by address
+            h += small.run(h, x, cos_sin, k_pools, v_pools, backend, plan, layer_hook)
+        else:
+            self._run_layers(h, x, cos_sin, k_pools, v_pools, backend, plan, layer_hook)
+        last = self.norm.forward(h[logits_indices])                                    # [S, hidden]
+        logits = linear(last, self.lm_head_weight).float()                   # [S, V]
+        return logits, last
+
+    def _run_layers(
+        self,
+        h: torch.Tensor,                # [T, hidden] residual stream, updated in place
+        x: torch.Tensor,                # [T, hidden] layer 0's input norm of h
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        k_pools: list[torch.Tensor],
+        v_pools: list[torch.Tensor],
+        backend: AttentionBackend,
+        plan: object,
+        layer_hook: LayerHook | None,
+    ) -> None:
         # Submodules are called through .forward: nn.Module.__call__'s hook machinery costs a few
         # microseconds per call, ~300 calls per pass, and no hooks are ever registered here.
         # The residual stream h is updated in place by add_rms_norm (h += delta, then the norm):
         # one pass per layer boundary instead of an add and a norm.
         layers = self.layers
-        x = layers[0].input_layernorm.forward(h)                                # [T, hidden]
         for i, layer in enumerate(layers):
             a = layer.self_attn.forward(x, cos_sin, k_pools[i], v_pools[i], backend, plan)
             if layer_hook is not None:
@@ -120,9 +144,14 @@ class LlamaForCausalLM(nn.Module):
                 x = layers[i + 1].input_layernorm.add_forward(h, m)             # h += m; norm(h)
             else:
                 h += m
-        last = self.norm.forward(h[logits_indices])                                    # [S, hidden]
-        logits = linear(last, self.lm_head_weight).float()                   # [S, V]
-        return logits, last
+
+    def _small_batch_layers(self, h: torch.Tensor) -> SmallBatchLayers | None:
+        """The bound C-op layer loop for this pass, or None (module path). Bound on first use and
+        again whenever a weight's storage changed; a model it does not apply to is asked once."""
+        small = self._small_batch
+        if small is None or (small is not False and not small.still_bound()):
+            small = self._small_batch = SmallBatchLayers.bind(self.layers, self.arch.rms_norm_eps) or False
+        return small if small is not False and small.accepts(h) else None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into our layout.

@@ -1,0 +1,123 @@
+"""The C-op layer loop for few-token float32 passes (pdserve/model/small_batch.py).
+
+It calls the same C ops in the same order as the module path, so every token and every logprob
+must be bit-identical to the module path's, for each Llama-family architecture it applies to
+(biases included), with both attention backends; it must step aside (module path) for q/k norm
+models, bfloat16 weights and passes longer than the small-linear row limit, and rebind when a
+weight's storage is replaced.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.attention import cpu_kernels
+from pdserve.model.small_batch import SmallBatchLayers
+from pdserve.ops import native
+from pdserve.ops.linear import max_rows
+
+from tiny_models import make_tiny_checkpoint
+
+pytestmark = pytest.mark.skipif(not native.available() or max_rows() == 0,
+                                reason="the C ops (small linear kernel) are not built or are disabled")
+
+PROMPTS = ["The capital of France is", "def f(x):\n    return", "Once upon a time", "1, 2, 3,"]
+BACKENDS = ["torch"] + (["cpu"] if cpu_kernels.available() else [])
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-small-batch")
+    return {arch: make_tiny_checkpoint(arch, root / arch) for arch in ("llama", "llama3", "qwen2", "mistral", "qwen3")}
+
+
+class RunCounter:
+    """Counts SmallBatchLayers.run calls (passes that took the C-op loop)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        inner = SmallBatchLayers.run
+
+        def run(layers_self, *a, **kw):
+            self.calls += 1
+            return inner(layers_self, *a, **kw)
+
+        monkeypatch.setattr(SmallBatchLayers, "run", run)
+
+
+def generate(llm: LLM, module_path: bool) -> list:
+    llm.engine.model._small_batch = False if module_path else None
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    return llm.generate(PROMPTS, params)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "mistral"])
+def test_bit_identical_to_the_module_path(checkpoints, arch, backend, monkeypatch):
+    llm = LLM(model=str(checkpoints[arch]), num_blocks=64, page_size=8, max_batch_tokens=32,
+              attention_backend=backend)
+    counter = RunCounter(monkeypatch)
+    fast = generate(llm, module_path=False)
+    assert counter.calls >= 11, "the decode steps did not take the C-op loop"
+    assert isinstance(llm.engine.model._small_batch, SmallBatchLayers)
+    calls = counter.calls
+    slow = generate(llm, module_path=True)
+    assert counter.calls == calls
+    for a, b in zip(fast, slow):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs and a.logprobs == b.logprobs  # every sampled and top-3 logprob, exactly
+    llm.engine.check_integrity()
+
+
+def test_steps_aside_for_qk_norm_bfloat16_and_long_passes(checkpoints, monkeypatch):
+    counter = RunCounter(monkeypatch)
+    qwen3 = LLM(model=str(checkpoints["qwen3"]), num_blocks=64, page_size=8, max_batch_tokens=32)
+    qwen3.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3))
+    assert qwen3.engine.model._small_batch is False and counter.calls == 0
+    bf16 = LLM(model=str(checkpoints["llama"]), num_blocks=64, page_size=8, max_batch_tokens=32, dtype="bfloat16")
+    bf16.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3))
+    assert bf16.engine.model._small_batch is False and counter.calls == 0
+    # a prefill pass of more than max_rows() tokens runs the module path; its decodes do not
+    llm = LLM(model=str(checkpoints["llama"]), num_blocks=64, page_size=8, max_batch_tokens=256)
+    long_prompt = [list(range(100, 100 + max_rows() + 9))]
+    out = llm.generate(long_prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert counter.calls == 3  # the 3 decode passes; the one prefill pass took the module path
+    llm.engine.model._small_batch = False
+    again = llm.generate(long_prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert out.token_ids == again.token_ids
+
+
+def test_rebinds_when_a_weight_storage_is_replaced(checkpoints):
+    llm = LLM(model=str(checkpoints["qwen2"]), num_blocks=64, page_size=8, max_batch_tokens=32)
+    before = generate(llm, module_path=False)
+    bound = llm.engine.model._small_batch
+    assert isinstance(bound, SmallBatchLayers) and bound.still_bound()
+    down = llm.engine.model.layers[1].mlp.down_proj
+    down.weight.data = down.weight.data * 2.0                 # new storage, new values
+    assert not bound.still_bound()
+    fast = generate(llm, module_path=False)
+    rebound = llm.engine.model._small_batch
+    assert isinstance(rebound, SmallBatchLayers) and rebound is not bound and rebound.still_bound()
+    slow = generate(llm, module_path=True)
+    assert [o.token_ids for o in fast] == [o.token_ids for o in slow]
+    assert [o.logprobs for o in fast] == [o.logprobs for o in slow]
+    assert [o.token_ids for o in fast] != [o.token_ids for o in before]  # the new weights are used
+
+
+def test_bind_names_a_weight_it_cannot_use(checkpoints):
+    llm = LLM(model=str(checkpoints["llama"]), num_blocks=64, page_size=8, max_batch_tokens=32)
+    layers = llm.engine.model.layers
+    o_proj = layers[0].self_attn.o_proj
+    o_proj.weight.data = o_proj.weight.data.t().contiguous().t()   # same shape, strided
+    with pytest.raises(ValueError, match=r"layer 0 o_w is \(64, 64\)/torch.float32/cpu/strided"):
+        SmallBatchLayers.bind(layers, 1e-5)
