@@ -187,6 +187,16 @@ def _log_fallback_once(reason: str) -> None:
 def anon_huge_bytes(start: int, end: int) -> int:
     """Sum of AnonHugePages over the mappings of this process that overlap [start, end) (0 when
     /proc/self/smaps cannot be read). For any range, not only HostBuffers (tests check KV pools)."""
+    return _smaps_sum(start, end, "AnonHugePages:")
+
+
+def resident_bytes(start: int, end: int) -> int:
+    """Sum of Rss (memory faulted in) over the mappings of this process that overlap [start, end)
+    (0 when /proc/self/smaps cannot be read)."""
+    return _smaps_sum(start, end, "Rss:")
+
+
+def _smaps_sum(start: int, end: int, field: str) -> int:
     total = 0
     inside = False
     try:
@@ -196,7 +206,7 @@ def anon_huge_bytes(start: int, end: int) -> int:
                 if "-" in head and not head.endswith(":"):
                     lo, hi = (int(x, 16) for x in head.split("-"))
                     inside = lo < end and hi > start
-                elif inside and head == "AnonHugePages:":
+                elif inside and head == field:
                     total += int(line.split()[1]) * 1024
     except OSError:
         return 0

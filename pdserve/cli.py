@@ -42,6 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache", dest="allow_block_sharing", action=argparse.BooleanOptionalAction,
                    default=True, help="reuse the KV of complete blocks shared with earlier prompts (default: on; "
                                       "off automatically for sliding-window models)")
+    g.add_argument("--kv-prefault", action="store_true",
+                   help="fault the whole KV pool in at startup (slower start, memory committed now) so that no "
+                        "step pays first-touch page faults while the pool is cycled the first time")
     g.add_argument("--cpu-offload-space", type=_offload_space, default=None, metavar="FRACTION|BYTES",
                    help="CPU swap pool for requests preempted under memory pressure: a fraction of the KV pool "
                         "(e.g. 0.1, the default) or a byte count (e.g. 268435456); 0: recompute instead")
@@ -65,6 +68,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "max_requests_per_batch": args.max_requests_per_batch,
         "scheduler_type": args.scheduler_type,
         "allow_block_sharing": args.allow_block_sharing,
+        "kv_prefault": args.kv_prefault,
     }
     for key, value in (("num_threads", args.threads), ("num_blocks", args.num_blocks),
                        ("max_model_len", args.max_model_len), ("cpu_offload_space", args.cpu_offload_space)):

@@ -122,7 +122,8 @@ class LLMEngine:
                                                sched.max_batch_tokens)
         sharing = config.cache.allow_block_sharing and all(g.sliding_window is None for g in groups)
         self.kv_cache = PagedKVCache(KVCacheShape(self.arch.num_layers, size.num_blocks, self.arch.num_kv_heads, P,
-                                                  self.arch.head_dim), kv_dtype, allocate=self.hooks.allocate_kv)
+                                                  self.arch.head_dim), kv_dtype, allocate=self.hooks.allocate_kv,
+                                     prefault=config.cache.kv_prefault)
         self.pool = BlockPool(size.num_blocks, config.cache.num_padding_blocks)
         self.cache_manager = KVCacheManager(self.pool, P, groups, enable_prefix_caching=sharing)
         swap_slots = config.cache.swap_slots(size.num_blocks, block_nbytes)

@@ -114,3 +114,30 @@ def test_cache_without_allocator_is_on_huge_pages_and_bad_allocators_are_refused
         import numpy as np
 
         PagedKVCache(shape, torch.float32, allocate=lambda d, dtype: np.zeros(d, dtype=np.float32))
+
+
+def test_kv_prefault_faults_the_whole_pool_in_at_startup():
+    from fabric.hostmem import alloc_tensor, resident_bytes
+    from pdserve.config import CacheConfig
+
+    shape = KVCacheShape(num_layers=2, num_pages=512, kv_heads=2, page_size=16, head_dim=16)  # 4 MiB
+    lazy = PagedKVCache(shape, torch.float32)
+    start = lazy.buffer.data_ptr()
+    assert resident_bytes(start, start + lazy.nbytes) < lazy.nbytes  # untouched anonymous memory
+    eager = PagedKVCache(shape, torch.float32, prefault=True)
+    start = eager.buffer.data_ptr()
+    assert resident_bytes(start, start + eager.nbytes) >= eager.nbytes
+    assert int(eager.buffer.abs().sum()) == 0
+
+    # a custom allocator's buffer is faulted in too, its content kept
+    custom = alloc_tensor(tuple((2, 2, 512, 2, 16, 16)), torch.float32, huge_pages=False)
+    custom.view(-1)[::977] = 3.0
+    before = custom.clone()
+    start = custom.data_ptr()
+    kv = PagedKVCache(shape, torch.float32, allocate=lambda d, dtype: custom, prefault=True)
+    assert kv.buffer is custom and torch.equal(custom, before)
+    assert resident_bytes(start, start + kv.nbytes) >= kv.nbytes
+
+    assert CacheConfig(kv_prefault=True).kv_prefault
+    with pytest.raises(ValueError, match="kv_prefault must be True or False, got 1"):
+        CacheConfig(kv_prefault=1)

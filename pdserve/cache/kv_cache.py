@@ -45,16 +45,18 @@ class KVCacheShape:
 
 class PagedKVCache:
     def __init__(self, shape: KVCacheShape, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 allocate: KVAllocator | None = None) -> None:
+                 allocate: KVAllocator | None = None, prefault: bool = False) -> None:
         self.shape = shape
         self.dtype = dtype
         dims = (shape.num_layers, 2, shape.num_pages, shape.kv_heads, shape.page_size, shape.head_dim)
         # buffer: [layers, 2, pages, kv_heads, page_size, head_dim]
         if allocate is None:
-            self.buffer = _default_allocate(dims, dtype, torch.device(device))
+            self.buffer = _default_allocate(dims, dtype, torch.device(device), populate=prefault)
         else:
             self.buffer = allocate(dims, dtype)
             _check_buffer(self.buffer, dims, dtype, torch.device(device), allocate)
+            if prefault and self.buffer.device.type == "cpu":
+                _touch_pages(self.buffer)
         # k[l], v[l]: [pages, kv_heads, page_size, head_dim]
         self.k = [self.buffer[layer, 0] for layer in range(shape.num_layers)]
         self.v = [self.buffer[layer, 1] for layer in range(shape.num_layers)]
@@ -74,7 +76,15 @@ class PagedKVCache:
         return ((layer * 2 + kv) * s.num_pages + page) * self.page_nbytes
 
 
-def _default_allocate(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _touch_pages(buf: torch.Tensor) -> None:
+    """Fault in every 4 KiB page of a CPU buffer by rewriting one byte of each with its own value
+    (a custom allocator's memory: its content is left as it was)."""
+    flat = buf.view(-1).view(torch.uint8)                                 # [nbytes]
+    flat[:: 4096].add_(0)
+
+
+def _default_allocate(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                      populate: bool = False) -> torch.Tensor:
     """The default allocator. On the CPU: a fresh anonymous mapping, 2 MiB aligned and advised
     onto transparent huge pages (fabric.hostmem, the same memory the fabric registers), so it
     reads as zeros and nothing is committed before it is written.
@@ -90,7 +100,7 @@ def _default_allocate(dims: tuple[int, ...], dtype: torch.dtype, device: torch.d
         return torch.zeros(dims, dtype=dtype, device=device)
     from fabric.hostmem import alloc_tensor  # standard library only: no compiled fabric needed
 
-    return alloc_tensor(dims, dtype, huge_pages=True)  # the tensor keeps its mapping alive
+    return alloc_tensor(dims, dtype, huge_pages=True, populate=populate)  # the tensor keeps its mapping alive
 
 
 def _check_buffer(buf: object, dims: tuple[int, ...], dtype: torch.dtype, device: torch.device,
