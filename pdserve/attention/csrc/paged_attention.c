@@ -26,14 +26,17 @@
  * split along the keys (flash-decoding) and merged with their log-sum-exp.
  *
  * Prefetch: decode reads each K/V page block once, from DRAM, as scattered runs of P * D
- * elements (2 KiB for bf16 at P = 16, D = 64), so the kernel prefetches the next page's K and V
- * blocks itself. The prefetches are spread over the current page's work, a few lines before
- * each 8-key block of scores and of PV and before the softmax: issued all at once, they stall
- * on the core's few outstanding-miss slots and memory then idles while the page is computed.
- * A thread claims its next item before running the current one, so that the current item's
- * last page prefetches the next item's first page. (Together: batch-32 decode at context
- * 320-512 took ~20-25% less time for float32 and bfloat16 pools on the 2-core EPYC VM, paired
- * runs against a whole-page burst one page ahead.)
+ * elements (4 KiB for float32 at P = 16, D = 64), so the kernel prefetches the next page's K and
+ * V blocks itself while it computes the current page. Issued in bursts, prefetches stall on the
+ * core's few outstanding-miss slots and memory then idles while the page is computed, so they
+ * are spread out: for decode items over float32 pools one line per inner iteration of the
+ * score and PV loops (pf_one, ~100 sites per page at G = 3), a quarter of the lines before the
+ * softmax, and the rest at the end of the page; for prefill tiles and bfloat16 pools (half the lines, more arithmetic per line) a
+ * few lines before each 8-key block of scores and PV and before the softmax (pf_step). A thread
+ * claims its next item before running the current one, so that the current item's last page
+ * prefetches the next item's first page. (Batch-32 decode at context 320, 30 layers' pools, 2
+ * threads, paired runs on the 2-core EPYC VM: the per-block steps took ~20-25% off one burst per
+ * page; the per-iteration lines took another 13-17% off float32, bfloat16 unchanged.)
  *
  * Dtypes (q/out, K/V pools): (f32, f32), (bf16, bf16) and (f32, bf16), the last for a float32
  * model with a bfloat16 KV cache (half the bytes read per key). All math is float32 whatever the
@@ -150,16 +153,38 @@ ALWAYS_INLINE void reduce4x8(v8f a0, v8f a1, v8f a2, v8f a3, float *s) {
 }
 #endif
 
+/*
+ * Spread prefetch of one page (see "Prefetch" above): the 2 * n cache lines of its K block
+ * (lines 0..n-1) then its V block (lines n..2n-1), issued `per` at a time by pf_step or one at a
+ * time by pf_one. Nothing to prefetch: k == NULL and n == 0.
+ */
+typedef struct {
+    const char *k, *v; /* the K and V blocks */
+    int n;             /* lines per block */
+    int per;           /* lines per step */
+    int next;          /* next line of the 2 * n */
+} pf_plan;
+
+/* One line of the plan, if any is left (a plan with nothing to prefetch has n == 0). */
+ALWAYS_INLINE void pf_one(pf_plan *pf) {
+    if (pf->next < 2 * pf->n) {
+        const int l = pf->next++;
+        __builtin_prefetch(l < pf->n ? pf->k + 64 * (size_t)l : pf->v + 64 * (size_t)(l - pf->n), 0,
+                           PA_PREFETCH_HINT);
+    }
+}
+
 /* 8 K/V elements at element index idx of a float32 or bf16 (compile-time flag) array. */
 ALWAYS_INLINE v8f ldkv(const void *base, size_t idx, const int bf16) {
     return bf16 ? bf16x8_to_f32((const uint16_t *)base + idx) : ld8((const float *)base + idx);
 }
 
 /* One row x 8 keys (8 independent FMA chains). */
-ALWAYS_INLINE void score_1x8(const float *Q, int D, const void *K, float *S, const int bf16) {
+ALWAYS_INLINE void score_1x8(const float *Q, int D, const void *K, float *S, const int bf16, pf_plan *pf) {
     v8f a[8];
     for (int k = 0; k < 8; k++) a[k] = splat8(0.0f);
     for (int d = 0; d < D; d += 8) {
+        if (pf) pf_one(pf);
         v8f qv = ld8(Q + d);
         for (int k = 0; k < 8; k++) a[k] += qv * ldkv(K, (size_t)k * D + d, bf16);
     }
@@ -168,10 +193,11 @@ ALWAYS_INLINE void score_1x8(const float *Q, int D, const void *K, float *S, con
 
 /* Two rows x 4 keys (8 chains; each K load feeds 2 FMAs). */
 ALWAYS_INLINE void score_2x4(const float *Q, int D, const void *K, float *S, int ldS,
-                             const int bf16) {
+                             const int bf16, pf_plan *pf) {
     v8f a[4], b[4];
     for (int k = 0; k < 4; k++) a[k] = b[k] = splat8(0.0f);
     for (int d = 0; d < D; d += 8) {
+        if (pf) pf_one(pf);
         v8f q0 = ld8(Q + d), q1 = ld8(Q + D + d);
         for (int k = 0; k < 4; k++) {
             v8f kv = ldkv(K, (size_t)k * D + d, bf16);
@@ -185,10 +211,11 @@ ALWAYS_INLINE void score_2x4(const float *Q, int D, const void *K, float *S, int
 
 /* Three rows x 4 keys (12 chains; each K load feeds 3 FMAs): the decode shape of G = 3 groups. */
 ALWAYS_INLINE void score_3x4(const float *Q, int D, const void *K, float *S, int ldS,
-                             const int bf16) {
+                             const int bf16, pf_plan *pf) {
     v8f a[4], b[4], c[4];
     for (int k = 0; k < 4; k++) a[k] = b[k] = c[k] = splat8(0.0f);
     for (int d = 0; d < D; d += 8) {
+        if (pf) pf_one(pf);
         v8f q0 = ld8(Q + d), q1 = ld8(Q + D + d), q2 = ld8(Q + 2 * D + d);
         for (int k = 0; k < 4; k++) {
             v8f kv = ldkv(K, (size_t)k * D + d, bf16);
@@ -215,7 +242,7 @@ ALWAYS_INLINE float score_1x1(const float *Q, int D, const void *K, size_t k0, c
  * otherwise the tail is computed key by key.
  */
 ALWAYS_INLINE void scores(const float *Q, int M, int D, const void *K, int nk, int kcap,
-                          float *S, int ldS, const int bf16) {
+                          float *S, int ldS, const int bf16, pf_plan *pf) {
     int nk8 = (nk + 7) & ~7;
     int full = nk8 <= kcap ? nk8 : (nk & ~7);
     for (int j = 0; j < full; j += 8) {
@@ -224,14 +251,14 @@ ALWAYS_INLINE void scores(const float *Q, int M, int D, const void *K, int nk, i
         const char *Kj4 = Kj + 4 * (size_t)D * esz;
         int r = 0;
         for (; r + 3 <= M; r += 3) {
-            score_3x4(Q + (size_t)r * D, D, Kj, S + r * ldS + j, ldS, bf16);
-            score_3x4(Q + (size_t)r * D, D, Kj4, S + r * ldS + j + 4, ldS, bf16);
+            score_3x4(Q + (size_t)r * D, D, Kj, S + r * ldS + j, ldS, bf16, pf);
+            score_3x4(Q + (size_t)r * D, D, Kj4, S + r * ldS + j + 4, ldS, bf16, pf);
         }
         for (; r + 2 <= M; r += 2) {
-            score_2x4(Q + (size_t)r * D, D, Kj, S + r * ldS + j, ldS, bf16);
-            score_2x4(Q + (size_t)r * D, D, Kj4, S + r * ldS + j + 4, ldS, bf16);
+            score_2x4(Q + (size_t)r * D, D, Kj, S + r * ldS + j, ldS, bf16, pf);
+            score_2x4(Q + (size_t)r * D, D, Kj4, S + r * ldS + j + 4, ldS, bf16, pf);
         }
-        if (r < M) score_1x8(Q + (size_t)r * D, D, Kj, S + r * ldS + j, bf16);
+        if (r < M) score_1x8(Q + (size_t)r * D, D, Kj, S + r * ldS + j, bf16, pf);
     }
     for (int j = full; j < nk; j++)
         for (int r = 0; r < M; r++)
@@ -240,12 +267,18 @@ ALWAYS_INLINE void scores(const float *Q, int M, int D, const void *K, int nk, i
 
 static PAGE_STAGE void scores_f32(const float *Q, int M, int D, const void *K, int nk,
                                      int kcap, float *S, int ldS) {
-    scores(Q, M, D, K, nk, kcap, S, ldS, 0);
+    scores(Q, M, D, K, nk, kcap, S, ldS, 0, NULL);
+}
+
+/* ... issuing one line of `pf` per inner iteration (float32 decode items) */
+static PAGE_STAGE void scores_f32_pf(const float *Q, int M, int D, const void *K, int nk,
+                                        int kcap, float *S, int ldS, pf_plan *pf) {
+    scores(Q, M, D, K, nk, kcap, S, ldS, 0, pf);
 }
 
 static PAGE_STAGE void scores_bf16(const float *Q, int M, int D, const void *K, int nk,
                                       int kcap, float *S, int ldS) {
-    scores(Q, M, D, K, nk, kcap, S, ldS, 1);
+    scores(Q, M, D, K, nk, kcap, S, ldS, 1, NULL);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -253,11 +286,12 @@ static PAGE_STAGE void scores_bf16(const float *Q, int M, int D, const void *K, 
 
 /* R rows x C columns (R * C / 8 <= 8 accumulators), compile-time R and C. */
 ALWAYS_INLINE void pv_block(const int R, const int C, const float *Pm, int ldP, const void *V,
-                            int d0, int nk, int D, float *O, const int bf16) {
+                            int d0, int nk, int D, float *O, const int bf16, pf_plan *pf) {
     v8f acc[8];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C / 8; c++) acc[r * (C / 8) + c] = ld8(O + (size_t)r * D + 8 * c);
     for (int j = 0; j < nk; j++) {
+        if (pf) pf_one(pf);
         v8f v[8];
         for (int c = 0; c < C / 8; c++) v[c] = ldkv(V, (size_t)j * D + d0 + 8 * c, bf16);
         for (int r = 0; r < R; r++) {
@@ -270,40 +304,45 @@ ALWAYS_INLINE void pv_block(const int R, const int C, const float *Pm, int ldP, 
 }
 
 ALWAYS_INLINE void pv(const float *Pm, int ldP, int M, const void *V, int nk, int D, float *O,
-                      const int bf16) {
+                      const int bf16, pf_plan *pf) {
     int r = 0;
     for (; r + 3 <= M; r += 3) { /* 6 accumulators: each V load feeds 3 rows */
         const float *Pr = Pm + r * ldP;
         float *Or = O + (size_t)r * D;
         int d = 0;
-        for (; d + 16 <= D; d += 16) pv_block(3, 16, Pr, ldP, V, d, nk, D, Or + d, bf16);
-        for (; d < D; d += 8) pv_block(3, 8, Pr, ldP, V, d, nk, D, Or + d, bf16);
+        for (; d + 16 <= D; d += 16) pv_block(3, 16, Pr, ldP, V, d, nk, D, Or + d, bf16, pf);
+        for (; d < D; d += 8) pv_block(3, 8, Pr, ldP, V, d, nk, D, Or + d, bf16, pf);
     }
     for (; r + 2 <= M; r += 2) {
         const float *Pr = Pm + r * ldP;
         float *Or = O + (size_t)r * D;
         int d = 0;
-        for (; d + 32 <= D; d += 32) pv_block(2, 32, Pr, ldP, V, d, nk, D, Or + d, bf16);
-        for (; d < D; d += 8) pv_block(2, 8, Pr, ldP, V, d, nk, D, Or + d, bf16);
+        for (; d + 32 <= D; d += 32) pv_block(2, 32, Pr, ldP, V, d, nk, D, Or + d, bf16, pf);
+        for (; d < D; d += 8) pv_block(2, 8, Pr, ldP, V, d, nk, D, Or + d, bf16, pf);
     }
     if (r < M) {
         const float *Pr = Pm + r * ldP;
         float *Or = O + (size_t)r * D;
         int d = 0;
-        for (; d + 64 <= D; d += 64) pv_block(1, 64, Pr, ldP, V, d, nk, D, Or + d, bf16);
-        for (; d + 32 <= D; d += 32) pv_block(1, 32, Pr, ldP, V, d, nk, D, Or + d, bf16);
-        for (; d < D; d += 8) pv_block(1, 8, Pr, ldP, V, d, nk, D, Or + d, bf16);
+        for (; d + 64 <= D; d += 64) pv_block(1, 64, Pr, ldP, V, d, nk, D, Or + d, bf16, pf);
+        for (; d + 32 <= D; d += 32) pv_block(1, 32, Pr, ldP, V, d, nk, D, Or + d, bf16, pf);
+        for (; d < D; d += 8) pv_block(1, 8, Pr, ldP, V, d, nk, D, Or + d, bf16, pf);
     }
 }
 
 static PROF_NOINLINE void pv_f32(const float *Pm, int ldP, int M, const void *V, int nk, int D,
                                  float *O) {
-    pv(Pm, ldP, M, V, nk, D, O, 0);
+    pv(Pm, ldP, M, V, nk, D, O, 0, NULL);
+}
+
+static PROF_NOINLINE void pv_f32_pf(const float *Pm, int ldP, int M, const void *V, int nk, int D,
+                                    float *O, pf_plan *pf) {
+    pv(Pm, ldP, M, V, nk, D, O, 0, pf);
 }
 
 static PROF_NOINLINE void pv_bf16(const float *Pm, int ldP, int M, const void *V, int nk, int D,
                                   float *O) {
-    pv(Pm, ldP, M, V, nk, D, O, 1);
+    pv(Pm, ldP, M, V, nk, D, O, 1, NULL);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -366,17 +405,7 @@ static void prefetch_page(const params *pr, const void *pool, int32_t page, int 
     for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, PA_PREFETCH_HINT);
 }
 
-/*
- * Spread prefetch of one page: the 2 * n cache lines of its K block (lines 0..n-1) then its V
- * block (lines n..2n-1), `per` lines per pf_step call. k == NULL: nothing to prefetch.
- */
-typedef struct {
-    const char *k, *v; /* the K and V blocks */
-    int n;             /* lines per block */
-    int per;           /* lines per step */
-    int next;          /* next line of the 2 * n */
-} pf_plan;
-
+/* The next `per` lines of the plan (fewer at its end). */
 ALWAYS_INLINE void pf_step(pf_plan *pf) {
     if (!pf->k) return;
     const int a = pf->next, b = a + pf->per < 2 * pf->n ? a + pf->per : 2 * pf->n;
@@ -521,32 +550,42 @@ ALWAYS_INLINE void run_item_impl(const params *pr, const work_item *it, const wo
     /* a full page's work has 2 * ceil(P / 8) + 1 prefetch steps (pf_step calls, below) */
     const int pf_lines = (int)(((size_t)P * D * esz + 63) / 64);
     const int pf_steps = 2 * ((P + 7) / 8) + 1;
+    /* per-iteration prefetch lines: float32 decode items, through the *_pf instances (prefill
+     * tiles compute far longer per page than its lines take to arrive; a per-iteration test in
+     * their loops cost them ~10%) */
+    const int fine = !pr->kv_bf16 && it->nq == 1;
     for (int pg = page_lo; pg < page_hi; pg++) {
         const int t0 = pg * P;
         const int nk = kmax - t0 < P ? kmax - t0 : P;
         const int32_t page = bt[pg];
 
         /* the page PA_PREFETCH_DIST ahead: in this item, else in the next one */
-        pf_plan pf = {NULL, NULL, pf_lines, (2 * pf_lines + pf_steps - 1) / pf_steps, 0};
+        pf_plan pf = {NULL, NULL, 0, fine ? pf_lines / 2 : (2 * pf_lines + pf_steps - 1) / pf_steps, 0};
         const int ahead = pg + PA_PREFETCH_DIST - page_hi; /* >= 0: index into the next item */
         if (PA_PREFETCH_DIST > 0 && ahead < 0) {
             pf.k = (const char *)page_block(pr, pr->k_pool, bt[pg + PA_PREFETCH_DIST], h);
             pf.v = (const char *)page_block(pr, pr->v_pool, bt[pg + PA_PREFETCH_DIST], h);
+            pf.n = pf_lines;
         } else if (PA_PREFETCH_DIST > 0 && next && next_lo + ahead < next_hi) {
             const int32_t np = pr->block_tables[(size_t)next->seq * pr->max_pages + next_lo + ahead];
             pf.k = (const char *)page_block(pr, pr->k_pool, np, next->head);
             pf.v = (const char *)page_block(pr, pr->v_pool, np, next->head);
+            pf.n = pf_lines;
         }
 
-        /* scores and PV in blocks of 8 keys, one prefetch step before each and before softmax */
+        /* scores and PV in blocks of 8 keys; float32 pools prefetch one line per inner iteration
+         * (pf_one inside the kernels), bfloat16 ones a step before each block; both a step
+         * before the softmax and whatever is left at the end of the page */
         const int nkb = (nk + 7) / 8;
         const char *K = (const char *)page_block(pr, pr->k_pool, page, h);
         for (int b = 0; b < nkb; b++) {
-            pf_step(&pf);
+            if (!fine) pf_step(&pf);
             const int nkk = nk - 8 * b < 8 ? nk - 8 * b : 8;
             const char *Kb = K + (size_t)8 * b * D * esz;
             if (pr->kv_bf16)
                 scores_bf16(sc->q, M, D, Kb, nkk, P - 8 * b, sc->s + 8 * b, ldS);
+            else if (fine)
+                scores_f32_pf(sc->q, M, D, Kb, nkk, P - 8 * b, sc->s + 8 * b, ldS, &pf);
             else
                 scores_f32(sc->q, M, D, Kb, nkk, P - 8 * b, sc->s + 8 * b, ldS);
         }
@@ -559,14 +598,18 @@ ALWAYS_INLINE void run_item_impl(const params *pr, const work_item *it, const wo
 
         const char *V = (const char *)page_block(pr, pr->v_pool, page, h);
         for (int b = 0; b < nkb; b++) {
-            pf_step(&pf);
+            if (!fine) pf_step(&pf);
             const int nkk = nk - 8 * b < 8 ? nk - 8 * b : 8;
             const char *Vb = V + (size_t)8 * b * D * esz;
             if (pr->kv_bf16)
                 pv_bf16(sc->s + 8 * b, ldS, M, Vb, nkk, D, sc->o);
+            else if (fine)
+                pv_f32_pf(sc->s + 8 * b, ldS, M, Vb, nkk, D, sc->o, &pf);
             else
                 pv_f32(sc->s + 8 * b, ldS, M, Vb, nkk, D, sc->o);
         }
+        pf.per = 2 * pf.n;
+        pf_step(&pf); /* whatever the fine sites left */
     }
 
     if (it->nsplit > 1) {
