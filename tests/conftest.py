@@ -10,6 +10,19 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+
+@pytest.fixture
+def one_thread():
+    """torch (and with it the C kernels) on one thread: a tiny model's ops are too small to split,
+    and a second OpenMP thread only spins (several times slower on a loaded 2-core machine)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def default_source():
     from pdserve.model.loader import resolve_model

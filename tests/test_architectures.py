@@ -21,14 +21,7 @@ PROMPTS = ["The capital of France is", "def f(x):\n    return", "Once upon a tim
 BACKENDS = ["torch"] + (["cpu"] if cpu_kernels.available() else [])
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models' ops are too small to split: a second OpenMP thread only spins (several times
-    slower on a loaded 2-core machine)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run on one thread
 
 
 @pytest.fixture(scope="module")

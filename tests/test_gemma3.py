@@ -57,14 +57,6 @@ def torch_threads(n: int):
         torch.set_num_threads(previous)
 
 
-@pytest.fixture
-def one_thread():
-    """The tiny model's ops are too small to split: a second OpenMP thread only spins (10x slower
-    generate on a loaded 2-core machine)."""
-    with torch_threads(1):
-        yield
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -10,7 +10,6 @@ weight's storage is replaced.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.attention import cpu_kernels
@@ -20,19 +19,14 @@ from pdserve.ops.linear import max_rows
 
 from tiny_models import make_tiny_checkpoint
 
-pytestmark = pytest.mark.skipif(not native.available() or max_rows() == 0,
-                                reason="the C ops (small linear kernel) are not built or are disabled")
+pytestmark = [
+    pytest.mark.skipif(not native.available() or max_rows() == 0,
+                       reason="the C ops (small linear kernel) are not built or are disabled"),
+    pytest.mark.usefixtures("one_thread"),  # conftest: tiny models run on one thread
+]
 
 PROMPTS = ["The capital of France is", "def f(x):\n    return", "Once upon a time", "1, 2, 3,"]
 BACKENDS = ["torch"] + (["cpu"] if cpu_kernels.available() else [])
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -78,13 +79,20 @@ def _shapes(**tensors: torch.Tensor) -> str:
     return ", ".join(f"{name}={tuple(t.shape)}/{t.dtype}" for name, t in tensors.items())
 
 
-def _validate_meta(block_tables: torch.Tensor, query_start: torch.Tensor, context_lens: torch.Tensor) -> None:
-    """Dtypes, ranks, S and layout of the sequence metadata; raises ValueError naming their shapes."""
+def _validate_meta(
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lens: torch.Tensor,
+    fail: Callable[[str], None] | None = None,
+) -> None:
+    """Dtypes, ranks, S and layout of the sequence metadata; `fail(why)` raises (default: a
+    ValueError naming the three tensors' shapes)."""
     tensors = {"block_tables": block_tables, "query_start": query_start, "context_lens": context_lens}
 
-    def fail(why: str) -> None:
+    def fail_meta(why: str) -> None:
         raise ValueError(f"paged_attention: {why} ({_shapes(**tensors)})")
 
+    fail = fail or fail_meta
     for name, t in tensors.items():
         if t.dtype != torch.int32:
             fail(f"{name} must be int32, got {t.dtype}")
@@ -148,19 +156,10 @@ def _validate(
         fail(f"Hq={hq} is not a multiple of Hkv={hkv}")
     if d % 8 != 0:
         fail(f"head dim {d} must be a multiple of 8")
-    for name, t in (("block_tables", block_tables), ("query_start", query_start),
-                    ("context_lens", context_lens)):
-        if t.dtype != torch.int32:
-            fail(f"{name} must be int32, got {t.dtype}")
-    if block_tables.dim() != 2 or context_lens.dim() != 1 or query_start.dim() != 1:
-        fail("block_tables must be [S, max_pages], context_lens [S], query_start [S + 1]")
-    s = context_lens.shape[0]
-    if block_tables.shape[0] != s or query_start.shape[0] != s + 1:
-        fail(f"S={s} from context_lens disagrees with block_tables / query_start")
-    tensors = (out, q, k_pool, v_pool, block_tables, query_start, context_lens)
+    _validate_meta(block_tables, query_start, context_lens, fail)
+    tensors = (out, q, k_pool, v_pool)
     if not all(t.is_cpu and t.is_contiguous() for t in tensors):
-        for name, t in zip(("out", "q", "k_pool", "v_pool", "block_tables", "query_start",
-                            "context_lens"), tensors):
+        for name, t in zip(("out", "q", "k_pool", "v_pool"), tensors):
             if t.device.type != "cpu":
                 fail(f"{name} is on {t.device}, expected cpu")
             if not t.is_contiguous():
