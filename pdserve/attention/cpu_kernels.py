@@ -2,7 +2,9 @@
 
 `paged_attention` runs decode and chunked-prefill attention straight from the paged KV pool
 (no gather copies); `paged_attention_reference` is the pure-torch definition the tests compare
-against. `available()` says whether the compiled module could be imported; importing this module
+against. A caller running every layer of a pass over the same sequences checks their metadata
+once with `prepare_batch` and calls `run_batch` per layer (the attention backend does).
+`available()` says whether the compiled module could be imported; importing this module
 never raises.
 
 Semantics (both functions): Hq = Hkv * G and query head h reads kv head h // G. Query i of
