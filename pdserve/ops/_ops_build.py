@@ -24,8 +24,6 @@ _CDEF = """
 #define SL_OK 0
 #define SL_ERR_SHAPE 1
 #define SL_ERR_STRIDE 2
-int sl_linear(float *y, const float *x, const float *w, const float *bias, int M, int N, int K,
-              int64_t ldx, int64_t ldy, int num_threads);
 int sl_has_openmp(void);
 int sl_linear_addr(uintptr_t y, uintptr_t x, uintptr_t w, uintptr_t bias, int M, int N, int K, int64_t ldx,
                    int64_t ldy, int num_threads);
@@ -33,18 +31,11 @@ int sl_linear_addr(uintptr_t y, uintptr_t x, uintptr_t w, uintptr_t bias, int M,
 #define OP_OK 0
 #define OP_ERR_SHAPE 1
 #define OP_ERR_STRIDE 2
-int op_add_rms_norm(float *out, float *h, const float *delta, const float *w, int rows, int H,
-                    int64_t ld_out, int64_t ld_h, int64_t ld_delta, float eps);
-int op_silu_mul(float *out, const float *gate_up, int rows, int I, int64_t ld_out, int64_t ld_in,
-                int num_threads);
 int op_argmax_rows(int64_t *out, const float *x, int rows, int V, int64_t ld);
 
 #define OP_ERR_ROW 3
 int op_rope(float *out, const float *x, const float *cos_t, const float *sin_t, int T, int H, int D,
             int64_t ld_x);
-int op_write_kv(void *k_pool, void *v_pool, const float *k, const float *v, const int64_t *rows, int T,
-                int Hkv, int D, int64_t ld_k, int64_t ld_v, int64_t pool_rows, int pool_bf16,
-                int64_t *bad);
 
 int op_add_rms_norm_addr(uintptr_t out, uintptr_t h, uintptr_t delta, uintptr_t w, int rows, int H, int64_t ld_out,
                          int64_t ld_h, int64_t ld_delta, float eps);
