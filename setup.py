@@ -1,8 +1,8 @@
 """Build hook: compiles the cffi extensions at install time.
 
 - fabric/_ffi_build.py: libfabric bindings (needs libfabric-dev, see scripts/setup.sh)
-- pdserve/attention/_kernels_build.py: the C paged-attention kernel (OpenMP)
-- pdserve/ops/_ops_build.py: C CPU ops (small-batch linear, fused RMSNorm / SiLU-mul / argmax)
+- pdserve/kernels/attention/_kernels_build.py: the C paged-attention kernel (OpenMP)
+- pdserve/kernels/ops/_ops_build.py: C CPU ops (small-batch linear, fused RMSNorm / SiLU-mul / argmax)
 """
 
 from setuptools import setup
@@ -10,7 +10,7 @@ from setuptools import setup
 setup(
     cffi_modules=[
         "fabric/_ffi_build.py:ffibuilder",
-        "pdserve/attention/_kernels_build.py:ffibuilder",
-        "pdserve/ops/_ops_build.py:ffibuilder",
+        "pdserve/kernels/attention/_kernels_build.py:ffibuilder",
+        "pdserve/kernels/ops/_ops_build.py:ffibuilder",
     ]
 )

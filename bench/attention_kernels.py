@@ -41,7 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 
 from fabric.hostmem import alloc_tensor  # noqa: E402
-from pdserve.attention import cpu_kernels  # noqa: E402
+from pdserve.kernels.attention import cpu_kernels  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

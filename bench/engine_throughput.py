@@ -25,7 +25,7 @@ output tokens / wall seconds.
 When pdserve runs, the script also times one decode step at batch --decode-batch (32): that many
 requests with prompts of the workload's mean length are prefilled, then --decode-steps
 ``engine.step()`` calls in which every chunk is a 1-token decode are timed (median). Beside it,
-the step's matrix multiplications alone: the same linear calls (``pdserve.ops.linear.linear``) (per layer qkv_proj, o_proj,
+the step's matrix multiplications alone: the same linear calls (``pdserve.kernels.ops.linear.linear``) (per layer qkv_proj, o_proj,
 gate_up_proj, down_proj at 32 rows, then lm_head on 32 rows) in a loop, one pass after each
 timed step so both see the same machine load (median); and the attention backend's time inside
 the step. "other" = step - matmuls - attention (norms, RoPE, KV writes, sampling, Python).
@@ -74,9 +74,9 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from pdserve import LLM, SamplingParams  # noqa: E402
-from pdserve.engine import LLMEngine  # noqa: E402
+from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pdserve.model.loader import ModelSource, resolve_model  # noqa: E402
-from pdserve.ops.linear import linear  # noqa: E402
+from pdserve.kernels.ops.linear import linear  # noqa: E402
 
 SYSTEMS = ("pdserve", "hf-cb", "hf-static")
 STATIC_BATCH = 16
@@ -289,7 +289,7 @@ def linear_calls(engine: LLMEngine, rows: int) -> list[tuple[torch.Tensor, torch
 
 def matmul_pass(calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], fn=linear) -> float:
     """Seconds of one pass over the step's linear layers (same order, same weights). `fn` defaults
-    to the dispatch the model uses (`pdserve.ops.linear.linear`: the C kernel up to its row limit,
+    to the dispatch the model uses (`pdserve.kernels.ops.linear.linear`: the C kernel up to its row limit,
     MKL above); F.linear gives torch's (MKL) time for the same products, for reference."""
     with torch.inference_mode():
         t0 = time.perf_counter()

@@ -43,9 +43,9 @@ sys.path.insert(0, str(ROOT))
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from pdserve.client import AsyncClient, Client  # noqa: E402
-from pdserve.launcher import Cluster  # noqa: E402
-from pdserve.sampling_params import SamplingParams  # noqa: E402
+from pdserve.tools.client import AsyncClient, Client  # noqa: E402
+from pdserve.tools.launcher import Cluster  # noqa: E402
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from router.policy import RoutingConfig, make_policy  # noqa: E402
 from router.server import RouterServer  # noqa: E402

@@ -14,12 +14,12 @@ from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_g
 
 from decode_node.prefill_pool import PREFILL_ROUTING
 from decode_node.server import DecodeNode, GenerateServicer, NodeServicer
-from pdserve.cli import add_engine_args, engine_options
-from pdserve.config import EngineConfig
-from pdserve.logs import add_log_args, setup_logging
-from pdserve.metrics import REGISTRY
-from pdserve.metrics.engine_collector import EngineCollector
-from pdserve.metrics.server import MetricsServer
+from pdserve.tools.cli import add_engine_args, engine_options
+from pdserve.engine.config import EngineConfig
+from pdserve.serving.logs import add_log_args, setup_logging
+from pdserve.serving.metrics import REGISTRY
+from pdserve.serving.metrics.engine_collector import EngineCollector
+from pdserve.serving.metrics.server import MetricsServer
 
 logger = logging.getLogger("decode_node")
 

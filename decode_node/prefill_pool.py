@@ -6,7 +6,7 @@ whose calls fail is marked down and probed again later.
 
 With prefix affinity (`--prefill-routing prefix`), a prompt goes to the node that was sent its
 leading blocks before (the prefix cache that can skip them is the prefill node's), as long as that
-node's load is under the cap (pdserve.prefix_index.LoadCap); otherwise, and with no match, least
+node's load is under the cap (pdserve.serving.prefix_index.LoadCap); otherwise, and with no match, least
 loaded. A node marked down is forgotten: it may have restarted with an empty cache.
 
 Runs on the decode node's asyncio loop; not thread-safe.
@@ -23,7 +23,7 @@ import grpc
 from pdserve_api.convert import peer_from_bytes
 from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2_grpc
 
-from pdserve.prefix_index import Candidate, LoadCap, PrefixIndex, chain_hashes, choose, token_blocks
+from pdserve.serving.prefix_index import Candidate, LoadCap, PrefixIndex, chain_hashes, choose, token_blocks
 
 logger = logging.getLogger(__name__)
 

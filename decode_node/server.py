@@ -12,7 +12,7 @@ Abandonment (S3, S5): when a Prefill call fails, times out, or the client goes a
 are released only once no write can land any more: the prefill node confirmed AbortPrefill, or
 its fabric endpoint is gone, or the call never reached a node that was never reachable.
 
-Metrics (pdserve.metrics, R5): TTFT, inter-token gaps, E2E and request_success_total as this node
+Metrics (pdserve.serving.metrics, R5): TTFT, inter-token gaps, E2E and request_success_total as this node
 streams them; request_queue_time_seconds from receipt to admission (pages allocated: the
 on_kv_wait hook when disaggregated, the first scheduled chunk when colocated); KV transfer bytes
 received and seconds from the Prefill dispatch to the last write landed (side="decode"). The
@@ -39,12 +39,12 @@ from pdserve_api.convert import output_to_pb, peer_to_bytes, sampling_from_pb, t
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc, prefill_pb2
 
 from decode_node.prefill_pool import PREFILL_ROUTING, PrefillNode, PrefillPool, PrefixAffinity
-from pdserve.async_engine import AsyncEngine
-from pdserve.engine import EngineHooks
-from pdserve.logs import bind_request_id
-from pdserve.metrics import RequestTimer, node_metrics, request_metrics
-from pdserve.request import RequestStatus
-from pdserve.scheduler import SchedulerOutput
+from pdserve.engine.engine_thread import AsyncEngine
+from pdserve.engine.llm_engine import EngineHooks
+from pdserve.serving.logs import bind_request_id
+from pdserve.serving.metrics import RequestTimer, node_metrics, request_metrics
+from pdserve.engine.request import RequestStatus
+from pdserve.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

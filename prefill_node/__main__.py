@@ -8,9 +8,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from pdserve.cli import add_engine_args, engine_options
-from pdserve.config import EngineConfig
-from pdserve.logs import add_log_args, setup_logging
+from pdserve.tools.cli import add_engine_args, engine_options
+from pdserve.engine.config import EngineConfig
+from pdserve.serving.logs import add_log_args, setup_logging
 from prefill_node.service import NodeConfig
 from prefill_node.server import ServeOptions, serve
 

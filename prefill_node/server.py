@@ -30,10 +30,10 @@ from pdserve_api.convert import peer_from_bytes, peer_to_bytes, target_from_pb
 from pdserve_api.servers import AioExceptionToStatusInterceptor, UnavailableError, add_standard_services_aio
 from pdserve_api.v1 import common_pb2, node_pb2, node_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
-from pdserve.logs import bind_request_id
-from pdserve.metrics import REGISTRY, node_metrics, prefill_metrics
-from pdserve.metrics.engine_collector import EngineCollector
-from pdserve.metrics.server import MetricsServer
+from pdserve.serving.logs import bind_request_id
+from pdserve.serving.metrics import REGISTRY, node_metrics, prefill_metrics
+from pdserve.serving.metrics.engine_collector import EngineCollector
+from pdserve.serving.metrics.server import MetricsServer
 from prefill_node.service import AbortedError, NodeConfig, PrefillNode, PrefillOutcome, PrefillSpec
 
 logger = logging.getLogger(__name__)

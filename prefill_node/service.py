@@ -35,12 +35,12 @@ from fabric import FabricConfig, FabricError, PeerDescriptor, TransferEngine
 from kv_messenger import ContextCodec, KvSender, ShardingScheme, TransferResult, TransferTarget, expected_writes
 from kv_messenger.wiring import check_transferable, layout_of, register_kv
 from kv_messenger.sender import check_target
-from pdserve.async_engine import AsyncEngine, EngineDeadError
-from pdserve.config import EngineConfig
-from pdserve.engine import EngineHooks
-from pdserve.outputs import RequestOutput
-from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler import SchedulerOutput
+from pdserve.engine.engine_thread import AsyncEngine, EngineDeadError
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import EngineHooks
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

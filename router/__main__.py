@@ -12,7 +12,7 @@ from router.config import RouterConfig
 from router.http_api import HttpConfig
 from router.limits import RequestLimits
 from router.policy import add_routing_args, routing_from_args
-from pdserve.logs import add_log_args, setup_logging
+from pdserve.serving.logs import add_log_args, setup_logging
 
 logger = logging.getLogger("router")
 

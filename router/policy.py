@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from pdserve_api.v1 import generate_pb2
 
-from pdserve.prefix_index import (REASON_LEAST_LOADED, Candidate, LoadCap, PrefixIndex, chain_hashes, choose,
+from pdserve.serving.prefix_index import (REASON_LEAST_LOADED, Candidate, LoadCap, PrefixIndex, chain_hashes, choose,
                                   text_blocks, token_blocks)
 
 POLICIES = ("least-loaded", "prefix")

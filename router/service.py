@@ -14,7 +14,7 @@ Runs on the router's asyncio event loop; each Generate call is one grpc.aio hand
   every healthy node (it may have come through another router).
 - ListModels: the first healthy node that answers.
 
-Metrics (pdserve.metrics, R5): TTFT, inter-token gaps and E2E latency as the client sees them
+Metrics (pdserve.serving.metrics, R5): TTFT, inter-token gaps and E2E latency as the client sees them
 through the router (from the call's arrival, retries included), request_success_total by finish
 reason, labelled with the serving node's model; router_request_errors_total by status code for
 calls that failed before streaming.
@@ -35,8 +35,8 @@ import grpc
 from pdserve_api.servers import UnavailableError
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
 
-from pdserve.logs import bind_request_id
-from pdserve.metrics import RequestTimer, request_metrics, router_metrics
+from pdserve.serving.logs import bind_request_id
+from pdserve.serving.metrics import RequestTimer, request_metrics, router_metrics
 from router.config import RouterConfig
 from router.nodes import DecodeNode, NodePool, estimate_work
 

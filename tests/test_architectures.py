@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.attention import cpu_kernels
+from pdserve.kernels.attention import cpu_kernels
 from reference import hf_greedy
 from tiny_models import TINY_ARCHS, make_tiny_checkpoint
 

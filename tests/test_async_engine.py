@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.async_engine import AsyncEngine
-from pdserve.config import EngineConfig
+from pdserve.engine.engine_thread import AsyncEngine
+from pdserve.engine.config import EngineConfig
 
 
 @pytest.fixture(scope="module")

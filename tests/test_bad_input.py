@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.config import EngineConfig
+from pdserve.engine.config import EngineConfig
 
 
 @pytest.fixture(scope="module")

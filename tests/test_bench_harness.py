@@ -24,13 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # router/ and the nodes may postdate the editable install
     sys.path.insert(0, str(ROOT))
 
-from pdserve.bench.backends import SendOptions  # noqa: E402
-from pdserve.bench.compare import CompareSettings, cluster_config  # noqa: E402
-from pdserve.bench.datasets import DatasetSpec, LengthRange  # noqa: E402
-from pdserve.bench.prometheus import TTFT  # noqa: E402
-from pdserve.bench.runner import RunConfig  # noqa: E402
-from pdserve.bench.serve import ServeResult, ServeSettings, run_serve  # noqa: E402
-from pdserve.launcher import Cluster, plan  # noqa: E402
+from pdserve.tools.bench.backends import SendOptions  # noqa: E402
+from pdserve.tools.bench.compare import CompareSettings, cluster_config  # noqa: E402
+from pdserve.tools.bench.datasets import DatasetSpec, LengthRange  # noqa: E402
+from pdserve.tools.bench.prometheus import TTFT  # noqa: E402
+from pdserve.tools.bench.runner import RunConfig  # noqa: E402
+from pdserve.tools.bench.serve import ServeResult, ServeSettings, run_serve  # noqa: E402
+from pdserve.tools.launcher import Cluster, plan  # noqa: E402
 
 NODES_EXIST = (ROOT / "prefill_node" / "__main__.py").exists() and (ROOT / "decode_node" / "__main__.py").exists()
 needs_nodes = pytest.mark.skipif(not NODES_EXIST, reason="prefill_node/ and decode_node/ are not in this checkout")
@@ -121,7 +121,7 @@ class TestHarnessOnACluster:
         assert_adds_up(result, planned=30)
 
     def test_serve_command_writes_the_result_and_the_plots(self, cluster, tmp_path, capsys):
-        from pdserve.bench.cli import main
+        from pdserve.tools.bench.cli import main
 
         out = tmp_path / "serve.json"
         assert main(["serve", "--url", cluster.url, "--dataset", "prompts", "--num-prompts", "4",
@@ -138,7 +138,7 @@ class TestHarnessOnACluster:
             assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     def test_sweep_writes_one_result_per_rate_and_the_plot(self, cluster, tmp_path, capsys):
-        from pdserve.bench.cli import main
+        from pdserve.tools.bench.cli import main
 
         prefix = tmp_path / "sweep"
         assert main(["sweep", "--url", cluster.url, "--dataset", "fixed", "--input-len", "8", "--output-len", "2",

@@ -9,14 +9,14 @@ import statistics
 
 import pytest
 
-from pdserve.bench.arrivals import arrival_offsets
-from pdserve.bench.compare import DEFAULT_TARGETS, Target, comparison_rows, format_comparison
-from pdserve.bench.datasets import (SHIPPED_PROMPTS, BenchRequest, DatasetSpec, LengthRange, load_prompt_file,
+from pdserve.tools.bench.arrivals import arrival_offsets
+from pdserve.tools.bench.compare import DEFAULT_TARGETS, Target, comparison_rows, format_comparison
+from pdserve.tools.bench.datasets import (SHIPPED_PROMPTS, BenchRequest, DatasetSpec, LengthRange, load_prompt_file,
                                     prompt_file_requests, random_requests)
-from pdserve.bench.metrics import LatencyStats, Slo, compute_metrics
-from pdserve.bench.prometheus import Histogram
-from pdserve.bench.records import StreamTrace, record_from_trace
-from pdserve.bench.report import format_table, load_result, result_dict, write_json
+from pdserve.tools.bench.metrics import LatencyStats, Slo, compute_metrics
+from pdserve.tools.bench.prometheus import Histogram
+from pdserve.tools.bench.records import StreamTrace, record_from_trace
+from pdserve.tools.bench.report import format_table, load_result, result_dict, write_json
 
 T0 = 10.0  # the benchmark's start on the trace clock
 
@@ -239,10 +239,10 @@ def test_comparison_ratios_and_target_margins():
 
 
 def test_a_comparison_of_hand_made_runs_renders_as_json_and_markdown():
-    from pdserve.bench.cli import compare_markdown
-    from pdserve.bench.compare import CompareResult, CompareSettings
-    from pdserve.bench.runner import RunConfig, RunOutcome
-    from pdserve.bench.serve import ServeResult, ServeSettings
+    from pdserve.tools.bench.cli import compare_markdown
+    from pdserve.tools.bench.compare import CompareResult, CompareSettings
+    from pdserve.tools.bench.runner import RunConfig, RunOutcome
+    from pdserve.tools.bench.serve import ServeResult, ServeSettings
 
     spec = DatasetSpec("random", 4, LengthRange(512, 2048), LengthRange(128, 256))
     settings = CompareSettings(dataset=spec, run=RunConfig(request_rate=0.05, duration_s=180))

@@ -3,10 +3,10 @@ paged KV cache's shared pool, free list and reserved padding blocks)."""
 
 import pytest
 
-from pdserve.cache.block_pool import BlockPool, CacheIntegrityError
-from pdserve.cache.manager import KVCacheManager
-from pdserve.request import Request
-from pdserve.sampling_params import SamplingParams
+from pdserve.engine.cache.block_pool import BlockPool, CacheIntegrityError
+from pdserve.engine.cache.manager import KVCacheManager
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def _req(rid: str, n_prompt: int) -> Request:
@@ -75,7 +75,7 @@ def test_integrity_check_reports_numbers():
 
 
 def _h(name: str):
-    from pdserve.cache.prefix_cache import hash_block
+    from pdserve.engine.cache.prefix_cache import hash_block
 
     return hash_block(None, [ord(c) for c in name])
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pdserve import LLM
-from pdserve.config import CacheConfig, EngineConfig
-from pdserve.sizing import MemoryBudget, activation_bytes, available_memory_bytes, size_pool
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.sizing import MemoryBudget, activation_bytes, available_memory_bytes, size_pool
 from tiny_models import make_tiny_checkpoint
 
 GiB, MiB = 2**30, 2**20
@@ -75,7 +75,7 @@ def test_a_pool_too_small_for_one_request_of_max_model_len_fails_at_start(tiny):
 def test_without_max_model_len_a_small_pool_caps_it_and_a_sized_pool_logs_once(tiny, caplog):
     llm = LLM(model=tiny, num_blocks=11, page_size=16, num_threads=1)
     assert llm.engine.max_model_len == 160                              # 10 blocks x 16 tokens
-    with caplog.at_level(logging.INFO, logger="pdserve.engine"):
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.llm_engine"):
         eng = LLM(model=tiny, page_size=16, max_memory_percent=0.05, num_threads=1).engine
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
     assert len(lines) == 1 and "minus weights" in lines[0] and "activations" in lines[0]

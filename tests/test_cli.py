@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-PDSERVE = [sys.executable, "-m", "pdserve.cli"]
+PDSERVE = [sys.executable, "-m", "pdserve.tools.cli"]
 
 
 def test_simulate_reproduces_the_seed_numbers():

@@ -28,8 +28,8 @@ if str(ROOT) not in sys.path:  # router/ and the nodes may postdate the editable
 
 from pdserve_api.v1 import node_pb2, node_pb2_grpc  # noqa: E402
 
-from pdserve.client import AsyncClient, Client  # noqa: E402
-from pdserve.launcher import (  # noqa: E402
+from pdserve.tools.client import AsyncClient, Client  # noqa: E402
+from pdserve.tools.launcher import (  # noqa: E402
     Cluster,
     ClusterConfig,
     ClusterStartError,
@@ -38,7 +38,7 @@ from pdserve.launcher import (  # noqa: E402
     free_ports,
     plan,
 )
-from pdserve.sampling_params import SamplingParams  # noqa: E402
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 
 NODES_EXIST = (ROOT / "prefill_node" / "__main__.py").exists() and (ROOT / "decode_node" / "__main__.py").exists()
 needs_nodes = pytest.mark.skipif(not NODES_EXIST, reason="prefill_node/ and decode_node/ are not in this checkout")
@@ -131,7 +131,7 @@ def test_a_pinned_child_runs_only_on_its_cores():
     import os
     import subprocess
 
-    from pdserve.launcher import child_command, spawn
+    from pdserve.tools.launcher import child_command, spawn
 
     core = sorted(os.sched_getaffinity(0))[-1]
     code = "import os, sys; print(sorted(os.sched_getaffinity(0)), sys.argv[1:])"
@@ -139,7 +139,7 @@ def test_a_pinned_child_runs_only_on_its_cores():
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and out.strip() == f"[{core}] ['a', '--b']"
     assert child_command([sys.executable, "-m", "router", "--port", "1"], 42, (2, 3)) == [
-        sys.executable, "-m", "pdserve.launcher", "--parent-pid", "42", "--cpus", "2,3", "-m", "router", "--port", "1"]
+        sys.executable, "-m", "pdserve.tools.launcher", "--parent-pid", "42", "--cpus", "2,3", "-m", "router", "--port", "1"]
     with pytest.raises(ValueError, match="preexec_fn is not accepted"):
         spawn([sys.executable, "-c", "pass"], preexec_fn=lambda: None)
     with pytest.raises(ValueError, match=r"must be \[python, '-m', MODULE"):
@@ -151,7 +151,7 @@ def test_a_pinned_child_runs_only_on_its_cores():
 # that prints its pid and sleeps, reports, and waits to be killed.
 _LAUNCHER = """
 import os, subprocess, sys, time
-from pdserve.launcher import spawn
+from pdserve.tools.launcher import spawn
 forks = []
 os.register_at_fork(before=lambda: forks.append(1))
 subprocess.run([sys.executable, "-c", "pass"], preexec_fn=lambda: None, check=True)
@@ -309,8 +309,8 @@ class TestOnePrefillTwoDecode:
         assert_no_page_leak(cluster)
 
     def test_generate_url_prints_what_the_local_command_prints(self, cluster, capsys):
-        from pdserve.cli import build_parser, main
-        from pdserve.client import cmd_generate_remote
+        from pdserve.tools.cli import build_parser, main
+        from pdserve.tools.client import cmd_generate_remote
 
         argv = ["generate", "--json", "--max-tokens", str(MAX_TOKENS), "--num-blocks", "256", "--threads", "1",
                 PROMPTS[0], PROMPTS[1]]

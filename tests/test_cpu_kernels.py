@@ -1,4 +1,4 @@
-"""Tests of the C paged-attention kernel (pdserve/attention/cpu_kernels.py) against the torch
+"""Tests of the C paged-attention kernel (pdserve/kernels/attention/cpu_kernels.py) against the torch
 reference: decode, chunked prefill with earlier context, mixed batches, GQA, head dims, page
 sizes, float32, bfloat16 and float32 queries over a bfloat16 KV pool, scattered pages, key
 splits, and input validation.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.attention import cpu_kernels
+from pdserve.kernels.attention import cpu_kernels
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.available(),
@@ -324,9 +324,9 @@ def test_bad_window_raises() -> None:
 def test_torch_backend_matches_kernel_backend(window: int | None) -> None:
     # The two AttentionBackends on one mixed batch (3 decodes, a fresh prompt chunk, a chunk
     # with earlier context), including the K/V write into the pool.
-    from pdserve.attention.base import AttentionBatch
-    from pdserve.attention.cpu_backend import CpuKernelAttentionBackend
-    from pdserve.attention.torch_backend import TorchAttentionBackend
+    from pdserve.kernels.attention.base import AttentionBatch
+    from pdserve.kernels.attention.cpu_backend import CpuKernelAttentionBackend
+    from pdserve.kernels.attention.torch_backend import TorchAttentionBackend
 
     P, hkv, g, d = 8, 2, 3, 32
     q_lens, ctx = [1, 1, 1, 21, 9], [5, 30, 61, 21, 9 + 40]

@@ -15,8 +15,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve_api.v1 import node_pb2, node_pb2_grpc
 
-from pdserve.client import Client, ClientError
-from pdserve.sampling_params import SamplingParams
+from pdserve.tools.client import Client, ClientError
+from pdserve.engine.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Tests for pdserve.sampling.detokenizer: incremental decode equals decode, stop strings never leak."""
+"""Tests for pdserve.engine.sampling.detokenizer: incremental decode equals decode, stop strings never leak."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pdserve.sampling.detokenizer import IncrementalDetokenizer, special_token_ids
-from pdserve.sampling_params import SamplingParams
+from pdserve.engine.sampling.detokenizer import IncrementalDetokenizer, special_token_ids
+from pdserve.engine.sampling_params import SamplingParams
 
 CORPUS = [
     "Hello world, this is a tiny corpus for a tiny tokenizer.",

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kv_messenger.wiring import UnsupportedModelError
-from pdserve.config import EngineConfig
+from pdserve.engine.config import EngineConfig
 from pdserve.model.loader import resolve_model
 from tiny_models import TINY_GEMMA3, make_tiny_checkpoint
 

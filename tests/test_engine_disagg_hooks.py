@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine import EngineHooks
-from pdserve.request import RequestStatus
+from pdserve.engine.llm_engine import EngineHooks
+from pdserve.engine.request import RequestStatus
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived " * 5, "Hi"]
 

@@ -22,17 +22,17 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.attention import cpu_kernels, get_backend
-from pdserve.cache.block_pool import BlockPool
-from pdserve.cache.groups import FULL, PADDING_BLOCK, attention_groups
-from pdserve.cache.kv_cache import KVCacheShape, PagedKVCache
-from pdserve.cache.manager import KVCacheManager
+from pdserve.kernels.attention import cpu_kernels, get_backend
+from pdserve.engine.cache.block_pool import BlockPool
+from pdserve.engine.cache.groups import FULL, PADDING_BLOCK, attention_groups
+from pdserve.engine.cache.kv_cache import KVCacheShape, PagedKVCache
+from pdserve.engine.cache.manager import KVCacheManager
 from pdserve.model.arch import ModelArch
 from pdserve.model.loader import GEMMA3_270M_NAME, gemma3_270m_available, iter_weights, load_config, resolve_model
 from pdserve.model.registry import build_model
-from pdserve.request import Request
-from pdserve.runner import ModelRunner
-from pdserve.scheduler.output import ScheduledChunk, SchedulerOutput
+from pdserve.engine.request import Request
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.scheduler.output import ScheduledChunk, SchedulerOutput
 from reference import hf_greedy
 from tiny_models import TINY_GEMMA3, TINY_GEMMA3_WINDOW, make_tiny_checkpoint
 

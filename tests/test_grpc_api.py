@@ -2,7 +2,7 @@
 (1 prefill + 1 decode node, module-scoped).
 
 Evidence: ListModels, the router's Health RPC, grpc.health.v1 and reflection; every sampling
-option and logprobs through `pdserve.client` (sync and async) and `pdserve generate --url --json
+option and logprobs through `pdserve.tools.client` (sync and async) and `pdserve generate --url --json
 --logprobs`; bad requests answered INVALID_ARGUMENT / NOT_FOUND with the offending value named,
 the server serving on; Abort during the prefill and a stream broken off mid-decode both leave no
 page in use and nothing outstanding on any node within a second.
@@ -21,9 +21,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
 
-from pdserve.client import AsyncClient, Client, ClientError
-from pdserve.launcher import Cluster
-from pdserve.sampling_params import SamplingParams
+from pdserve.tools.client import AsyncClient, Client, ClientError
+from pdserve.tools.launcher import Cluster
+from pdserve.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not NODES_EXIST, reason="the node packages are not here")]
 
@@ -96,8 +96,8 @@ def test_sampling_options_and_logprobs_through_the_client(cluster, client):
 
 
 def test_generate_url_prints_logprobs(cluster, client, capsys):
-    from pdserve.cli import build_parser
-    from pdserve.client import cmd_generate_remote
+    from pdserve.tools.cli import build_parser
+    from pdserve.tools.client import cmd_generate_remote
 
     args = build_parser().parse_args(["generate", "--json", "--max-tokens", "4", "--logprobs", "2", "--url",
                                       cluster.url, PROMPT])

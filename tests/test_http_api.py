@@ -27,9 +27,9 @@ from api_cluster import CLUSTER, LONG_PROMPT, NODES_EXIST, assert_all_free, node
 from pdserve_api.servers import UnavailableError
 from pdserve_api.v1 import generate_pb2
 
-from pdserve.client import Client
-from pdserve.launcher import Cluster, free_ports
-from pdserve.sampling_params import SamplingParams
+from pdserve.tools.client import Client
+from pdserve.tools.launcher import Cluster, free_ports
+from pdserve.engine.sampling_params import SamplingParams
 from router.config import RouterConfig
 from router.http_api import HttpApi, HttpConfig
 from router.limits import RequestLimits

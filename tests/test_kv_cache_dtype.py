@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.config import EngineConfig
+from pdserve.engine.config import EngineConfig
 from tiny_models import make_tiny_checkpoint
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,"]

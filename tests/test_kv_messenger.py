@@ -21,9 +21,9 @@ from kv_messenger import ContextCodec, KvLayout, KvReceiver, KvSender, ShardingS
 from kv_messenger.plan import completed_pages, expected_writes
 from kv_messenger.wiring import layout_of, register_kv
 from pdserve import LLM, SamplingParams
-from pdserve.engine import EngineHooks
-from pdserve.request import Request, RequestStatus
-from pdserve.scheduler.output import ScheduledChunk, SchedulerOutput
+from pdserve.engine.llm_engine import EngineHooks
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler.output import ScheduledChunk, SchedulerOutput
 
 
 def test_completed_pages_and_expected_counts():

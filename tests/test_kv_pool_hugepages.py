@@ -1,4 +1,4 @@
-"""Every CPU KV pool sits on huge pages: the engine's default allocator (pdserve.cache.kv_cache).
+"""Every CPU KV pool sits on huge pages: the engine's default allocator (pdserve.engine.cache.kv_cache).
 
 The pool is a fresh anonymous mapping, 2 MiB aligned, and where the kernel has transparent huge
 pages (always or madvise) the kernel backs it with huge pages once it is written (AnonHugePages in
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from fabric.hostmem import HUGE_PAGE_BYTES, anon_huge_bytes, thp_mode
-from pdserve.cache.kv_cache import KVCacheShape, PagedKVCache
-from pdserve.config import EngineConfig
+from pdserve.engine.cache.kv_cache import KVCacheShape, PagedKVCache
+from pdserve.engine.config import EngineConfig
 from tiny_models import make_tiny_checkpoint
 
 MiB = 1 << 20
@@ -118,7 +118,7 @@ def test_cache_without_allocator_is_on_huge_pages_and_bad_allocators_are_refused
 
 def test_kv_prefault_faults_the_whole_pool_in_at_startup():
     from fabric.hostmem import alloc_tensor, resident_bytes
-    from pdserve.config import CacheConfig
+    from pdserve.engine.config import CacheConfig
 
     shape = KVCacheShape(num_layers=2, num_pages=512, kv_heads=2, page_size=16, head_dim=16)  # 4 MiB
     lazy = PagedKVCache(shape, torch.float32)

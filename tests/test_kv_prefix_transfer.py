@@ -16,7 +16,7 @@ from fabric import FabricConfig, TransferEngine
 from kv_messenger import ContextCodec, KvReceiver, KvSender, TransferTarget
 from kv_messenger.wiring import layout_of, register_kv
 from pdserve import LLM, SamplingParams
-from pdserve.engine import EngineHooks
+from pdserve.engine.llm_engine import EngineHooks
 
 PROMPT = "Once upon a time, in a land far away, there lived a king who " * 5
 

@@ -4,7 +4,7 @@ real engine (tiny model), and visible in the engine's gauges (waiting / running)
 from __future__ import annotations
 
 from pdserve import LLM, SamplingParams
-from pdserve.request import RequestStatus
+from pdserve.engine.request import RequestStatus
 from tiny_models import make_tiny_checkpoint
 
 

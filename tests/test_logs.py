@@ -1,4 +1,4 @@
-"""Structured logs (pdserve/logs.py): one line per event in key=value text or JSON, the request id on every
+"""Structured logs (pdserve/serving/logs.py): one line per event in key=value text or JSON, the request id on every
 line of a request's task (and only there), tracebacks kept on the line, bad settings named."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from pdserve.logs import bind_request_id, current_request_id, request_scope, setup_logging
+from pdserve.serving.logs import bind_request_id, current_request_id, request_scope, setup_logging
 
 
 @pytest.fixture

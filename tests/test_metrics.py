@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the node packages may postdate the editable install
     sys.path.insert(0, str(ROOT))
 
-from pdserve.metrics import RequestTimer, request_metrics  # noqa: E402
-from pdserve.metrics.engine_collector import COUNTERS, GAUGES, EngineCollector  # noqa: E402
-from pdserve.metrics.server import MetricsServer  # noqa: E402
-from pdserve.stats import EngineMetrics  # noqa: E402
+from pdserve.serving.metrics import RequestTimer, request_metrics  # noqa: E402
+from pdserve.serving.metrics.engine_collector import COUNTERS, GAUGES, EngineCollector  # noqa: E402
+from pdserve.serving.metrics.server import MetricsServer  # noqa: E402
+from pdserve.engine.stats import EngineMetrics  # noqa: E402
 
 NODES_EXIST = (ROOT / "prefill_node" / "__main__.py").exists() and (ROOT / "decode_node" / "__main__.py").exists()
 
@@ -152,9 +152,9 @@ def family_names(text: str) -> set[str]:
 @pytest.mark.skipif(not NODES_EXIST, reason="prefill_node/ and decode_node/ are not in this checkout")
 @pytest.mark.slow
 def test_cluster_metrics_add_up_and_logs_keep_prompts_out(tmp_path):
-    from pdserve.client import AsyncClient
-    from pdserve.launcher import Cluster
-    from pdserve.sampling_params import SamplingParams
+    from pdserve.tools.client import AsyncClient
+    from pdserve.tools.launcher import Cluster
+    from pdserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with Cluster(prefill=1, decode=1, port=0, http_port=0, node_metrics=True, num_blocks=128, threads_per_node=1,

@@ -1,4 +1,4 @@
-"""Fused CPU ops (pdserve/ops/norm_act.py): agree with torch, update the residual in place."""
+"""Fused CPU ops (pdserve/kernels/ops/norm_act.py): agree with torch, update the residual in place."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.ops import native
-from pdserve.ops.norm_act import add_rms_norm, argmax_rows, rms_norm_reference, silu_mul
+from pdserve.kernels.ops import native
+from pdserve.kernels.ops.norm_act import add_rms_norm, argmax_rows, rms_norm_reference, silu_mul
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"ops not built: {native.unavailable_reason()}")
 

@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.cache.block_pool import BlockPool
-from pdserve.cache.groups import FULL, PADDING_BLOCK, AttentionGroup
-from pdserve.cache.kv_cache import KVCacheShape, PagedKVCache
-from pdserve.cache.manager import KVCacheManager
-from pdserve.cache.swap import SwapSpace
-from pdserve.config import SchedulerConfig
-from pdserve.request import Request, RequestStatus
-from pdserve.sampling_params import SamplingParams as SP
-from pdserve.scheduler import StalledRequest, make_scheduler
-from pdserve.scheduler.preemption import Preemptor, VictimCandidate, choose_victims
+from pdserve.engine.cache.block_pool import BlockPool
+from pdserve.engine.cache.groups import FULL, PADDING_BLOCK, AttentionGroup
+from pdserve.engine.cache.kv_cache import KVCacheShape, PagedKVCache
+from pdserve.engine.cache.manager import KVCacheManager
+from pdserve.engine.cache.swap import SwapSpace
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams as SP
+from pdserve.engine.scheduler import StalledRequest, make_scheduler
+from pdserve.engine.scheduler.preemption import Preemptor, VictimCandidate, choose_victims
 from tiny_models import make_tiny_checkpoint
 
 

@@ -30,7 +30,7 @@ from fabric import FabricConfig, TransferEngine
 from kv_messenger import ContextCodec, KvReceiver
 from kv_messenger.wiring import layout_of, register_kv
 from pdserve import LLM, SamplingParams
-from pdserve.engine import EngineHooks
+from pdserve.engine.llm_engine import EngineHooks
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived " * 6]

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.cache.block_pool import BlockPool
-from pdserve.cache.groups import FULL, AttentionGroup
-from pdserve.cache.manager import KVCacheManager
-from pdserve.cache.prefix_cache import hash_block, request_block_hashes
-from pdserve.config import SchedulerConfig
-from pdserve.engine import EngineHooks
-from pdserve.request import Request
-from pdserve.sampling_params import SamplingParams as SP
-from pdserve.scheduler import make_scheduler
+from pdserve.engine.cache.block_pool import BlockPool
+from pdserve.engine.cache.groups import FULL, AttentionGroup
+from pdserve.engine.cache.manager import KVCacheManager
+from pdserve.engine.cache.prefix_cache import hash_block, request_block_hashes
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.llm_engine import EngineHooks
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams as SP
+from pdserve.engine.scheduler import make_scheduler
 from tiny_models import make_tiny_checkpoint
 
 P = 4

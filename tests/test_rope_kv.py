@@ -1,4 +1,4 @@
-"""The C rotary embedding and KV-pool write (pdserve/ops/rope_kv.py) against their torch definitions.
+"""The C rotary embedding and KV-pool write (pdserve/kernels/ops/rope_kv.py) against their torch definitions.
 
 rope must give the torch path's bits (no fused multiply-add; the engine's greedy outputs equal
 transformers' only if it does); write_kv_rows must put every (token, head) row exactly where
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.ops import native
-from pdserve.ops.rope_kv import rope, rope_qk, rope_reference, write_kv_rows
+from pdserve.kernels.ops import native
+from pdserve.kernels.ops.rope_kv import rope, rope_qk, rope_reference, write_kv_rows
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"ops not built: {native.unavailable_reason()}")
 

@@ -27,10 +27,10 @@ if str(ROOT) not in sys.path:  # router/ may postdate the editable install
 from pdserve_api.servers import AioExceptionToStatusInterceptor, add_standard_services_aio  # noqa: E402
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc  # noqa: E402
 
-from pdserve.client import AsyncClient, Client, ClientError, build_request  # noqa: E402
-from pdserve.launcher import free_ports  # noqa: E402
-from pdserve.sampling_params import SamplingParams  # noqa: E402
-from pdserve.metrics import REGISTRY  # noqa: E402
+from pdserve.tools.client import AsyncClient, Client, ClientError, build_request  # noqa: E402
+from pdserve.tools.launcher import free_ports  # noqa: E402
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.serving.metrics import REGISTRY  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from router.policy import RoutingConfig, make_policy, prompt_hashes  # noqa: E402
 from router.server import GENERATE_SERVICE, RouterServer  # noqa: E402

@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:  # router/ may postdate the editable install
 
 from pdserve_api.v1 import generate_pb2  # noqa: E402
 
-from pdserve.prefix_index import (Candidate, LoadCap, PrefixIndex, chain_hashes, choose, text_blocks,  # noqa: E402
+from pdserve.serving.prefix_index import (Candidate, LoadCap, PrefixIndex, chain_hashes, choose, text_blocks,  # noqa: E402
                                   token_blocks)
 from router.policy import (LeastLoadedPolicy, PrefixPolicy, RoutingConfig, add_routing_args, make_policy,  # noqa: E402
                            prompt_hashes, routing_from_args)

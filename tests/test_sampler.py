@@ -1,4 +1,4 @@
-"""Tests for pdserve.sampling.sampler: greedy, filters, seeds, distributions, logprobs, validation."""
+"""Tests for pdserve.engine.sampling.sampler: greedy, filters, seeds, distributions, logprobs, validation."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from pdserve.sampling.sampler import Sampler, SampleLogprobs
-from pdserve.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampler import Sampler, SampleLogprobs
+from pdserve.engine.sampling_params import SamplingParams
 
 VOCAB = 64
 

@@ -5,12 +5,12 @@ request and cache budgets), E5 (FIFO order), E6 (prefill-first), E10 (all-or-not
 E11 (safety margin).
 """
 
-from pdserve.cache.block_pool import BlockPool
-from pdserve.cache.manager import KVCacheManager
-from pdserve.config import SchedulerConfig
-from pdserve.request import Request, RequestStatus
-from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler import FifoScheduler, PrefillFirstScheduler, make_scheduler
+from pdserve.engine.cache.block_pool import BlockPool
+from pdserve.engine.cache.manager import KVCacheManager
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import FifoScheduler, PrefillFirstScheduler, make_scheduler
 
 
 def _req(rid: str, n_prompt: int) -> Request:

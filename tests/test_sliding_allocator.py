@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cache.block_pool import BlockPool
-from pdserve.cache.groups import FULL, PADDING_BLOCK, AttentionGroup, attention_groups
-from pdserve.cache.manager import KVCacheManager
-from pdserve.request import Request
-from pdserve.sampling_params import SamplingParams
+from pdserve.engine.cache.block_pool import BlockPool
+from pdserve.engine.cache.groups import FULL, PADDING_BLOCK, AttentionGroup, attention_groups
+from pdserve.engine.cache.manager import KVCacheManager
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
 
 P, W = 4, 10
 SLIDING = AttentionGroup("sliding", W)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.attention import cpu_kernels
+from pdserve.kernels.attention import cpu_kernels
 from pdserve.model.small_batch import SmallBatchLayers
-from pdserve.ops import native
-from pdserve.ops.linear import max_rows
+from pdserve.kernels.ops import native
+from pdserve.kernels.ops.linear import max_rows
 
 from tiny_models import make_tiny_checkpoint
 

@@ -1,4 +1,4 @@
-"""The small-batch linear kernel (pdserve/ops): exact enough, batch invariant, dispatched right."""
+"""The small-batch linear kernel (pdserve/kernels/ops): exact enough, batch invariant, dispatched right."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.ops import linear as ops_linear
-from pdserve.ops.linear import linear, max_rows, small_linear
+from pdserve.kernels.ops import linear as ops_linear
+from pdserve.kernels.ops.linear import linear, max_rows, small_linear
 
 pytestmark = pytest.mark.skipif(not ops_linear.available(), reason=f"kernel not built: {ops_linear.unavailable_reason()}")
 
@@ -98,7 +98,7 @@ def test_bad_arguments_name_the_shapes() -> None:
 
 def _max_rows_with_env(value: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PDSERVE_SMALL_LINEAR_ROWS=value)
-    code = "from pdserve.ops.linear import max_rows; print(max_rows())"
+    code = "from pdserve.kernels.ops.linear import max_rows; print(max_rows())"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
 
 

@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.attention.base import AttentionBackend, LayerPlans
+from pdserve.kernels.attention.base import AttentionBackend, LayerPlans
 from pdserve.model.arch import FULL_ATTENTION, SLIDING_ATTENTION, ModelArch, rope_inv_freq
 from pdserve.model.layers import (MergedColumnLinear, RotaryEmbedding, RowLinear, embedding_and_head,
                                   load_embedding_and_head)
 from pdserve.model.weights import CheckpointReader
-from pdserve.ops.linear import linear
+from pdserve.kernels.ops.linear import linear
 from pdserve.model.llama import LayerHook
 
 

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.weights import CheckpointReader
-from pdserve.ops.linear import linear
-from pdserve.ops.norm_act import add_rms_norm, rms_norm_reference
-from pdserve.ops.rope_kv import rope
+from pdserve.kernels.ops.linear import linear
+from pdserve.kernels.ops.norm_act import add_rms_norm, rms_norm_reference
+from pdserve.kernels.ops.rope_kv import rope
 
 
 class MergedColumnLinear(nn.Module):
@@ -134,7 +134,7 @@ class RotaryEmbedding(nn.Module):
 
     rotate_half(x) * sin == roll(x, D/2) * sin_signed, where sin_signed negates the first half of
     sin: one roll instead of two slices, a negation and a concatenation, and bit-identical results
-    ((-a) * b == a * (-b) in IEEE arithmetic). pdserve.ops.rope does that in one C pass per call
+    ((-a) * b == a * (-b) in IEEE arithmetic). pdserve.kernels.ops.rope does that in one C pass per call
     (torch's roll / mul / add where the C path does not apply).
     """
 

@@ -13,15 +13,15 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from pdserve.attention.base import AttentionBackend
+from pdserve.kernels.attention.base import AttentionBackend
 from pdserve.model.arch import ModelArch, rope_inv_freq
 from pdserve.model.layers import (MergedColumnLinear, RMSNorm, RotaryEmbedding, RowLinear, embedding_and_head,
                                   load_embedding_and_head)
 from pdserve.model.small_batch import SmallBatchLayers
 from pdserve.model.weights import CheckpointReader
-from pdserve.ops.linear import linear
-from pdserve.ops.norm_act import silu_mul
-from pdserve.ops.rope_kv import rope_qk
+from pdserve.kernels.ops.linear import linear
+from pdserve.kernels.ops.norm_act import silu_mul
+from pdserve.kernels.ops.rope_kv import rope_qk
 
 LayerHook = Callable[[int], None]
 

@@ -1,6 +1,6 @@
 """The decoder layers of a Llama-family model for a few-token pass on CPU, straight on the C ops.
 
-A batch-32 decode step runs ~12 small ops per layer; through the generic wrappers (pdserve.ops:
+A batch-32 decode step runs ~12 small ops per layer; through the generic wrappers (pdserve.kernels.ops:
 `linear`, `add_rms_norm`, `rope_qk`, `silu_mul`) each op re-checks its tensors and allocates its
 output, and after every kernel the interpreter's own data has been pushed out of the caches by the
 kernel's streams: ~13 ms of Python per 30-layer step measured inside the step (vs ~4 ms for the
@@ -11,7 +11,7 @@ and the attention backend.
 Same ops, same order, same arguments as the module path (LlamaForCausalLM's layer loop), so the
 results are bit-identical (tested). It applies (`bind` returns None otherwise) to float32 CPU
 weights with no q/k norm and no tensor-parallel split, and (`run`) to passes of at most
-`pdserve.ops.linear.max_rows()` tokens; everything else takes the module path.
+`pdserve.kernels.ops.linear.max_rows()` tokens; everything else takes the module path.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.attention.base import AttentionBackend
-from pdserve.ops.linear import max_rows
-from pdserve.ops.native import lib as _lib
+from pdserve.kernels.attention.base import AttentionBackend
+from pdserve.kernels.ops.linear import max_rows
+from pdserve.kernels.ops.native import lib as _lib
 
 _F32 = torch.float32
 

@@ -11,7 +11,7 @@ import json
 
 from pdserve_api.v1 import common_pb2, generate_pb2, prefill_pb2
 
-from pdserve.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 _FINISH = {
     "stop": generate_pb2.FINISH_REASON_STOP,

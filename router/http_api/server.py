@@ -7,7 +7,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (200 when a
 decode node can take requests, 503 otherwise, with every node's state), GET /metrics (this
-process's Prometheus registry, `pdserve.metrics.render()`). Every error is OpenAI's JSON error
+process's Prometheus registry, `pdserve.serving.metrics.render()`). Every error is OpenAI's JSON error
 object (see errors.py), routing errors (404, 405) included.
 
 A generation request is parsed (400 for a bad field), checked like a gRPC request
@@ -251,7 +251,7 @@ class HttpApi:
         return web.json_response(body, status=200 if reply.serving else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        from pdserve.metrics import render
+        from pdserve.serving.metrics import render
 
         body, content_type = render()
         return web.Response(body=body, headers={"Content-Type": content_type})

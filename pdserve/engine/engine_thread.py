@@ -1,0 +1,206 @@
+"""An asyncio streaming front for the engine, for servers.
+
+One background thread owns the `LLMEngine` and runs schedule -> run -> update; asyncio callers
+talk to it only through a command queue, so the engine is never touched by two threads.
+
+    engine = AsyncEngine(EngineConfig())
+    async for out in engine.generate("The capital of France is", SamplingParams(max_tokens=8)):
+        print(out.delta_text, end="")
+
+A consumer that stops iterating early (client disconnect, task cancelled) aborts its request, and
+the request's blocks are freed on the engine thread. If a step raises, every in-flight request
+ends with an explicit error output (nothing is dropped silently, S1) and the engine keeps serving.
+When idle, the engine thread checks the cache invariant (free + used == total).
+
+Metrics: after every step, and at every idle tick (at least once a second), the engine thread
+stores `engine.metrics()` in `last_metrics`, a frozen EngineMetrics that any thread may read
+(a Prometheus scrape reads it without waiting for a forward pass or touching engine state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import EngineHooks, LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.stats import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput]
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, hooks: EngineHooks | None = None,
+                 engine: LLMEngine | None = None) -> None:
+        self.engine = engine or LLMEngine(config, hooks)
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self.last_metrics: EngineMetrics | None = None  # written by the engine thread only
+        self._metrics_failed = False
+        self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    # --- public, any thread / event loop ---------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        **options: bool,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs; raises ValueError (from the engine's validation) for bad input.
+
+        options: the engine's add_request flags (prefill_only, remote_prefill, hold_blocks).
+        """
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        rid = await self.call(lambda: self._add(prompt, params, request_id, stream, options))
+        finished = False
+        try:
+            while True:
+                out = await stream.queue.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.submit(lambda: self._abort(rid))
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request; True if it was still running."""
+        return await self.call(lambda: self._abort(request_id))
+
+    async def call(self, fn: Callable[[], object]) -> object:
+        """Run fn on the engine thread and await its result (exceptions propagate)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return  # the caller was cancelled while the command was queued
+            try:
+                result = fn()
+            except BaseException as e:  # handed to the awaiting caller, not swallowed
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+
+        self.submit(run)
+        return await asyncio.wrap_future(fut)
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine thread is not running")
+        self._commands.put(fn)
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    # --- engine thread ---------------------------------------------------------------------------
+
+    def _add(self, prompt, params, request_id, stream: _Stream, options: dict) -> str:
+        r = self.engine.add_request(prompt, params, request_id, **options)
+        self._streams[r.request_id] = stream
+        return r.request_id
+
+    def _abort(self, request_id: str) -> bool:
+        out = self.engine.abort_request(request_id)
+        if out is None:
+            return False
+        self.deliver(out)
+        return True
+
+    def deliver(self, out: RequestOutput) -> None:
+        """Engine thread: route an output to its stream (for outputs produced outside step())."""
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            logger.debug("dropping output for %s: its event loop is closed", out.request_id)
+
+    def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException:
+            logger.critical("the engine thread died; failing every in-flight request", exc_info=True)
+            self._fail_all("the engine thread died")
+            raise
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            while True:
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    cmd()
+                except Exception:  # a failed command must not take the engine down; it is logged
+                    logger.exception("engine command %r failed", cmd)
+            if self.engine.has_schedulable_work():
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # reported to every in-flight request, then we go on
+                    logger.exception("engine step failed; failing %d in-flight requests",
+                                     self.engine.num_unfinished_requests)
+                    self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                    continue
+                for out in outputs:
+                    self.deliver(out)
+                self._take_metrics()
+            else:
+                self.engine.check_integrity()
+                self._take_metrics()
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+        self._fail_all("engine shut down")
+
+    def _take_metrics(self) -> None:
+        """Engine thread: refresh `last_metrics`; a failing snapshot is logged once and never stops serving."""
+        try:
+            self.last_metrics = self.engine.metrics()
+        except Exception:  # metrics must not take serving down; the failure is logged, once
+            if not self._metrics_failed:
+                logger.exception("engine metrics snapshot failed; keeping the last one")
+            self._metrics_failed = True
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self._streams):
+            out = self.engine.abort_request(rid)
+            if out is not None:
+                self.deliver(RequestOutput(
+                    request_id=out.request_id, new_token_ids=(), delta_text="", finished=True,
+                    num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
+                    completion=out.completion, error=message,
+                ))

@@ -1,0 +1,496 @@
+"""The engine every pdserve node runs: one step = schedule -> run -> update.
+
+    sched = scheduler.schedule()          # which tokens of which requests (E2-E6, E10, E11)
+    out = runner.execute(sched)           # one forward pass over all of them
+    return self._update(sched, out)       # sample, append, detokenize, stop, free
+
+Memory (issue 4): the cache manager keeps one block table per attention group (E8) and the prefix
+cache (E12, E13); `_update` publishes newly complete blocks after each pass. Around the three
+calls, the `Preemptor` brings offloaded requests back before scheduling and, when the scheduler
+reports stalled requests, offloads or soft-resets others after the pass (E14, E15); when nothing
+could be scheduled at all it does so at once and the step schedules again.
+
+Hooks let the KV messenger plug in without the engine knowing about it: `on_schedule` sees each
+pass before it runs (D6), `on_layer_done` fires after each layer's attention output projection
+(D7), `on_prefill_done` receives a prefill-only request's final hidden state and logits (D12).
+One hook is not a step callback: `allocate_kv`, called once while the engine is built, gives the
+KV pool its memory (default: an anonymous mapping on transparent huge pages, pdserve.engine.cache.kv_cache).
+
+Threading: an engine is driven by one thread (the caller of `step`); `AsyncEngine` runs that
+thread for servers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.kernels.attention import get_backend
+from pdserve.engine.cache.block_pool import BlockPool, CacheIntegrityError
+from pdserve.engine.cache.groups import attention_groups, max_blocks_per_request
+from pdserve.engine.cache.kv_cache import KVAllocator, KVCacheShape, PagedKVCache
+from pdserve.engine.cache.manager import KVCacheManager
+from pdserve.engine.cache.swap import SwapSpace
+from pdserve.engine.config import EngineConfig
+from pdserve.model.arch import ModelArch
+from pdserve.model.loader import ModelSource, iter_weights, load_config, load_generation_eos, load_tokenizer, resolve_model
+from pdserve.model.registry import build_model
+from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.request import FinishReason, Request, RequestStatus
+from pdserve.engine.runner import ModelOutput, ModelRunner
+from pdserve.engine.sampling.detokenizer import IncrementalDetokenizer
+from pdserve.engine.sampling.sampler import SampleLogprobs, Sampler
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import SchedulerOutput, make_scheduler
+from pdserve.engine.scheduler.preemption import Preemptor
+from pdserve.engine.sizing import (
+    MemoryBudget,
+    activation_bytes,
+    available_memory_bytes,
+    fit_max_model_len,
+    module_nbytes,
+    size_pool,
+)
+from pdserve.engine.stats import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineHooks:
+    """Callbacks into the engine's step; all run on the engine thread and must not block long.
+
+    allocate_kv is the exception: it runs once, in the engine's constructor, and returns the KV
+    pool's buffer (see pdserve.engine.cache.kv_cache.KVAllocator for what it must return)."""
+
+    on_schedule: Callable[[SchedulerOutput], None] | None = None
+    on_layer_done: Callable[[int], None] | None = None
+    on_prefill_done: Callable[[Request, torch.Tensor, torch.Tensor], None] | None = None
+    # A remote-prefill request got its pages (block ids in order) and now waits for its KV.
+    on_kv_wait: Callable[[Request, list[int]], None] | None = None
+    # allocate_kv(dims, dtype) -> the pool's buffer [layers, 2, pages, kv_heads, page_size, head_dim];
+    # None: the default (CPU: huge-page mapping; other devices: torch.zeros).
+    allocate_kv: KVAllocator | None = None
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    detok: IncrementalDetokenizer
+    logprobs: list[SampleLogprobs]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, hooks: EngineHooks | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.hooks = hooks or EngineHooks()
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.source: ModelSource = resolve_model(config.model)
+        hf_config = load_config(self.source)
+        self.arch = ModelArch.from_hf_config(hf_config)
+        self.tokenizer = load_tokenizer(self.source)
+        self.eos_token_ids = frozenset(load_generation_eos(self.source))
+        model_max = self.arch.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or model_max, model_max)
+        # One block table per attention kind (E8): ("full",), ("sliding",) or both for hybrids.
+        groups = attention_groups(self.arch.layer_types, self.arch.sliding_window)
+        dtype = config.torch_dtype
+        device = torch.device("cpu")
+        available = available_memory_bytes(device) if config.cache.num_blocks is None else None
+        self.model = build_model(self.arch, hf_config, dtype, self.max_model_len)
+        self.model.load_weights(iter_weights(self.source))
+        self.model.eval()
+
+        P = config.cache.page_size
+        sched = config.scheduler
+        probe = KVCacheShape(self.arch.num_layers, 1, self.arch.num_kv_heads, P, self.arch.head_dim)
+        kv_dtype = config.kv_torch_dtype   # the model's dtype, or bfloat16 K/V under a float32 model
+        block_nbytes = probe.block_nbytes(kv_dtype)
+        per_request = max_blocks_per_request(groups, P, self.max_model_len, sched.max_batch_tokens)
+        budget = None
+        if available is not None:
+            budget = MemoryBudget(available=available, weights=module_nbytes(self.model),
+                                  activations=self._activation_bytes(dtype))
+        size = size_pool(config.cache, block_nbytes, sched.max_requests_per_batch * per_request, budget)
+        self.max_model_len = fit_max_model_len(groups, P, size.num_blocks - config.cache.num_padding_blocks,
+                                               self.max_model_len, config.max_model_len is not None,
+                                               sched.max_batch_tokens)
+        sharing = config.cache.allow_block_sharing and all(g.sliding_window is None for g in groups)
+        self.kv_cache = PagedKVCache(KVCacheShape(self.arch.num_layers, size.num_blocks, self.arch.num_kv_heads, P,
+                                                  self.arch.head_dim), kv_dtype, allocate=self.hooks.allocate_kv,
+                                     prefault=config.cache.kv_prefault)
+        self.pool = BlockPool(size.num_blocks, config.cache.num_padding_blocks)
+        self.cache_manager = KVCacheManager(self.pool, P, groups, enable_prefix_caching=sharing)
+        swap_slots = config.cache.swap_slots(size.num_blocks, block_nbytes)
+        self.swap = SwapSpace(self.kv_cache, self.cache_manager, swap_slots) if swap_slots > 0 else None
+        logger.info("KV cache: %d blocks of %d tokens (%s, %.2f MiB each, %.2f GiB total; %s), groups %s, "
+                    "prefix cache %s%s, swap pool %d blocks (%.2f GiB), max_model_len %d",
+                    size.num_blocks, P, str(kv_dtype).removeprefix("torch."), block_nbytes / 2**20, size.num_blocks * block_nbytes / 2**30, size.reason,
+                    self.cache_manager.group_names, "on" if sharing else "off",
+                    "" if sharing or not config.cache.allow_block_sharing else " (sliding-window layers)",
+                    swap_slots, swap_slots * block_nbytes / 2**30, self.max_model_len)
+        self.scheduler = make_scheduler(config.scheduler, self.cache_manager)
+        self.preemptor = Preemptor(self.scheduler, self.cache_manager, self.swap)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.cache_manager, get_backend(config.attention_backend))
+        self.sampler = Sampler()
+        self._default_generator = torch.Generator().manual_seed(config.seed)
+        self._tracked: dict[str, _Tracked] = {}
+        self._hold_on_finish: set[str] = set()
+        self._held: dict[str, Request] = {}  # finished, blocks kept until release_blocks
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.num_forward_tokens = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_generated_tokens = 0
+
+    def _activation_bytes(self, dtype: torch.dtype) -> int:
+        a, s = self.arch, self.config.scheduler
+        return activation_bytes(
+            hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, num_heads=a.num_heads,
+            num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, vocab_size=a.vocab_size,
+            max_batch_tokens=s.max_batch_tokens, max_requests_per_batch=s.max_requests_per_batch,
+            max_model_len=self.max_model_len, dtype=dtype,
+        )
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        ids = list(prompt)
+        vocab = self.arch.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        return ids
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prefill_only: bool = False,
+        remote_prefill: bool = False,
+        hold_blocks: bool = False,
+    ) -> Request:
+        """Validate and queue a request; raises ValueError (nothing queued) for bad input.
+
+        prefill_only: compute the KV of every given token and sample nothing (prefill nodes: the
+            decode node sends the prompt minus its last token, D17).
+        remote_prefill: the prompt's KV arrives from elsewhere (decode nodes): admission allocates
+            its pages and parks it in WAITING_FOR_KV until `kv_ready` (or `kv_abandoned`).
+        hold_blocks: when the request finishes or is aborted, keep its blocks until
+            `release_blocks` (a transfer may still read from them, D11).
+        """
+        if prefill_only and remote_prefill:
+            raise ValueError("a request cannot be both prefill_only and remote_prefill")
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but the model's context is {self.max_model_len} tokens "
+                f"(at least one must be left to generate)"
+            )
+        need = self.cache_manager.max_blocks_per_request(len(ids) + 1, self.config.scheduler.max_batch_tokens)
+        if need > self.pool.num_usable_blocks:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens needs {need} KV blocks but the cache has only "
+                f"{self.pool.num_usable_blocks}"
+            )
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling=params,
+            max_total_tokens=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            prefill_only=prefill_only,
+            remote_prefill=remote_prefill,
+        )
+        if hold_blocks:
+            self._hold_on_finish.add(request_id)
+        self._tracked[request_id] = _Tracked(request, IncrementalDetokenizer(self.tokenizer, ids, params), [])
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        """End a request now (ABORT, or ERROR when `error` is given); None if it is not running."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None
+        reason = FinishReason.ERROR if error is not None else FinishReason.ABORT
+        return self._finish(tracked, reason, new_ids=(), delta="", error=error)
+
+    def kv_ready(self, request_id: str) -> None:
+        """All of a remote-prefill request's KV writes have landed: schedule its first decode.
+
+        From now on its complete prompt blocks are valid, so they join the prefix cache."""
+        request = self._tracked[request_id].request
+        self.scheduler.kv_ready(request)
+        self.cache_manager.commit(request)
+
+    def kv_abandoned(self, request_id: str, prefill_locally: bool, error: str) -> RequestOutput | None:
+        """The remote prefill failed and no write can land any more (S3, S5).
+
+        prefill_locally: compute the prompt here in the pages already held; otherwise the request
+        ends with `error` and its pages are freed.
+        """
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None
+        if prefill_locally:
+            logger.warning("request %s: remote prefill abandoned (%s); prefilling locally", request_id, error)
+            self.scheduler.prefill_locally(tracked.request)
+            return None
+        return self._finish(tracked, FinishReason.ERROR, new_ids=(), delta="", error=error, keep_blocks=False)
+
+    def release_blocks(self, request_id: str) -> int:
+        """Free the blocks a finished request kept (hold_blocks, or aborted while waiting for KV)."""
+        request = self._held.pop(request_id, None)
+        if request is None:
+            raise KeyError(f"request {request_id!r} holds no blocks")
+        return self.cache_manager.free(request)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, if any."""
+        tracked = self._tracked.get(request_id)
+        return tracked.request if tracked is not None else None
+
+    def unfinished_requests(self) -> list[Request]:
+        return [t.request for t in self._tracked.values()]
+
+    def is_held(self, request_id: str) -> bool:
+        """True while a finished request's blocks wait for release_blocks."""
+        return request_id in self._held
+
+    def block_table(self, request_id: str) -> list[int]:
+        return list(self.cache_manager.block_table(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._tracked)
+
+    def has_schedulable_work(self) -> bool:
+        """True when step() can make progress (requests waiting for KV cannot)."""
+        return self.scheduler.has_work()
+
+    @property
+    def num_held_requests(self) -> int:
+        return len(self._held)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._tracked)
+
+    # --- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        self.preemptor.restore()
+        sched = self.scheduler.schedule()
+        kv_waits = list(sched.kv_waits)
+        if sched.is_empty and sched.stalled and not self.preemptor.relieve(sched.stalled).is_empty:
+            sched = self.scheduler.schedule()  # nothing could run: make room and retry in this step (E15)
+            kv_waits += sched.kv_waits
+        if self.hooks.on_kv_wait is not None:
+            for r in kv_waits:
+                self.hooks.on_kv_wait(r, self.block_table(r.request_id))
+        if sched.is_empty:
+            return self._stalled()
+        if self.hooks.on_schedule is not None:
+            self.hooks.on_schedule(sched)
+        out = self.runner.execute(sched, self.hooks.on_layer_done)
+        results = self._update(sched, out)
+        if sched.stalled:
+            self.preemptor.relieve(sched.stalled)  # they run next step
+        return results
+
+    def _update(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
+        self.num_steps += 1
+        self.num_forward_tokens += sched.num_batched_tokens
+        self.num_prompt_tokens_computed += sum(
+            max(0, min(c.end, c.request.num_prompt_tokens) - c.start) for c in sched.chunks)
+        sampling_chunks = [c for c in sched.chunks if c.samples]
+        sampled = None
+        if sampling_chunks:
+            rows = [out.chunk_rows[c.request_id] for c in sampling_chunks]
+            # logits: [R, V]; a decode step samples every row in order: no 6 MB gather copy then
+            logits = out.logits if rows == list(range(out.logits.shape[0])) else out.logits[torch.tensor(rows)]
+            sampled = self.sampler.sample(
+                logits,
+                [c.request.sampling for c in sampling_chunks],
+                [c.request.generator or self._default_generator for c in sampling_chunks],
+            )
+        results: list[RequestOutput] = []
+        k = 0
+        for c in sched.chunks:
+            r = c.request
+            r.num_computed_tokens = c.end
+            self.cache_manager.commit(r)  # its newly complete blocks join the prefix cache
+            tracked = self._tracked[r.request_id]
+            if r.prefill_only and c.end == r.target_computed_tokens:
+                row = out.chunk_rows[r.request_id]
+                if self.hooks.on_prefill_done is not None:
+                    self.hooks.on_prefill_done(r, out.hidden[row], out.logits[row])
+                results.append(self._finish(tracked, FinishReason.PREFILLED, new_ids=(), delta=""))
+                continue
+            if not c.samples:
+                continue
+            token = sampled.token_ids[k]
+            lp = sampled.logprobs[k]
+            k += 1
+            self.num_generated_tokens += 1
+            results.append(self._append_token(tracked, token, lp))
+        return results
+
+    def _append_token(self, tracked: _Tracked, token: int, lp: SampleLogprobs | None) -> RequestOutput:
+        r = tracked.request
+        r.output_token_ids.append(token)
+        r.status = RequestStatus.DECODING
+        if lp is not None:
+            tracked.logprobs.append(lp)
+        params = r.sampling
+        reason: FinishReason | None = None
+        delta = ""
+        # A token that ends the request by its id (EOS, a stop token) is kept in token_ids but
+        # not in the text, as the OpenAI-style APIs report it.
+        if token in params.stop_token_ids:
+            reason, r.stop_reason = FinishReason.STOP, token
+        elif not params.ignore_eos and token in r.eos_token_ids:
+            reason = FinishReason.STOP
+        else:
+            step = tracked.detok.push(token)
+            delta = step.delta_text
+            if step.stop_string is not None:
+                reason, r.stop_reason = FinishReason.STOP, step.stop_string
+            elif params.max_tokens is not None and len(r.output_token_ids) >= params.max_tokens:
+                reason = FinishReason.LENGTH
+            elif r.num_tokens >= r.max_total_tokens:
+                reason = FinishReason.LENGTH
+        new_lp = (lp,) if lp is not None else ()
+        if reason is not None:
+            return self._finish(tracked, reason, new_ids=(token,), delta=delta, new_logprobs=new_lp)
+        return RequestOutput(
+            request_id=r.request_id,
+            new_token_ids=(token,),
+            delta_text=delta,
+            finished=False,
+            num_prompt_tokens=r.num_prompt_tokens_original,
+            num_output_tokens=len(r.output_token_ids),
+            new_logprobs=new_lp,
+            num_cached_tokens=r.num_cached_prompt_tokens or 0,
+        )
+
+    def _finish(
+        self,
+        tracked: _Tracked,
+        reason: FinishReason,
+        new_ids: tuple[int, ...],
+        delta: str,
+        new_logprobs: tuple[SampleLogprobs, ...] = (),
+        error: str | None = None,
+        keep_blocks: bool | None = None,
+    ) -> RequestOutput:
+        r = tracked.request
+        # A request still waiting for its KV may have writes in flight into its pages (S5): its
+        # blocks are kept until the owner has abandoned the transfer and calls release_blocks.
+        if keep_blocks is None:
+            keep_blocks = r.request_id in self._hold_on_finish or r.status is RequestStatus.WAITING_FOR_KV
+        self._hold_on_finish.discard(r.request_id)
+        if keep_blocks:
+            self.scheduler.detach(r)
+            self._held[r.request_id] = r
+        else:
+            self.scheduler.remove_request(r)
+        self.preemptor.forget(r)
+        r.status = RequestStatus.FINISHED
+        r.finish_reason = reason
+        del self._tracked[r.request_id]
+        delta += tracked.detok.finish()
+        completion = CompletionOutput(
+            text=tracked.detok.text,
+            token_ids=tuple(r.output_token_ids),
+            finish_reason=reason.value,
+            logprobs=tuple(tracked.logprobs) if r.sampling.logprobs is not None else None,
+            stop_reason=r.stop_reason,
+        )
+        return RequestOutput(
+            request_id=r.request_id,
+            new_token_ids=new_ids,
+            delta_text=delta,
+            finished=True,
+            num_prompt_tokens=r.num_prompt_tokens_original,
+            num_output_tokens=len(r.output_token_ids),
+            new_logprobs=new_logprobs,
+            completion=completion,
+            error=error,
+            num_cached_tokens=r.num_cached_prompt_tokens or 0,
+        )
+
+    def _stalled(self) -> list[RequestOutput]:
+        """Nothing could be scheduled. If requests wait that can never fit, fail them explicitly."""
+        s = self.scheduler
+        if s.running or s.waiting_for_kv or s.offloaded or self._held or not s.waiting:
+            return []
+        # Nothing runs or holds pages, so the whole pool is free: a head that cannot start never will.
+        head = self.scheduler.waiting[0]
+        tracked = self._tracked[head.request_id]
+        msg = (f"request {head.request_id} needs {self.cache_manager.num_blocks_for(head.num_tokens)} KV blocks "
+               f"but only {self.pool.num_free_blocks} exist")
+        logger.error(msg)
+        return [self._finish(tracked, FinishReason.ERROR, new_ids=(), delta="", error=msg)]
+
+    @property
+    def num_soft_resets(self) -> int:
+        return self.preemptor.num_soft_resets
+
+    @property
+    def num_offloads(self) -> int:
+        return self.preemptor.num_offloads
+
+    def metrics(self) -> EngineMetrics:
+        """A snapshot of the engine's gauges and counters (call from the engine thread, or accept
+        a snapshot that may straddle one step when called from another thread)."""
+        s = self.scheduler
+        pc = self.cache_manager.prefix_cache
+        return EngineMetrics(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_waiting_for_kv=len(s.waiting_for_kv),
+            num_offloaded=len(s.offloaded),
+            total_blocks=self.pool.num_usable_blocks,
+            free_blocks=self.pool.num_empty_blocks,
+            cached_blocks=self.pool.num_cached_blocks,
+            kv_cache_usage=self.pool.usage,
+            prefix_cache_queries=pc.num_queried_tokens if pc is not None else 0,
+            prefix_cache_hits=pc.num_hit_tokens if pc is not None else 0,
+            num_offloads=self.preemptor.num_offloads,
+            num_soft_resets=self.preemptor.num_soft_resets,
+            num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+            num_generated_tokens=self.num_generated_tokens,
+            num_steps=self.num_steps,
+        )
+
+    def check_integrity(self) -> None:
+        """The pool balances (empty + used + cached == total), every block's reference count
+        matches the tables that hold it, the swap pool balances, and exactly the requests that
+        may hold blocks do (running, waiting for KV, finished but held)."""
+        self.cache_manager.check_integrity()
+        if self.swap is not None:
+            self.swap.check_integrity()
+        s = self.scheduler
+        may_hold = {r.request_id for r in s.running} | set(s.waiting_for_kv) | set(self._held)
+        holders = {rid for g in self.cache_manager.groups for rid in g.tables}
+        if not holders <= may_hold:
+            raise CacheIntegrityError(f"requests hold blocks but are not running, waiting for KV or held: "
+                                      f"{sorted(holders - may_hold)[:10]}")
+        swapped = self.swap.num_offloaded if self.swap is not None else 0
+        if swapped != len(s.offloaded):
+            raise CacheIntegrityError(f"the swap pool holds {swapped} requests but {len(s.offloaded)} are offloaded")

@@ -1,0 +1,132 @@
+"""Request state as the engine tracks it (E1).
+
+A request's life: PENDING -> PREFILLING -> DECODING -> FINISHED. A decode node adds
+WAITING_FOR_KV between admission and the first decode step (its prompt KV arrives over the
+fabric), and the scheduler never schedules a request in that state (D4).
+
+Progress is one number, `num_computed_tokens`: how many of `all_token_ids` have their KV in the
+cache. A step feeds tokens [num_computed_tokens, num_computed_tokens + n); when that reaches the
+end of the known tokens, the step samples the next token. Prefill and decode are the same
+arithmetic; a prefill chunk is simply a step that stops short of the end.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.cache.prefix_cache import BlockHash
+
+
+class RequestStatus(enum.Enum):
+    PENDING = "pending"
+    WAITING_FOR_KV = "waiting_for_kv"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"        # EOS, a stop token id or a stop string
+    LENGTH = "length"    # max_tokens or the context limit
+    ABORT = "abort"      # cancelled by the client or the server
+    ERROR = "error"      # failed (the error text travels with the output)
+    PREFILLED = "prefilled"  # prefill-only request: KV computed, nothing sampled
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence inside the engine. Prints lengths, never tokens (prompts stay out of logs)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_total_tokens: int  # prompt + output may not exceed this (model context)
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Prefill-only requests (prefill nodes) compute the KV of every given token and never sample;
+    # the decode node sends the prompt minus its last token (D17).
+    prefill_only: bool = False
+    # Remote-prefill requests (decode nodes): the prompt's KV (all tokens but the last) arrives
+    # over the fabric into pages allocated at admission; the request waits in WAITING_FOR_KV.
+    remote_prefill: bool = False
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.PENDING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0   # soft resets (E14)
+    num_offloads: int = 0      # moves of its KV to the CPU swap pool (E15)
+    # Prompt tokens whose KV came from the prefix cache at the last admission (E12): the first
+    # computed chunk starts there (a multiple of page_size), pages [0, num_cached_tokens // P)
+    # of its table are shared blocks that already hold that KV.
+    num_cached_tokens: int = 0
+    # What usage reports (RequestOutput.num_cached_tokens, OpenAI's prompt_tokens_details.
+    # cached_tokens): prompt tokens this engine did not compute because their KV came from its
+    # prefix cache, counted at the request's first admission (a later soft reset recomputes, but
+    # the prompt was served from cache once; as vLLM counts it). None until first admitted; stays
+    # None (reported as 0) for a remote-prefill request, whose KV another node computed.
+    num_cached_prompt_tokens: int | None = None
+    # Chained hashes of its complete blocks, extended on demand (prefix_cache.request_block_hashes).
+    block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
+    # When a soft reset folded generated tokens back into the prompt, the original prompt length.
+    num_prompt_tokens_original: int = -1
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens_original < 0:
+            self.num_prompt_tokens_original = len(self.prompt_token_ids)
+        if self.sampling.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.sampling.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def target_computed_tokens(self) -> int:
+        """How many tokens must be in the cache before this request samples (or ends, prefill-only)."""
+        if self.prefill_only:
+            return self.num_prompt_tokens
+        return self.num_tokens
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Tokens still to feed before the next sample (1 while decoding)."""
+        return self.target_computed_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_remaining_tokens > 1 or (self.prefill_only and self.num_remaining_tokens > 0)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) of prompt + output, without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(id={self.request_id!r}, prompt_len={len(self.prompt_token_ids)}, "
+            f"output_len={len(self.output_token_ids)}, computed={self.num_computed_tokens}, "
+            f"status={self.status.value})"
+        )

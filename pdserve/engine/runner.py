@@ -1,0 +1,200 @@
+"""The model runner: turns a SchedulerOutput into tensors, runs one forward pass, returns logits.
+
+It owns the model, the KV cache tensors and the attention backend. It knows nothing of queues or
+sampling: the scheduler decides what runs, the sampler decides what comes out.
+
+Attention groups (E8): each layer reads one attention batch, chosen by its type. A
+full-attention layer reads the cache's "full" group tables. A sliding-window layer reads the
+"sliding" group's tables when the cache has that group (the sliding-window allocator recycles
+pages that left the window), otherwise the "full" group's tables; either way its batch carries
+the window, so its queries see only the last `sliding_window` positions. When every layer reads
+the same batch (all models but hybrids like Gemma 3), the model gets that batch's plan itself;
+otherwise it gets a `LayerPlans` with one plan per layer. The new K/V of every token is written
+to the page of its own group's table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pdserve.kernels.attention.base import AttentionBackend, AttentionBatch, LayerPlans
+from pdserve.engine.cache.kv_cache import PagedKVCache
+from pdserve.engine.cache.manager import KVCacheManager
+from pdserve.model.arch import SLIDING_ATTENTION, ModelArch
+from pdserve.model.llama import LayerHook
+from pdserve.engine.scheduler.output import ScheduledChunk, SchedulerOutput
+
+FULL_GROUP = "full"
+SLIDING_GROUP = "sliding"
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """Rows of `logits`/`hidden` belong to `chunks[i]` for i in `rows_for` (chunks that sample
+    or that end a prefill-only request)."""
+
+    logits: torch.Tensor               # [S, V] float32
+    hidden: torch.Tensor               # [S, hidden] final-norm hidden state of those positions
+    chunk_rows: dict[str, int]         # request_id -> row in logits/hidden
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """Which tables a layer reads and through which window."""
+
+    group: str                  # cache group whose block tables hold the layer's pages
+    window: int | None          # sliding window in tokens; None = full attention
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One forward pass's inputs: token-wise tensors plus one attention batch per BatchKey."""
+
+    input_ids: torch.Tensor                # [T] int64
+    positions: torch.Tensor                # [T] int64
+    batches: tuple[AttentionBatch, ...]    # one per key in ModelRunner.batch_keys
+    out_rows: list[int]                    # rows of the flat token axis whose logits are wanted
+
+
+def layer_batch_keys(arch: ModelArch, group_names: tuple[str, ...]) -> tuple[BatchKey, ...]:
+    """The BatchKey of every layer, given the cache's groups; ValueError when a layer's group
+    is missing."""
+    keys = []
+    for i, layer_type in enumerate(arch.layer_types):
+        if layer_type == SLIDING_ATTENTION:
+            group = SLIDING_GROUP if SLIDING_GROUP in group_names else FULL_GROUP
+            key = BatchKey(group, arch.sliding_window)
+        else:
+            key = BatchKey(FULL_GROUP, None)
+        if key.group not in group_names:
+            raise ValueError(
+                f"layer {i} ({layer_type}) needs attention group {key.group!r} but the cache has {group_names}"
+            )
+        keys.append(key)
+    return tuple(keys)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,             # LlamaForCausalLM, Gemma3ForCausalLM, ... (pdserve.model.registry)
+        kv_cache: PagedKVCache,
+        cache_manager: KVCacheManager,
+        backend: AttentionBackend,
+        padding_block: int = 0,
+    ) -> None:
+        self.model = model
+        self.kv = kv_cache
+        self.cache_manager = cache_manager
+        self.backend = backend
+        self.page_size = kv_cache.shape.page_size
+        self.padding_block = padding_block
+        per_layer = layer_batch_keys(model.arch, tuple(cache_manager.group_names))
+        self.batch_keys: tuple[BatchKey, ...] = tuple(dict.fromkeys(per_layer))
+        self.groups: tuple[str, ...] = tuple(dict.fromkeys(k.group for k in self.batch_keys))
+        # layer i reads batch_keys[self.layer_batch[i]]
+        self.layer_batch: tuple[int, ...] = tuple(self.batch_keys.index(k) for k in per_layer)
+        self._head_ids = torch.arange(kv_cache.shape.kv_heads)                # [H]
+
+    def build_batches(self, chunks: tuple[ScheduledChunk, ...]) -> StepInputs:
+        """The step's token ids and positions, and one attention batch per BatchKey."""
+        P = self.page_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        query_start = [0]
+        ctx_lens: list[int] = []
+        q_lens: list[int] = []
+        out_rows: list[int] = []
+        tables: dict[str, list[list[int]]] = {g: [] for g in self.groups}
+        slot_pages: dict[str, list[int]] = {g: [] for g in self.groups}
+        num_decode = 0
+        for c in chunks:
+            r = c.request
+            tokens.extend(r.token_slice(c.start, c.end))
+            span = range(c.start, c.end)
+            positions.extend(span)
+            n_pages = -(-c.end // P)
+            for g in self.groups:
+                table = self.cache_manager.block_table(r.request_id, g)
+                if len(table) < n_pages:
+                    raise RuntimeError(
+                        f"{r!r}: group {g!r} table has {len(table)} pages, the chunk [{c.start}, {c.end}) "
+                        f"needs {n_pages} of {P} tokens"
+                    )
+                slot_pages[g].extend(table[p // P] for p in span)
+                tables[g].append(table[:n_pages])
+            query_start.append(query_start[-1] + c.num_tokens)
+            q_lens.append(c.num_tokens)
+            ctx_lens.append(c.end)
+            if c.num_tokens == 1 and num_decode == len(q_lens) - 1:
+                num_decode += 1
+            if c.samples or (r.prefill_only and c.end == r.target_computed_tokens):
+                out_rows.append(query_start[-1] - 1)
+        positions_t = torch.tensor(positions, dtype=torch.int64)                # [T]
+        offs_t = positions_t % P                                               # [T]
+        query_start_t = torch.tensor(query_start, dtype=torch.int32)           # [S + 1]
+        context_lens_t = torch.tensor(ctx_lens, dtype=torch.int32)             # [S]
+        H = self.kv.shape.kv_heads
+        per_group: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for g in self.groups:
+            if self.padding_block in slot_pages[g]:
+                raise RuntimeError(
+                    f"group {g!r}: a token of this step would write its K/V into the padding block "
+                    f"{self.padding_block} (a table entry in the written span was recycled)"
+                )
+            max_pages = max(len(t) for t in tables[g])
+            pad = self.padding_block
+            block_tables = torch.tensor([t + [pad] * (max_pages - len(t)) for t in tables[g]],
+                                        dtype=torch.int32)                      # [S, max_pages]
+            pages_t = torch.tensor(slot_pages[g], dtype=torch.int64)            # [T]
+            # kv_rows[t * H + h] = (page * H + h) * P + offset
+            kv_rows = ((pages_t[:, None] * H + self._head_ids[None, :]) * P + offs_t[:, None]).reshape(-1)
+            per_group[g] = (block_tables, pages_t, kv_rows)
+        batches = []
+        for key in self.batch_keys:
+            block_tables, pages_t, kv_rows = per_group[key.group]
+            batches.append(AttentionBatch(
+                query_start=query_start_t,
+                context_lens=context_lens_t,
+                block_tables=block_tables,
+                slot_pages=pages_t,
+                slot_offsets=offs_t,
+                kv_rows=kv_rows,
+                num_decode=num_decode,
+                q_lens=tuple(q_lens),
+                ctx_lens=tuple(ctx_lens),
+                page_size=P,
+                window=key.window,
+            ))
+        return StepInputs(torch.tensor(tokens, dtype=torch.int64), positions_t, tuple(batches), out_rows)
+
+    def plan(self, batches: tuple[AttentionBatch, ...]) -> object:
+        """The backend plan the model takes: the one batch's plan, or one plan per layer."""
+        plans = [self.backend.plan(b) for b in batches]
+        if len(plans) == 1:
+            return plans[0]
+        return LayerPlans(tuple(plans[i] for i in self.layer_batch))
+
+    def execute(self, sched: SchedulerOutput, layer_hook: LayerHook | None = None) -> ModelOutput:
+        step = self.build_batches(sched.chunks)
+        logits, hidden = self.model(
+            step.input_ids,
+            step.positions,
+            self.kv.k,
+            self.kv.v,
+            self.backend,
+            self.plan(step.batches),
+            torch.tensor(step.out_rows, dtype=torch.int64),
+            layer_hook,
+        )
+        rows: dict[str, int] = {}
+        i = 0
+        for c in sched.chunks:
+            r = c.request
+            if c.samples or (r.prefill_only and c.end == r.target_computed_tokens):
+                rows[r.request_id] = i
+                i += 1
+        return ModelOutput(logits=logits, hidden=hidden, chunk_rows=rows)

@@ -1,0 +1,121 @@
+"""`linear(x, weight, bias)`: F.linear, with a C kernel for the few-row (decode) case on CPU.
+
+A decode step multiplies a handful of rows (one per running sequence) by every weight matrix.
+That product is bound by reading the weights once; torch's CPU GEMM does not behave that way
+for 2-32 rows (measured here: 2 rows cost 2x one row, 3 rows 2.7x). csrc/small_linear.c reads
+each weight row once per call and reuses it for every input row. It is used when
+
+- x is a float32 CPU matrix [M, K] with unit column stride and M <= `max_rows()`,
+- the weight is a contiguous float32 CPU [N, K] (the nn.Linear layout), bias float32 [N] or None,
+- the kernel module is built (`available()`); otherwise, and for everything else, F.linear runs.
+
+Numerics: every output element is summed in one fixed order regardless of M, so a sequence's
+logits do not depend on which other sequences share its decode step; the order differs from
+MKL's, so results differ from F.linear by float32 rounding (a few ulp of the dot product).
+`PDSERVE_SMALL_LINEAR_ROWS=0` turns the kernel off (F.linear always); a number sets `max_rows()`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels.ops.native import available, lib as _lib, unavailable_reason
+
+__all__ = ["available", "linear", "max_rows", "small_linear", "unavailable_reason"]
+
+# Up to this many rows the kernel beats or matches MKL on this machine (bench/linear_kernels.py,
+# bench/results/linear_kernels.md): at 32 rows equal on 1 thread, 1.3-1.5x faster on 2 threads
+# (MKL scales poorly across threads at these shapes); from 48 rows on 1 thread MKL wins.
+_DEFAULT_MAX_ROWS = 32
+_F32 = torch.float32
+
+
+def _max_rows_from_env() -> int:
+    raw = os.environ.get("PDSERVE_SMALL_LINEAR_ROWS")
+    if raw is None:
+        return _DEFAULT_MAX_ROWS
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"PDSERVE_SMALL_LINEAR_ROWS must be an integer >= 0, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"PDSERVE_SMALL_LINEAR_ROWS must be an integer >= 0, got {raw!r}")
+    return value
+
+
+_MAX_ROWS = _max_rows_from_env()
+
+
+def max_rows() -> int:
+    """Largest M that goes to the C kernel (0: never)."""
+    return _MAX_ROWS if _lib is not None else 0
+
+
+def small_linear(
+    x: torch.Tensor,                 # [M, K] float32 cpu, x.stride(1) == 1
+    weight: torch.Tensor,            # [N, K] float32 cpu, contiguous
+    bias: torch.Tensor | None = None,  # [N] float32 or None
+    num_threads: int | None = None,
+) -> torch.Tensor:                   # [M, N] float32
+    """y = x weight^T (+ bias) with the C kernel, for any M; raises if it cannot run."""
+    if _lib is None:
+        raise RuntimeError(f"small-batch linear kernel is not built: {unavailable_reason()}")
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"small_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+            raise ValueError(f"small_linear: {name} must be float32 on cpu, got {t.dtype} on {t.device}")
+    if not weight.is_contiguous() or (x.shape[0] > 1 and x.stride(1) != 1):
+        raise ValueError(f"small_linear: weight must be contiguous and x have unit column stride "
+                         f"(weight strides {weight.stride()}, x strides {x.stride()})")
+    if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
+        raise ValueError(f"small_linear: bias {tuple(bias.shape)} does not match weight {tuple(weight.shape)}")
+    if x.shape[0] > 0 and x.stride(1) != 1:  # a single row may carry any stride
+        x = x.contiguous()
+    return _run(x, weight, bias, torch.get_num_threads() if num_threads is None else num_threads)
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, num_threads: int) -> torch.Tensor:
+    """The kernel call on checked arguments: x [M, K] unit column stride, weight [N, K] contiguous."""
+    m, k = x.shape
+    n = weight.shape[0]
+    ldx = x.stride(0) if m > 1 else k
+    if ldx < k:  # rows overlap (an expanded tensor): the kernel reads rows ldx apart, so pack them
+        x, ldx = x.contiguous(), k
+    y = torch.empty(m, n, dtype=_F32)                                  # [M, N]
+    rc = _lib.sl_linear_addr(y.data_ptr(), x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                             m, n, k, ldx, n, num_threads)
+    if rc:  # SL_OK is 0
+        raise ValueError(f"small_linear: kernel refused x {tuple(x.shape)} strides {x.stride()}, "
+                         f"weight {tuple(weight.shape)} (code {rc})")
+    return y
+
+
+def linear(
+    x: torch.Tensor,                 # [M, K]
+    weight: torch.Tensor,            # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:                   # [M, N]
+    """F.linear semantics; the C kernel takes the few-row float32 CPU case (see module docstring)."""
+    # ~120 calls per decode step: plain attribute tests, cheapest and most selective first.
+    if (
+        x.dtype is _F32
+        and weight.dtype is _F32
+        and x.dim() == 2
+        and x.shape[0] <= _MAX_ROWS
+        and _lib is not None
+        and x.is_cpu
+        and weight.is_cpu
+        and weight.dim() == 2
+        and weight.shape[1] == x.shape[1]
+        and x.stride(1) == 1
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype is _F32 and bias.is_cpu and bias.shape == weight.shape[:1]
+                              and bias.is_contiguous()))
+        and not (x.requires_grad or weight.requires_grad)
+    ):
+        return _run(x, weight, bias, torch.get_num_threads())
+    return F.linear(x, weight, bias)

@@ -1,1 +1,0 @@
-"""Compute kernels shared by the model code (the paged-attention kernel lives in pdserve.attention)."""

@@ -1,0 +1,125 @@
+"""The metrics each kind of pdserve process exports (R5), under the names vLLM users know, prefixed `pdserve:`.
+
+Each group is a frozen dataclass of prometheus_client metrics, built once per registry by its
+function (`request_metrics(registry)`, ...); the process's registry is `pdserve.serving.metrics.REGISTRY`.
+A process registers only the groups it uses: the router `request_metrics` and `router_metrics`; a
+decode node `request_metrics`, `node_metrics` and an EngineCollector; a prefill node `node_metrics`,
+`prefill_metrics` and an EngineCollector.
+
+Label conventions: `model_name` on everything a node serves (the router takes it from the decode
+node's NodeInfo); `finished_reason` (stop, length, abort, error) on request_success_total; `side`
+(decode: bytes received and the wait from Prefill dispatch to KV landed; prefill: bytes sent and the
+time its writes were in flight) on the KV transfer metrics, so a cluster-wide sum does not count a
+transfer twice.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+# Seconds. CPU serving spans milliseconds (a decode step of a small model) to minutes (a long
+# prompt under load), hence the wide ranges.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+               0.75, 1.0, 2.5, 5.0, 10.0)
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
+                   120.0, 300.0, 600.0)
+KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                       30.0, 60.0)
+
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """A streamed request as one server saw it: the router (the client's view) or a decode node."""
+
+    ttft: Histogram      # pdserve:time_to_first_token_seconds{model_name}
+    itl: Histogram       # pdserve:inter_token_latency_seconds{model_name}: gap between token-bearing messages
+    e2e: Histogram       # pdserve:e2e_request_latency_seconds{model_name}
+    success: Counter     # pdserve:request_success_total{model_name, finished_reason}
+
+
+@dataclass(frozen=True)
+class RouterMetrics:
+    routed: Counter      # pdserve:router_requests_routed_total{node, reason}: the policy's choices
+    rejected: Counter    # pdserve:router_request_errors_total{code}: calls that ended with a gRPC error
+
+
+@dataclass(frozen=True)
+class NodeMetrics:
+    """What every node measures around its engine (the engine's own numbers: EngineCollector)."""
+
+    queue_time: Histogram         # pdserve:request_queue_time_seconds{model_name}: received -> admitted
+    kv_transfer_bytes: Counter    # pdserve:kv_transfer_bytes_total{model_name, side}
+    kv_transfer_seconds: Histogram  # pdserve:kv_transfer_seconds{model_name, side}
+
+
+@dataclass(frozen=True)
+class PrefillMetrics:
+    prefill_time: Histogram  # pdserve:request_prefill_time_seconds{model_name}: first chunk -> last layer
+    requests: Counter        # pdserve:prefill_requests_total{model_name, outcome}
+
+
+@functools.cache
+def request_metrics(registry: CollectorRegistry) -> RequestMetrics:
+    return RequestMetrics(
+        ttft=Histogram("pdserve:time_to_first_token_seconds",
+                       "Seconds from receiving a request to sending its first generated token.",
+                       ["model_name"], buckets=TTFT_BUCKETS, registry=registry),
+        itl=Histogram("pdserve:inter_token_latency_seconds",
+                      "Seconds between two consecutive streamed messages carrying generated tokens.",
+                      ["model_name"], buckets=ITL_BUCKETS, registry=registry),
+        e2e=Histogram("pdserve:e2e_request_latency_seconds",
+                      "Seconds from receiving a request to its last message.",
+                      ["model_name"], buckets=REQUEST_BUCKETS, registry=registry),
+        success=Counter("pdserve:request_success_total",
+                        "Requests that finished, by finish reason (stop, length, abort, error).",
+                        ["model_name", "finished_reason"], registry=registry),
+    )
+
+
+@functools.cache
+def router_metrics(registry: CollectorRegistry) -> RouterMetrics:
+    return RouterMetrics(
+        routed=Counter("pdserve:router_requests_routed_total",
+                       "Requests sent to each decode node, by why the routing policy chose it "
+                       "(least_loaded, prefix, load_cap).", ["node", "reason"], registry=registry),
+        rejected=Counter("pdserve:router_request_errors_total",
+                         "Generate calls that ended with a gRPC error status before streaming, by status code.",
+                         ["code"], registry=registry),
+    )
+
+
+@functools.cache
+def node_metrics(registry: CollectorRegistry) -> NodeMetrics:
+    return NodeMetrics(
+        queue_time=Histogram("pdserve:request_queue_time_seconds",
+                             "Seconds from receiving a request to its admission (pages allocated, first "
+                             "scheduled).", ["model_name"], buckets=REQUEST_BUCKETS, registry=registry),
+        kv_transfer_bytes=Counter("pdserve:kv_transfer_bytes",
+                                  "Bytes of prompt KV (and context) moved between nodes; side=decode counts "
+                                  "bytes received, side=prefill bytes sent.", ["model_name", "side"],
+                                  registry=registry),
+        kv_transfer_seconds=Histogram("pdserve:kv_transfer_seconds",
+                                      "Seconds of a request's KV transfer; side=decode: from the Prefill "
+                                      "dispatch to the last write landed; side=prefill: from its first "
+                                      "write posted to its last completed.", ["model_name", "side"],
+                                      buckets=KV_TRANSFER_BUCKETS, registry=registry),
+    )
+
+
+@functools.cache
+def prefill_metrics(registry: CollectorRegistry) -> PrefillMetrics:
+    return PrefillMetrics(
+        prefill_time=Histogram("pdserve:request_prefill_time_seconds",
+                               "Seconds from a prefill's first scheduled chunk to its last layer computed.",
+                               ["model_name"], buckets=REQUEST_BUCKETS, registry=registry),
+        requests=Counter("pdserve:prefill_requests_total",
+                         "Prefill calls answered, by outcome (ok, invalid, aborted, unavailable, timeout, "
+                         "error).", ["model_name", "outcome"], registry=registry),
+    )
