@@ -3,6 +3,10 @@
 - fabric/_ffi_build.py: libfabric bindings (needs libfabric-dev, see scripts/setup.sh)
 - pdserve/kernels/attention/_kernels_build.py: the C paged-attention kernel (OpenMP)
 - pdserve/kernels/ops/_ops_build.py: C CPU ops (small-batch linear, fused RMSNorm / SiLU-mul / argmax)
+
+Each builder reads its module's cdef from the module's C header and its compiler flags from
+native_build.py (repository root, loaded by path: setuptools runs the builders before any
+package here is importable).
 """
 
 from setuptools import setup

@@ -1,83 +1,56 @@
-"""cffi (API mode) builder for the CPU paged-attention kernel in csrc/paged_attention.c.
+"""cffi (API mode) builder for the CPU paged-attention kernel: csrc/paged_attention.c.
 
 setup.py lists ``"pdserve/kernels/attention/_kernels_build.py:ffibuilder"`` in ``cffi_modules`` so that
 ``pip install -e .`` compiles ``pdserve.kernels.attention._cpu_kernels``. For development, compile in place:
 
     cd /work/main && .venv/bin/python pdserve/kernels/attention/_kernels_build.py
 
-Compiler flags: pdserve/kernels/_cflags.py (-O3, -march=native and -fopenmp where accepted).
+The module's interface is csrc/paged_attention.h's cffi region (native_build.read_cdef); compiler
+flags are native_build.cflags(openmp=True) with no exception (-O3, -march=native and -fopenmp
+where accepted; multiply-adds may be contracted, which the kernel's tests and bench results were
+taken with).
 """
 
-import logging
 import os
 import runpy
+import tempfile
 
 from cffi import FFI
 
-logger = logging.getLogger(__name__)
-
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _CSRC = os.path.join(_HERE, "csrc")
-
-_CDEF = """
-#define PA_OK 0
-#define PA_ERR_SHAPE 1
-#define PA_ERR_QUERY_START 2
-#define PA_ERR_CONTEXT_LEN 3
-#define PA_ERR_PAGE_ID 4
-#define PA_ERR_ALLOC 5
-#define PA_ERR_WINDOW 6
-#define PA_ERR_DTYPE 7
-
-int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
-               const int32_t *block_tables, const int32_t *query_start,
-               const int32_t *context_lens, int num_tokens, int num_seqs, int max_pages,
-               int num_pages, int hq, int hkv, int page_size, int head_dim, float scale,
-               int window, int q_bf16, int kv_bf16, int num_threads, int64_t *err_info);
-int pa_forward_addr(uintptr_t out, uintptr_t q, uintptr_t k_pool, uintptr_t v_pool, uintptr_t block_tables,
-                    uintptr_t query_start, uintptr_t context_lens, int num_tokens, int num_seqs, int max_pages,
-                    int num_pages, int hq, int hkv, int page_size, int head_dim, float scale, int window,
-                    int q_bf16, int kv_bf16, int num_threads, int64_t *err_info);
-int pa_has_openmp(void);
-"""
-
-# pa_forward with every array as an integer address (tensor.data_ptr()): no ffi.cast per argument
-# (~0.4 us each) on a call made once per layer per pass.
-_ADDR_WRAPPER = """
-static int pa_forward_addr(uintptr_t out, uintptr_t q, uintptr_t k_pool, uintptr_t v_pool, uintptr_t block_tables,
-                           uintptr_t query_start, uintptr_t context_lens, int num_tokens, int num_seqs,
-                           int max_pages, int num_pages, int hq, int hkv, int page_size, int head_dim, float scale,
-                           int window, int q_bf16, int kv_bf16, int num_threads, int64_t *err_info) {
-    return pa_forward((void *)out, (const void *)q, (const void *)k_pool, (const void *)v_pool,
-                      (const int32_t *)block_tables, (const int32_t *)query_start, (const int32_t *)context_lens,
-                      num_tokens, num_seqs, max_pages, num_pages, hq, hkv, page_size, head_dim, scale, window,
-                      q_bf16, kv_bf16, num_threads, err_info);
-}
-"""
+_SHARED_CSRC = os.path.join(os.path.dirname(_HERE), "csrc")  # pdserve/kernels/csrc: vec8.h, exp8.h, bf16.h
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))
+_HEADER = os.path.join(_CSRC, "paged_attention.h")
+_SOURCES = ("paged_attention.c",)
 
 
-def _make_builder() -> FFI:
-    with open(os.path.join(_CSRC, "paged_attention.c")) as f:
-        source = f.read()
-    # pdserve/kernels/_cflags.py by path: setuptools runs this file before pdserve is importable.
-    compile_args, link_args = runpy.run_path(os.path.join(os.path.dirname(_HERE), "_cflags.py"))["flags"]()
+def make_builder(absolute_sources: bool) -> FFI:
+    """setuptools wants the C files relative to its working directory (the repository root);
+    cffi's own compile() runs in a temporary directory and needs them absolute."""
+    # native_build.py by path: setuptools runs this file before any package here is importable.
+    native_build = runpy.run_path(os.path.join(_REPO, "native_build.py"))
+    compile_args, link_args = native_build["cflags"](openmp=True)
+    paths = [os.path.join(_CSRC, name) for name in _SOURCES]
     builder = FFI()
-    builder.cdef(_CDEF)
+    builder.cdef(native_build["read_cdef"](_HEADER))
     builder.set_source(
         "pdserve.kernels.attention._cpu_kernels",
-        source + _ADDR_WRAPPER,
-        include_dirs=[_CSRC, os.path.join(os.path.dirname(_HERE), "csrc")],  # + pdserve/kernels/csrc (exp8.h, bf16.h)
+        '#include "paged_attention.h"\n',
+        sources=paths if absolute_sources else [os.path.relpath(p) for p in paths],
+        include_dirs=[_CSRC, _SHARED_CSRC],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
     )
     return builder
 
 
-ffibuilder = _make_builder()
+ffibuilder = make_builder(absolute_sources=False)  # setup.py: cffi_modules=[...:ffibuilder]
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
-    # Compile next to this file: pdserve/kernels/attention/_cpu_kernels.*.so (tmpdir = repo root).
-    repo_root = os.path.dirname(os.path.dirname(_HERE))
-    path = ffibuilder.compile(tmpdir=repo_root, verbose=True)
-    logger.info("built %s", path)
+    # Build in place: the .so lands next to this file (pdserve/kernels/attention/_cpu_kernels*.so).
+    with tempfile.TemporaryDirectory(prefix="pdserve-attention-build-") as tmp:
+        so_path = make_builder(absolute_sources=True).compile(tmpdir=tmp, verbose=False)
+        target = os.path.join(_HERE, os.path.basename(so_path))
+        os.replace(so_path, target)
+        print(target)

@@ -57,13 +57,10 @@
 
 #include "paged_attention.h"
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v8f_u __attribute__((vector_size(32), aligned(4)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
+#include "vec8.h" /* pdserve/kernels/csrc: v8f, load8, splat8, hsum8_fold_adjacent, ... */
+
 typedef uint16_t v8h_u __attribute__((vector_size(16), aligned(2)));
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
 #ifdef PA_PROFILE
 #define PROF_NOINLINE __attribute__((noinline))
 #define PAGE_STAGE __attribute__((noinline))
@@ -86,26 +83,6 @@ typedef uint16_t v8h_u __attribute__((vector_size(16), aligned(2)));
 #define PA_PREFETCH_HINT 3
 #endif
 
-ALWAYS_INLINE v8f ld8(const float *p) { return *(const v8f_u *)p; }
-ALWAYS_INLINE void st8(float *p, v8f v) { *(v8f_u *)p = v; }
-ALWAYS_INLINE v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-
-ALWAYS_INLINE v8f select8(v8i mask, v8f a, v8f b) {
-    return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
-}
-
-ALWAYS_INLINE v8f max8(v8f a, v8f b) { return select8(a > b, a, b); }
-
-ALWAYS_INLINE float hsum8(v8f a) {
-    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-}
-
-ALWAYS_INLINE float hmax8(v8f a) {
-    float m = a[0];
-    for (int i = 1; i < 8; i++) m = a[i] > m ? a[i] : m;
-    return m;
-}
-
 /* bf16 bits -> float32 (exact: bf16 is the top half of an fp32). */
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -122,7 +99,7 @@ ALWAYS_INLINE v8f bf16x8_to_f32(const uint16_t *p) {
 #endif
 
 #include "bf16.h" /* pdserve/kernels/csrc: f32_to_bf16 */
-#include "exp8.h" /* pdserve/kernels/csrc: exp(x) for x <= 0 (x = s - max here) */
+#include "exp8.h" /* pdserve/kernels/csrc: exp8 (x = score - running max <= 0 here) */
 
 /* ------------------------------------------------------------------------------------------ */
 /* Scores: S[r, j] = Q[r, :] . K[j, :] for M rows and nk keys (keys padded to a multiple of 8).  */
@@ -142,14 +119,15 @@ ALWAYS_INLINE void reduce4x8(v8f a0, v8f a1, v8f a2, v8f a3, float *s) {
 }
 #else
 ALWAYS_INLINE v8f reduce8x8(v8f a0, v8f a1, v8f a2, v8f a3, v8f a4, v8f a5, v8f a6, v8f a7) {
-    return (v8f){hsum8(a0), hsum8(a1), hsum8(a2), hsum8(a3),
-                 hsum8(a4), hsum8(a5), hsum8(a6), hsum8(a7)};
+    return (v8f){hsum8_fold_adjacent(a0), hsum8_fold_adjacent(a1), hsum8_fold_adjacent(a2),
+                 hsum8_fold_adjacent(a3), hsum8_fold_adjacent(a4), hsum8_fold_adjacent(a5),
+                 hsum8_fold_adjacent(a6), hsum8_fold_adjacent(a7)};
 }
 ALWAYS_INLINE void reduce4x8(v8f a0, v8f a1, v8f a2, v8f a3, float *s) {
-    s[0] = hsum8(a0);
-    s[1] = hsum8(a1);
-    s[2] = hsum8(a2);
-    s[3] = hsum8(a3);
+    s[0] = hsum8_fold_adjacent(a0);
+    s[1] = hsum8_fold_adjacent(a1);
+    s[2] = hsum8_fold_adjacent(a2);
+    s[3] = hsum8_fold_adjacent(a3);
 }
 #endif
 
@@ -176,7 +154,7 @@ ALWAYS_INLINE void pf_one(pf_plan *pf) {
 
 /* 8 K/V elements at element index idx of a float32 or bf16 (compile-time flag) array. */
 ALWAYS_INLINE v8f ldkv(const void *base, size_t idx, const int bf16) {
-    return bf16 ? bf16x8_to_f32((const uint16_t *)base + idx) : ld8((const float *)base + idx);
+    return bf16 ? bf16x8_to_f32((const uint16_t *)base + idx) : load8((const float *)base + idx);
 }
 
 /* One row x 8 keys (8 independent FMA chains). */
@@ -185,10 +163,10 @@ ALWAYS_INLINE void score_1x8(const float *Q, int D, const void *K, float *S, con
     for (int k = 0; k < 8; k++) a[k] = splat8(0.0f);
     for (int d = 0; d < D; d += 8) {
         if (pf) pf_one(pf);
-        v8f qv = ld8(Q + d);
+        v8f qv = load8(Q + d);
         for (int k = 0; k < 8; k++) a[k] += qv * ldkv(K, (size_t)k * D + d, bf16);
     }
-    st8(S, reduce8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
+    store8(S, reduce8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
 }
 
 /* Two rows x 4 keys (8 chains; each K load feeds 2 FMAs). */
@@ -198,7 +176,7 @@ ALWAYS_INLINE void score_2x4(const float *Q, int D, const void *K, float *S, int
     for (int k = 0; k < 4; k++) a[k] = b[k] = splat8(0.0f);
     for (int d = 0; d < D; d += 8) {
         if (pf) pf_one(pf);
-        v8f q0 = ld8(Q + d), q1 = ld8(Q + D + d);
+        v8f q0 = load8(Q + d), q1 = load8(Q + D + d);
         for (int k = 0; k < 4; k++) {
             v8f kv = ldkv(K, (size_t)k * D + d, bf16);
             a[k] += q0 * kv;
@@ -216,7 +194,7 @@ ALWAYS_INLINE void score_3x4(const float *Q, int D, const void *K, float *S, int
     for (int k = 0; k < 4; k++) a[k] = b[k] = c[k] = splat8(0.0f);
     for (int d = 0; d < D; d += 8) {
         if (pf) pf_one(pf);
-        v8f q0 = ld8(Q + d), q1 = ld8(Q + D + d), q2 = ld8(Q + 2 * D + d);
+        v8f q0 = load8(Q + d), q1 = load8(Q + D + d), q2 = load8(Q + 2 * D + d);
         for (int k = 0; k < 4; k++) {
             v8f kv = ldkv(K, (size_t)k * D + d, bf16);
             a[k] += q0 * kv;
@@ -232,8 +210,8 @@ ALWAYS_INLINE void score_3x4(const float *Q, int D, const void *K, float *S, int
 /* Single score (only for keys past a page whose size is not a multiple of 8). */
 ALWAYS_INLINE float score_1x1(const float *Q, int D, const void *K, size_t k0, const int bf16) {
     v8f a = splat8(0.0f);
-    for (int d = 0; d < D; d += 8) a += ld8(Q + d) * ldkv(K, k0 + d, bf16);
-    return hsum8(a);
+    for (int d = 0; d < D; d += 8) a += load8(Q + d) * ldkv(K, k0 + d, bf16);
+    return hsum8_fold_adjacent(a);
 }
 
 /*
@@ -289,7 +267,7 @@ ALWAYS_INLINE void pv_block(const int R, const int C, const float *Pm, int ldP, 
                             int d0, int nk, int D, float *O, const int bf16, pf_plan *pf) {
     v8f acc[8];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C / 8; c++) acc[r * (C / 8) + c] = ld8(O + (size_t)r * D + 8 * c);
+        for (int c = 0; c < C / 8; c++) acc[r * (C / 8) + c] = load8(O + (size_t)r * D + 8 * c);
     for (int j = 0; j < nk; j++) {
         if (pf) pf_one(pf);
         v8f v[8];
@@ -300,7 +278,7 @@ ALWAYS_INLINE void pv_block(const int R, const int C, const float *Pm, int ldP, 
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C / 8; c++) st8(O + (size_t)r * D + 8 * c, acc[r * (C / 8) + c]);
+        for (int c = 0; c < C / 8; c++) store8(O + (size_t)r * D + 8 * c, acc[r * (C / 8) + c]);
 }
 
 ALWAYS_INLINE void pv(const float *Pm, int ldP, int M, const void *V, int nk, int D, float *O,
@@ -444,24 +422,24 @@ ALWAYS_INLINE void softmax_page_impl(scratch *sc, int M, int D, int ldS, int t0,
         if (windowed)
             for (int j = 0; j < first; j++) sr[j] = -INFINITY;
         v8f mv = splat8(-INFINITY);
-        for (int j = 0; j < nk8; j += 8) mv = max8(mv, ld8(sr + j));
+        for (int j = 0; j < nk8; j += 8) mv = max8(mv, load8(sr + j));
         const float mblk = hmax8(mv);
         const float mold = sc->m[r];
         if (mblk > mold) {
             const float alpha = expf(mold - mblk); /* 0 on the first page (mold = -inf) */
             float *o = sc->o + (size_t)r * D;
-            for (int d = 0; d < D; d += 8) st8(o + d, ld8(o + d) * alpha);
+            for (int d = 0; d < D; d += 8) store8(o + d, load8(o + d) * alpha);
             sc->l[r] *= alpha;
             sc->m[r] = mblk;
         }
         const v8f mnew = splat8(sc->m[r]);
         v8f sum = splat8(0.0f);
         for (int j = 0; j < nk8; j += 8) {
-            v8f p = exp8(ld8(sr + j) - mnew);
-            st8(sr + j, p);
+            v8f p = exp8(load8(sr + j) - mnew);
+            store8(sr + j, p);
             sum += p;
         }
-        sc->l[r] += hsum8(sum);
+        sc->l[r] += hsum8_fold_adjacent(sum);
     }
 }
 
@@ -522,10 +500,10 @@ ALWAYS_INLINE void run_item_impl(const params *pr, const work_item *it, const wo
             float *dst = sc->q + (size_t)r * D;
             if (pr->q_bf16) {
                 const uint16_t *src = (const uint16_t *)pr->q + off;
-                for (int d = 0; d < D; d += 8) st8(dst + d, bf16x8_to_f32(src + d) * pr->scale);
+                for (int d = 0; d < D; d += 8) store8(dst + d, bf16x8_to_f32(src + d) * pr->scale);
             } else {
                 const float *src = (const float *)pr->q + off;
-                for (int d = 0; d < D; d += 8) st8(dst + d, ld8(src + d) * pr->scale);
+                for (int d = 0; d < D; d += 8) store8(dst + d, load8(src + d) * pr->scale);
             }
             sc->lim[r] = lim;
             if (windowed) sc->lo[r] = first_key(lim - 1, pr->window);
@@ -631,7 +609,7 @@ ALWAYS_INLINE void run_item_impl(const params *pr, const work_item *it, const wo
                 for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(o[d] * inv);
             } else {
                 float *dst = (float *)out + off;
-                for (int d = 0; d < D; d += 8) st8(dst + d, ld8(o + d) * inv);
+                for (int d = 0; d < D; d += 8) store8(dst + d, load8(o + d) * inv);
             }
         }
     }
@@ -961,6 +939,16 @@ int pa_forward(void *out, const void *q, const void *k_pool, const void *v_pool,
     free(group_part);
     free(order);
     return alloc_failed ? PA_ERR_ALLOC : PA_OK;
+}
+
+int pa_forward_addr(uintptr_t out, uintptr_t q, uintptr_t k_pool, uintptr_t v_pool, uintptr_t block_tables,
+                    uintptr_t query_start, uintptr_t context_lens, int num_tokens, int num_seqs, int max_pages,
+                    int num_pages, int hq, int hkv, int page_size, int head_dim, float scale, int window,
+                    int q_bf16, int kv_bf16, int num_threads, int64_t *err_info) {
+    return pa_forward((void *)out, (const void *)q, (const void *)k_pool, (const void *)v_pool,
+                      (const int32_t *)block_tables, (const int32_t *)query_start, (const int32_t *)context_lens,
+                      num_tokens, num_seqs, max_pages, num_pages, hq, hkv, page_size, head_dim, scale, window,
+                      q_bf16, kv_bf16, num_threads, err_info);
 }
 
 int pa_has_openmp(void) {

@@ -14,8 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "norm_act.h"
-#include "vec8.h"
+#include "cpu_ops.h"
+#include "vec8.h" /* pdserve/kernels/csrc */
 #include "exp8.h" /* pdserve/kernels/csrc */
 
 /* Elements of silu_mul below which one thread does all rows (a fork costs a few microseconds). */
@@ -63,12 +63,18 @@ int op_add_rms_norm(float *out, float *h, const float *delta, const float *w, in
             }
             for (int i = H8; i < H; i++) tail += hr[i] * hr[i];
         }
-        const float inv = 1.0f / sqrtf((hsum8(ss) + tail) / (float)H + eps);
+        const float inv = 1.0f / sqrtf((hsum8_fold(ss) + tail) / (float)H + eps);
         const v8f vinv = splat8(inv);
         for (int i = 0; i < H8; i += 8) store8(orow + i, load8(w + i) * (load8(hr + i) * vinv));
         for (int i = H8; i < H; i++) orow[i] = w[i] * (hr[i] * inv);
     }
     return OP_OK;
+}
+
+int op_add_rms_norm_addr(uintptr_t out, uintptr_t h, uintptr_t delta, uintptr_t w, int rows, int H, int64_t ld_out,
+                         int64_t ld_h, int64_t ld_delta, float eps) {
+    return op_add_rms_norm((float *)out, (float *)h, (const float *)delta, (const float *)w, rows, H, ld_out, ld_h,
+                           ld_delta, eps);
 }
 
 int op_silu_mul(float *out, const float *gate_up, int rows, int I, int64_t ld_out, int64_t ld_in,
@@ -91,6 +97,11 @@ int op_silu_mul(float *out, const float *gate_up, int rows, int I, int64_t ld_ou
         for (int i = I8; i < I; i++) o[i] = silu1(g[i]) * u[i];
     }
     return OP_OK;
+}
+
+int op_silu_mul_addr(uintptr_t out, uintptr_t gate_up, int rows, int I, int64_t ld_out, int64_t ld_in,
+                     int num_threads) {
+    return op_silu_mul((float *)out, (const float *)gate_up, rows, I, ld_out, ld_in, num_threads);
 }
 
 int op_argmax_rows(int64_t *out, const float *x, int rows, int V, int64_t ld) {

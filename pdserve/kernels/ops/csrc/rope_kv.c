@@ -19,9 +19,8 @@
 #include <immintrin.h>
 #endif
 
-#include "norm_act.h"
-#include "rope_kv.h"
-#include "vec8.h"
+#include "cpu_ops.h"
+#include "vec8.h" /* pdserve/kernels/csrc */
 #include "bf16.h" /* pdserve/kernels/csrc: f32_to_bf16 */
 
 int op_rope(float *out, const float *x, const float *cos_t, const float *sin_t, int T, int H, int D,
@@ -43,6 +42,15 @@ int op_rope(float *out, const float *x, const float *cos_t, const float *sin_t, 
         }
     }
     return OP_OK;
+}
+
+int op_rope_qk_addr(uintptr_t q_out, uintptr_t k_out, uintptr_t qkv, uintptr_t cos_t, uintptr_t sin_t, int T,
+                    int Hq, int Hkv, int D, int64_t ld_qkv) {
+    if (ld_qkv < (int64_t)(Hq + Hkv) * D) return OP_ERR_STRIDE;
+    const float *x = (const float *)qkv;
+    int rc = op_rope((float *)q_out, x, (const float *)cos_t, (const float *)sin_t, T, Hq, D, ld_qkv);
+    if (rc != OP_OK) return rc;
+    return op_rope((float *)k_out, x + (int64_t)Hq * D, (const float *)cos_t, (const float *)sin_t, T, Hkv, D, ld_qkv);
 }
 
 /*
@@ -97,4 +105,10 @@ int op_write_kv(void *k_pool, void *v_pool, const float *k, const float *v, cons
     _mm_sfence(); /* the streamed rows are visible to every thread before attention reads them */
 #endif
     return OP_OK;
+}
+
+int op_write_kv_addr(uintptr_t k_pool, uintptr_t v_pool, uintptr_t k, uintptr_t v, uintptr_t rows, int T, int Hkv,
+                     int D, int64_t ld_k, int64_t ld_v, int64_t pool_rows, int pool_bf16, int64_t *bad) {
+    return op_write_kv((void *)k_pool, (void *)v_pool, (const float *)k, (const float *)v, (const int64_t *)rows, T,
+                       Hkv, D, ld_k, ld_v, pool_rows, pool_bf16, bad);
 }

@@ -26,8 +26,8 @@
 #include <omp.h>
 #endif
 
-#include "small_linear.h"
-#include "vec8.h"
+#include "cpu_ops.h"
+#include "vec8.h" /* pdserve/kernels/csrc */
 
 /*
  * acc + a * b. Explicit, because the build passes -ffp-contract=off: left to itself GCC fused
@@ -87,7 +87,7 @@ ALWAYS_INLINE void tile(float *y, int64_t ldy, const float *x, int64_t ldx, cons
     }
     for (int i = 0; i < nb; i++) {
         for (int j = 0; j < mb; j++) {
-            float s = hsum8(acc[i][j]);
+            float s = hsum8_fold(acc[i][j]);
             for (int k = k8; k < K; k++) s = fma1(wr[i][k], xr[j][k], s);
             if (bias) s += bias[n0 + i];
             y[(int64_t)(m0 + j) * ldy + n0 + i] = s;
@@ -155,6 +155,12 @@ int sl_linear(float *y, const float *x, const float *w, const float *bias, int M
 #endif
     bands(y, ldy, x, ldx, w, bias, M, N, K, 0, nbands);
     return SL_OK;
+}
+
+int sl_linear_addr(uintptr_t y, uintptr_t x, uintptr_t w, uintptr_t bias, int M, int N, int K, int64_t ldx,
+                   int64_t ldy, int num_threads) {
+    return sl_linear((float *)y, (const float *)x, (const float *)w, (const float *)bias, M, N, K, ldx, ldy,
+                     num_threads);
 }
 
 int sl_has_openmp(void) {
