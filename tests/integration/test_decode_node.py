@@ -18,7 +18,7 @@ from pdserve_api.v1 import node_pb2, node_pb2_grpc
 from pdserve.tools.client import Client, ClientError
 from pdserve.engine.sampling_params import SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:

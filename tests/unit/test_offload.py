@@ -19,7 +19,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams as SP
 from pdserve.engine.scheduler import StalledRequest, make_scheduler
 from pdserve.engine.scheduler.preemption import Preemptor, VictimCandidate, choose_victims
-from tiny_models import make_tiny_checkpoint
+from support.tiny_models import make_tiny_checkpoint
 
 
 def _req(rid: str, n: int, t: float = 0.0) -> Request:

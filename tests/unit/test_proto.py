@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROTO_DIR = ROOT / "proto"
 
 try:  # installed (package-dir mapping in pyproject) or not yet: both work

@@ -14,7 +14,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
-from tiny_models import make_tiny_checkpoint
+from support.tiny_models import make_tiny_checkpoint
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,"]
 

@@ -20,9 +20,9 @@ import pytest
 from kv_messenger.wiring import UnsupportedModelError
 from pdserve.engine.config import EngineConfig
 from pdserve.model.loader import resolve_model
-from tiny_models import TINY_GEMMA3, make_tiny_checkpoint
+from support.tiny_models import TINY_GEMMA3, make_tiny_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from pdserve_api.convert import output_to_pb
 
 from pdserve import LLM, SamplingParams
-from tiny_models import make_tiny_checkpoint
+from support.tiny_models import make_tiny_checkpoint
 
 PAGE = 4
 PARAMS = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)

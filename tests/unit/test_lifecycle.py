@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.request import RequestStatus
-from tiny_models import make_tiny_checkpoint
+from support.tiny_models import make_tiny_checkpoint
 
 
 def test_request_moves_through_every_state_and_the_gauges_follow(tmp_path):

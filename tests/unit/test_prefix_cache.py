@@ -15,7 +15,7 @@ from pdserve.engine.llm_engine import EngineHooks
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams as SP
 from pdserve.engine.scheduler import make_scheduler
-from tiny_models import make_tiny_checkpoint
+from support.tiny_models import make_tiny_checkpoint
 
 P = 4
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # router/ and the nodes may postdate the editable install
     sys.path.insert(0, str(ROOT))
 

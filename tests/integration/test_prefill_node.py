@@ -32,7 +32,7 @@ from kv_messenger.wiring import layout_of, register_kv
 from pdserve import LLM, SamplingParams
 from pdserve.engine.llm_engine import EngineHooks
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived " * 6]
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 START_TIMEOUT_S = 120

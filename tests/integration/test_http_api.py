@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import grpc
 import pytest
-from api_cluster import CLUSTER, LONG_PROMPT, NODES_EXIST, assert_all_free, node_addresses, wait_busy
+from support.api_cluster import CLUSTER, LONG_PROMPT, NODES_EXIST, assert_all_free, node_addresses, wait_busy
 from pdserve_api.servers import UnavailableError
 from pdserve_api.v1 import generate_pb2
 

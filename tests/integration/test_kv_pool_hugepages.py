@@ -17,7 +17,7 @@ import torch
 from fabric.hostmem import HUGE_PAGE_BYTES, anon_huge_bytes, thp_mode
 from pdserve.engine.cache.kv_cache import KVCacheShape, PagedKVCache
 from pdserve.engine.config import EngineConfig
-from tiny_models import make_tiny_checkpoint
+from support.tiny_models import make_tiny_checkpoint
 
 MiB = 1 << 20
 NUM_BLOCKS = 2048  # tiny llama: 2 layers x K/V x 2 kv heads x 16 tokens x 16 dims x 4 bytes = 8 KiB a block

@@ -30,7 +30,7 @@ from pdserve.model.loader import (
     load_tokenizer,
     resolve_model,
 )
-from tiny_models import TINY_ARCHS, default_model_source, make_tiny_checkpoint
+from support.tiny_models import TINY_ARCHS, default_model_source, make_tiny_checkpoint
 
 PROMPT = "The capital of France is"
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # as transformers' GGUF tokenizer gives them

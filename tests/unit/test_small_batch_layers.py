@@ -17,7 +17,7 @@ from pdserve.model.small_batch import SmallBatchLayers
 from pdserve.kernels.ops import native
 from pdserve.kernels.ops.linear import max_rows
 
-from tiny_models import make_tiny_checkpoint
+from support.tiny_models import make_tiny_checkpoint
 
 pytestmark = [
     pytest.mark.skipif(not native.available() or max_rows() == 0,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
-from reference import REFERENCE_PROMPTS, hf_greedy
+from support.reference import REFERENCE_PROMPTS, hf_greedy
 
 MAX_NEW = 24
 

@@ -16,7 +16,7 @@ import time
 
 import grpc
 import pytest
-from api_cluster import CLUSTER, LONG_PROMPT, NODES_EXIST, assert_all_free, wait_busy
+from support.api_cluster import CLUSTER, LONG_PROMPT, NODES_EXIST, assert_all_free, wait_busy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc

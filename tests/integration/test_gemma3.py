@@ -1,6 +1,6 @@
 """Gemma 3 hybrid sliding-window attention (issue 4; E8, E18) against transformers.
 
-The tiny model (tests/tiny_models.py, TINY_GEMMA3) has 4 layers, sliding / full / sliding /
+The tiny model (tests/support/tiny_models.py, TINY_GEMMA3) has 4 layers, sliding / full / sliding /
 sliding, a 16-token window, pages of 4 tokens and chunks of at most 24, so every prompt here
 spans several windows and its sliding pages are recycled while it runs. Greedy ids must equal
 transformers' `generate`:
@@ -33,8 +33,8 @@ from pdserve.model.registry import build_model
 from pdserve.engine.request import Request
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler.output import ScheduledChunk, SchedulerOutput
-from reference import hf_greedy
-from tiny_models import TINY_GEMMA3, TINY_GEMMA3_WINDOW, make_tiny_checkpoint
+from support.reference import hf_greedy
+from support.tiny_models import TINY_GEMMA3, TINY_GEMMA3_WINDOW, make_tiny_checkpoint
 
 BACKENDS = ["torch"] + (["cpu"] if cpu_kernels.available() else [])
 PAGE = 4

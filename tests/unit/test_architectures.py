@@ -1,10 +1,10 @@
 """Our model code against transformers on tiny random-weight checkpoints of each family.
 
-The checkpoints are built here from transformers configs (tests/tiny_models.py): Llama (tied,
+The checkpoints are built here from transformers configs (tests/support/tiny_models.py): Llama (tied,
 and llama3 RoPE scaling with an untied head), Qwen2 (q/k/v biases), Qwen3 (q/k norm), Mistral.
 Greedy ids must equal transformers' `generate`, for prompts that need several chunks and pages,
 with both attention backends; also for Mistral with a sliding window shorter than the prompts
-(every layer slides). Gemma 3's hybrid layers are tested in tests/test_gemma3.py.
+(every layer slides). Gemma 3's hybrid layers are tested in tests/integration/test_gemma3.py.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.kernels.attention import cpu_kernels
-from reference import hf_greedy
-from tiny_models import TINY_ARCHS, make_tiny_checkpoint
+from support.reference import hf_greedy
+from support.tiny_models import TINY_ARCHS, make_tiny_checkpoint
 
 PROMPTS = ["The capital of France is", "def f(x):\n    return", "Once upon a time " * 30]
 BACKENDS = ["torch"] + (["cpu"] if cpu_kernels.available() else [])
