@@ -1,14 +1,55 @@
-"""Shared fixtures: the default model, ours and transformers'."""
+"""The suite's root: markers by folder, the --require-native switch, and shared fixtures (the default
+model, ours and transformers').
+
+Folders: tests/unit (in-process and fast), tests/integration (processes, servers, clusters, whole
+models end to end), tests/fabric (the transfer engine, with peer processes); each test gets the
+marker of its folder (`pytest -m unit`). Helpers live in tests/support (imported as `support.*`)."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
+from support import native
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+TESTS = Path(__file__).resolve().parent
+FOLDER_MARKERS = ("unit", "integration", "fabric")  # tests/<folder>/... -> pytest.mark.<folder>
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--require-native", action="store_true", default=False,
+        help="fail at start if a native extension (" + ", ".join(native.NATIVE_MODULES) + ") does not import, "
+             "and fail (not skip) the tests of a missing C backend")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    native.set_required(config.getoption("require_native"))
+    if not native.required():
+        return
+    errors = native.import_errors()
+    if errors:
+        lines = "\n".join(f"  {module} (built by {native.NATIVE_MODULES[module]}): {error}"
+                          for module, error in errors.items())
+        raise pytest.UsageError(
+            f"--require-native: {len(errors)} native extension(s) do not import:\n{lines}\n"
+            "build them: .venv/bin/python -m pip install --no-deps --no-build-isolation -e .")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            folder = Path(item.path).resolve().relative_to(TESTS).parts[0]
+        except ValueError:  # a test outside tests/ (given on the command line): no folder marker
+            continue
+        if folder in FOLDER_MARKERS:
+            item.add_marker(getattr(pytest.mark, folder))
 
 
 @pytest.fixture
