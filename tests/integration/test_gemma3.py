@@ -33,10 +33,11 @@ from pdserve.model.registry import build_model
 from pdserve.engine.request import Request
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler.output import ScheduledChunk, SchedulerOutput
+from support.native import with_cpu
 from support.reference import hf_greedy
 from support.tiny_models import TINY_GEMMA3, TINY_GEMMA3_WINDOW, make_tiny_checkpoint
 
-BACKENDS = ["torch"] + (["cpu"] if cpu_kernels.available() else [])
+BACKENDS = with_cpu(cpu_kernels.available(), cpu_kernels.unavailable_reason())
 PAGE = 4
 CHUNK = 24
 NEW_TOKENS = 12

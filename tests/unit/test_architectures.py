@@ -14,11 +14,12 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.kernels.attention import cpu_kernels
+from support.native import with_cpu
 from support.reference import hf_greedy
 from support.tiny_models import TINY_ARCHS, make_tiny_checkpoint
 
 PROMPTS = ["The capital of France is", "def f(x):\n    return", "Once upon a time " * 30]
-BACKENDS = ["torch"] + (["cpu"] if cpu_kernels.available() else [])
+BACKENDS = with_cpu(cpu_kernels.available(), cpu_kernels.unavailable_reason())
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run on one thread

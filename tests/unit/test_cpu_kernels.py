@@ -18,11 +18,10 @@ import pytest
 import torch
 
 from pdserve.kernels.attention import cpu_kernels
+from support.native import skip_unless_built
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.available(),
-    reason=f"CPU kernels not built: {cpu_kernels.unavailable_reason()}",
-)
+pytestmark = skip_unless_built(cpu_kernels.available(), "the C attention kernels (pdserve.kernels.attention._cpu_kernels)",
+                               cpu_kernels.unavailable_reason())
 
 
 def make_case(

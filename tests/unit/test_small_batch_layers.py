@@ -17,16 +17,17 @@ from pdserve.model.small_batch import SmallBatchLayers
 from pdserve.kernels.ops import native
 from pdserve.kernels.ops.linear import max_rows
 
+from support.native import skip_unless_built, with_cpu
 from support.tiny_models import make_tiny_checkpoint
 
 pytestmark = [
-    pytest.mark.skipif(not native.available() or max_rows() == 0,
-                       reason="the C ops (small linear kernel) are not built or are disabled"),
+    skip_unless_built(native.available(), "the C ops (pdserve.kernels.ops._cpu_ops)", native.unavailable_reason()),
+    pytest.mark.skipif(max_rows() == 0, reason="the C ops' small linear kernel is disabled"),
     pytest.mark.usefixtures("one_thread"),  # conftest: tiny models run on one thread
 ]
 
 PROMPTS = ["The capital of France is", "def f(x):\n    return", "Once upon a time", "1, 2, 3,"]
-BACKENDS = ["torch"] + (["cpu"] if cpu_kernels.available() else [])
+BACKENDS = with_cpu(cpu_kernels.available(), cpu_kernels.unavailable_reason())
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,10 @@ import torch.nn.functional as F
 
 from pdserve.kernels.ops import linear as ops_linear
 from pdserve.kernels.ops.linear import linear, max_rows, small_linear
+from support.native import skip_unless_built
 
-pytestmark = pytest.mark.skipif(not ops_linear.available(), reason=f"kernel not built: {ops_linear.unavailable_reason()}")
+pytestmark = skip_unless_built(ops_linear.available(), "the small linear kernel (pdserve.kernels.ops._cpu_ops)",
+                               ops_linear.unavailable_reason())
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
