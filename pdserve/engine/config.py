@@ -12,6 +12,8 @@ from typing import Literal
 
 import torch
 
+from pdserve.kernels.ops.linear import MAX_ROWS as _SMALL_LINEAR_MAX_ROWS
+
 SchedulerType = Literal["fifo", "prefill_first"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
@@ -139,6 +141,9 @@ class EngineConfig:
     max_model_len: longest sequence (prompt + output); None = the model's max_position_embeddings.
     seed: seed of the sampler's default generator (requests without their own seed).
     attention_backend: "auto" (the C kernel where built, else torch), "cpu" or "torch".
+    small_batch_max_tokens: passes of at most this many float32 tokens run the decoder layers on the
+        C ops bound to the weights (pdserve/model/layer_ops.py), bit-identical to the module ops and
+        faster for decode steps; 0 disables; at most 32, the small linear kernel's row limit.
     """
 
     model: str | None = None
@@ -147,6 +152,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     attention_backend: str = "auto"
+    small_batch_max_tokens: int = _SMALL_LINEAR_MAX_ROWS
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -157,6 +163,10 @@ class EngineConfig:
             _positive_int("num_threads", self.num_threads)
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
+        n = self.small_batch_max_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= _SMALL_LINEAR_MAX_ROWS:
+            raise ValueError(f"small_batch_max_tokens must be an integer in [0, {_SMALL_LINEAR_MAX_ROWS}] (the small "
+                             f"linear kernel's row limit; 0 disables the C-op layer loop), got {n!r}")
         kv = self.cache.kv_cache_dtype
         if kv != "auto" and kv != self.dtype and not (self.dtype == "float32" and kv == "bfloat16"):
             raise ValueError(f"kv_cache_dtype={kv!r} with dtype={self.dtype!r}: a KV cache can be the model's dtype "

@@ -102,7 +102,10 @@ class LLMEngine:
         dtype = config.torch_dtype
         device = torch.device("cpu")
         available = available_memory_bytes(device) if config.cache.num_blocks is None else None
-        self.model = build_model(self.arch, hf_config, dtype, self.max_model_len)
+        self.model = build_model(self.arch, hf_config, dtype, self.max_model_len,
+                                 small_batch_max_tokens=config.small_batch_max_tokens)
+        logger.info("layer loop: C ops bound to the weights for passes of at most %d float32 tokens "
+                    "(small_batch_max_tokens; 0: never), where the model has them", config.small_batch_max_tokens)
         self.model.load_weights(iter_weights(self.source))
         self.model.eval()
 

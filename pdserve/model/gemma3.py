@@ -35,7 +35,7 @@ from pdserve.model.arch import FULL_ATTENTION, SLIDING_ATTENTION, ModelArch, rop
 from pdserve.model.layers import (MergedColumnLinear, RotaryEmbedding, RowLinear, embedding_and_head,
                                   load_embedding_and_head)
 from pdserve.model.weights import CheckpointReader
-from pdserve.kernels.ops.linear import linear
+from pdserve.kernels.ops.linear import MAX_ROWS, linear
 from pdserve.model.llama import LayerHook
 
 
@@ -130,10 +130,15 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, hf_config: object, dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(self, arch: ModelArch, hf_config: object, dtype: torch.dtype, max_positions: int,
+                 small_batch_max_tokens: int = MAX_ROWS) -> None:
         super().__init__()
         if arch.family != "gemma3":
             raise ValueError(f"Gemma3ForCausalLM cannot run model_type {arch.model_type!r} (family {arch.family!r})")
+        # Accepted for the registry's one constructor contract and validated alike; Gemma 3 has no
+        # C-op layer loop (its q/k norms and sandwich norms keep every pass on the module ops).
+        if not 0 <= small_batch_max_tokens <= MAX_ROWS:
+            raise ValueError(f"small_batch_max_tokens must be in [0, {MAX_ROWS}], got {small_batch_max_tokens}")
         self.arch = arch
         self.embed_tokens, self.lm_head_weight = embedding_and_head(   # lm_head_weight: [V, hidden]
             arch.vocab_size, arch.hidden_size, arch.tie_word_embeddings, dtype)

@@ -4,6 +4,10 @@ The forward pass takes the flat token axis of a whole batch ([T] ids and positio
 work (norms, projections, MLP) runs over all tokens of all sequences at once, attention runs per
 sequence through the attention backend (E2). After each layer's attention output projection the
 layer hook is called (D7: the KV messenger learns that layer L's KV is in the pool).
+
+The decoder layers run in one loop (`_run_layers`) over the ops object of the pass
+(pdserve/model/layer_ops.py): the modules' own ops, or for passes of at most
+`small_batch_max_tokens` float32 tokens the same C ops bound to the weights (bit-identical).
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ from pdserve.kernels.attention.base import AttentionBackend
 from pdserve.model.arch import ModelArch, rope_inv_freq
 from pdserve.model.layers import (MergedColumnLinear, RMSNorm, RotaryEmbedding, RowLinear, embedding_and_head,
                                   load_embedding_and_head)
-from pdserve.model.small_batch import SmallBatchLayers
+from pdserve.model.layer_ops import CLayerOps, LayerOps, ModuleLayerOps
 from pdserve.model.weights import CheckpointReader
-from pdserve.kernels.ops.linear import linear
+from pdserve.kernels.ops.linear import MAX_ROWS, linear
 from pdserve.kernels.ops.norm_act import silu_mul
 from pdserve.kernels.ops.rope_kv import rope_qk
 
@@ -37,15 +41,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.scale = self.head_dim**-0.5
 
-    def forward(
+    def qkv_rope(
         self,
         x: torch.Tensor,             # [T, hidden]
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # rotary tables for the step, [T, D] each
-        k_pool: torch.Tensor,        # [N, Hkv, P, D]
-        v_pool: torch.Tensor,        # [N, Hkv, P, D]
-        backend: AttentionBackend,
-        plan: object,
-    ) -> torch.Tensor:               # [T, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k [T, Hkv, D] rotated; v [T, Hkv, D]
+        """The attention inputs of x; attention itself and o_proj are run by the layer loop."""
         T, Hq, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x)                                         # [T, (Hq + 2 Hkv) D]
         v = qkv[:, (Hq + Hkv) * D :].view(T, Hkv, D)                           # [T, Hkv, D]
@@ -56,8 +57,7 @@ class Attention(nn.Module):
             q = self.q_norm.forward(qkv[:, : Hq * D].view(T, Hq, D))           # [T, Hq, D]
             k = self.k_norm.forward(qkv[:, Hq * D : (Hq + Hkv) * D].view(T, Hkv, D))  # [T, Hkv, D]
             q, k = RotaryEmbedding.apply(cos_sin, q, k)
-        o = backend.forward(q, k, v, k_pool, v_pool, plan, self.scale)              # [T, Hq, D]
-        return self.o_proj.forward(o.reshape(T, -1))
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -81,18 +81,22 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, hf_config: object, dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(self, arch: ModelArch, hf_config: object, dtype: torch.dtype, max_positions: int,
+                 small_batch_max_tokens: int = MAX_ROWS) -> None:
         super().__init__()
+        if not 0 <= small_batch_max_tokens <= MAX_ROWS:
+            raise ValueError(f"small_batch_max_tokens must be in [0, {MAX_ROWS}], got {small_batch_max_tokens}")
         self.arch = arch
+        self.small_batch_max_tokens = small_batch_max_tokens
         self.embed_tokens, self.lm_head_weight = embedding_and_head(   # lm_head_weight: [V, hidden]
             arch.vocab_size, arch.hidden_size, arch.tie_word_embeddings, dtype)
         self.layers = nn.ModuleList(DecoderLayer(arch, dtype) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         inv_freq, scaling = rope_inv_freq(hf_config, arch.head_dim)
         self.rope = RotaryEmbedding(inv_freq, scaling, max_positions, dtype)
-        # The C-op layer loop for few-token float32 passes: None = not bound yet, False = does
-        # not apply to this model (see _small_batch_layers).
-        self._small_batch: SmallBatchLayers | bool | None = None
+        # The layers bound to the C ops for few-token float32 passes: None = not bound yet,
+        # False = they do not apply to this model (see _c_layer_ops).
+        self._c_ops: CLayerOps | bool | None = None
 
     @torch.inference_mode()
     def forward(
@@ -109,49 +113,42 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)                                       # [T, hidden]
         cos_sin = self.rope.tables(positions)
         x = self.layers[0].input_layernorm.forward(h)                           # [T, hidden]
-        small = self._small_batch_layers(h)
-        if small is not None:  # few tokens, float32 on CPU: the same ops, called by address
-            h += small.run(h, x, cos_sin, k_pools, v_pools, backend, plan, layer_hook)
-        else:
-            self._run_layers(h, x, cos_sin, k_pools, v_pools, backend, plan, layer_hook)
+        c_ops = self._c_layer_ops(h)
+        # few tokens, float32 on CPU: the same ops, called by address; else the modules' ops
+        ops = c_ops.begin_pass(h, x, cos_sin) if c_ops is not None else ModuleLayerOps(self.layers, h, x, cos_sin)
+        self._run_layers(ops, k_pools, v_pools, backend, plan, layer_hook)   # h updated in place
         last = self.norm.forward(h[logits_indices])                                    # [S, hidden]
         logits = linear(last, self.lm_head_weight).float()                   # [S, V]
         return logits, last
 
     def _run_layers(
         self,
-        h: torch.Tensor,                # [T, hidden] residual stream, updated in place
-        x: torch.Tensor,                # [T, hidden] layer 0's input norm of h
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        k_pools: list[torch.Tensor],
+        ops: LayerOps,                  # the pass's ops over its residual stream (updated in place)
+        k_pools: list[torch.Tensor],    # per layer [N, Hkv, P, D]
         v_pools: list[torch.Tensor],
         backend: AttentionBackend,
         plan: object,
         layer_hook: LayerHook | None,
     ) -> None:
-        # Submodules are called through .forward: nn.Module.__call__'s hook machinery costs a few
-        # microseconds per call, ~300 calls per pass, and no hooks are ever registered here.
-        # The residual stream h is updated in place by add_rms_norm (h += delta, then the norm):
-        # one pass per layer boundary instead of an add and a norm.
-        layers = self.layers
-        for i, layer in enumerate(layers):
-            a = layer.self_attn.forward(x, cos_sin, k_pools[i], v_pools[i], backend, plan)
+        """The decoder layers, the one loop of both ops objects (pdserve/model/layer_ops.py)."""
+        scale = self.layers[0].self_attn.scale  # every layer has the same head_dim
+        for i in range(len(self.layers)):
+            q, k, v = ops.qkv(i)                                               # [T, Hq|Hkv, D] of x
+            a = backend.forward(q, k, v, k_pools[i], v_pools[i], plan, scale)  # [T, Hq, D]
+            ops.attn_out(i, a)                                                 # o_proj
             if layer_hook is not None:
                 layer_hook(i)
-            x = layer.post_attention_layernorm.add_forward(h, a)                # h += a; norm(h)
-            m = layer.mlp.forward(x)
-            if i + 1 < len(layers):
-                x = layers[i + 1].input_layernorm.add_forward(h, m)             # h += m; norm(h)
-            else:
-                h += m
+            ops.mlp(i)             # h += o; x = norm(h); h += mlp(x); x = next layer's input norm(h)
 
-    def _small_batch_layers(self, h: torch.Tensor) -> SmallBatchLayers | None:
-        """The bound C-op layer loop for this pass, or None (module path). Bound on first use and
-        again whenever a weight's storage changed; a model it does not apply to is asked once."""
-        small = self._small_batch
-        if small is None or (small is not False and not small.still_bound()):
-            small = self._small_batch = SmallBatchLayers.bind(self.layers, self.arch.rms_norm_eps) or False
-        return small if small is not False and small.accepts(h) else None
+    def _c_layer_ops(self, h: torch.Tensor) -> CLayerOps | None:
+        """The layers bound to the C ops if they take this pass, else None (module ops). Bound on
+        first use and again whenever a weight's storage changed; a model they do not apply to is
+        asked once."""
+        c_ops = self._c_ops
+        if c_ops is None or (c_ops is not False and not c_ops.still_bound()):
+            c_ops = self._c_ops = CLayerOps.bind(self.layers, self.arch.rms_norm_eps,
+                                                 self.small_batch_max_tokens) or False
+        return c_ops if c_ops is not False and c_ops.accepts(h) else None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into our layout.

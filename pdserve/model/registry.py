@@ -1,4 +1,4 @@
-"""Which model class runs a checkpoint: `build_model(arch, hf_config, dtype, max_model_len)`.
+"""Which model class runs a checkpoint: `build_model(arch, hf_config, dtype, max_model_len, ...)`.
 
 The class is chosen by the checkpoint's family (read from its config's model_type into
 `ModelArch.family`); the config's `architectures` must name a causal-LM head we implement. Every
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdserve.kernels.ops.linear import MAX_ROWS
 from pdserve.model.arch import ModelArch
 from pdserve.model.gemma3 import Gemma3ForCausalLM
 from pdserve.model.llama import LlamaForCausalLM
@@ -48,8 +49,12 @@ def model_class(arch: ModelArch, hf_config: object) -> type[nn.Module]:
     return cls
 
 
-def build_model(arch: ModelArch, hf_config: object, dtype: torch.dtype, max_model_len: int) -> nn.Module:
-    """An empty model (weights not loaded) for `arch`, with rotary tables for max_model_len positions."""
+def build_model(arch: ModelArch, hf_config: object, dtype: torch.dtype, max_model_len: int,
+                small_batch_max_tokens: int = MAX_ROWS) -> nn.Module:
+    """An empty model (weights not loaded) for `arch`, with rotary tables for max_model_len positions;
+    passes of at most small_batch_max_tokens float32 tokens run the C-op layer ops where the
+    model has them (EngineConfig.small_batch_max_tokens; 0: never)."""
     if max_model_len < 1:
         raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-    return model_class(arch, hf_config)(arch, hf_config, dtype, max_model_len)
+    return model_class(arch, hf_config)(arch, hf_config, dtype, max_model_len,
+                                        small_batch_max_tokens=small_batch_max_tokens)

@@ -5,53 +5,36 @@ That product is bound by reading the weights once; torch's CPU GEMM does not beh
 for 2-32 rows (measured here: 2 rows cost 2x one row, 3 rows 2.7x). csrc/small_linear.c reads
 each weight row once per call and reuses it for every input row. It is used when
 
-- x is a float32 CPU matrix [M, K] with unit column stride and M <= `max_rows()`,
+- x is a float32 CPU matrix [M, K] with unit column stride and M <= `MAX_ROWS` (32),
 - the weight is a contiguous float32 CPU [N, K] (the nn.Linear layout), bias float32 [N] or None,
 - the kernel module is built (`available()`); otherwise, and for everything else, F.linear runs.
 
 Numerics: every output element is summed in one fixed order regardless of M, so a sequence's
 logits do not depend on which other sequences share its decode step; the order differs from
 MKL's, so results differ from F.linear by float32 rounding (a few ulp of the dot product).
-`PDSERVE_SMALL_LINEAR_ROWS=0` turns the kernel off (F.linear always); a number sets `max_rows()`.
+The C layer loop (pdserve/model/layer_ops.py, EngineConfig.small_batch_max_tokens) calls the
+same kernel for passes of at most MAX_ROWS tokens, which is why its results match this path's.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.ops.native import available, lib as _lib, unavailable_reason
 
-__all__ = ["available", "linear", "max_rows", "small_linear", "unavailable_reason"]
+__all__ = ["MAX_ROWS", "available", "linear", "max_rows", "small_linear", "unavailable_reason"]
 
 # Up to this many rows the kernel beats or matches MKL on this machine (bench/linear_kernels.py,
 # bench/results/linear_kernels.md): at 32 rows equal on 1 thread, 1.3-1.5x faster on 2 threads
 # (MKL scales poorly across threads at these shapes); from 48 rows on 1 thread MKL wins.
-_DEFAULT_MAX_ROWS = 32
+MAX_ROWS = 32
 _F32 = torch.float32
 
 
-def _max_rows_from_env() -> int:
-    raw = os.environ.get("PDSERVE_SMALL_LINEAR_ROWS")
-    if raw is None:
-        return _DEFAULT_MAX_ROWS
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"PDSERVE_SMALL_LINEAR_ROWS must be an integer >= 0, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"PDSERVE_SMALL_LINEAR_ROWS must be an integer >= 0, got {raw!r}")
-    return value
-
-
-_MAX_ROWS = _max_rows_from_env()
-
-
 def max_rows() -> int:
-    """Largest M that goes to the C kernel (0: never)."""
-    return _MAX_ROWS if _lib is not None else 0
+    """Largest M that goes to the C kernel: MAX_ROWS, or 0 when the kernel is not built."""
+    return MAX_ROWS if _lib is not None else 0
 
 
 def small_linear(
@@ -105,7 +88,7 @@ def linear(
         x.dtype is _F32
         and weight.dtype is _F32
         and x.dim() == 2
-        and x.shape[0] <= _MAX_ROWS
+        and x.shape[0] <= MAX_ROWS
         and _lib is not None
         and x.is_cpu
         and weight.is_cpu
