@@ -13,7 +13,7 @@ Cache state: a model has ~30 layers, each with its own pool, so a layer's pages 
 not in cache when its attention runs. The benchmark therefore cycles through several pools
 ("layers") whose total size is well above the L3 cache, and for decode also rotates disjoint
 page sets, for both implementations. Pools are anonymous mappings on transparent huge pages
-(fabric.hostmem), as the engine allocates its KV pool.
+(pdserve.engine.cache.hostmem), as the engine allocates its KV pool.
 
 KV-cache dtype section: batch-32 decode at context 320 and 512 over 30 distinct layers' pools
 per dtype, the three dtype pairs called round-robin (one call each per round, so load and
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 
-from fabric.hostmem import alloc_tensor  # noqa: E402
+from pdserve.engine.cache.hostmem import alloc_tensor  # noqa: E402
 from pdserve.kernels.attention import cpu_kernels  # noqa: E402
 
 logger = logging.getLogger(__name__)

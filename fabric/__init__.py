@@ -2,23 +2,29 @@
 
 One-sided RDMA writes with 32-bit immediate data through libfabric
 (providers: efa and verbs;ofi_rxm in production, tcp;ofi_rxm and shm
-elsewhere, same code path). It knows nothing about what the bytes mean.
+elsewhere, same code path). It knows nothing about what the bytes mean,
+imports nothing else of this repository, and never allocates the memory it
+registers (the engine owns its KV pool: pdserve.engine.cache.hostmem).
 
-Public API:
+Public API (the only names other packages import):
     TransferEngine(config) -> register / deregister / connect / disconnect /
         write_pages / write_pages_sync / send / wait_peer_gone / close, plus
-        .imm_counter
-    FabricConfig, MemoryRegion, RemoteDescriptor, PeerDescriptor,
-    ImmCounter, FabricError, SyncResult, TransferBackend, HostBuffer, alloc_buffer,
-    alloc_tensor
+        .imm_counter and stats()
+    FabricConfig, FabricError, MemoryRegion, RemoteDescriptor, PeerDescriptor,
+    ImmCounter, IMM_TAG_MAX (the largest immediate-data tag)
+
+Inside (fabric's own tests and benchmark may name these): backend
+(TransferBackend, the transport interface and its ownership / threading
+rules; SyncResult, what write_pages_sync returns), engine (the facade),
+endpoint, regions, writes, peers, protocol, control (wire format), stale,
+imm, memory, liveness, shmclean, errors.
 """
 
-from fabric.backend import SyncResult, TransferBackend
 from fabric.config import FabricConfig
 from fabric.descriptors import PeerDescriptor, RemoteDescriptor
 from fabric.errors import FabricError
-from fabric.imm import ImmCounter
-from fabric.memory import HostBuffer, MemoryRegion, alloc_buffer, alloc_tensor
+from fabric.imm import IMM_TAG_MAX, ImmCounter
+from fabric.memory import MemoryRegion
 
 
 def __getattr__(name: str):
@@ -32,16 +38,12 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "IMM_TAG_MAX",
     "FabricConfig",
     "FabricError",
-    "HostBuffer",
     "ImmCounter",
     "MemoryRegion",
     "PeerDescriptor",
     "RemoteDescriptor",
-    "SyncResult",
-    "TransferBackend",
     "TransferEngine",
-    "alloc_buffer",
-    "alloc_tensor",
 ]

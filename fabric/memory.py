@@ -1,7 +1,9 @@
 """Registered memory: the local MemoryRegion handle and how a buffer is addressed.
 
-The allocator for registered pools (huge pages) lives in fabric.hostmem and is
-re-exported here: ``fabric.memory.alloc_buffer``, ``fabric.memory.alloc_tensor``.
+fabric registers memory it is handed and never allocates it: the owner (the
+engine's KV pool, the KV messenger's staging buffers: pdserve.engine.cache.hostmem)
+passes a writable buffer-protocol object, or the (address, length) of memory it
+keeps alive itself.
 """
 
 from __future__ import annotations
@@ -10,9 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fabric.descriptors import RemoteDescriptor
-from fabric.hostmem import HUGE_PAGE_BYTES, HostBuffer, alloc_buffer, alloc_tensor
 
-__all__ = ["HUGE_PAGE_BYTES", "HostBuffer", "MemoryRegion", "alloc_buffer", "alloc_tensor", "buffer_address"]
+__all__ = ["MemoryRegion", "buffer_address"]
 
 
 @dataclass(eq=False)
@@ -44,23 +45,19 @@ class MemoryRegion:
 def buffer_address(obj: Any) -> tuple[int, int, Any]:
     """(address, length, keepalive) of an object exposing a writable buffer.
 
-    Accepts HostBuffer, bytearray, mmap, numpy arrays (C-contiguous) and
-    anything else with the buffer protocol. Tensors without the buffer
-    protocol are registered by (address, length) instead (``data_ptr()``,
-    ``nbytes``).
+    Accepts bytearray, mmap, memoryview (e.g. a host buffer's ``view``), numpy
+    arrays (C-contiguous) and anything else with the buffer protocol. Tensors
+    without the buffer protocol are registered by (address, length) instead
+    (``data_ptr()``, ``nbytes``).
     """
     from fabric._libfabric import ffi
-
-    if isinstance(obj, HostBuffer):
-        address, nbytes, keepalive = buffer_address(obj.view)
-        return address, nbytes, (obj, keepalive)
 
     try:
         view = memoryview(obj)
     except TypeError as exc:
         raise TypeError(
-            f"cannot register {type(obj).__name__}: no buffer protocol; "
-            "register by address=..., length=... instead"
+            f"cannot register {type(obj).__name__}: no buffer protocol; pass a buffer "
+            "(a host buffer's .view) or register by address=..., length=... instead"
         ) from exc
     if view.readonly:
         raise ValueError(f"cannot register {type(obj).__name__}: buffer is read-only")

@@ -7,9 +7,16 @@ slot: [hidden_size float32][k int32 token ids][k float32 logprobs]
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from fabric import MemoryRegion
+from pdserve.engine.cache.hostmem import HostBuffer, alloc_buffer
+
+if TYPE_CHECKING:  # the engine class needs the compiled extension; this module does not
+    from fabric import TransferEngine
 
 
 @dataclass(frozen=True)
@@ -21,8 +28,8 @@ class Context:
 
 @dataclass
 class _Staging:
-    buffer: object                # a fabric.HostBuffer
-    region: object                # its fabric.MemoryRegion
+    buffer: HostBuffer            # owned here; the fabric registers its view
+    region: MemoryRegion          # the registration of buffer.view
     array: np.ndarray             # uint8 view
 
 
@@ -35,12 +42,10 @@ class ContextCodec:
     def slot_offset(self, slot: int) -> int:
         return slot * self.slot_nbytes
 
-    def alloc_staging(self, fabric_engine, slots: int) -> _Staging:
+    def alloc_staging(self, fabric_engine: TransferEngine, slots: int) -> _Staging:
         """A registered buffer of `slots` context slots (sender staging or receiver landing area)."""
-        from fabric import alloc_buffer
-
         buf = alloc_buffer(slots * self.slot_nbytes, huge_pages=False)
-        region = fabric_engine.register(buf)
+        region = fabric_engine.register(buf.view)
         return _Staging(buf, region, buf.numpy())
 
     def encode_into(self, staging: _Staging, slot: int, hidden: torch.Tensor, logits: torch.Tensor) -> None:

@@ -1,5 +1,5 @@
 /*
- * fi_bench.c - reference for `python -m fabric.bench`: windowed fi_writedata
+ * fi_bench.c - reference for bench/fabric_transfer.py: windowed fi_writedata
  * between two processes, written directly against libfabric.
  *
  * The process forks: the child receives (registers a pool, busy-polls its CQ
@@ -111,7 +111,7 @@ static void xread(int fd, void *buf, size_t len)
 #define HUGE_BYTES (2ull << 20)
 
 /* Anonymous memory; with `huge`, a 2 MiB aligned window advised
- * MADV_HUGEPAGE (the same recipe as fabric.hostmem.alloc_buffer). */
+ * MADV_HUGEPAGE (the same recipe as pdserve.engine.cache.hostmem.alloc_buffer). */
 static char *alloc_pool(size_t bytes, int huge)
 {
     size_t extra = huge ? HUGE_BYTES : 0;

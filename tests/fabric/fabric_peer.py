@@ -26,11 +26,12 @@ def digest(buf: memoryview, offset: int, length: int) -> str:
 
 
 def _serve(conn: Any, config: FabricConfig, pool_bytes: int, netns: str | None) -> None:
-    from fabric import TransferEngine, alloc_buffer
+    from fabric import TransferEngine
+    from pdserve.engine.cache.hostmem import alloc_buffer
 
     engine = TransferEngine(config)
     pool = alloc_buffer(pool_bytes)
-    region = engine.register(pool)
+    region = engine.register(pool.view)
     fired: dict[int, int] = {}
     fired_lock = threading.Lock()
 

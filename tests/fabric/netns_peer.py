@@ -19,7 +19,8 @@ import threading
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
 
-from fabric import FabricConfig, TransferEngine, alloc_buffer  # noqa: E402
+from fabric import FabricConfig, TransferEngine  # noqa: E402
+from pdserve.engine.cache.hostmem import alloc_buffer  # noqa: E402
 
 POOL = 32 << 20
 TAG = 0x5EED
@@ -50,7 +51,7 @@ def main() -> int:
     batches = plan(seed)
     with TransferEngine(config) as engine:
         pool = alloc_buffer(POOL)
-        region = engine.register(pool)
+        region = engine.register(pool.view)
         if role == "receive":
             fired = threading.Event()
             engine.imm_counter.expect(TAG, len(batches), lambda tag: fired.set())

@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from fabric import FabricConfig, TransferEngine, alloc_buffer
+from fabric import FabricConfig, TransferEngine
+from pdserve.engine.cache.hostmem import alloc_buffer
 
 KiB = 1024
 MiB = 1 << 20
@@ -44,7 +45,7 @@ def engines(provider: str):
         made.extend((a, b))
         src_buf, dst_buf = alloc_buffer(8 * MiB), alloc_buffer(8 * MiB)
         src_buf.numpy()[:] = np.random.default_rng(1).integers(0, 256, 8 * MiB, dtype=np.uint8)
-        return a, b, src_buf, dst_buf, a.register(src_buf), b.register(dst_buf)
+        return a, b, src_buf, dst_buf, a.register(src_buf.view), b.register(dst_buf.view)
 
     made: list[TransferEngine] = []
     yield make

@@ -8,9 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from fabric import FabricConfig, FabricError, ImmCounter, TransferEngine, alloc_buffer
+from fabric import FabricConfig, FabricError, ImmCounter, TransferEngine
 from fabric.errors import fi_strerror
 from fabric_peer import PeerProcess
+from pdserve.engine.cache.hostmem import alloc_buffer
 
 MiB = 1 << 20
 
@@ -24,8 +25,8 @@ def pair(provider: str):
     config = FabricConfig(provider=provider, node="127.0.0.1")
     a = TransferEngine(config)
     b = TransferEngine(config)
-    src = a.register(alloc_buffer(MiB, huge_pages=False))
-    dst = b.register(alloc_buffer(MiB, huge_pages=False))
+    src = a.register(alloc_buffer(MiB, huge_pages=False).view)
+    dst = b.register(alloc_buffer(MiB, huge_pages=False).view)
     yield a, b, src, dst
     a.close()
     b.close()
@@ -79,7 +80,7 @@ def test_unregistered_memory_is_refused(pair) -> None:
         a.write_pages(dst, [0], dst.descriptor, [0], [4096], 5, _never, _never)
     assert fi_strerror(info.value.code) in str(info.value)
     # a deregistered region
-    extra = a.register(alloc_buffer(MiB))
+    extra = a.register(alloc_buffer(MiB).view)
     a.deregister(extra)
     with pytest.raises(FabricError, match="deregistered"):
         a.write_pages(extra, [0], dst.descriptor, [0], [4096], 5, _never, _never)
@@ -89,14 +90,14 @@ def test_unregistered_memory_is_refused(pair) -> None:
 @pytest.mark.timeout(30)
 def test_stale_descriptors_in_process(pair, provider: str) -> None:
     a, b, src, dst = pair
-    other = b.register(alloc_buffer(MiB))
+    other = b.register(alloc_buffer(MiB).view)
     stale_region = other.descriptor
     b.deregister(other)
     with pytest.raises(FabricError, match="region .* was deregistered") as info:
         a.write_pages(src, [0], stale_region, [0], [4096], 5, _never, _never)
     assert info.value.code == 2  # FI_ENOENT
     c = TransferEngine(FabricConfig(provider=provider, node="127.0.0.1"))
-    gone = c.register(alloc_buffer(MiB)).descriptor
+    gone = c.register(alloc_buffer(MiB).view).descriptor
     c.close()
     with pytest.raises(FabricError, match="engine .* is closed"):
         a.write_pages(src, [0], gone, [0], [4096], 5, _never, _never)
@@ -110,7 +111,7 @@ def test_stale_descriptors_from_another_process(provider: str) -> None:
     engine = TransferEngine(config)
     peer = PeerProcess.start(config, MiB)
     try:
-        src = engine.register(alloc_buffer(MiB))
+        src = engine.register(alloc_buffer(MiB).view)
         done = threading.Event()
         engine.write_pages(src, [0], peer.descriptor, [0], [4096], 5, done.set, _never)
         assert done.wait(10)
@@ -149,7 +150,7 @@ def test_stale_descriptor_refused_by_a_writer_that_connects_later(provider: str)
     try:
         stale = owner.descriptor  # obtained before the deregistration, never used yet
         owner.call("deregister")
-        src = engine.register(alloc_buffer(MiB))
+        src = engine.register(alloc_buffer(MiB).view)
         with pytest.raises(FabricError, match="was deregistered") as info:
             engine.write_pages(src, [0], stale, [0], [4096], 5, _never, _never)
         assert info.value.code == 2  # FI_ENOENT

@@ -9,8 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from fabric import FabricConfig, FabricError, TransferEngine, alloc_buffer
+from fabric import FabricConfig, FabricError, TransferEngine
 from fabric_peer import PeerProcess, digest
+from pdserve.engine.cache.hostmem import alloc_buffer
 
 MiB = 1 << 20
 
@@ -41,7 +42,7 @@ def test_receiver_killed_mid_transfer_fails_every_batch(provider: str) -> None:
     engine = TransferEngine(config)
     try:
         src = alloc_buffer(32 * MiB)
-        region = engine.register(src)
+        region = engine.register(src.view)
         out = _Outcomes()
         page = 256 * 1024
         offs = np.arange(32, dtype=np.uint64) * page
@@ -91,7 +92,7 @@ def test_other_peers_keep_working_after_one_dies(provider: str) -> None:
     try:
         src = alloc_buffer(32 * MiB)
         src.numpy()[:] = np.arange(32 * MiB, dtype=np.uint64).astype(np.uint8)
-        region = engine.register(src)
+        region = engine.register(src.view)
         page = 256 * 1024
         offs = np.arange(32, dtype=np.uint64) * page
         lens = np.full(32, page, dtype=np.uint64)
@@ -139,7 +140,7 @@ def test_cancel_then_reuse_only_after_sender_gone(provider: str, how: str) -> No
     sender = PeerProcess.start(config, 8 * MiB)
     try:
         pool = alloc_buffer(8 * MiB)
-        region = receiver.register(pool)
+        region = receiver.register(pool.view)
         tag = 0xC0FFEE
         fired: list[int] = []
         receiver.imm_counter.expect(tag, 3, fired.append)

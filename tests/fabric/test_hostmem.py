@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from fabric import FabricConfig, TransferEngine, alloc_buffer, alloc_tensor
-from fabric.hostmem import HUGE_PAGE_BYTES, thp_mode
+from fabric import FabricConfig, TransferEngine
+from pdserve.engine.cache.hostmem import HUGE_PAGE_BYTES, alloc_buffer, alloc_tensor, thp_mode
 
 MiB = 1 << 20
 
@@ -57,6 +57,17 @@ def test_alloc_tensor_is_zeroed_and_registrable() -> None:
     assert alloc_tensor((0, 3), torch.float32).shape == (0, 3)
     with pytest.raises(ValueError, match=r"shape=\(2, -1\)"):
         alloc_tensor((2, -1), torch.float32)
+
+
+def test_fabric_registers_the_view_it_is_handed() -> None:
+    # fabric never allocates and knows no HostBuffer: its owner hands over the buffer's view
+    buf = alloc_buffer(MiB, huge_pages=False)
+    with TransferEngine(FabricConfig(provider="shm")) as engine:
+        with pytest.raises(TypeError, match=r"no buffer protocol.*\.view"):
+            engine.register(buf)
+        region = engine.register(buf.view)
+        assert (region.address, region.length) == (buf.address, MiB)
+        engine.deregister(region)
 
 
 def test_bad_sizes_are_refused() -> None:

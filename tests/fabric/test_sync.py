@@ -10,8 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from fabric import FabricConfig, FabricError, SyncResult, TransferEngine, alloc_buffer
+from fabric import FabricConfig, FabricError, TransferEngine
+from fabric.backend import SyncResult
 from fabric_peer import PeerProcess, digest
+from pdserve.engine.cache.hostmem import alloc_buffer
 
 KiB = 1024
 MiB = 1 << 20
@@ -21,7 +23,7 @@ POOL = 16 * MiB
 def _filled(engine: TransferEngine, nbytes: int, seed: int):
     buf = alloc_buffer(nbytes)
     buf.numpy()[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-    return buf, engine.register(buf)
+    return buf, engine.register(buf.view)
 
 
 @pytest.mark.timeout(120)

@@ -9,8 +9,9 @@ import threading
 import numpy as np
 import pytest
 
-from fabric import FabricConfig, FabricError, TransferEngine, alloc_buffer
+from fabric import FabricConfig, FabricError, TransferEngine
 from fabric_peer import PeerProcess, digest
+from pdserve.engine.cache.hostmem import alloc_buffer
 
 POOL = 48 << 20
 KiB = 1024
@@ -95,7 +96,7 @@ def _run_rounds(provider: str, imm_mode: str, rounds: int, seed: int, node: str 
         src_buf = alloc_buffer(64 * MiB)
         src_np = src_buf.numpy()
         src_np[:] = np.random.default_rng(seed).integers(0, 256, src_np.size, dtype=np.uint8)
-        region = engine.register(src_buf)
+        region = engine.register(src_buf.view)
         rng = random.Random(seed)
         total_writes = 0
         for r in range(rounds):

@@ -7,8 +7,9 @@ adjacent in memory, so a run of pages is one contiguous byte range (D13). One bu
 memory registration for the fabric.
 
 Allocation: by default a CPU pool is a fresh anonymous mapping on transparent huge pages
-(fabric.hostmem, standard library only): decode attention reads it 10-30% faster than 4 KiB
-pages, and the fabric registers the same memory (shm transfers ~2x faster from and to huge pages).
+(pdserve.engine.cache.hostmem, standard library only): decode attention reads it 10-30% faster
+than 4 KiB pages, and the fabric registers the same memory (shm transfers ~2x faster from and to
+huge pages).
 Seam: `PagedKVCache(..., allocate=fn)` takes the buffer from `fn(dims, dtype)` instead.
 """
 
@@ -18,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from pdserve.engine.cache.hostmem import alloc_tensor
 
 # allocate(dims, dtype) -> a contiguous CPU tensor of exactly `dims` and `dtype`, zero-filled (or
 # at least finite: slots beyond a sequence's length are read under a mask), that stays where it is
@@ -86,8 +89,8 @@ def _touch_pages(buf: torch.Tensor) -> None:
 def _default_allocate(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                       populate: bool = False) -> torch.Tensor:
     """The default allocator. On the CPU: a fresh anonymous mapping, 2 MiB aligned and advised
-    onto transparent huge pages (fabric.hostmem, the same memory the fabric registers), so it
-    reads as zeros and nothing is committed before it is written.
+    onto transparent huge pages (pdserve.engine.cache.hostmem; the fabric registers this memory),
+    so it reads as zeros and nothing is committed before it is written.
 
     Decode attention streams every sequence's pages from DRAM; on 4 KiB pages each 4 KiB costs a
     TLB entry, and the same kernel runs 10-30% faster on 2 MiB pages here (30 layers of batch-32
@@ -98,8 +101,6 @@ def _default_allocate(dims: tuple[int, ...], dtype: torch.dtype, device: torch.d
     """
     if device.type != "cpu":
         return torch.zeros(dims, dtype=dtype, device=device)
-    from fabric.hostmem import alloc_tensor  # standard library only: no compiled fabric needed
-
     return alloc_tensor(dims, dtype, huge_pages=True, populate=populate)  # the tensor keeps its mapping alive
 
 

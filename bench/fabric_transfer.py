@@ -1,7 +1,7 @@
 """Write bandwidth and latency of TransferEngine next to C and memcpy.
 
-    python -m fabric.bench [--providers shm,tcp;ofi_rxm] [--pages both|huge|normal]
-                           [--bytes N] [--repeat R] [--record]
+    .venv/bin/python bench/fabric_transfer.py [--providers shm,tcp;ofi_rxm] [--pages both|huge|normal]
+                                              [--bytes N] [--sizes S,...] [--repeat R] [--record]
 
 For each provider, page kind (transparent huge pages or normal pages, for
 both sides' pools) and write size (16 KiB, 64 KiB, 256 KiB, 1 MiB) it runs
@@ -26,11 +26,17 @@ window), and prints Python as % of C. It also measures:
 
 With --repeat R every measurement runs R times and the median is kept (all
 values go to the JSON). --record writes bench/results/fabric.md and .json.
+A short check that it runs: --providers shm --pages huge --sizes 65536 --bytes 8388608.
+
+Pools come from the engine's allocator (pdserve.engine.cache.hostmem, as the KV pool does);
+the transport registers their views. Only fabric's public names are used.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import datetime
 import json
 import logging
@@ -40,12 +46,18 @@ import platform
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+
+from fabric import FabricConfig, FabricError, TransferEngine  # noqa: E402
+from pdserve.engine.cache.hostmem import alloc_buffer, thp_mode  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +109,7 @@ def machine() -> dict:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    from fabric._libfabric import lib
-    from fabric.hostmem import thp_mode
-
-    v = lib.fi_version()
+    v = _libfabric_version()
     return {
         "nproc": os.cpu_count(),
         "cpu": model,
@@ -110,6 +119,16 @@ def machine() -> dict:
         "libfabric": f"{v >> 16}.{v & 0xFFFF}",
         "thp": thp_mode(),
     }
+
+
+def _libfabric_version() -> int:
+    """fi_version() of the system libfabric (the one the engine and fi_bench.c link)."""
+    name = ctypes.util.find_library("fabric")
+    if name is None:
+        raise RuntimeError("libfabric not found (ctypes.util.find_library('fabric'))")
+    lib = ctypes.CDLL(name)
+    lib.fi_version.restype = ctypes.c_uint32
+    return int(lib.fi_version())
 
 
 def build_c(tmp: str) -> str:
@@ -142,11 +161,9 @@ def run_copy(exe: str, size: int, total: int, huge: bool) -> dict:
 
 
 def _receiver(conn, provider: str, huge: bool, busy_poll: bool = False) -> None:
-    from fabric import FabricConfig, TransferEngine, alloc_buffer
-
     engine = TransferEngine(FabricConfig(provider=provider, node="127.0.0.1", imm_mode="every", busy_poll=busy_poll))
     pool = alloc_buffer(POOL, huge_pages=huge, populate=True)  # faulted in, as the C side does
-    region = engine.register(pool)
+    region = engine.register(pool.view)
     conn.send((region.descriptor, pool.huge_page_bytes() >> 10))
     while True:
         cmd = conn.recv()
@@ -247,14 +264,12 @@ def _idle_cpu(parent) -> float:
 
 def run_busy(provider: str, size: int, huge: bool) -> dict:
     """Lone-write latency with busy_poll on both engines, and the busy receiver's idle CPU."""
-    from fabric import FabricConfig, TransferEngine, alloc_buffer
-
     proc, parent = _start_receiver(provider, huge, busy_poll=True)
     engine = TransferEngine(FabricConfig(provider=provider, node="127.0.0.1", imm_mode="every", busy_poll=True))
     try:
         dst, _ = parent.recv()
         src_buf = alloc_buffer(POOL, huge_pages=huge, populate=True)
-        src = engine.register(src_buf)
+        src = engine.register(src_buf.view)
         engine.connect(dst.peer)
         _latency_sync(engine, src, dst, size)  # warm-up
         lat, _ = _latency_sync(engine, src, dst, size)
@@ -266,8 +281,6 @@ def run_busy(provider: str, size: int, huge: bool) -> dict:
 
 
 def run_python(provider: str, size: int, total: int, huge: bool) -> dict:
-    from fabric import FabricConfig, TransferEngine, alloc_buffer
-
     proc, parent = _start_receiver(provider, huge, busy_poll=False)
     base = dict(provider=provider, node="127.0.0.1", imm_mode="every", tx_depth=WINDOW)
     engine = TransferEngine(FabricConfig(**base, coalesce=False))
@@ -275,8 +288,8 @@ def run_python(provider: str, size: int, total: int, huge: bool) -> dict:
     try:
         dst, dst_huge_kib = parent.recv()
         src_buf = alloc_buffer(POOL, huge_pages=huge, populate=True)
-        src = engine.register(src_buf)
-        msrc = merger.register(src_buf)
+        src = engine.register(src_buf.view)
+        msrc = merger.register(src_buf.view)
         engine.connect(dst.peer)
         merger.connect(dst.peer)
         # warm-up: first contact (per-peer endpoints, connections) and first CMA of each page
@@ -304,8 +317,6 @@ def run_python(provider: str, size: int, total: int, huge: bool) -> dict:
 
 def memcpy_gbps(size: int, total: int, huge: bool) -> float:
     """numpy copyto of `size` blocks between two pools of the given page kind."""
-    from fabric import alloc_buffer
-
     src_buf = alloc_buffer(POOL, huge_pages=huge, populate=True)
     dst_buf = alloc_buffer(POOL, huge_pages=huge, populate=True)
     src, dst = src_buf.numpy(), dst_buf.numpy()
@@ -320,8 +331,6 @@ def memcpy_gbps(size: int, total: int, huge: bool) -> float:
 
 
 def available(provider: str) -> bool:
-    from fabric import FabricConfig, FabricError, TransferEngine
-
     try:
         TransferEngine(FabricConfig(provider=provider, node="127.0.0.1")).close()
     except FabricError as exc:
@@ -358,7 +367,7 @@ def render(info: dict, rows: list[Row], args: argparse.Namespace) -> str:
     lines = [
         "# fabric benchmark",
         "",
-        f"Command: `python -m fabric.bench --pages {args.pages} --bytes {args.bytes} --repeat {args.repeat}`",
+        f"Command: `python bench/fabric_transfer.py --pages {args.pages} --bytes {args.bytes} --repeat {args.repeat}`",
         "",
         f"Machine: {info['nproc']} cores, {info['cpu']}, kernel {info['kernel']}, libfabric "
         f"{info['libfabric']}, THP `{info['thp']}`; {info['date']}. Load average (1 min) "
@@ -429,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record", action="store_true", help="write bench/results/fabric.md and .json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    import fabric.engine  # noqa: F401  (its FI_TCP_NODELAY default reaches the C runs too)
+    # importing TransferEngine (above) set the engine's FI_TCP_NODELAY default, which the C runs inherit
 
     info = machine()
     kinds = {"both": (False, True), "huge": (True,), "normal": (False,)}[args.pages]

@@ -1,4 +1,9 @@
-"""Host memory for registration: anonymous mappings on transparent huge pages.
+"""Host memory the engine owns: anonymous mappings on transparent huge pages.
+
+The engine's CPU KV pool (kv_cache._default_allocate) and the KV messenger's context staging
+buffers come from here; the transport (fabric) only registers memory it is handed
+(``TransferEngine.register(buf.view)``, or a tensor's ``data_ptr()`` / ``nbytes``) and never
+allocates it.
 
 Huge pages matter to the transports that copy through the kernel (shm moves
 data with process_vm_writev, tcp with socket copies): with 2 MiB pages the
@@ -46,9 +51,9 @@ class HostBuffer:
 
     ``view`` is a writable memoryview of exactly ``nbytes`` bytes (buffer
     protocol: ``np.frombuffer(buf.view)``, ``torch.frombuffer(buf.view)``);
-    the buffer itself also supports ``len``, slicing and slice assignment, and
-    ``TransferEngine.register(buf)``. The mapping lives as long as the buffer
-    or any view, array or tensor made from it.
+    the buffer itself also supports ``len``, slicing and slice assignment. A
+    transport registers ``view`` (``TransferEngine.register(buf.view)``). The
+    mapping lives as long as the buffer or any view, array or tensor made from it.
 
     huge_pages: MADV_HUGEPAGE was applied to a 2 MiB aligned window (the
         kernel may still back parts with small pages: see huge_page_bytes).
