@@ -3,7 +3,15 @@
 The extension binds the system libfabric (Debian: ``libfabric1`` +
 ``libfabric-dev``, 1.17) and compiles our native helper ``csrc/pdf_core.c``
 into it, so that batches of writes are posted and completions polled in C;
-``csrc/pdf_wait.c`` is how its progress thread sleeps and wakes.
+``csrc/pdf_wait.c`` is how its progress thread sleeps and wakes, ``csrc/pdf_shm.c``
+how it survives shm peers that die holding a lock.
+
+The cdef is read, never retyped: pdf_core.c's interface from ``csrc/pdf_core.h`` and the
+wait modes from ``csrc/pdf_wait.h`` (the regions between their ``/* cffi:begin */`` and
+``/* cffi:end */`` lines, native_build.read_cdef), plus the few libfabric names Python uses
+itself (_LIBFABRIC_CDEF, values taken from libfabric's headers by the compiler). Compiler
+flags: native_build.cflags(openmp=False) plus -Wall (below). native_build.py is loaded by
+path, so fabric imports nothing of this repository.
 
 setup.py uses it through ``cffi_modules=["fabric/_ffi_build.py:ffibuilder"]``;
 during development build it in place with::
@@ -14,79 +22,20 @@ during development build it in place with::
 from __future__ import annotations
 
 import os
+import runpy
 import tempfile
 
 from cffi import FFI
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_CSRC = os.path.join(_HERE, "csrc")
+_REPO = os.path.dirname(_HERE)
+_HEADERS = ("pdf_wait.h", "pdf_core.h")  # pdf_core.h's pdf_info.wait_mode holds PDF_WAIT_* values
+_SOURCES = ("pdf_core.c", "pdf_wait.c", "pdf_shm.c")
 
-PDF_CDEF = """
-typedef struct pdf_engine pdf_engine;
-
-typedef struct pdf_event {
-    uint32_t kind;
-    int32_t code;
-    uint64_t id;
-    uint64_t count;
-    uint64_t aux;
-} pdf_event;
-
-typedef struct pdf_info {
-    char provider[64];
-    char fabric[128];
-    char domain[128];
-    uint64_t mr_mode;
-    uint64_t tx_size;
-    uint64_t rx_size;
-    uint64_t tx_credits;
-    uint64_t max_msg_size;
-    uint64_t inject_size;
-    uint64_t cq_data_size;
-    uint32_t wait_mode;
-    uint32_t delivery_complete;
-    uint32_t addrlen;
-    uint8_t addr[256];
-} pdf_info;
-
-#define PDF_EV_BATCH_DONE 1
-#define PDF_EV_BATCH_FAILED 2
-#define PDF_EV_IMM 3
-#define PDF_EV_RECV 4
-#define PDF_EV_SEND_DONE 5
-#define PDF_EV_SEND_FAILED 6
-#define PDF_EV_PEER_FAILED 7
-#define PDF_EV_CQ_ERROR 8
-
-#define PDF_IMM_NONE 0
-#define PDF_IMM_LAST 1
-#define PDF_IMM_EVERY 2
-
-#define PDF_IMM_TAG_MAX ...
-#define PDF_IMM_UNIT_MAX ...
-
-#define PDF_BAD_SHORT 1
-#define PDF_BAD_LONG 2
-#define PDF_BAD_SRC 3
-#define PDF_BAD_DST 4
-
-typedef struct pdf_sync_result {
-    int64_t writes;
-    uint32_t status;
-    int32_t code;
-    uint64_t missing;
-    uint64_t spin_ns;
-    uint32_t rounds;
-    uint32_t slept;
-} pdf_sync_result;
-
-#define PDF_SYNC_DONE 1
-#define PDF_SYNC_FAILED 2
-#define PDF_SYNC_TIMEOUT 3
-
-#define PDF_WAIT_SLEEP 0
-#define PDF_WAIT_FD 1
-#define PDF_WAIT_BELL 2
-
+# libfabric's own names that fabric's Python code uses (error codes, MR mode bits, two
+# functions); `...`: cffi asks the compiler for each value from the headers included below.
+_LIBFABRIC_CDEF = """
 #define FI_MR_LOCAL ...
 #define FI_MR_VIRT_ADDR ...
 #define FI_MR_ALLOCATED ...
@@ -107,67 +56,40 @@ typedef struct pdf_sync_result {
 
 const char *fi_strerror(int errnum);
 uint32_t fi_version(void);
-
-const char *pdf_strerror(int code);
-int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv,
-             uint32_t msg_size, uint32_t spin_us, uint32_t busy_spin_us, uint32_t sleep_max_us,
-             uint32_t peer_timeout_ms, int delivery_complete, int busy_poll, const char *bell_name,
-             pdf_engine **out, char *err, size_t errlen);
-int pdf_get_info(pdf_engine *e, pdf_info *out);
-int pdf_mr_reg(pdf_engine *e, uint64_t addr, uint64_t len, uint64_t *key_out,
-               uint64_t *desc_out, uint64_t *mr_out);
-int pdf_mr_close(pdf_engine *e, uint64_t mr);
-int pdf_av_insert(pdf_engine *e, const uint8_t *addr, uint64_t *fi_addr_out);
-int pdf_av_remove(pdf_engine *e, uint64_t fi_addr);
-int64_t pdf_submit_writes(pdf_engine *e, uint64_t id, uint64_t peer, uint64_t local_base,
-                          uint64_t desc, uint64_t remote_base, uint64_t rkey,
-                          const uint64_t *src, const uint64_t *dst, const uint64_t *len,
-                          uint32_t n, uint32_t imm, int imm_mode, uint64_t max_write,
-                          int coalesce);
-int pdf_write_sync(pdf_engine *e, uint64_t id, uint64_t peer, uint64_t local_base, uint64_t desc,
-                   uint64_t remote_base, uint64_t rkey, const uint64_t *src, const uint64_t *dst,
-                   const uint64_t *len, uint32_t n, uint32_t imm, int imm_mode, uint64_t max_write,
-                   int coalesce, uint32_t spin_us, int64_t timeout_us, pdf_sync_result *res);
-int64_t pdf_check_writes(const uint64_t *src, const uint64_t *dst, const uint64_t *len, uint32_t n,
-                         uint64_t src_size, uint64_t dst_size, uint64_t max_len, int *what, uint64_t *total);
-int pdf_submit_send(pdf_engine *e, uint64_t id, uint64_t peer, const uint8_t *data, uint32_t len);
-const uint8_t *pdf_recv_buf(pdf_engine *e, uint32_t slot);
-void pdf_recv_release(pdf_engine *e, uint32_t slot);
-int pdf_fail_peer(pdf_engine *e, uint64_t peer, int code, pdf_event *ev, int cap);
-int pdf_fail_all(pdf_engine *e, int code, pdf_event *ev, int cap);
-uint64_t pdf_outstanding(pdf_engine *e);
-void pdf_stop(pdf_engine *e);
-void pdf_poke(pdf_engine *e);
-int pdf_peer_local(pdf_engine *e, uint64_t peer, int pid, const char *bell_name);
-uint64_t pdf_locks_released(pdf_engine *e);
-int pdf_progress(pdf_engine *e, pdf_event *ev, int cap, int64_t timeout_us);
-void pdf_close_ep(pdf_engine *e);
-void pdf_close(pdf_engine *e);
 """
 
+_PREAMBLE = """
+#include <rdma/fabric.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_errno.h>
 
-def _source() -> str:
-    with open(os.path.join(_HERE, "csrc", "pdf_core.c"), encoding="utf-8") as f:
-        return f.read()
+#include "pdf_wait.h"
+#include "pdf_core.h"
+"""
 
-
-_C_FILES = ("pdf_wait.c", "pdf_shm.c")
+# Addition to the common flags: warnings on (fabric's C and its cffi wrapper are -Wall clean).
+_EXTRA_COMPILE_ARGS = ["-Wall"]
 
 
 def make_builder(absolute_sources: bool) -> FFI:
-    """The FFI builder. setuptools wants the extra C files relative to its working directory
+    """The FFI builder. setuptools wants the C files relative to its working directory
     (the repository root; it refuses absolute paths); cffi's own compile() runs in a temporary
     directory and needs them absolute."""
-    paths = [os.path.join(_HERE, "csrc", name) for name in _C_FILES]
+    # native_build.py by path: setuptools runs this file before any package here is importable,
+    # and fabric must not import anything of this repository.
+    native_build = runpy.run_path(os.path.join(_REPO, "native_build.py"))
+    compile_args, link_args = native_build["cflags"](openmp=False)
+    paths = [os.path.join(_CSRC, name) for name in _SOURCES]
     builder = FFI()
-    builder.cdef(PDF_CDEF)
+    builder.cdef("".join(native_build["read_cdef"](os.path.join(_CSRC, h)) for h in _HEADERS) + _LIBFABRIC_CDEF)
     builder.set_source(
         "fabric._libfabric",
-        _source(),
+        _PREAMBLE,
         sources=paths if absolute_sources else [os.path.relpath(p) for p in paths],
-        include_dirs=[os.path.join(_HERE, "csrc")],
+        include_dirs=[_CSRC],
         libraries=["fabric"],
-        extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"],
+        extra_compile_args=[*compile_args, *_EXTRA_COMPILE_ARGS],
+        extra_link_args=link_args,
     )
     return builder
 

@@ -17,7 +17,8 @@
  * posted operations) and coalescing never changes what it expects.
  *
  * This file is compiled into the cffi extension fabric._libfabric by
- * fabric/_ffi_build.py; its public functions are declared there (PDF_CDEF).
+ * fabric/_ffi_build.py; its interface is declared once, in pdf_core.h, which
+ * is also the builder's cdef.
  */
 #include <errno.h>
 #include <poll.h>
@@ -39,74 +40,15 @@
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
 
+#include "pdf_core.h"
 #include "pdf_shm.h"
 #include "pdf_wait.h"
 
-#define PDF_EV_BATCH_DONE 1
-#define PDF_EV_BATCH_FAILED 2
-#define PDF_EV_IMM 3
-#define PDF_EV_RECV 4
-#define PDF_EV_SEND_DONE 5
-#define PDF_EV_SEND_FAILED 6
-#define PDF_EV_PEER_FAILED 7
-#define PDF_EV_CQ_ERROR 8
-
-#define PDF_IMM_NONE 0
-#define PDF_IMM_LAST 1
-#define PDF_IMM_EVERY 2
-
-#define PDF_ADDR_MAX 256
 #define PDF_CQ_BATCH 64
 
-#define PDF_BAD_SHORT 1
-#define PDF_BAD_LONG 2
-#define PDF_BAD_SRC 3
-#define PDF_BAD_DST 4
-
-#define PDF_SYNC_PENDING 0
-#define PDF_SYNC_DONE 1
-#define PDF_SYNC_FAILED 2
-#define PDF_SYNC_TIMEOUT 3
-
-typedef struct pdf_sync_result {
-    int64_t writes;     /* writes the batch became (after coalescing and splitting) */
-    uint32_t status;    /* PDF_SYNC_DONE / _FAILED / _TIMEOUT */
-    int32_t code;       /* FAILED: the error */
-    uint64_t missing;   /* FAILED: writes not completed */
-    uint64_t spin_ns;   /* time the caller spent running progress rounds */
-    uint32_t rounds;    /* progress rounds it ran */
-    uint32_t slept;     /* 1 if it had to sleep (the spin budget ran out) */
-} pdf_sync_result;
-
-#define PDF_IMM_UNIT_BITS 8
-#define PDF_IMM_UNIT_MAX ((1u << PDF_IMM_UNIT_BITS) - 1)
-#define PDF_IMM_TAG_MAX ((1u << (32 - PDF_IMM_UNIT_BITS)) - 1)
-
-
-typedef struct pdf_event {
-    uint32_t kind;
-    int32_t code;
-    uint64_t id;
-    uint64_t count;
-    uint64_t aux;
-} pdf_event;
-
-typedef struct pdf_info {
-    char provider[64];
-    char fabric[128];
-    char domain[128];
-    uint64_t mr_mode;
-    uint64_t tx_size;
-    uint64_t rx_size;
-    uint64_t tx_credits;
-    uint64_t max_msg_size;
-    uint64_t inject_size;
-    uint64_t cq_data_size;
-    uint32_t wait_mode;
-    uint32_t delivery_complete;
-    uint32_t addrlen;
-    uint8_t addr[PDF_ADDR_MAX];
-} pdf_info;
+/* The immediate-data layout of pdf_core.h, spelled as literals there for cffi. */
+_Static_assert(PDF_IMM_UNIT_MAX == (1u << PDF_IMM_UNIT_BITS) - 1, "PDF_IMM_UNIT_MAX");
+_Static_assert(PDF_IMM_TAG_MAX == (1u << (32 - PDF_IMM_UNIT_BITS)) - 1, "PDF_IMM_TAG_MAX");
 
 enum { OP_WRITE = 1, OP_SEND = 2, OP_RECV = 3 };
 
@@ -178,7 +120,7 @@ typedef struct pdf_peer {
     int has_pidfd;
 } pdf_peer;
 
-typedef struct pdf_engine {
+struct pdf_engine {
     pthread_mutex_t lock;
     int waiters; /* threads other than progress waiting for the lock */
     pdf_waiter waiter;
@@ -248,7 +190,7 @@ typedef struct pdf_engine {
     pdf_event *defer;
     uint32_t ndefer, cap_defer;
     uint32_t sync_waiters; /* callers inside pdf_write_sync (pdf_close waits for them) */
-} pdf_engine;
+};
 
 /* Other threads take the lock through here: the progress thread, which
  * re-takes the lock in a tight loop, steps aside while someone waits (a
@@ -949,28 +891,24 @@ static int open_cq(pdf_engine *e, struct fi_cq_attr *attr, int *cq_fd)
     return fi_cq_open(e->domain, attr, &e->cq, NULL);
 }
 
-int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv, uint32_t msg_size,
-             uint32_t spin_us, uint32_t busy_spin_us, uint32_t sleep_max_us, uint32_t peer_timeout_ms,
-             int delivery_complete, int busy_poll,
-             const char *bell_name, pdf_engine **out, char *err, size_t errlen)
-{
-    int ret;
-    char what[256];
-    *out = NULL;
-    pdf_engine *e = (pdf_engine *)calloc(1, sizeof(*e));
-    if (!e)
-        return -FI_ENOMEM;
-    pthread_mutex_init(&e->lock, NULL);
-    e->waiter.event_fd = -1;
+/* pdf_open, step by step.  Each step fills what it opens into `e` (every field stays NULL / 0
+ * until its step set it) and, on failure, names itself in `what`; pdf_open then hands the
+ * partly opened engine to engine_destroy, the same teardown pdf_close uses. */
 
+static void engine_destroy(pdf_engine *e);
+
+/* fi_getinfo for an RDM endpoint with what we need (FI_DELIVERY_COMPLETE where the provider
+ * accepts it: a local write completion then means the data is in the target's memory), the
+ * MR modes we support, and the tx credit budget (tx_cap if lower than the provider's). */
+static int open_info(pdf_engine *e, const char *prov, const char *node, int delivery_complete, uint32_t tx_cap,
+                     char *what, size_t wlen)
+{
     const char *n = (node && node[0]) ? node : NULL;
-    ret = -FI_ENODATA;
-    /* FI_DELIVERY_COMPLETE where the provider accepts it (a local write
-     * completion then means the data is in the target's memory) */
+    int ret = -FI_ENODATA;
     for (int dc = delivery_complete ? 1 : 0; dc >= 0; dc--) {
         struct fi_info *hints = make_hints(prov, dc);
         if (!hints) {
-            free(e);
+            snprintf(what, wlen, "fi_allocinfo");
             return -FI_ENOMEM;
         }
         ret = fi_getinfo(FI_VERSION(1, 17), n, NULL, n ? FI_SOURCE : 0, hints, &e->info);
@@ -981,34 +919,14 @@ int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv
         }
     }
     if (ret) {
-        snprintf(what, sizeof(what), "fi_getinfo(provider=%s, node=%s)", prov ? prov : "", node ? node : "");
-        goto fail;
+        snprintf(what, wlen, "fi_getinfo(provider=%s, node=%s)", prov ? prov : "", node ? node : "");
+        return ret;
     }
     e->mr_mode = e->info->domain_attr->mr_mode;
     if (e->mr_mode & (FI_MR_ENDPOINT | FI_MR_RAW)) {
-        ret = -FI_ENOSYS;
-        snprintf(what, sizeof(what), "provider %s needs MR mode 0x%llx (FI_MR_ENDPOINT/FI_MR_RAW unsupported)",
+        snprintf(what, wlen, "provider %s needs MR mode 0x%llx (FI_MR_ENDPOINT/FI_MR_RAW unsupported)",
                  e->info->fabric_attr->prov_name, (unsigned long long)e->mr_mode);
-        goto fail;
-    }
-    ret = fi_fabric(e->info->fabric_attr, &e->fabric, NULL);
-    if (ret) {
-        snprintf(what, sizeof(what), "fi_fabric");
-        goto fail;
-    }
-    ret = fi_domain(e->fabric, e->info, &e->domain, NULL);
-    if (ret) {
-        snprintf(what, sizeof(what), "fi_domain");
-        goto fail;
-    }
-    struct fi_av_attr av_attr;
-    memset(&av_attr, 0, sizeof(av_attr));
-    av_attr.type = FI_AV_TABLE;
-    av_attr.count = 64;
-    ret = fi_av_open(e->domain, &av_attr, &e->av, NULL);
-    if (ret) {
-        snprintf(what, sizeof(what), "fi_av_open");
-        goto fail;
+        return -FI_ENOSYS;
     }
     e->tx_credits = e->info->tx_attr->size;
     if (tx_cap && tx_cap < e->tx_credits)
@@ -1016,57 +934,91 @@ int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv
     if (e->tx_credits == 0)
         e->tx_credits = 64;
     e->credits = e->tx_credits;
+    return 0;
+}
+
+/* The fabric, the domain and the address vector. */
+static int open_domain(pdf_engine *e, char *what, size_t wlen)
+{
+    int ret = fi_fabric(e->info->fabric_attr, &e->fabric, NULL);
+    if (ret) {
+        snprintf(what, wlen, "fi_fabric");
+        return ret;
+    }
+    ret = fi_domain(e->fabric, e->info, &e->domain, NULL);
+    if (ret) {
+        snprintf(what, wlen, "fi_domain");
+        return ret;
+    }
+    struct fi_av_attr av_attr;
+    memset(&av_attr, 0, sizeof(av_attr));
+    av_attr.type = FI_AV_TABLE;
+    av_attr.count = 64;
+    ret = fi_av_open(e->domain, &av_attr, &e->av, NULL);
+    if (ret)
+        snprintf(what, wlen, "fi_av_open");
+    return ret;
+}
+
+/* The completion queue, and the waiter the progress thread sleeps on (its wait fd, else the
+ * doorbell `bell_name`, else timed sleeps: pdf_wait.h). */
+static int open_cq_waiter(pdf_engine *e, const char *bell_name, char *what, size_t wlen)
+{
     struct fi_cq_attr cq_attr;
     memset(&cq_attr, 0, sizeof(cq_attr));
     cq_attr.format = FI_CQ_FORMAT_DATA;
     cq_attr.size = e->info->tx_attr->size + e->info->rx_attr->size + 1024;
     int cq_fd = -1;
-    ret = open_cq(e, &cq_attr, &cq_fd);
+    int ret = open_cq(e, &cq_attr, &cq_fd);
     if (ret) {
-        snprintf(what, sizeof(what), "fi_cq_open");
-        goto fail;
+        snprintf(what, wlen, "fi_cq_open");
+        return ret;
     }
     ret = pdf_waiter_init(&e->waiter, cq_fd, bell_name);
-    if (ret) {
-        snprintf(what, sizeof(what), "eventfd for the progress thread");
-        goto fail;
-    }
+    if (ret)
+        snprintf(what, wlen, "eventfd for the progress thread");
+    return ret;
+}
+
+/* The endpoint, bound to the AV and the CQ, enabled. */
+static int open_ep(pdf_engine *e, char *what, size_t wlen)
+{
     e->per_peer_tx = strcmp(e->info->fabric_attr->prov_name, "shm") == 0;
-    {
-        /* with per-peer transmit endpoints the main one only sends control
-         * messages: no delivery-complete wait on a peer that may be dead */
-        struct fi_info *mi = fi_dupinfo(e->info);
-        if (!mi) {
-            ret = -FI_ENOMEM;
-            snprintf(what, sizeof(what), "fi_dupinfo");
-            goto fail;
-        }
-        if (e->per_peer_tx)
-            mi->tx_attr->op_flags &= ~(uint64_t)FI_DELIVERY_COMPLETE;
-        ret = fi_endpoint(e->domain, mi, &e->ep, NULL);
-        fi_freeinfo(mi);
+    /* with per-peer transmit endpoints the main one only sends control
+     * messages: no delivery-complete wait on a peer that may be dead */
+    struct fi_info *mi = fi_dupinfo(e->info);
+    if (!mi) {
+        snprintf(what, wlen, "fi_dupinfo");
+        return -FI_ENOMEM;
     }
+    if (e->per_peer_tx)
+        mi->tx_attr->op_flags &= ~(uint64_t)FI_DELIVERY_COMPLETE;
+    int ret = fi_endpoint(e->domain, mi, &e->ep, NULL);
+    fi_freeinfo(mi);
     if (ret) {
-        snprintf(what, sizeof(what), "fi_endpoint");
-        goto fail;
+        snprintf(what, wlen, "fi_endpoint");
+        return ret;
     }
     ret = fi_ep_bind(e->ep, &e->av->fid, 0);
     if (ret) {
-        snprintf(what, sizeof(what), "fi_ep_bind(av)");
-        goto fail;
+        snprintf(what, wlen, "fi_ep_bind(av)");
+        return ret;
     }
     ret = fi_ep_bind(e->ep, &e->cq->fid, FI_TRANSMIT | FI_RECV);
     if (ret) {
-        snprintf(what, sizeof(what), "fi_ep_bind(cq)");
-        goto fail;
+        snprintf(what, wlen, "fi_ep_bind(cq)");
+        return ret;
     }
     ret = fi_enable(e->ep);
-    if (ret) {
-        snprintf(what, sizeof(what), "fi_enable");
-        goto fail;
-    }
+    if (ret)
+        snprintf(what, wlen, "fi_enable");
+    return ret;
+}
 
-    e->next_key = 1;
+/* The control message pools: nrecv receive and send slots of msg_size bytes, registered, every
+ * receive slot posted. */
+static int open_control_pools(pdf_engine *e, uint32_t nrecv, uint32_t msg_size, char *what, size_t wlen)
+{
     e->nrecv = nrecv ? nrecv : 1;
     e->msg_size = msg_size ? msg_size : 4096;
     size_t pool = (size_t)e->nrecv * e->msg_size;
@@ -1077,20 +1029,19 @@ int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv
     e->send_free = (uint32_t *)calloc(e->nrecv, sizeof(uint32_t));
     e->repost = (uint32_t *)calloc(e->nrecv, sizeof(uint32_t));
     if (!e->recv_pool || !e->send_pool || !e->recv_ops || !e->send_ops || !e->send_free || !e->repost) {
-        ret = -FI_ENOMEM;
-        snprintf(what, sizeof(what), "control message pools");
-        goto fail;
+        snprintf(what, wlen, "control message pools");
+        return -FI_ENOMEM;
     }
     uint64_t access = FI_SEND | FI_RECV;
-    ret = fi_mr_reg(e->domain, e->recv_pool, pool, access, 0, (1ull << 62) + 1, 0, &e->recv_mr, NULL);
+    int ret = fi_mr_reg(e->domain, e->recv_pool, pool, access, 0, (1ull << 62) + 1, 0, &e->recv_mr, NULL);
     if (ret) {
-        snprintf(what, sizeof(what), "fi_mr_reg(recv pool)");
-        goto fail;
+        snprintf(what, wlen, "fi_mr_reg(recv pool)");
+        return ret;
     }
     ret = fi_mr_reg(e->domain, e->send_pool, pool, access, 0, (1ull << 62) + 2, 0, &e->send_mr, NULL);
     if (ret) {
-        snprintf(what, sizeof(what), "fi_mr_reg(send pool)");
-        goto fail;
+        snprintf(what, wlen, "fi_mr_reg(send pool)");
+        return ret;
     }
     e->recv_desc = fi_mr_desc(e->recv_mr);
     e->send_desc = fi_mr_desc(e->send_mr);
@@ -1098,19 +1049,58 @@ int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv
         e->send_free[i] = i;
         ret = post_recv(e, i);
         if (ret) {
-            snprintf(what, sizeof(what), "fi_recv(slot %u)", i);
-            goto fail;
+            snprintf(what, wlen, "fi_recv(slot %u)", i);
+            return ret;
         }
     }
     e->send_free_n = e->nrecv;
-    if (e->per_peer_tx) {
-        ret = pthread_create(&e->watchdog, NULL, watchdog_main, e);
-        if (ret) {
-            ret = -ret;
-            snprintf(what, sizeof(what), "pthread_create(shm watchdog)");
-            goto fail;
-        }
-        e->watchdog_on = 1;
+    return 0;
+}
+
+/* shm only: the watchdog that releases region locks of dead peers (pdf_shm.h). */
+static int start_watchdog(pdf_engine *e, char *what, size_t wlen)
+{
+    if (!e->per_peer_tx)
+        return 0;
+    int ret = pthread_create(&e->watchdog, NULL, watchdog_main, e);
+    if (ret) {
+        snprintf(what, wlen, "pthread_create(shm watchdog)");
+        return -ret;
+    }
+    e->watchdog_on = 1;
+    return 0;
+}
+
+int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv, uint32_t msg_size,
+             uint32_t spin_us, uint32_t busy_spin_us, uint32_t sleep_max_us, uint32_t peer_timeout_ms,
+             int delivery_complete, int busy_poll,
+             const char *bell_name, pdf_engine **out, char *err, size_t errlen)
+{
+    *out = NULL;
+    pdf_engine *e = (pdf_engine *)calloc(1, sizeof(*e));
+    if (!e)
+        return -FI_ENOMEM;
+    pthread_mutex_init(&e->lock, NULL);
+    e->waiter.event_fd = -1;
+    e->next_key = 1;
+
+    char what[256] = "";
+    int ret = open_info(e, prov, node, delivery_complete, tx_cap, what, sizeof(what));
+    if (!ret)
+        ret = open_domain(e, what, sizeof(what));
+    if (!ret)
+        ret = open_cq_waiter(e, bell_name, what, sizeof(what));
+    if (!ret)
+        ret = open_ep(e, what, sizeof(what));
+    if (!ret)
+        ret = open_control_pools(e, nrecv, msg_size, what, sizeof(what));
+    if (!ret)
+        ret = start_watchdog(e, what, sizeof(what));
+    if (ret) {
+        set_err(err, errlen, what, ret);
+        ext_lock(e);
+        engine_destroy(e);
+        return ret < 0 ? ret : -ret;
     }
     e->spin_ns = (uint64_t)spin_us * 1000ull;
     e->busy_spin_ns = (uint64_t)busy_spin_us * 1000ull;
@@ -1119,33 +1109,6 @@ int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv
     e->busy_poll = busy_poll;
     *out = e;
     return 0;
-fail:
-    set_err(err, errlen, what, ret);
-    pdf_waiter_fini(&e->waiter);
-    if (e->ep)
-        fi_close(&e->ep->fid);
-    if (e->recv_mr)
-        fi_close(&e->recv_mr->fid);
-    if (e->send_mr)
-        fi_close(&e->send_mr->fid);
-    if (e->cq)
-        fi_close(&e->cq->fid);
-    if (e->av)
-        fi_close(&e->av->fid);
-    if (e->domain)
-        fi_close(&e->domain->fid);
-    if (e->fabric)
-        fi_close(&e->fabric->fid);
-    if (e->info)
-        fi_freeinfo(e->info);
-    free(e->recv_pool);
-    free(e->send_pool);
-    free(e->recv_ops);
-    free(e->send_ops);
-    free(e->send_free);
-    free(e->repost);
-    free(e);
-    return ret < 0 ? ret : -ret;
 }
 
 int pdf_get_info(pdf_engine *e, pdf_info *out)
@@ -1858,19 +1821,14 @@ void pdf_close_ep(pdf_engine *e)
     unlock(e);
 }
 
-/* Close everything.  The progress thread must have returned for good. */
-void pdf_close(pdf_engine *e)
+/* The one teardown of an engine, for pdf_close and for a pdf_open that failed part way: every
+ * libfabric object it holds (the endpoints before the MRs, CQ and AV they use, the domain and
+ * fabric last), the queues, pools and peers, the waiter, then the watchdog and the engine
+ * itself.  Called with the engine lock held (it is released here): the shm watchdog keeps
+ * running until the objects are closed, so a close that finds a dead peer's region lock held
+ * is released by it. */
+static void engine_destroy(pdf_engine *e)
 {
-    if (!e)
-        return;
-    ext_lock(e);
-    while (e->sync_waiters) {
-        /* pdf_fail_all gave their batches an outcome: they are leaving */
-        unlock(e);
-        struct timespec ts = {0, 100000};
-        nanosleep(&ts, NULL);
-        ext_lock(e);
-    }
     close_peer_eps(e);
     if (e->ep)
         fi_close(&e->ep->fid);
@@ -1886,12 +1844,12 @@ void pdf_close(pdf_engine *e)
         fi_close(&e->domain->fid);
     if (e->fabric)
         fi_close(&e->fabric->fid);
-    fi_freeinfo(e->info);
+    if (e->info)
+        fi_freeinfo(e->info);
     take_pending(e);
     for (pdf_batch *b = e->act_head; b;) {
         pdf_batch *nx = b->link;
-        free(b->src);
-        free(b);
+        free_batch(b);
         b = nx;
     }
     for (pdf_send *s = e->sact_head; s;) {
@@ -1922,4 +1880,21 @@ void pdf_close(pdf_engine *e)
     }
     pthread_mutex_destroy(&e->lock);
     free(e);
+}
+
+/* Close everything.  The progress thread must have returned for good.  Callers still inside
+ * pdf_write_sync are waited for: pdf_fail_all gave their batches an outcome, so each leaves
+ * within its next wake-up. */
+void pdf_close(pdf_engine *e)
+{
+    if (!e)
+        return;
+    ext_lock(e);
+    while (e->sync_waiters) {
+        unlock(e);
+        struct timespec ts = {0, 100000};
+        nanosleep(&ts, NULL);
+        ext_lock(e);
+    }
+    engine_destroy(e);
 }

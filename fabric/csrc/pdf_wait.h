@@ -29,9 +29,12 @@
 
 #include <stdint.h>
 
+/* The mode a waiter picked (pdf_info.wait_mode; fabric/_ffi_build.py binds these). */
+/* cffi:begin */
 #define PDF_WAIT_SLEEP 0
 #define PDF_WAIT_FD 1
 #define PDF_WAIT_BELL 2
+/* cffi:end */
 
 typedef struct pdf_waiter {
     int mode;
