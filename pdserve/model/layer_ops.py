@@ -27,7 +27,7 @@ h += MLP of x; x = the next layer's input norm of h, after the last layer only h
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -186,62 +186,68 @@ class CLayerOps:
             if t.dtype is not _F32 or not t.is_cpu or not t.is_contiguous() or t.shape != (T, D):
                 raise ValueError(f"C layer ops: {name} table {tuple(t.shape)}/{t.dtype} is not "
                                  f"contiguous float32 [{T}, {D}]")
-        return _CPass(self, h, x, cos, sin)
+        return _c_pass(self, h, x, cos, sin)
 
 
+@dataclass(frozen=True)
 class _CPass:
-    """LayerOps of one pass on the C ops, in scratch buffers allocated once for the pass. The
-    attention backend reads q, k, v during its call and keeps none of them."""
+    """LayerOps of one pass on the C ops (built by _c_pass): closures over the pass's addresses,
+    so that a layer costs three calls and no attribute lookups besides its weights."""
 
-    def __init__(self, bound: CLayerOps, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> None:
-        T, H, I = h.shape[0], bound.hidden, bound.inter
-        Hq, Hkv, D = bound.hq, bound.hkv, bound.d
-        self.T, self.H, self.I, self.Hq, self.Hkv, self.D = T, H, I, Hq, Hkv, D
-        self.qkv_n, self.attn_n = (Hq + 2 * Hkv) * D, Hq * D
-        self.layers, self.n_layers, self.eps = bound.layers, len(bound.layers), bound.eps
-        self.h = h
-        qkv = torch.empty(T, self.qkv_n, dtype=_F32)                          # [T, (Hq + 2 Hkv) D]
-        self.q = torch.empty(T, Hq, D, dtype=_F32)                            # [T, Hq, D]
-        self.k = torch.empty(T, Hkv, D, dtype=_F32)                           # [T, Hkv, D]
-        self.v = qkv[:, (Hq + Hkv) * D :].view(T, Hkv, D)                     # [T, Hkv, D] view
-        o = torch.empty(T, H, dtype=_F32)                                     # [T, H] attention projection
-        gu = torch.empty(T, 2 * I, dtype=_F32)                                # [T, 2 I]
-        act = torch.empty(T, I, dtype=_F32)                                   # [T, I]
-        self.m = torch.empty(T, H, dtype=_F32)                                # [T, H] MLP output
-        self._buffers = (x, qkv, o, gu, act)                                  # owners of the addresses below
-        self.hp, self.xp, self.qkvp, self.qp, self.kp = h.data_ptr(), x.data_ptr(), qkv.data_ptr(), \
-            self.q.data_ptr(), self.k.data_ptr()
-        self.op, self.gup, self.actp, self.mp = o.data_ptr(), gu.data_ptr(), act.data_ptr(), self.m.data_ptr()
-        self.cosp, self.sinp = cos.data_ptr(), sin.data_ptr()
-        self.nt = torch.get_num_threads()
+    qkv: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    attn_out: Callable[[int, torch.Tensor], None]
+    mlp: Callable[[int], None]
+    buffers: tuple[torch.Tensor, ...]  # the scratch tensors whose addresses the closures hold
 
-    def qkv(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        T, H, qkv_n, w = self.T, self.H, self.qkv_n, self.layers[i]
-        _ok(_lib.sl_linear_addr(self.qkvp, self.xp, w.qkv_w, w.qkv_b, T, qkv_n, H, H, qkv_n, self.nt), "qkv_proj", i)
-        _ok(_lib.op_rope_qk_addr(self.qp, self.kp, self.qkvp, self.cosp, self.sinp, T, self.Hq, self.Hkv, self.D,
-                                 qkv_n), "rope", i)
-        return self.q, self.k, self.v
 
-    def attn_out(self, i: int, a: torch.Tensor) -> None:
-        if not (a.dtype is _F32 and a.is_contiguous() and a.shape == self.q.shape):
+def _c_pass(bound: CLayerOps, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> _CPass:
+    """The C ops of one pass over h, in scratch buffers allocated once for the pass. The attention
+    backend reads q, k, v during its call and keeps none of them."""
+    T, H, I = h.shape[0], bound.hidden, bound.inter
+    Hq, Hkv, D = bound.hq, bound.hkv, bound.d
+    qkv_n, attn_n = (Hq + 2 * Hkv) * D, Hq * D
+    layers, n_layers, eps = bound.layers, len(bound.layers), bound.eps
+    qkv = torch.empty(T, qkv_n, dtype=_F32)                               # [T, (Hq + 2 Hkv) D]
+    q = torch.empty(T, Hq, D, dtype=_F32)                                 # [T, Hq, D]
+    k = torch.empty(T, Hkv, D, dtype=_F32)                                # [T, Hkv, D]
+    v = qkv[:, (Hq + Hkv) * D :].view(T, Hkv, D)                          # [T, Hkv, D] view
+    o = torch.empty(T, H, dtype=_F32)                                     # [T, H] attention projection
+    gu = torch.empty(T, 2 * I, dtype=_F32)                                # [T, 2 I]
+    act = torch.empty(T, I, dtype=_F32)                                   # [T, I]
+    m = torch.empty(T, H, dtype=_F32)                                     # [T, H] MLP output
+    hp, xp, qkvp, qp, kp = h.data_ptr(), x.data_ptr(), qkv.data_ptr(), q.data_ptr(), k.data_ptr()
+    op, gup, actp, mp = o.data_ptr(), gu.data_ptr(), act.data_ptr(), m.data_ptr()
+    cosp, sinp = cos.data_ptr(), sin.data_ptr()
+    nt = torch.get_num_threads()
+    linear, norm, rope = _lib.sl_linear_addr, _lib.op_add_rms_norm_addr, _lib.op_rope_qk_addr
+    silu = _lib.op_silu_mul_addr
+    q_shape = q.shape
+
+    def qkv_rope(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        w = layers[i]
+        _ok(linear(qkvp, xp, w.qkv_w, w.qkv_b, T, qkv_n, H, H, qkv_n, nt), "qkv_proj", i)
+        _ok(rope(qp, kp, qkvp, cosp, sinp, T, Hq, Hkv, D, qkv_n), "rope", i)
+        return q, k, v
+
+    def attn_out(i: int, a: torch.Tensor) -> None:             # a: [T, Hq, D]
+        if not (a.dtype is _F32 and a.is_contiguous() and a.shape == q_shape):
             raise ValueError(f"C layer ops: attention output {tuple(a.shape)}/{a.dtype} is not "
-                             f"contiguous float32 {tuple(self.q.shape)}")
-        T, H, attn_n, w = self.T, self.H, self.attn_n, self.layers[i]
-        _ok(_lib.sl_linear_addr(self.op, a.data_ptr(), w.o_w, w.o_b, T, H, attn_n, attn_n, H, self.nt), "o_proj", i)
+                             f"contiguous float32 {tuple(q_shape)}")
+        w = layers[i]
+        _ok(linear(op, a.data_ptr(), w.o_w, w.o_b, T, H, attn_n, attn_n, H, nt), "o_proj", i)
 
-    def mlp(self, i: int) -> None:
-        T, H, I, eps, nt, w = self.T, self.H, self.I, self.eps, self.nt, self.layers[i]
-        hp, xp, gup, actp, mp = self.hp, self.xp, self.gup, self.actp, self.mp
-        linear, norm = _lib.sl_linear_addr, _lib.op_add_rms_norm_addr
-        _ok(norm(xp, hp, self.op, w.ln2, T, H, H, H, H, eps), "post_attention_layernorm", i)  # h += o; x = norm(h)
+    def mlp(i: int) -> None:
+        w = layers[i]
+        _ok(norm(xp, hp, op, w.ln2, T, H, H, H, H, eps), "post_attention_layernorm", i)  # h += o; x = norm(h)
         _ok(linear(gup, xp, w.gu_w, w.gu_b, T, 2 * I, H, H, 2 * I, nt), "gate_up_proj", i)
-        _ok(_lib.op_silu_mul_addr(actp, gup, T, I, I, 2 * I, nt), "silu_mul", i)
+        _ok(silu(actp, gup, T, I, I, 2 * I, nt), "silu_mul", i)
         _ok(linear(mp, actp, w.down_w, w.down_b, T, H, I, I, H, nt), "down_proj", i)
-        if i + 1 < self.n_layers:  # h += m; x = the next layer's input_layernorm(h)
-            _ok(norm(xp, hp, mp, self.layers[i + 1].ln1, T, H, H, H, H, eps), "input_layernorm", i + 1)
+        if i + 1 < n_layers:  # h += m; x = the next layer's input_layernorm(h)
+            _ok(norm(xp, hp, mp, layers[i + 1].ln1, T, H, H, H, H, eps), "input_layernorm", i + 1)
         else:
-            self.h += self.m
+            h.add_(m)
+
+    return _CPass(qkv=qkv_rope, attn_out=attn_out, mlp=mlp, buffers=(h, x, qkv, q, k, o, gu, act, m))
 
 
 def _ok(rc: int, op: str, layer: int) -> None:

@@ -132,13 +132,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         """The decoder layers, the one loop of both ops objects (pdserve/model/layer_ops.py)."""
         scale = self.layers[0].self_attn.scale  # every layer has the same head_dim
+        qkv, attn_out, mlp, attention = ops.qkv, ops.attn_out, ops.mlp, backend.forward  # looked up once
         for i in range(len(self.layers)):
-            q, k, v = ops.qkv(i)                                               # [T, Hq|Hkv, D] of x
-            a = backend.forward(q, k, v, k_pools[i], v_pools[i], plan, scale)  # [T, Hq, D]
-            ops.attn_out(i, a)                                                 # o_proj
+            q, k, v = qkv(i)                                                   # [T, Hq|Hkv, D] of x
+            a = attention(q, k, v, k_pools[i], v_pools[i], plan, scale)        # [T, Hq, D]
+            attn_out(i, a)                                                     # o_proj
             if layer_hook is not None:
                 layer_hook(i)
-            ops.mlp(i)             # h += o; x = norm(h); h += mlp(x); x = next layer's input norm(h)
+            mlp(i)                 # h += o; x = norm(h); h += mlp(x); x = next layer's input norm(h)
 
     def _c_layer_ops(self, h: torch.Tensor) -> CLayerOps | None:
         """The layers bound to the C ops if they take this pass, else None (module ops). Bound on
