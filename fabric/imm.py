@@ -1,7 +1,9 @@
 """ImmCounter: receiver-side counting of writes by their 32-bit immediate data.
 
-Wire format of the immediate data (written once, in csrc/pdf_core.c): the
-high 24 bits are the tag (0..IMM_TAG_MAX), the low 8 bits a unit count. A
+Wire format of the immediate data (declared in csrc/pdf_core.h, packed and
+unpacked only in csrc/pdf_core.c): the high 24 bits are the tag
+(0..IMM_TAG_MAX), the low 8 bits a unit count. This module stays pure Python,
+so it restates the 24 (tests/fabric/test_native_interface.py checks it). A
 write that coalesces k of the caller's entries carries k units (imm_mode
 "every"); the one tagged write of a batch carries 1 (imm_mode "last"). So
 the counter counts the caller's entries, whatever the transport merged.
