@@ -15,25 +15,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-import sys
 from pathlib import Path
 
 import pytest
+from support.cluster import cluster_fixture
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # router/ and the nodes may postdate the editable install
-    sys.path.insert(0, str(ROOT))
-
-from pdserve.tools.bench.backends import SendOptions  # noqa: E402
-from pdserve.tools.bench.compare import CompareSettings, cluster_config  # noqa: E402
-from pdserve.tools.bench.datasets import DatasetSpec, LengthRange  # noqa: E402
-from pdserve.tools.bench.prometheus import TTFT  # noqa: E402
-from pdserve.tools.bench.runner import RunConfig  # noqa: E402
-from pdserve.tools.bench.serve import ServeResult, ServeSettings, run_serve  # noqa: E402
-from pdserve.tools.launcher import Cluster, plan  # noqa: E402
-
-NODES_EXIST = (ROOT / "prefill_node" / "__main__.py").exists() and (ROOT / "decode_node" / "__main__.py").exists()
-needs_nodes = pytest.mark.skipif(not NODES_EXIST, reason="prefill_node/ and decode_node/ are not in this checkout")
+from pdserve.tools.bench.backends import SendOptions
+from pdserve.tools.bench.compare import CompareSettings, cluster_config
+from pdserve.tools.bench.datasets import DatasetSpec, LengthRange
+from pdserve.tools.bench.prometheus import TTFT
+from pdserve.tools.bench.runner import RunConfig
+from pdserve.tools.bench.serve import ServeResult, ServeSettings, run_serve
+from pdserve.tools.launcher import plan
 
 SMALL = dict(prefill=1, decode=1, port=0, num_blocks=128, threads_per_node=1, startup_timeout_s=150,
              router_health_interval_s=0.5, engine_args=("--max-batch-tokens", "64"))
@@ -59,15 +52,11 @@ def assert_adds_up(result: ServeResult, planned: int) -> None:
     assert m.duration_s >= max(r.start_s + r.e2e_s for r in records) - 1e-6
 
 
-@needs_nodes
+cluster = cluster_fixture("bench", scope="class", **SMALL)  # one per test class: started by the first test using it
+
+
 @pytest.mark.slow
 class TestHarnessOnACluster:
-    @pytest.fixture(scope="class")
-    @classmethod
-    def cluster(cls, tmp_path_factory):
-        with Cluster(log_dir=str(tmp_path_factory.mktemp("bench")), **SMALL) as cluster:
-            yield cluster
-
     def test_grpc_run_adds_up_and_ttft_agrees_with_the_router_histogram(self, cluster):
         metrics_url = cluster.metrics_urls.get("router")
         assert metrics_url, f"the router has no /metrics: {cluster.metrics_urls}"

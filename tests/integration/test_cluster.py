@@ -16,20 +16,14 @@ import argparse
 import asyncio
 import json
 import sys
-import time
-from pathlib import Path
 
-import grpc
 import pytest
+from support.cluster import assert_no_page_leak, running_cluster
+from support.paths import ROOT
+from support.wait import wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # router/ and the nodes may postdate the editable install
-    sys.path.insert(0, str(ROOT))
-
-from pdserve_api.v1 import node_pb2, node_pb2_grpc  # noqa: E402
-
-from pdserve.tools.client import AsyncClient, Client  # noqa: E402
-from pdserve.tools.launcher import (  # noqa: E402
+from pdserve.tools.client import AsyncClient, Client
+from pdserve.tools.launcher import (
     Cluster,
     ClusterConfig,
     ClusterStartError,
@@ -38,10 +32,7 @@ from pdserve.tools.launcher import (  # noqa: E402
     free_ports,
     plan,
 )
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-
-NODES_EXIST = (ROOT / "prefill_node" / "__main__.py").exists() and (ROOT / "decode_node" / "__main__.py").exists()
-needs_nodes = pytest.mark.skipif(not NODES_EXIST, reason="prefill_node/ and decode_node/ are not in this checkout")
+from pdserve.engine.sampling_params import SamplingParams
 
 ENGINE = ("--max-batch-tokens", "32")
 SMALL = dict(port=0, num_blocks=256, threads_per_node=1, engine_args=ENGINE, startup_timeout_s=150,
@@ -189,10 +180,8 @@ def test_children_run_no_at_fork_handler_and_die_with_the_launcher():
         assert _state(child) not in ("gone", "Z")
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while _state(child) not in ("gone", "Z"):
-            assert time.monotonic() < deadline, f"child {child} outlived its killed launcher by 30 s"
-            time.sleep(0.05)
+        wait_until(lambda: _state(child) in ("gone", "Z"), 30, f"child {child} to die with its killed launcher",
+                   interval=0.05)
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -211,7 +200,6 @@ def test_free_ports_are_distinct_and_bindable():
             s.bind(("127.0.0.1", p))
 
 
-@needs_nodes
 def test_a_child_that_fails_to_start_is_named_with_its_log(tmp_path):
     cluster = Cluster(colocated=1, port=0, engine_args=("--no-such-flag",), log_dir=str(tmp_path),
                       startup_timeout_s=60)
@@ -234,26 +222,6 @@ def reference():
     outs = llm.generate([*PROMPTS, LONG_IDS], GREEDY)
     assert len(llm.tokenizer(LONG)["input_ids"]) > 64  # several prefill chunks, several pages
     return {key: (o.text, tuple(o.token_ids), o.finish_reason) for key, o in zip([*PROMPTS, "ids"], outs)}
-
-
-def node_load(address: str) -> node_pb2.NodeLoad:
-    with grpc.insecure_channel(address) as channel:
-        return node_pb2_grpc.NodeServiceStub(channel).GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=5).load
-
-
-def assert_no_page_leak(cluster: Cluster) -> None:
-    """S2: every node's free blocks return to its total (bounded wait: frees may trail the stream)."""
-    nodes = [s.address for s in cluster.specs if s.role != "router"]
-    deadline = time.monotonic() + WAIT
-    while True:
-        loads = {a: node_load(a) for a in nodes}
-        leaks = {a: (l.free_kv_blocks, l.total_kv_blocks, l.outstanding_requests) for a, l in loads.items()
-                 if l.free_kv_blocks != l.total_kv_blocks or l.outstanding_requests}
-        if not leaks:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"pages still held after {WAIT} s (address: free, total, outstanding): {leaks}")
-        time.sleep(0.2)
 
 
 def check_greedy(url: str, reference: dict) -> list[str]:
@@ -287,13 +255,12 @@ async def concurrent_streams(url: str, n: int) -> list[tuple[str, str, tuple[int
 # ---- 1 prefill, 2 decode -------------------------------------------------------------------------
 
 
-@needs_nodes
 @pytest.mark.slow
 class TestOnePrefillTwoDecode:
     @pytest.fixture(scope="class")
     @classmethod
     def cluster(cls, reference, tmp_path_factory):
-        with Cluster(prefill=1, decode=2, log_dir=str(tmp_path_factory.mktemp("p1d2")), **SMALL) as cluster:
+        with running_cluster(tmp_path_factory, "p1d2", prefill=1, decode=2, **SMALL) as cluster:
             yield cluster
 
     def test_greedy_outputs_equal_the_single_process_engine(self, cluster, reference):
@@ -344,25 +311,23 @@ class TestOnePrefillTwoDecode:
                 assert (done.text, done.token_ids, done.finish_reason) == reference[PROMPTS[0]]
                 assert done.timings.decode_node == "decode-0"
             cluster.restart("decode-1")
-            deadline = time.monotonic() + WAIT
-            while True:
-                results = [client.complete(PROMPTS[0], GREEDY) for _ in range(2)]
-                if any(r.timings.decode_node == "decode-1" for r in results):
-                    break
-                assert time.monotonic() < deadline, "the restarted decode-1 never got a request back"
+
+            def decode_1_served_one_of_two() -> bool:
+                return "decode-1" in [client.complete(PROMPTS[0], GREEDY).timings.decode_node for _ in range(2)]
+
+            wait_until(decode_1_served_one_of_two, WAIT, "the restarted decode-1 to get a request back", interval=0.01)
         assert_no_page_leak(cluster)
 
 
 # ---- 2 prefill, 1 decode -------------------------------------------------------------------------
 
 
-@needs_nodes
 @pytest.mark.slow
 class TestTwoPrefillOneDecode:
     @pytest.fixture(scope="class")
     @classmethod
     def cluster(cls, reference, tmp_path_factory):
-        with Cluster(prefill=2, decode=1, log_dir=str(tmp_path_factory.mktemp("p2d1")), **SMALL) as cluster:
+        with running_cluster(tmp_path_factory, "p2d1", prefill=2, decode=1, **SMALL) as cluster:
             yield cluster
 
     def test_greedy_outputs_equal_the_single_process_engine(self, cluster, reference):
@@ -376,7 +341,6 @@ class TestTwoPrefillOneDecode:
 # ---- colocated -----------------------------------------------------------------------------------
 
 
-@needs_nodes
 @pytest.mark.slow
 def test_colocated_cluster_gives_the_same_outputs(reference, tmp_path):
     with Cluster(colocated=1, log_dir=str(tmp_path), **SMALL) as cluster:

@@ -4,47 +4,35 @@ fails with a clear error naming the prefill node within the deadline, and every 
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve_api.v1 import node_pb2, node_pb2_grpc
+from support.net import free_ports
+from support.paths import ROOT
+from support.wait import wait_until
 
 from pdserve.tools.client import Client, ClientError
 from pdserve.engine.sampling_params import SamplingParams
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_serving(addr: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
     with grpc.insecure_channel(addr) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
+
+        def serving() -> bool:
             assert proc.poll() is None, f"node exited with {proc.returncode}"
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.3)
-    raise TimeoutError(f"{addr} not SERVING after {timeout} s")
+            return stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING
+
+        wait_until(serving, timeout, f"{addr} to report SERVING", interval=0.3, retry_on=(grpc.RpcError,))
 
 
 @pytest.fixture(scope="module")
 def lonely_decode_node(tmp_path_factory):
-    port, dead = _free_port(), _free_port()  # nothing listens on `dead`
+    port, dead = free_ports(2)  # distinct; nothing listens on `dead`
     log = tmp_path_factory.mktemp("dn") / "decode.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(

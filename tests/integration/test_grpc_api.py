@@ -16,25 +16,21 @@ import time
 
 import grpc
 import pytest
-from support.api_cluster import CLUSTER, LONG_PROMPT, NODES_EXIST, assert_all_free, wait_busy
+from support.cluster import API_CLUSTER, LONG_PROMPT, assert_all_free, cluster_fixture, wait_busy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
 
 from pdserve.tools.client import AsyncClient, Client, ClientError
-from pdserve.tools.launcher import Cluster
 from pdserve.engine.sampling_params import SamplingParams
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not NODES_EXIST, reason="the node packages are not here")]
+pytestmark = pytest.mark.slow
 
 GENERATE_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with Cluster(log_dir=str(tmp_path_factory.mktemp("grpc-api")), **CLUSTER) as c:
-        yield c
+cluster = cluster_fixture("grpc-api", **API_CLUSTER)
 
 
 @pytest.fixture(scope="module")

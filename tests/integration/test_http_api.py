@@ -23,12 +23,12 @@ from urllib.parse import urlsplit
 import aiohttp
 import grpc
 import pytest
-from support.api_cluster import CLUSTER, LONG_PROMPT, NODES_EXIST, assert_all_free, node_addresses, wait_busy
+from support.cluster import API_CLUSTER, LONG_PROMPT, assert_all_free, cluster_fixture, node_addresses, wait_busy
+from support.net import free_ports
 from pdserve_api.servers import UnavailableError
 from pdserve_api.v1 import generate_pb2
 
 from pdserve.tools.client import Client
-from pdserve.tools.launcher import Cluster, free_ports
 from pdserve.engine.sampling_params import SamplingParams
 from router.config import RouterConfig
 from router.http_api import HttpApi, HttpConfig
@@ -36,7 +36,6 @@ from router.limits import RequestLimits
 from router.server import RouterServer
 
 WAIT = 10.0
-needs_nodes = pytest.mark.skipif(not NODES_EXIST, reason="prefill_node/ and decode_node/ are not in this checkout")
 
 
 # ---- the wire format, against an in-process backend -------------------------------------------
@@ -361,12 +360,7 @@ def test_router_without_a_decode_node_answers_503():
 # ---- a real cluster ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    if not NODES_EXIST:
-        pytest.skip("prefill_node/ and decode_node/ are not in this checkout")
-    with Cluster(log_dir=str(tmp_path_factory.mktemp("http-api")), **CLUSTER) as c:
-        yield c
+cluster = cluster_fixture("http-api", **API_CLUSTER)
 
 
 @pytest.fixture(scope="module")
@@ -389,7 +383,6 @@ PROMPT = "The capital of France is"
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 
-@needs_nodes
 @pytest.mark.slow
 def test_openai_streams_chat_and_completion_with_the_grpc_clients_text(cluster, openai_client, model):
     with Client(cluster.url, timeout=120) as grpc_client:
@@ -410,7 +403,6 @@ def test_openai_streams_chat_and_completion_with_the_grpc_clients_text(cluster, 
     assert chunks[-1].usage.total_tokens == text_ref.usage.prompt_tokens + text_ref.usage.completion_tokens
 
 
-@needs_nodes
 @pytest.mark.slow
 def test_openai_whole_answers_logprobs_stop_and_seed_match_grpc(cluster, openai_client, model):
     with Client(cluster.url, timeout=120) as grpc_client:
@@ -447,7 +439,6 @@ def test_openai_whole_answers_logprobs_stop_and_seed_match_grpc(cluster, openai_
 CACHED_PROMPT = "Cached usage: " + "A prefix cache keeps the pages of a prompt it has seen before. " * 12
 
 
-@needs_nodes
 @pytest.mark.slow
 def test_a_repeated_prompt_reports_cached_tokens(cluster, openai_client, model):
     """usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefill node took from its
@@ -474,7 +465,6 @@ def test_a_repeated_prompt_reports_cached_tokens(cluster, openai_client, model):
     assert chats[1].usage.prompt_tokens_details.cached_tokens >= 2 * 64
 
 
-@needs_nodes
 @pytest.mark.slow
 def test_models_health_and_metrics(cluster, model):
     async def go():
@@ -513,7 +503,6 @@ def _open_stream(http_url: str, path: str, body: dict) -> socket.socket:
     return sock
 
 
-@needs_nodes
 @pytest.mark.slow
 def test_disconnect_mid_stream_frees_every_node_within_a_second(cluster, model):
     sock = _open_stream(cluster.http_url, "/v1/chat/completions",
@@ -529,7 +518,6 @@ def test_disconnect_mid_stream_frees_every_node_within_a_second(cluster, model):
     assert_all_free(cluster, since)
 
 
-@needs_nodes
 @pytest.mark.slow
 def test_disconnect_during_the_prefill_frees_every_node_within_a_second(cluster, model):
     prefill, decode = (s.address for s in cluster.specs if s.role in ("prefill", "decode"))
@@ -545,7 +533,6 @@ def test_disconnect_during_the_prefill_frees_every_node_within_a_second(cluster,
     assert set(node_addresses(cluster)) == {prefill, decode}
 
 
-@needs_nodes
 @pytest.mark.slow
 def test_bad_input_gets_4xx_and_the_server_keeps_serving(cluster, openai_client, model):
     import openai

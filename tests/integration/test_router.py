@@ -12,28 +12,23 @@ import asyncio
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from pdserve_api.servers import AioExceptionToStatusInterceptor, add_standard_services_aio
+from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc
+from support.net import free_ports
+from support.paths import ROOT
+from support.wait import async_wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # router/ may postdate the editable install
-    sys.path.insert(0, str(ROOT))
-
-from pdserve_api.servers import AioExceptionToStatusInterceptor, add_standard_services_aio  # noqa: E402
-from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc  # noqa: E402
-
-from pdserve.tools.client import AsyncClient, Client, ClientError, build_request  # noqa: E402
-from pdserve.tools.launcher import free_ports  # noqa: E402
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.serving.metrics import REGISTRY  # noqa: E402
-from router.config import RouterConfig  # noqa: E402
-from router.policy import RoutingConfig, make_policy, prompt_hashes  # noqa: E402
-from router.server import GENERATE_SERVICE, RouterServer  # noqa: E402
+from pdserve.tools.client import AsyncClient, Client, ClientError, build_request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.serving.metrics import REGISTRY
+from router.config import RouterConfig
+from router.policy import RoutingConfig, make_policy, prompt_hashes
+from router.server import GENERATE_SERVICE, RouterServer
 
 WAIT = 10.0  # every wait in this file is bounded by this many seconds
 
@@ -108,12 +103,9 @@ async def start_fake(fake: FakeDecode, port: int) -> grpc.aio.Server:
     return server
 
 
-async def until(predicate, what: str, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.05)
+def until(predicate, what: str):
+    """Wait (on the test's event loop, at most WAIT s) until `predicate()` is true; `what` names it on a timeout."""
+    return async_wait_until(predicate, WAIT, what)
 
 
 class Rig:

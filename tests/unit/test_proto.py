@@ -13,8 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-PROTO_DIR = ROOT / "proto"
+from support.paths import PROTO_DIR, ROOT
 
 try:  # installed (package-dir mapping in pyproject) or not yet: both work
     import pdserve_api  # noqa: F401

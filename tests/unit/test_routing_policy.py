@@ -5,21 +5,14 @@ the prefix policy in front of fake nodes is in test_router.py)."""
 from __future__ import annotations
 
 import argparse
-import sys
 from array import array
-from pathlib import Path
 
 import pytest
+from pdserve_api.v1 import generate_pb2
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # router/ may postdate the editable install
-    sys.path.insert(0, str(ROOT))
-
-from pdserve_api.v1 import generate_pb2  # noqa: E402
-
-from pdserve.serving.prefix_index import (Candidate, LoadCap, PrefixIndex, chain_hashes, choose, text_blocks,  # noqa: E402
-                                  token_blocks)
-from router.policy import (LeastLoadedPolicy, PrefixPolicy, RoutingConfig, add_routing_args, make_policy,  # noqa: E402
+from pdserve.serving.prefix_index import (Candidate, LoadCap, PrefixIndex, chain_hashes, choose, text_blocks,
+                                          token_blocks)
+from router.policy import (LeastLoadedPolicy, PrefixPolicy, RoutingConfig, add_routing_args, make_policy,
                            prompt_hashes, routing_from_args)
 
 
