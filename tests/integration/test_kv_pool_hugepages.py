@@ -14,7 +14,13 @@ import asyncio
 import pytest
 import torch
 
-from fabric.hostmem import HUGE_PAGE_BYTES, anon_huge_bytes, thp_mode
+from pdserve.engine.cache.hostmem import (
+    HUGE_PAGE_BYTES,
+    alloc_tensor,
+    anon_huge_bytes,
+    resident_bytes,
+    thp_mode,
+)
 from pdserve.engine.cache.kv_cache import KVCacheShape, PagedKVCache
 from pdserve.engine.config import EngineConfig
 from support.tiny_models import make_tiny_checkpoint
@@ -117,7 +123,6 @@ def test_cache_without_allocator_is_on_huge_pages_and_bad_allocators_are_refused
 
 
 def test_kv_prefault_faults_the_whole_pool_in_at_startup():
-    from fabric.hostmem import alloc_tensor, resident_bytes
     from pdserve.engine.config import CacheConfig
 
     shape = KVCacheShape(num_layers=2, num_pages=512, kv_heads=2, page_size=16, head_dim=16)  # 4 MiB
