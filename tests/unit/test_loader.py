@@ -13,7 +13,7 @@ import os
 import pathlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -31,6 +31,7 @@ from pdserve.model.loader import (
     resolve_model,
 )
 from support.tiny_models import TINY_ARCHS, default_model_source, make_tiny_checkpoint
+from support.wait import wait_until
 
 PROMPT = "The capital of France is"
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # as transformers' GGUF tokenizer gives them
@@ -59,16 +60,25 @@ def fake_gguf(tmp_path: pathlib.Path) -> pathlib.Path:
     return path
 
 
+class ConvertCalls(list):
+    """The output folders the fake converter was called with. `hold` runs inside each conversion,
+    while the converting resolver holds the cache lock (a test makes others race for it there)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold: Callable[[], object] = lambda: None
+
+
 @pytest.fixture
 def fake_convert(
     monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
-) -> Iterator[list[pathlib.Path]]:
+) -> Iterator[ConvertCalls]:
     """Replace the slow GGUF conversion with one writing a 1-tensor checkpoint; records calls."""
-    calls: list[pathlib.Path] = []
+    calls = ConvertCalls()
 
     def convert(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> None:
         calls.append(out_dir)
-        time.sleep(0.2)  # long enough for racing threads to overlap
+        calls.hold()
         (out_dir / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 2}))
         save_file({"w": torch.ones(2)}, str(out_dir / "model.safetensors"))
 
@@ -207,10 +217,19 @@ def test_crash_mid_conversion_leaves_no_cache_entry(
 
 
 def test_concurrent_resolves_convert_once(
-    fake_gguf: pathlib.Path, fake_convert: list[pathlib.Path]
+    fake_gguf: pathlib.Path, fake_convert: ConvertCalls, caplog: pytest.LogCaptureFixture
 ) -> None:
     results: list[ModelSource] = []
     errors: list[BaseException] = []
+    caplog.set_level("INFO", logger=loader.__name__)
+
+    def others_wait_for_the_lock() -> bool:
+        return sum("waiting for another process holding" in r.getMessage() for r in caplog.records) >= 3
+
+    # The fence: the conversion goes on until the three other resolvers are blocked on its lock, so
+    # they really raced it (a sleep would only hope they had started).
+    fake_convert.hold = lambda: wait_until(others_wait_for_the_lock, 30,
+                                           "3 other resolvers to log that they wait for the conversion lock")
 
     def worker() -> None:
         try:
