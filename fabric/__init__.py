@@ -13,7 +13,7 @@ Public API (the only names other packages import):
     FabricConfig, FabricError, MemoryRegion, RemoteDescriptor, PeerDescriptor,
     ImmCounter, IMM_TAG_MAX (the largest immediate-data tag)
 
-Inside (fabric's own tests and benchmark may name these): backend
+Inside (only fabric's own tests name these): backend
 (TransferBackend, the transport interface and its ownership / threading
 rules; SyncResult, what write_pages_sync returns), engine (the facade),
 endpoint, regions, writes, peers, protocol, control (wire format), stale,
