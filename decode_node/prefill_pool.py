@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from pdserve_api.convert import peer_from_bytes
+
 from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2_grpc
 
+from kv_messenger.ticket import peer_from_bytes
 from pdserve.serving.prefix_index import Candidate, LoadCap, PrefixIndex, chain_hashes, choose, token_blocks
 
 logger = logging.getLogger(__name__)

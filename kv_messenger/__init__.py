@@ -1,14 +1,17 @@
 """kv_messenger: moves a request's KV from a prefill node's pages into a decode node's pages.
 
-The role-split interface between engines and fabric (STYLE 7): `KvSender` on prefill nodes,
-`KvReceiver` on decode nodes, the transfer arithmetic in `plan`. Engines and fabric never import
-each other; nodes wire them together through this package.
+The role-split connectors between an engine and the transport (STYLE 7; the seam is
+pdserve.engine.kv_connector): `KvSender` (a PrefillConnector) on prefill nodes, `KvReceiver` (a
+DecodeConnector) on decode nodes, the `TransferTicket` a decode node sends in its Prefill call,
+and the transfer arithmetic in `plan`. Engines and fabric never import each other, nor this
+package; nodes build the transport and the connector and hand the connector to their engine.
 """
 
 from kv_messenger.context import Context, ContextCodec
-from kv_messenger.plan import KvLayout, ShardingScheme, completed_pages, expected_writes
-from kv_messenger.receiver import KvReceiver, PrefillTicket
-from kv_messenger.sender import KvSender, TransferResult, TransferTarget
+from kv_messenger.plan import KvLayout, ShardingScheme, UnsupportedModelError, completed_pages, expected_writes
+from kv_messenger.receiver import KvReceiver, ReceiverEvents
+from kv_messenger.sender import KvSender, TransferResult
+from kv_messenger.ticket import TransferTicket
 
 __all__ = [
     "Context",
@@ -16,10 +19,11 @@ __all__ = [
     "KvLayout",
     "KvReceiver",
     "KvSender",
-    "PrefillTicket",
+    "ReceiverEvents",
     "ShardingScheme",
     "TransferResult",
-    "TransferTarget",
+    "TransferTicket",
+    "UnsupportedModelError",
     "completed_pages",
     "expected_writes",
 ]

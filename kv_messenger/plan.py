@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.engine.kv_connector import KvCacheSpec
+
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -118,3 +120,39 @@ def completed_pages(start: int, end: int, final_end: int, page_size: int) -> ran
     # Pages before `first` were completed by earlier chunks (a page that start falls inside
     # was not complete before this chunk, so it is ours).
     return range(first, max(first, done))
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot be served disaggregated (prefill and decode nodes): refused at node start."""
+
+
+def layout_of(spec: KvCacheSpec) -> KvLayout:
+    """The KvLayout of an engine's KV pool (buffer [layers, 2, pages, kv_heads, page_size, head_dim])."""
+    s = spec.shape
+    return KvLayout(s.num_layers, s.num_pages, s.kv_heads, s.page_size, s.head_dim,
+                    str(spec.dtype).removeprefix("torch."))
+
+
+def check_transferable(spec: KvCacheSpec) -> None:
+    """Raise UnsupportedModelError unless every layer of the model keeps its KV in the one "full"
+    attention group.
+
+    The messenger sends the pages of the "full" group's block table only, at the same block ids
+    in every layer. A sliding-window or hybrid model (Gemma 3: "full" and "sliding" groups, E8)
+    keeps its sliding layers' KV in another table with other block ids, so a prefill/decode pair
+    would silently decode over KV that never arrived. Until the messenger sends every group's
+    pages, such models run colocated only.
+    """
+    if [g.name for g in spec.groups] == ["full"]:
+        return
+    described = []
+    for g in spec.groups:
+        window = "" if g.sliding_window is None else f", window {g.sliding_window} tokens"
+        noun = "layer" if len(g.layers) == 1 else "layers"
+        described.append(f"{g.name!r} ({len(g.layers)} {noun}: {list(g.layers)}{window})")
+    raise UnsupportedModelError(
+        f"model {spec.model_name!r} cannot be served by prefill/decode nodes: its KV cache has attention "
+        f"groups {', '.join(described)}, but the KV messenger transfers only the 'full' group's pages, so the "
+        f"sliding-window layers' KV would never reach the decode node (wrong output, no error). Sliding-window "
+        f"and hybrid models are not supported in disaggregated mode yet; serve this model colocated "
+        f"(decode node --colocated, pdserve up --colocated N)")

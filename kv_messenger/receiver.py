@@ -1,10 +1,14 @@
 """Decode side of the KV messenger: expected counts, readiness, abandonment (D3, D4, D10, S3, S5).
 
 Primitives:
+- `register_kv_cache(spec)` (pdserve.engine.kv_connector.DecodeConnector): the engine hands over
+  its pool once; the receiver registers it with the transport and refuses models it cannot move.
+- `on_kv_wait(wait)` (engine thread): a request got its pages; the receiver prepares its ticket
+  and passes it to `ReceiverEvents.ticket_ready` (or `ticket_refused`).
 - `prepare(request_id, num_prompt_tokens, block_ids)`: pick a tag and a context slot, tell the
-  ImmCounter how many writes to expect, and return the `PrefillTicket` the decode node puts in its
-  Prefill call. When the count completes, `on_ready(request_id)` is called (on the fabric
-  progress thread: it must only hand the news to the engine thread).
+  ImmCounter how many writes to expect, and return the `TransferTicket` the decode node puts in
+  its Prefill call. When the count completes, `ReceiverEvents.kv_landed(request_id)` is called (on
+  the fabric progress thread: it must only hand the news to the engine thread).
 - `abandon(request_id)`: forget the tag; the caller has made sure no write can land any more
   (the prefill node confirmed its abort, or its endpoint is gone), so the pages may be reused.
 - `context(request_id)`: the hidden state / top-k the prefill wrote into the context slot.
@@ -12,62 +16,77 @@ Primitives:
 
 from __future__ import annotations
 
+import abc
 import itertools
 import logging
 import random
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
 
-from fabric import MemoryRegion, RemoteDescriptor
-from fabric.imm import IMM_TAG_MAX
+from fabric import IMM_TAG_MAX, MemoryRegion, TransferEngine
 from kv_messenger.context import Context, ContextCodec
-from kv_messenger.plan import KvLayout, ShardingScheme, expected_writes
+from kv_messenger.plan import KvLayout, ShardingScheme, check_transferable, expected_writes, layout_of
+from kv_messenger.ticket import TransferTicket
+from pdserve.engine.kv_connector import DecodeConnector, KvCacheSpec, KvWait
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class PrefillTicket:
-    """Everything a prefill node needs to push one request's KV here."""
-
-    request_id: str
-    kv: RemoteDescriptor
-    layout: KvLayout
-    dst_pages: tuple[int, ...]
-    context: RemoteDescriptor
-    context_offset: int
-    imm_tag: int
-    expected_writes: int
-    num_prefill_tokens: int
-    sharding: ShardingScheme
+CONTEXT_SLOTS = 1024    # requests that may wait for their KV at once
 
 
-class KvReceiver:
-    def __init__(
-        self,
-        fabric_engine,                    # fabric.TransferEngine
-        kv_region: MemoryRegion,          # the local KV buffer, registered
-        layout: KvLayout,
-        codec: ContextCodec,
-        on_ready: Callable[[str], None],
-        sharding: ShardingScheme = ShardingScheme(),
-        context_slots: int = 1024,
-    ) -> None:
-        self.fabric = fabric_engine
-        self.kv_region = kv_region
-        self.layout = layout
-        self.codec = codec
+class ReceiverEvents(abc.ABC):
+    """What the receiver reports to the decode node that owns it."""
+
+    @abc.abstractmethod
+    def ticket_ready(self, ticket: TransferTicket, token_ids: tuple[int, ...]) -> None:
+        """Engine thread: a request waits for its KV; send `ticket` with `token_ids` (the prompt
+        minus its last token) to a prefill node. Must not block."""
+
+    @abc.abstractmethod
+    def ticket_refused(self, request_id: str, error: str) -> None:
+        """Engine thread: no ticket could be made for the request (no context slot, ...)."""
+
+    @abc.abstractmethod
+    def kv_landed(self, request_id: str) -> None:
+        """Fabric progress thread: every write of the request has landed. Must not block."""
+
+
+class KvReceiver(DecodeConnector):
+    """The decode side's connector: give it to the engine (`LLMEngine(config, kv_connector=receiver)`)."""
+
+    def __init__(self, transport: TransferEngine, events: ReceiverEvents,
+                 sharding: ShardingScheme = ShardingScheme(), context_slots: int = CONTEXT_SLOTS) -> None:
+        self.transport = transport
+        self.events = events
         self.sharding = sharding
-        self._on_ready = on_ready
-        self._landing = codec.alloc_staging(fabric_engine, slots=context_slots)
+        self._context_slots = context_slots
+        self.kv_region: MemoryRegion | None = None   # set by register_kv_cache
+        self.layout: KvLayout | None = None
+        self.codec: ContextCodec | None = None
+        self._landing = None
         self._free_slots = list(range(context_slots - 1, -1, -1))
         self._lock = threading.Lock()
         self._tags = itertools.count(random.SystemRandom().randrange(1, IMM_TAG_MAX))
         self._by_request: dict[str, tuple[int, int]] = {}   # request id -> (tag, slot)
         self._tags_in_use: set[int] = set()
 
-    def prepare(self, request_id: str, num_prompt_tokens: int, block_ids: list[int]) -> PrefillTicket:
+    def register_kv_cache(self, spec: KvCacheSpec) -> None:
+        check_transferable(spec)   # UnsupportedModelError (a ValueError) for sliding-window / hybrid models
+        if not spec.buffer.is_contiguous():
+            raise ValueError("the KV buffer must be contiguous to be registered as one region")
+        self.layout = layout_of(spec)
+        self.kv_region = self.transport.register(address=spec.buffer.data_ptr(), length=spec.nbytes)
+        self.codec = ContextCodec(spec.hidden_size)
+        self._landing = self.codec.alloc_staging(self.transport, slots=self._context_slots)
+
+    def on_kv_wait(self, wait: KvWait) -> None:
+        try:
+            ticket = self.prepare(wait.request_id, len(wait.prompt_token_ids), list(wait.block_ids))
+        except (ValueError, RuntimeError) as e:
+            self.events.ticket_refused(wait.request_id, f"cannot receive KV: {e}")
+            return
+        self.events.ticket_ready(ticket, wait.prompt_token_ids[:-1])
+
+    def prepare(self, request_id: str, num_prompt_tokens: int, block_ids: list[int]) -> TransferTicket:
         n_prefill = num_prompt_tokens - 1
         n_pages = -(-n_prefill // self.layout.page_size)
         if n_prefill < 1 or len(block_ids) < n_pages:
@@ -84,8 +103,8 @@ class KvReceiver:
             slot = self._free_slots.pop()
             self._by_request[request_id] = (tag, slot)
             self._tags_in_use.add(tag)
-        self.fabric.imm_counter.expect(tag, count, lambda _tag, rid=request_id: self._on_ready(rid))
-        return PrefillTicket(
+        self.transport.imm_counter.expect(tag, count, lambda _tag, rid=request_id: self.events.kv_landed(rid))
+        return TransferTicket(
             request_id=request_id,
             kv=self.kv_region.descriptor,
             layout=self.layout,
@@ -107,7 +126,7 @@ class KvReceiver:
         """Writes counted so far for a request (diagnostics)."""
         with self._lock:
             entry = self._by_request.get(request_id)
-        return self.fabric.imm_counter.landed(entry[0]) if entry else 0
+        return self.transport.imm_counter.landed(entry[0]) if entry else 0
 
     def finish(self, request_id: str) -> None:
         """The request's KV is in use by the engine (or it ended): release its tag and slot."""
@@ -124,7 +143,7 @@ class KvReceiver:
         with self._lock:
             entry = self._by_request.get(request_id)
         if entry is not None:
-            self.fabric.imm_counter.cancel(entry[0])
+            self.transport.imm_counter.cancel(entry[0])
         self.finish(request_id)
 
     @property

@@ -1,25 +1,31 @@
 """Prefill side of the KV messenger: pushes each finished layer's pages to the decode node.
 
 Primitives (D6-D8, D11-D13):
-- `add(target)`: a prefill request will send its KV to `target` (pages, tag, context slot).
-- engine hooks: `on_schedule(pass)` records which chunks the coming forward pass runs, before it
-  runs (a request's first chunk may start at s > 0 after a prefix-cache hit: pages [0, s // P)
-  already hold its KV and ride along with that chunk, at every layer); `on_layer_done(layer)`
-  bumps the per-layer counter after each layer's attention output projection;
-  `on_prefill_done(request, hidden, logits)` hands over the context (D12).
+- `register_kv_cache(spec)` (pdserve.engine.kv_connector.PrefillConnector): the engine hands over
+  its pool once; the sender registers it with the transport and refuses models it cannot move.
+- `add(ticket)`: a prefill request will send its KV as the TransferTicket says (pages, tag,
+  context slot); returns a future.
+- engine events: `on_schedule(pass, block_ids)` records which chunks the coming forward pass
+  runs, before it runs (a request's first chunk may start at s > 0 after a prefix-cache hit:
+  pages [0, s // P) already hold its KV and ride along with that chunk, at every layer);
+  `on_layer_done(layer)` bumps the per-layer counter after each layer's attention output
+  projection; `on_prefill_done(done)` hands over the context (D12).
 - a dedicated messenger thread waits on the counter (a condition variable: no busy spin that
   would steal the forward pass's core) and, as soon as layer L is done, posts the writes of the
   pages each chunk completed in layer L: one entry per page and side (K, V), all tagged with the
   request's tag; the fabric merges entries contiguous at both ends into one write whose immediate
   data says how many pages it holds, so the decode side counts pages (D10, plan.py).
-- when every write of a request has completed locally, its source pages are released (D11) and
-  its future resolves with a `TransferResult`; on a write error the future fails, after all
-  outstanding writes have reported (so nothing still reads freed pages).
+- when every write of a request has completed locally, its future resolves with a
+  `TransferResult` (the owner then frees the source pages, D11); on a write error the future
+  fails, after all outstanding writes have reported (so nothing still reads freed pages).
 - `abort(request_id)`: stop posting; resolves once no write of the request is outstanding.
 
-Threads: hooks run on the engine thread and only record and notify; fabric callbacks run on the
-fabric progress thread; everything that posts runs on the messenger thread. `release` is called
-from the messenger or progress thread and must hand the release to the engine thread itself.
+Threads: engine events run on the engine thread and only record and notify; fabric callbacks run
+on the fabric progress thread; everything that posts runs on the messenger thread. A transfer's
+future resolves on the messenger or progress thread: its done callbacks must hand the release of
+the source pages to the engine thread themselves. The messenger thread waits on a condition
+variable with no timeout while idle (woken by every event and by `close`); `close` joins it for
+at most CLOSE_JOIN_S.
 """
 
 from __future__ import annotations
@@ -29,49 +35,22 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
-from fabric import FabricError, MemoryRegion, RemoteDescriptor
-from fabric.imm import IMM_TAG_MAX
+from fabric import FabricError, MemoryRegion, TransferEngine
 from kv_messenger.context import ContextCodec
-from kv_messenger.plan import KvLayout, completed_pages
+from kv_messenger.plan import KvLayout, check_transferable, completed_pages, layout_of
+from kv_messenger.ticket import TransferTicket
+from pdserve.engine.kv_connector import KvCacheSpec, PrefillConnector, PrefillDone
+from pdserve.engine.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class TransferTarget:
-    """Where one request's KV goes (from the decode node's Prefill call)."""
-
-    request_id: str
-    kv: RemoteDescriptor           # the decode node's registered KV buffer
-    layout: KvLayout               # its geometry
-    dst_pages: tuple[int, ...]     # destination page ids, in token order
-    context: RemoteDescriptor      # the decode node's context buffer
-    context_offset: int            # byte offset of this request's slot in it
-    imm_tag: int
-    expected_writes: int
-    num_prefill_tokens: int        # prompt tokens minus the last (D17)
-
-
-def check_target(target: TransferTarget, layout: KvLayout) -> None:
-    """Raise ValueError naming the value if a node with `layout` cannot write `target`'s pages."""
-    target.layout.compatible_with(layout)
-    rid, n = target.request_id, target.num_prefill_tokens
-    pages = -(-n // layout.page_size)
-    if len(target.dst_pages) != pages:
-        raise ValueError(f"request {rid}: {len(target.dst_pages)} destination pages for {n} tokens "
-                         f"(page size {layout.page_size} needs {pages})")
-    out = [p for p in target.dst_pages if not 0 <= p < target.layout.num_pages]
-    if out:
-        raise ValueError(f"request {rid}: destination page ids outside [0, {target.layout.num_pages}): {out[:5]}")
-    if not 0 <= target.imm_tag <= IMM_TAG_MAX:
-        raise ValueError(f"request {rid}: imm_tag={target.imm_tag} outside 0..{IMM_TAG_MAX} (a tag has 24 bits: "
-                         f"the low 8 bits of the immediate data count the pages a write holds)")
+STAGING_SLOTS = 256     # context records that may wait for their write at once
+CLOSE_JOIN_S = 5.0      # close(): how long to wait for the messenger thread to stop
 
 
 @dataclass(frozen=True)
@@ -87,7 +66,7 @@ class TransferResult:
 
 @dataclass
 class _Transfer:
-    target: TransferTarget
+    target: TransferTicket
     future: concurrent.futures.Future
     src_pages: list[int] = field(default_factory=list)  # filled at schedule time
     posted_writes: int = 0
@@ -119,24 +98,18 @@ class _Pass:
     layers_posted: int = 0
 
 
-class KvSender:
-    def __init__(
-        self,
-        fabric_engine,                     # fabric.TransferEngine
-        kv_region: MemoryRegion,           # the local KV buffer, registered
-        layout: KvLayout,
-        block_table: Callable[[str], list[int]],
-        release: Callable[[str], None],
-        codec: ContextCodec,
-    ) -> None:
-        self.fabric = fabric_engine
-        self.kv_region = kv_region
-        self.layout = layout
-        self._block_table = block_table
-        self._release = release
-        self.codec = codec
-        self._staging = codec.alloc_staging(fabric_engine, slots=256)
-        self._free_staging: deque[int] = deque(range(256))
+class KvSender(PrefillConnector):
+    """The prefill side's connector: give it to the engine (`LLMEngine(config, kv_connector=sender)`),
+    then `add` a ticket per request before the engine sees the request."""
+
+    def __init__(self, transport: TransferEngine, staging_slots: int = STAGING_SLOTS) -> None:
+        self.transport = transport
+        self._staging_slots = staging_slots
+        self.kv_region: MemoryRegion | None = None   # set by register_kv_cache
+        self.layout: KvLayout | None = None
+        self.codec: ContextCodec | None = None
+        self._staging = None
+        self._free_staging: deque[int] = deque(range(staging_slots))
         self._lock = threading.Condition()
         self._transfers: dict[str, _Transfer] = {}
         self._passes: deque[_Pass] = deque()
@@ -146,10 +119,23 @@ class KvSender:
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
 
+    def register_kv_cache(self, spec: KvCacheSpec) -> None:
+        check_transferable(spec)   # UnsupportedModelError (a ValueError) for sliding-window / hybrid models
+        if not spec.buffer.is_contiguous():
+            raise ValueError("the KV buffer must be contiguous to be registered as one region")
+        self.layout = layout_of(spec)
+        self.kv_region = self.transport.register(address=spec.buffer.data_ptr(), length=spec.nbytes)
+        self.codec = ContextCodec(spec.hidden_size)
+        self._staging = self.codec.alloc_staging(self.transport, slots=self._staging_slots)
+
     # --- requests ------------------------------------------------------------------------------
 
-    def add(self, target: TransferTarget) -> concurrent.futures.Future:
-        check_target(target, self.layout)
+    def add(self, target: TransferTicket) -> concurrent.futures.Future:
+        """Send a request's KV as `target` says; the future resolves with a TransferResult once no
+        write of it is in flight (or fails: FabricError, CancelledError after `abort`)."""
+        if self.layout is None:
+            raise RuntimeError("KvSender.add before the engine registered its KV cache")
+        target.check_fits(self.layout)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if target.request_id in self._transfers:
@@ -171,9 +157,9 @@ class KvSender:
         with self._lock:
             return len(self._transfers)
 
-    # --- engine hooks (engine thread) ---------------------------------------------------------
+    # --- engine events (engine thread) --------------------------------------------------------
 
-    def on_schedule(self, sched) -> None:
+    def on_schedule(self, sched: SchedulerOutput, block_ids: Mapping[str, tuple[int, ...]]) -> None:
         items = []
         with self._lock:
             for c in sched.chunks:
@@ -184,8 +170,8 @@ class KvSender:
                 done = completed_pages(c.start, c.end, final, self.layout.page_size).stop
                 pages = range(t.pages_claimed, max(t.pages_claimed, done))
                 t.pages_claimed = pages.stop
-                if not t.src_pages or len(t.src_pages) < pages.stop:
-                    t.src_pages = list(self._block_table(c.request_id))
+                if len(t.src_pages) < pages.stop:
+                    t.src_pages = list(block_ids[c.request_id])
                 items.append(_Item(t, pages, c.end == final))
             self._current = _Pass(items) if items else None
             if self._current is not None:
@@ -203,15 +189,16 @@ class KvSender:
                             it.transfer.last_layer = now
                 self._lock.notify()
 
-    def on_prefill_done(self, request, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+    def on_prefill_done(self, done: PrefillDone) -> None:
         with self._lock:
-            t = self._transfers.get(request.request_id)
+            t = self._transfers.get(done.request_id)
             if t is None or t.aborted:
                 return
             if not self._free_staging:
-                raise RuntimeError("context staging slots exhausted (more than 256 prefills in flight)")
+                raise RuntimeError(f"context staging slots exhausted (more than {self._staging_slots} prefills "
+                                   f"in flight)")
             slot = self._free_staging.popleft()
-        self.codec.encode_into(self._staging, slot, hidden, logits)
+        self.codec.encode_into(self._staging, slot, done.hidden, done.logits)
         with self._lock:
             self._contexts.append((t, slot))
             self._lock.notify()
@@ -222,7 +209,7 @@ class KvSender:
         with self._lock:
             self._stop = True
             self._lock.notify()
-        self._thread.join(5)
+        self._thread.join(CLOSE_JOIN_S)
 
     def _run(self) -> None:
         while True:
@@ -309,7 +296,7 @@ class KvSender:
                 self._maybe_finish(t)
 
         try:
-            self.fabric.write_pages(region, src, dst_desc, dst, lengths, t.target.imm_tag, done, failed,
+            self.transport.write_pages(region, src, dst_desc, dst, lengths, t.target.imm_tag, done, failed,
                                     imm_mode="every")
         except (FabricError, ValueError) as err:
             failed(err if isinstance(err, FabricError) else FabricError(22, str(err)))
@@ -326,7 +313,6 @@ class KvSender:
             return
         rid = t.target.request_id
         self._transfers.pop(rid, None)
-        self._release(rid)
         if t.error is not None:
             t.future.set_exception(t.error)
         elif t.aborted:

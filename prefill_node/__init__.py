@@ -7,10 +7,11 @@ goes; the node feeds its own batch scheduler (chunked prefill), pushes each fini
 with one-sided writes, writes the context (hidden state, top logits), frees its pages once every
 write completed locally, and answers. Any number of decode nodes may call one node (D1).
 
-Modules: `service` (engine + fabric + sender wiring, request lifecycle), `server` (gRPC servicers,
-wire conversion, process lifecycle), `__main__` (CLI).
+Modules: `service` (engine + fabric + sender, the request lifecycle; no gRPC server), `server`
+(thin gRPC servicers and wire conversion; the process lifecycle is pdserve.serving.node_server's),
+`__main__` (parses the command line, nothing else).
 """
 
-from prefill_node.service import NodeConfig, PrefillNode, PrefillSpec
+from prefill_node.service import PrefillNode, PrefillNodeConfig, PrefillSpec
 
-__all__ = ["NodeConfig", "PrefillNode", "PrefillSpec"]
+__all__ = ["PrefillNode", "PrefillNodeConfig", "PrefillSpec"]

@@ -1,61 +1,39 @@
-"""The prefill node's gRPC front: PrefillService, NodeService, health and reflection on grpc.aio.
+"""The prefill node's gRPC front: thin PrefillService and NodeService servicers over PrefillNode.
 
-`serve(options)` binds the port first (health NOT_SERVING), builds the engine and the fabric
-endpoint in a worker thread, turns health SERVING and prints the serving line; on SIGTERM/SIGINT
-it turns health NOT_SERVING, refuses new prefills, fails the in-flight ones with UNAVAILABLE,
-stops the server, closes the fabric endpoint and the engine, and returns 0.
+`node_server(config, options)` describes the process to pdserve.serving.node_server.serve_node,
+which binds the port first (health NOT_SERVING), builds the node in a worker thread, turns health
+SERVING and prints the serving line; on SIGTERM/SIGINT it turns health NOT_SERVING, the node
+refuses new prefills and fails the in-flight ones with UNAVAILABLE, the server stops, and the node
+closes its sender, engine and fabric endpoint.
 
-Metrics (R5), with `ServeOptions.metrics_port` set: GET /metrics on the loop (MetricsServer), bound
-with the gRPC port before the model loads; the engine's gauges (EngineCollector over
-AsyncEngine.last_metrics) once it has loaded; per answered Prefill, pdserve:prefill_requests_total
+Metrics (R5), with a metrics port: the engine's gauges (EngineCollector over
+EngineThread.last_metrics) once it has loaded; per answered Prefill, pdserve:prefill_requests_total
 by outcome and, for the ones that succeeded, the queue time (receipt to first scheduled chunk), the
 prefill time (first chunk to last layer), and the KV bytes sent and seconds its writes were in
 flight (side="prefill").
 
-Threads: everything here runs on the asyncio loop, except the node's construction (a worker
-thread) and its final `close` (blocking, after the server has stopped). Exceptions raised by the
-handlers become statuses through AioExceptionToStatusInterceptor (ValueError -> INVALID_ARGUMENT,
-UnavailableError -> UNAVAILABLE, TimeoutError -> DEADLINE_EXCEEDED, AbortedError -> ABORTED).
+Exceptions raised by the handlers become statuses through AioExceptionToStatusInterceptor
+(ValueError -> INVALID_ARGUMENT, UnavailableError -> UNAVAILABLE, TimeoutError -> DEADLINE_EXCEEDED,
+AbortedError -> ABORTED).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
-from dataclasses import dataclass
 
 import grpc
-from pdserve_api.convert import peer_from_bytes, peer_to_bytes, target_from_pb
-from pdserve_api.servers import AioExceptionToStatusInterceptor, UnavailableError, add_standard_services_aio
+from pdserve_api.servers import UnavailableError
 from pdserve_api.v1 import common_pb2, node_pb2, node_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
+from kv_messenger.ticket import TransferTicket, peer_from_bytes, peer_to_bytes
 from pdserve.serving.logs import bind_request_id
-from pdserve.serving.metrics import REGISTRY, node_metrics, prefill_metrics
-from pdserve.serving.metrics.engine_collector import EngineCollector
-from pdserve.serving.metrics.server import MetricsServer
-from prefill_node.service import AbortedError, NodeConfig, PrefillNode, PrefillOutcome, PrefillSpec
+from pdserve.serving.metrics import node_metrics, prefill_metrics
+from pdserve.serving.node_server import NodeHolder, NodeServer, ServeOptions, service_names
+from prefill_node.service import AbortedError, PrefillNode, PrefillNodeConfig, PrefillOutcome, PrefillSpec
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAMES = (
-    prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name,
-    node_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
-)
-STOP_GRACE_S = 2.0
-
-
-class _Holder:
-    """The node once it is built (None while the model loads)."""
-
-    def __init__(self, node_id: str) -> None:
-        self.node_id = node_id
-        self.node: PrefillNode | None = None
-
-    def require(self) -> PrefillNode:
-        if self.node is None:
-            raise UnavailableError(f"prefill node {self.node_id} is starting (model loading)")
-        return self.node
+SERVICE_NAMES = service_names((prefill_pb2.DESCRIPTOR, "PrefillService"), (node_pb2.DESCRIPTOR, "NodeService"))
 
 
 def spec_from_pb(req: prefill_pb2.PrefillRequest) -> PrefillSpec:
@@ -76,7 +54,7 @@ def spec_from_pb(req: prefill_pb2.PrefillRequest) -> PrefillSpec:
     return PrefillSpec(
         request_id=rid,
         token_ids=list(req.token_ids),
-        target=target_from_pb(req),
+        target=TransferTicket.from_pb(req),
         peer=peer,
         model=req.model,
         deadline_s=_deadline(req),
@@ -122,7 +100,7 @@ def observe(model_name: str, out: PrefillOutcome) -> None:
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, holder: _Holder) -> None:
+    def __init__(self, holder: NodeHolder[PrefillNode]) -> None:
         self._holder = holder
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -153,7 +131,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
 
 class NodeServicer(node_pb2_grpc.NodeServiceServicer):
-    def __init__(self, holder: _Holder) -> None:
+    def __init__(self, holder: NodeHolder[PrefillNode]) -> None:
         self._holder = holder
 
     async def GetNodeInfo(self, request: node_pb2.GetNodeInfoRequest, context: grpc.aio.ServicerContext
@@ -178,82 +156,17 @@ class NodeServicer(node_pb2_grpc.NodeServiceServicer):
         )
 
 
-@dataclass(frozen=True)
-class ServeOptions:
-    host: str
-    port: int
-    node: NodeConfig
-    metrics_port: int = 0  # GET /metrics on host:metrics_port; 0: no metrics server
+def node_server(config: PrefillNodeConfig, options: ServeOptions) -> NodeServer[PrefillNode]:
+    """The prefill node's process, for serve_node."""
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+    def add_servicers(server: grpc.aio.Server, holder: NodeHolder[PrefillNode]) -> None:
+        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(holder), server)
+        node_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(holder), server)
+        node_metrics()  # registered now: /metrics names every family from the start
+        prefill_metrics()
 
+    def describe(node: PrefillNode, port: int) -> str:
+        return f"prefill node {node.node_id} serving on {options.host}:{port} (provider {node.provider})"
 
-async def serve(opts: ServeOptions) -> int:
-    """Run the node until SIGTERM/SIGINT; returns the process exit code."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    node_id = opts.node.node_id
-    holder = _Holder(node_id)
-    server = grpc.aio.server(interceptors=[AioExceptionToStatusInterceptor()],
-                             options=[("grpc.so_reuseport", 0)])
-    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(holder), server)
-    node_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(holder), server)
-    health = await add_standard_services_aio(server, SERVICE_NAMES, serving=False)
-    try:
-        port = server.add_insecure_port(f"{opts.host}:{opts.port}")
-    except RuntimeError as e:
-        logger.error("prefill node %s cannot bind %s:%d: %s", node_id, opts.host, opts.port, e)
-        return 1
-    metrics = MetricsServer(opts.host, opts.metrics_port) if opts.metrics_port else None
-    if metrics is not None:
-        try:
-            await metrics.start()
-        except OSError as e:
-            logger.error("prefill node %s: %s", node_id, e)
-            await server.stop(0)
-            return 1
-    node_metrics()  # registered now: /metrics names every family from the start
-    prefill_metrics()
-    await server.start()
-    logger.info("prefill node %s: gRPC bound on %s:%d, loading the model", node_id, opts.host, port)
-
-    build = asyncio.ensure_future(asyncio.to_thread(PrefillNode, opts.node, loop))
-    stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([build, stopping], return_when=asyncio.FIRST_COMPLETED)
-    try:
-        node = await build   # a stop during the load still waits for it, then closes it
-    except Exception as e:   # reported and turned into the exit code: nothing to serve with
-        logger.error("prefill node %s failed to start: %s: %s", node_id, type(e).__name__, e)
-        stopping.cancel()
-        await server.stop(0)
-        if metrics is not None:
-            await metrics.stop()
-        return 1
-    holder.node = node
-    REGISTRY.register(EngineCollector(lambda: node.engine.last_metrics, node.model_name))
-    if not stop.is_set():
-        for name in ("", *SERVICE_NAMES):
-            await health.set(name, _serving())
-        line = f"prefill node {node_id} serving on {opts.host}:{port} (provider {node.provider})"
-        logger.info("%s", line)
-        print(line, flush=True)
-        await stopping
-    logger.info("prefill node %s: shutting down", node_id)
-    await health.enter_graceful_shutdown()
-    await node.drain()
-    await server.stop(STOP_GRACE_S)
-    await asyncio.to_thread(node.close)
-    if metrics is not None:
-        await metrics.stop()
-    logger.info("prefill node %s: stopped", node_id)
-    return 0
-
-
-def _serving() -> int:
-    from grpc_health.v1 import health_pb2
-
-    return health_pb2.HealthCheckResponse.SERVING
+    return NodeServer(role="prefill node", node_id=config.node_id, options=options, service_names=SERVICE_NAMES,
+                      add_servicers=add_servicers, build=lambda: PrefillNode(config), describe=describe)

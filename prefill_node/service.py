@@ -11,9 +11,9 @@ Lifecycle of one request:
 
 Threads:
 - the asyncio loop (gRPC handlers) owns `_active`, `_aborted`, `_peers`; it validates, adds
-  transfers, talks to the engine only through `AsyncEngine` (`generate`, `call`, `abort`).
-- the engine thread (AsyncEngine) runs forward passes and the hooks: the sender's, plus
-  `_on_schedule`, which stamps a job's first scheduled chunk (one float write, nothing else).
+  transfers, talks to the engine only through `EngineThread` (`generate`, `call`, `abort`).
+- the engine thread (EngineThread) runs forward passes and the sender's engine events (the
+  sender is the engine's PrefillConnector).
 - the sender's messenger thread and the fabric progress thread call `_on_release`, which only
   hands the release to the loop.
 """
@@ -26,27 +26,24 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import grpc
 from pdserve_api.servers import StatusError, UnavailableError
 
 from fabric import FabricConfig, FabricError, PeerDescriptor, TransferEngine
-from kv_messenger import ContextCodec, KvSender, ShardingScheme, TransferResult, TransferTarget, expected_writes
-from kv_messenger.wiring import check_transferable, layout_of, register_kv
-from kv_messenger.sender import check_target
-from pdserve.engine.engine_thread import AsyncEngine, EngineDeadError
+from kv_messenger import KvSender, ShardingScheme, TransferResult, TransferTicket, expected_writes
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import EngineHooks
+from pdserve.engine.engine_thread import EngineDeadError, EngineThread
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 ABORT_WAIT_S = 10.0        # AbortPrefill / deadline: how long to wait for in-flight writes to settle
 ENGINE_END_WAIT_S = 5.0    # after the release: how long to wait for the engine stream to end
-LOAD_WAIT_S = 0.2          # GetNodeInfo: how long to wait for a fresh load snapshot
+CLOSE_WAIT_S = 5.0         # close: how long the engine thread may take to stop
 REMEMBERED_ABORTS = 4096   # ids aborted before (or after) their Prefill, refused with ABORTED
 REMEMBERED_PEERS = 4096    # decode-node fabric peers we have connected to
 
@@ -64,7 +61,7 @@ class AbortedError(StatusError):
 
 
 @dataclass(frozen=True)
-class NodeConfig:
+class PrefillNodeConfig:
     engine: EngineConfig
     provider: str | None = "shm"        # libfabric provider; None: $FI_PROVIDER or the default
     fabric_node: str | None = None      # local address the fabric endpoint binds (not for shm)
@@ -77,7 +74,7 @@ class PrefillSpec:
 
     request_id: str
     token_ids: list[int]
-    target: TransferTarget
+    target: TransferTicket
     peer: PeerDescriptor
     model: str = ""
     deadline_s: float | None = None
@@ -116,57 +113,58 @@ class _Job:
     transfer_done: asyncio.Future            # resolves (with None) once `future` is done
     queued: asyncio.Event = field(default_factory=asyncio.Event)     # engine add submitted
     released: asyncio.Event = field(default_factory=asyncio.Event)   # held blocks freed
-    first_scheduled: float = 0.0             # written once by the engine thread
     engine_task: asyncio.Task | None = None  # consumes the engine's output stream
     engine_error: Exception | None = None    # the engine refused the request (bad input)
 
 
 class PrefillNode:
-    """Build with `PrefillNode(config, loop)` (slow: loads the model; fine in a worker thread),
-    then use its coroutines on `loop`."""
+    """Build with `PrefillNode(config)` (slow: loads the model; fine in a worker thread), then
+    `await start()` on the serving loop and use its coroutines there."""
 
-    def __init__(self, config: NodeConfig, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, config: PrefillNodeConfig) -> None:
         self.config = config
         self.node_id = config.node_id
-        self._loop = loop
+        self._loop: asyncio.AbstractEventLoop | None = None   # the serving loop, from start()
         self._active: dict[str, _Job] = {}
         self._aborted: OrderedDict[str, None] = OrderedDict()
         self._peers: OrderedDict[str, PeerDescriptor] = OrderedDict()   # engine_id -> connected peer
         self._closing = False
         self._background: set[asyncio.Future] = set()
-        self._last_load = LoadSnapshot()
-        # The engine's default pool is on huge pages, which the fabric registers (faster shm transfers).
-        hooks = EngineHooks()  # filled in below, once the sender exists
-        self.engine = AsyncEngine(config.engine, hooks)
-        eng = self.engine.engine
+        # The transport first: the engine hands its KV pool to the sender (a PrefillConnector)
+        # while it is built, and the sender registers it (the engine's pool is on huge pages).
+        self.transport = TransferEngine(FabricConfig(provider=config.provider, node=config.fabric_node,
+                                                  close_timeout_s=2.0))
         try:
-            check_transferable(eng)  # UnsupportedModelError (a ValueError) for sliding-window / hybrid models
-            self.fabric = TransferEngine(FabricConfig(provider=config.provider, node=config.fabric_node,
-                                                      close_timeout_s=2.0))
+            self.sender = KvSender(self.transport)
+            try:
+                # UnsupportedModelError (a ValueError) for sliding-window / hybrid models
+                self.engine = EngineThread(LLMEngine(config.engine, kv_connector=self.sender))
+            except BaseException:
+                self.sender.close()
+                raise
         except BaseException:
-            self.engine.shutdown()
+            self.transport.close()
             raise
-        self.layout = layout_of(eng.kv_cache)
-        self.codec = ContextCodec(eng.arch.hidden_size)
-        self.sender = KvSender(self.fabric, register_kv(self.fabric, eng.kv_cache), self.layout,
-                               block_table=eng.block_table, release=self._on_release, codec=self.codec)
-        hooks.on_schedule = self._on_schedule
-        hooks.on_layer_done = self.sender.on_layer_done
-        hooks.on_prefill_done = self.sender.on_prefill_done
-        self.model_name: str = eng.source.name
-        self.vocab_size: int = eng.arch.vocab_size
-        self.num_layers: int = eng.arch.num_layers
-        self.num_kv_heads: int = eng.arch.num_kv_heads
-        self.max_model_len: int = eng.max_model_len
-        self.page_size: int = self.layout.page_size
-        self.provider: str = self.fabric.provider
-        self._snapshot()   # nothing runs yet: a first value for `load`
+        eng = self.engine.engine
+        info = eng.info()
+        self.layout = self.sender.layout
+        self.codec = self.sender.codec
+        self.model_name: str = info.model_name
+        self.vocab_size: int = info.vocab_size
+        self.num_layers: int = info.num_layers
+        self.num_kv_heads: int = info.num_kv_heads
+        self.max_model_len: int = info.max_model_len
+        self.page_size: int = info.page_size
+        self.provider: str = self.transport.provider
         logger.info("prefill node %s: model %s, %d KV blocks of %d tokens, fabric %s",
-                    self.node_id, self.model_name, eng.pool.num_usable_blocks, self.page_size, self.fabric)
+                    self.node_id, self.model_name, info.num_blocks, self.page_size, self.transport)
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
 
     @property
     def peer(self) -> PeerDescriptor:
-        return self.fabric.peer_descriptor
+        return self.transport.peer_descriptor
 
     # --- Prefill (loop) ------------------------------------------------------------------------
 
@@ -197,7 +195,7 @@ class PrefillNode:
                              f"from this node's {self.provider!r}")
         if t.num_prefill_tokens != n:
             raise ValueError(f"request {rid}: target covers {t.num_prefill_tokens} tokens, request has {n}")
-        check_target(t, self.layout)
+        t.check_fits(self.layout)
         want = expected_writes(n, self.layout, ShardingScheme(), ShardingScheme())
         if t.expected_writes != want:
             raise ValueError(f"request {rid}: expected_writes={t.expected_writes} but this node will post {want}")
@@ -212,6 +210,8 @@ class PrefillNode:
         """Prefill `spec` and push its KV; raises ValueError, AbortedError, UnavailableError,
         TimeoutError (deadline) or RuntimeError (engine failure). Cancelling it aborts the transfer."""
         received = time.monotonic()
+        if self._loop is None:
+            raise UnavailableError(f"prefill node {self.node_id} is starting")
         if self._closing:
             raise UnavailableError(f"prefill node {self.node_id} is shutting down")
         self.validate(spec)
@@ -222,6 +222,8 @@ class PrefillNode:
             raise ValueError(f"request id {rid!r} already has a prefill in progress here")
         self._connect(spec.peer)
         future = self.sender.add(spec.target)          # before the engine sees the request
+        # Once nothing of the transfer is in flight, free the request's held blocks (D11).
+        future.add_done_callback(lambda _f, rid=rid: self._on_release(rid))
         job = _Job(rid, future, received, self._bridge(future))
         self._active[rid] = job
         job.engine_task = asyncio.create_task(self._run_engine(job, spec.token_ids), name=f"prefill-{rid}")
@@ -243,7 +245,7 @@ class PrefillNode:
     async def _run_engine(self, job: _Job, token_ids: list[int]) -> RequestOutput | None:
         """Consume the engine's stream for a job; stop the transfer if the engine ends it early.
 
-        Never cancelled (it ends when the engine request does): a cancelled AsyncEngine.call
+        Never cancelled (it ends when the engine request does): a cancelled EngineThread.call
         could leave the engine thread setting a result on a cancelled future.
         """
         stream = self.engine.generate(token_ids, SamplingParams(max_tokens=1), request_id=job.request_id,
@@ -277,7 +279,8 @@ class PrefillNode:
         exc = job.future.exception()
         if exc is None:
             res: TransferResult = job.future.result()
-            first = job.first_scheduled or res.first_post_time or job.received
+            scheduled = final.first_scheduled_time if final is not None else None
+            first = scheduled or res.first_post_time or job.received
             if final is None:  # the engine stream did not end in time (logged above): its count is unknown
                 logger.warning("request %s: prefix-cache hit unknown, reporting 0 cached tokens", rid)
             return PrefillOutcome(res, max(0.0, first - job.received), max(0.0, res.last_layer_time - first),
@@ -312,7 +315,7 @@ class PrefillNode:
             self._peers.move_to_end(peer.engine_id)
             return
         try:
-            self.fabric.connect(peer)
+            self.transport.connect(peer)
         except FabricError as e:
             raise UnavailableError(f"cannot reach the decode node's fabric peer {peer.engine_id[:8]} "
                                    f"(pid {peer.pid}): {e}") from e
@@ -372,18 +375,6 @@ class PrefillNode:
         except KeyError:   # refused at add, or ended before it held anything
             logger.debug("request %s held no blocks", request_id)
             return 0
-        finally:
-            self._snapshot()
-
-    def _on_schedule(self, sched: SchedulerOutput) -> None:
-        """Engine thread: stamp each job's first scheduled chunk, then tell the sender (D6)."""
-        now = time.monotonic()
-        for c in sched.chunks:
-            job = self._active.get(c.request_id)
-            if job is not None and not job.first_scheduled:
-                job.first_scheduled = now
-        self.sender.on_schedule(sched)
-        self._snapshot()
 
     # --- AbortPrefill (loop) -------------------------------------------------------------------
 
@@ -409,34 +400,19 @@ class PrefillNode:
     # --- load (loop, reads on the engine thread) -----------------------------------------------
 
     async def load(self) -> LoadSnapshot:
-        """The load now: a fresh engine snapshot if the engine thread answers within LOAD_WAIT_S,
-        else the one it took before its current pass (at most one pass old)."""
-        try:
-            task = asyncio.ensure_future(self.engine.call(self._snapshot))
-        except EngineDeadError as e:
-            raise UnavailableError(f"prefill node {self.node_id}: engine stopped: {e}") from e
-        task.add_done_callback(_retrieve)
-        try:
-            snap = await asyncio.wait_for(asyncio.shield(task), LOAD_WAIT_S)
-        except TimeoutError:   # the shielded call still completes (and refreshes _last_load)
-            snap = self._last_load
-        return replace(snap, outstanding_requests=len(self._active))   # the loop's own count is exact
-
-    def _snapshot(self) -> LoadSnapshot:
-        """Engine thread: count the engine's work and blocks, and keep the result for `load`."""
-        eng = self.engine.engine
-        s = eng.scheduler
-        reqs = list(s.waiting) + list(s.running)
-        tokens = sum(max(0, r.target_computed_tokens - r.num_computed_tokens) for r in reqs)
-        self._last_load = LoadSnapshot(
-            outstanding_requests=max(len(self._active), eng.num_unfinished_requests),
-            outstanding_tokens=tokens,
-            waiting_requests=len(s.waiting),
-            running_requests=len(s.running),
-            free_kv_blocks=eng.pool.num_free_blocks,
-            total_kv_blocks=eng.pool.num_usable_blocks,
+        """The load as of the engine's last step or idle tick (EngineThread.last_load, at most one
+        step old), with the loop's own exact count of Prefill calls in progress."""
+        if not self.engine.is_running:
+            raise UnavailableError(f"prefill node {self.node_id}: engine stopped")
+        load = self.engine.last_load
+        return LoadSnapshot(
+            outstanding_requests=len(self._active),
+            outstanding_tokens=load.prompt_tokens_left,
+            waiting_requests=load.num_waiting,
+            running_requests=load.num_running,
+            free_kv_blocks=load.free_blocks,
+            total_kv_blocks=load.total_blocks,
         )
-        return self._last_load
 
     # --- shutdown (loop) -----------------------------------------------------------------------
 
@@ -456,9 +432,14 @@ class PrefillNode:
             if pending:
                 logger.warning("%d prefills still had writes in flight at shutdown", len(pending))
 
-    def close(self) -> None:
-        """Stop the sender, the engine thread and the fabric endpoint (blocking, a few seconds at most)."""
+    async def close(self) -> None:
+        """Stop the sender, the engine thread and the fabric endpoint (a few seconds at most)."""
+        self._closing = True
+        await asyncio.to_thread(self.close_now)
+
+    def close_now(self) -> None:
+        """Blocking `close`, for a node that never started serving (bounded by CLOSE_WAIT_S each)."""
         self._closing = True
         self.sender.close()
-        self.engine.shutdown(timeout=5.0)
-        self.fabric.close()
+        self.engine.shutdown(timeout=CLOSE_WAIT_S)
+        self.transport.close()

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve_api.convert import sampling_from_pb
 from pdserve_api.v1 import generate_pb2
+
+from pdserve.serving.convert import Prompt, sampling_from_pb
 
 MAX_ID_CHARS = 256  # request_id and model: they go into logs and metrics labels
 
@@ -40,14 +41,7 @@ class RequestLimits:
 
 def prompt_bytes(request: generate_pb2.GenerateRequest) -> int:
     """Size of a request's prompt in bytes (UTF-8 text; 4 per token id; chat contents and roles)."""
-    kind = request.WhichOneof("prompt")
-    if kind == "text":
-        return len(request.text.encode("utf-8"))
-    if kind == "token_ids":
-        return 4 * len(request.token_ids.ids)
-    if kind == "messages":
-        return sum(len(m.content.encode("utf-8")) + len(m.role.encode("utf-8")) for m in request.messages.messages)
-    return 0
+    return Prompt.from_pb(request).nbytes if request.WhichOneof("prompt") else 0
 
 
 def check_request(request: generate_pb2.GenerateRequest, limits: RequestLimits) -> None:
@@ -56,19 +50,16 @@ def check_request(request: generate_pb2.GenerateRequest, limits: RequestLimits) 
         value = getattr(request, name)
         if len(value) > MAX_ID_CHARS:
             raise ValueError(f"{name} is {len(value)} characters long; at most {MAX_ID_CHARS} are allowed")
-    kind = request.WhichOneof("prompt")
-    if kind is None:
-        raise ValueError("the request has no prompt: set one of text, token_ids, messages")
-    if kind == "token_ids" and not request.token_ids.ids:
+    prompt = Prompt.from_pb(request)   # ValueError when it has none
+    if prompt.token_ids is not None and not prompt.token_ids:
         raise ValueError("prompt token_ids is empty: it must hold at least one token id")
-    if kind == "messages":
-        msgs = request.messages.messages
-        if not msgs:
+    if prompt.messages is not None:
+        if not prompt.messages:
             raise ValueError("messages is empty: a chat prompt needs at least one message")
-        for i, m in enumerate(msgs):
+        for i, m in enumerate(prompt.messages):
             if not m.role:
                 raise ValueError(f"messages[{i}].role is empty (e.g. 'system', 'user', 'assistant')")
-    size = prompt_bytes(request)
+    size = prompt.nbytes
     if size > limits.max_prompt_bytes:
         raise ValueError(f"prompt is {size} bytes; this server accepts at most {limits.max_prompt_bytes} "
                          "bytes per prompt (router --max-prompt-bytes)")

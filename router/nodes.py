@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve_api.servers import UnavailableError
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc
 
+from pdserve.serving.convert import Prompt
 from pdserve.serving.metrics import router_metrics
 from pdserve.serving.prefix_index import Candidate
 from router.config import RouterConfig
@@ -54,14 +55,13 @@ _TOKENS_PER_CHAT_TURN = 8  # role markers a chat template adds per message, roug
 
 def estimate_work(request: generate_pb2.GenerateRequest, default_max_tokens: int) -> int:
     """Tokens a request will cost a decode node: its prompt (estimated for text) plus max_tokens."""
-    kind = request.WhichOneof("prompt")
-    if kind == "token_ids":
-        prompt = len(request.token_ids.ids)
-    elif kind == "messages":
-        msgs = request.messages.messages
-        prompt = sum(len(m.content) for m in msgs) // _CHARS_PER_TOKEN + _TOKENS_PER_CHAT_TURN * len(msgs)
+    p = Prompt.from_pb(request) if request.WhichOneof("prompt") else Prompt(text="")
+    if p.token_ids is not None:
+        prompt = len(p.token_ids)
+    elif p.messages is not None:
+        prompt = sum(len(m.content) for m in p.messages) // _CHARS_PER_TOKEN + _TOKENS_PER_CHAT_TURN * len(p.messages)
     else:
-        prompt = len(request.text) // _CHARS_PER_TOKEN + 1
+        prompt = len(p.text or "") // _CHARS_PER_TOKEN + 1
     sampling = request.sampling
     max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else default_max_tokens
     return prompt + max_tokens

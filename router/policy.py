@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from pdserve_api.v1 import generate_pb2
 
+from pdserve.serving.convert import Prompt
 from pdserve.serving.prefix_index import (REASON_LEAST_LOADED, Candidate, LoadCap, PrefixIndex, chain_hashes, choose,
                                   text_blocks, token_blocks)
 
@@ -84,14 +85,14 @@ def routing_from_args(args: argparse.Namespace) -> RoutingConfig:
 
 def prompt_hashes(request: generate_pb2.GenerateRequest, config: RoutingConfig) -> tuple[int, ...]:
     """Chained hashes of the prompt's leading complete blocks, as far as the router can see them."""
-    kind = request.WhichOneof("prompt")
-    if kind == "token_ids":
-        return chain_hashes(token_blocks(request.token_ids.ids, config.block_tokens, config.max_blocks))
-    if kind == "messages":
+    p = Prompt.from_pb(request) if request.WhichOneof("prompt") else Prompt(text="")
+    if p.token_ids is not None:
+        return chain_hashes(token_blocks(p.token_ids, config.block_tokens, config.max_blocks))
+    if p.messages is not None:
         # Role and content of each turn, separated so that ("ab", "c") and ("a", "bc") differ.
-        text = "".join(f"\x1e{m.role}\x1f{m.content}" for m in request.messages.messages)
+        text = "".join(f"\x1e{m.role}\x1f{m.content}" for m in p.messages)
     else:
-        text = request.text
+        text = p.text or ""
     return chain_hashes(text_blocks(text, config.block_chars, config.max_blocks))
 
 

@@ -15,7 +15,9 @@ import torch
 from pdserve.kernels.ops.linear import MAX_ROWS as _SMALL_LINEAR_MAX_ROWS
 
 SchedulerType = Literal["fifo", "prefill_first"]
+SCHEDULER_TYPES = ("fifo", "prefill_first")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_DTYPES = ("float32", "bfloat16")   # what the CLI offers (float16: no CPU kernels)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -52,14 +54,25 @@ class CacheConfig:
         hypervisor backs the memory for the first time) and commits the memory now.
     """
 
-    page_size: int = 16
-    num_blocks: int | None = None
-    max_memory_percent: float = 0.3
+    page_size: int = field(default=16, metadata={"help": "tokens per KV page (a power of two)"})
+    num_blocks: int | None = field(default=None, metadata={
+        "help": "KV blocks in the pool (default: sized from available memory x --max-memory-percent)"})
+    max_memory_percent: float = field(default=0.3, metadata={
+        "help": "fraction of available memory for weights, activations and the KV pool when --num-blocks is unset"})
     num_padding_blocks: int = 1
-    allow_block_sharing: bool = True
-    cpu_offload_space: float | int = 0.1
-    kv_cache_dtype: str = "auto"
-    kv_prefault: bool = False
+    allow_block_sharing: bool = field(default=True, metadata={
+        "help": "reuse the KV of complete blocks shared with earlier prompts (prefix cache; off automatically "
+                "for sliding-window models)"})
+    cpu_offload_space: float | int = field(default=0.1, metadata={
+        "help": "CPU swap pool for requests preempted under memory pressure: a fraction of the KV pool (e.g. 0.1) "
+                "or a byte count (e.g. 268435456); 0: recompute instead"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "KV cache storage: auto = --dtype; bfloat16 under a float32 model halves the pool and the bytes "
+                "decode attention reads (math stays float32; outputs differ slightly from the float32 reference). "
+                "Prefill and decode nodes must agree"})
+    kv_prefault: bool = field(default=False, metadata={
+        "help": "fault the whole KV pool in at startup (slower start, memory committed now) so that no step pays "
+                "first-touch page faults while the pool is cycled the first time"})
 
     def __post_init__(self) -> None:
         _positive_int("page_size", self.page_size)
@@ -109,10 +122,13 @@ class SchedulerConfig:
         None picks the scheduler's default: 0.15 for fifo, 0.0 for prefill_first.
     """
 
-    max_batch_tokens: int = 512
-    max_requests_per_batch: int = 32
-    scheduler_type: SchedulerType = "fifo"
-    safety_margin: float | None = None
+    max_batch_tokens: int = field(default=512, metadata={"help": "query tokens per forward pass"})
+    max_requests_per_batch: int = field(default=32, metadata={"help": "sequences per forward pass"})
+    scheduler_type: SchedulerType = field(default="fifo", metadata={
+        "help": "fifo: decodes, then running prefills, then waiting requests; prefill_first: new prompts first"})
+    safety_margin: float | None = field(default=None, metadata={
+        "help": "fraction of free blocks below which no new prefill is admitted (default: 0.15 for fifo, "
+                "0 for prefill_first)"})
 
     def __post_init__(self) -> None:
         _positive_int("max_batch_tokens", self.max_batch_tokens)
@@ -147,12 +163,15 @@ class EngineConfig:
     """
 
     model: str | None = None
-    dtype: str = "float32"
-    num_threads: int | None = None
-    max_model_len: int | None = None
+    dtype: str = field(default="float32", metadata={"help": "weights, activations and (by default) KV dtype"})
+    num_threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's choice)"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "longest prompt + output (default: the model's)"})
     seed: int = 0
     attention_backend: str = "auto"
-    small_batch_max_tokens: int = _SMALL_LINEAR_MAX_ROWS
+    small_batch_max_tokens: int = field(default=_SMALL_LINEAR_MAX_ROWS, metadata={
+        "help": f"passes of at most N float32 tokens (decode steps) run the decoder layers on the C ops bound to "
+                f"the weights, bit-identical to the module ops and faster; 0: never; at most {_SMALL_LINEAR_MAX_ROWS}"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

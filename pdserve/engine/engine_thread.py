@@ -1,9 +1,9 @@
-"""An asyncio streaming front for the engine, for servers.
+"""The thread that drives an engine for asyncio servers, with a streaming front.
 
 One background thread owns the `LLMEngine` and runs schedule -> run -> update; asyncio callers
 talk to it only through a command queue, so the engine is never touched by two threads.
 
-    engine = AsyncEngine(EngineConfig())
+    engine = EngineThread(LLMEngine(EngineConfig()))
     async for out in engine.generate("The capital of France is", SamplingParams(max_tokens=8)):
         print(out.delta_text, end="")
 
@@ -13,8 +13,10 @@ ends with an explicit error output (nothing is dropped silently, S1) and the eng
 When idle, the engine thread checks the cache invariant (free + used == total).
 
 Metrics: after every step, and at every idle tick (at least once a second), the engine thread
-stores `engine.metrics()` in `last_metrics`, a frozen EngineMetrics that any thread may read
-(a Prometheus scrape reads it without waiting for a forward pass or touching engine state).
+stores `engine.metrics()` in `last_metrics` and refreshes `last_load` (which the engine also takes
+when it schedules each pass, so the pages of the pass running now count): frozen snapshots that any
+thread may read (a Prometheus scrape or a NodeInfo call reads them without waiting for a forward
+pass or touching engine state).
 """
 
 from __future__ import annotations
@@ -27,11 +29,10 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import EngineHooks, LLMEngine
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.stats import EngineMetrics
+from pdserve.engine.stats import EngineLoad, EngineMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +47,16 @@ class _Stream:
     queue: asyncio.Queue[RequestOutput]
 
 
-class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, hooks: EngineHooks | None = None,
-                 engine: LLMEngine | None = None) -> None:
-        self.engine = engine or LLMEngine(config, hooks)
+class EngineThread:
+    def __init__(self, engine: LLMEngine) -> None:
+        """Start the thread that owns `engine` from now on (no other thread may touch it)."""
+        self.engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self.last_metrics: EngineMetrics | None = None  # written by the engine thread only
+        engine.last_load = engine.load()
         self._metrics_failed = False
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
@@ -118,6 +120,13 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+
+    @property
+    def last_load(self) -> EngineLoad:
+        """The engine's load as of its last scheduled pass or idle tick (routing, NodeInfo.load)."""
+        load = self.engine.last_load
+        assert load is not None   # set before the thread starts
+        return load
 
     @property
     def is_running(self) -> bool:
@@ -187,9 +196,10 @@ class AsyncEngine:
         self._fail_all("engine shut down")
 
     def _take_metrics(self) -> None:
-        """Engine thread: refresh `last_metrics`; a failing snapshot is logged once and never stops serving."""
+        """Engine thread: refresh `last_metrics` and `last_load`; a failing snapshot is logged once and never stops serving."""
         try:
             self.last_metrics = self.engine.metrics()
+            self.engine.last_load = self.engine.load()
         except Exception:  # metrics must not take serving down; the failure is logged, once
             if not self._metrics_failed:
                 logger.exception("engine metrics snapshot failed; keeping the last one")

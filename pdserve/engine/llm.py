@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import EngineHooks, LLMEngine
+from pdserve.engine.kv_connector import KvConnector
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import CompletionOutput
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -19,8 +20,9 @@ class LLM:
     scheduler_type, safety_margin, max_memory_percent, max_model_len, ...).
     """
 
-    def __init__(self, model: str | None = None, hooks: EngineHooks | None = None, **engine_options: object) -> None:
-        self.engine = LLMEngine(EngineConfig.from_options(model=model, **engine_options), hooks)
+    def __init__(self, model: str | None = None, kv_connector: KvConnector | None = None,
+                 **engine_options: object) -> None:
+        self.engine = LLMEngine(EngineConfig.from_options(model=model, **engine_options), kv_connector)
 
     @property
     def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer

@@ -10,13 +10,14 @@ calls, the `Preemptor` brings offloaded requests back before scheduling and, whe
 reports stalled requests, offloads or soft-resets others after the pass (E14, E15); when nothing
 could be scheduled at all it does so at once and the step schedules again.
 
-Hooks let the KV messenger plug in without the engine knowing about it: `on_schedule` sees each
-pass before it runs (D6), `on_layer_done` fires after each layer's attention output projection
-(D7), `on_prefill_done` receives a prefill-only request's final hidden state and logits (D12).
-One hook is not a step callback: `allocate_kv`, called once while the engine is built, gives the
-KV pool its memory (default: an anonymous mapping on transparent huge pages, pdserve.engine.cache.kv_cache).
+A KV transfer plugs in through one connector (pdserve.engine.kv_connector), given at
+construction: a PrefillConnector sees each pass before it runs (D6), each finished layer (D7) and
+each finished prefill's hidden state and logits (D12); a DecodeConnector learns which requests
+wait for KV in which pages (D3). The engine owns its KV memory (an anonymous mapping on
+transparent huge pages on the CPU, pdserve.engine.cache.hostmem) and hands the connector the pool
+once it exists (`register_kv_cache`).
 
-Threading: an engine is driven by one thread (the caller of `step`); `AsyncEngine` runs that
+Threading: an engine is driven by one thread (the caller of `step`); `EngineThread` runs that
 thread for servers.
 """
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,10 +33,19 @@ import torch
 from pdserve.kernels.attention import get_backend
 from pdserve.engine.cache.block_pool import BlockPool, CacheIntegrityError
 from pdserve.engine.cache.groups import attention_groups, max_blocks_per_request
-from pdserve.engine.cache.kv_cache import KVAllocator, KVCacheShape, PagedKVCache
+from pdserve.engine.cache.kv_cache import KVCacheShape, PagedKVCache
 from pdserve.engine.cache.manager import KVCacheManager
 from pdserve.engine.cache.swap import SwapSpace
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_connector import (
+    AttentionGroupSpec,
+    DecodeConnector,
+    KvCacheSpec,
+    KvConnector,
+    KvWait,
+    PrefillConnector,
+    PrefillDone,
+)
 from pdserve.model.arch import ModelArch
 from pdserve.model.loader import ModelSource, iter_weights, load_config, load_generation_eos, load_tokenizer, resolve_model
 from pdserve.model.registry import build_model
@@ -55,26 +65,9 @@ from pdserve.engine.sizing import (
     module_nbytes,
     size_pool,
 )
-from pdserve.engine.stats import EngineMetrics
+from pdserve.engine.stats import EngineInfo, EngineLoad, EngineMetrics
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineHooks:
-    """Callbacks into the engine's step; all run on the engine thread and must not block long.
-
-    allocate_kv is the exception: it runs once, in the engine's constructor, and returns the KV
-    pool's buffer (see pdserve.engine.cache.kv_cache.KVAllocator for what it must return)."""
-
-    on_schedule: Callable[[SchedulerOutput], None] | None = None
-    on_layer_done: Callable[[int], None] | None = None
-    on_prefill_done: Callable[[Request, torch.Tensor, torch.Tensor], None] | None = None
-    # A remote-prefill request got its pages (block ids in order) and now waits for its KV.
-    on_kv_wait: Callable[[Request, list[int]], None] | None = None
-    # allocate_kv(dims, dtype) -> the pool's buffer [layers, 2, pages, kv_heads, page_size, head_dim];
-    # None: the default (CPU: huge-page mapping; other devices: torch.zeros).
-    allocate_kv: KVAllocator | None = None
 
 
 @dataclass
@@ -85,9 +78,15 @@ class _Tracked:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, hooks: EngineHooks | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, kv_connector: KvConnector | None = None) -> None:
+        """Load the model and build the KV pool; `kv_connector` (a PrefillConnector or a
+        DecodeConnector) is handed the pool before this returns (its ValueError propagates)."""
         self.config = config = config or EngineConfig()
-        self.hooks = hooks or EngineHooks()
+        if kv_connector is not None and not isinstance(kv_connector, (PrefillConnector, DecodeConnector)):
+            raise TypeError(f"kv_connector must be a PrefillConnector or a DecodeConnector, "
+                            f"got {type(kv_connector).__name__}")
+        self._prefill_conn = kv_connector if isinstance(kv_connector, PrefillConnector) else None
+        self._decode_conn = kv_connector if isinstance(kv_connector, DecodeConnector) else None
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.source: ModelSource = resolve_model(config.model)
@@ -125,8 +124,7 @@ class LLMEngine:
                                                sched.max_batch_tokens)
         sharing = config.cache.allow_block_sharing and all(g.sliding_window is None for g in groups)
         self.kv_cache = PagedKVCache(KVCacheShape(self.arch.num_layers, size.num_blocks, self.arch.num_kv_heads, P,
-                                                  self.arch.head_dim), kv_dtype, allocate=self.hooks.allocate_kv,
-                                     prefault=config.cache.kv_prefault)
+                                                  self.arch.head_dim), kv_dtype, prefault=config.cache.kv_prefault)
         self.pool = BlockPool(size.num_blocks, config.cache.num_padding_blocks)
         self.cache_manager = KVCacheManager(self.pool, P, groups, enable_prefix_caching=sharing)
         swap_slots = config.cache.swap_slots(size.num_blocks, block_nbytes)
@@ -138,6 +136,8 @@ class LLMEngine:
                     "" if sharing or not config.cache.allow_block_sharing else " (sliding-window layers)",
                     swap_slots, swap_slots * block_nbytes / 2**30, self.max_model_len)
         self.scheduler = make_scheduler(config.scheduler, self.cache_manager)
+        if kv_connector is not None:
+            kv_connector.register_kv_cache(self._kv_cache_spec(groups))
         self.preemptor = Preemptor(self.scheduler, self.cache_manager, self.swap)
         self.runner = ModelRunner(self.model, self.kv_cache, self.cache_manager, get_backend(config.attention_backend))
         self.sampler = Sampler()
@@ -146,10 +146,23 @@ class LLMEngine:
         self._hold_on_finish: set[str] = set()
         self._held: dict[str, Request] = {}  # finished, blocks kept until release_blocks
         self._ids = itertools.count()
+        # The load as of the last scheduled pass (or `load()` call by the driving thread): a frozen
+        # snapshot other threads may read at any time (EngineThread.last_load).
+        self.last_load: EngineLoad | None = None
         self.num_steps = 0
         self.num_forward_tokens = 0
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
+
+    def _kv_cache_spec(self, groups) -> KvCacheSpec:
+        layer_types = tuple(self.arch.layer_types)
+        specs = []
+        for g in groups:
+            kind = "full_attention" if g.sliding_window is None else "sliding_attention"
+            specs.append(AttentionGroupSpec(g.name, tuple(i for i, t in enumerate(layer_types) if t == kind),
+                                            g.sliding_window))
+        return KvCacheSpec(buffer=self.kv_cache.buffer, shape=self.kv_cache.shape, dtype=self.kv_cache.dtype,
+                           groups=tuple(specs), hidden_size=self.arch.hidden_size, model_name=self.source.name)
 
     def _activation_bytes(self, dtype: torch.dtype) -> int:
         a, s = self.arch, self.config.scheduler
@@ -302,14 +315,17 @@ class LLMEngine:
         if sched.is_empty and sched.stalled and not self.preemptor.relieve(sched.stalled).is_empty:
             sched = self.scheduler.schedule()  # nothing could run: make room and retry in this step (E15)
             kv_waits += sched.kv_waits
-        if self.hooks.on_kv_wait is not None:
+        if self._decode_conn is not None:
             for r in kv_waits:
-                self.hooks.on_kv_wait(r, self.block_table(r.request_id))
+                self._decode_conn.on_kv_wait(KvWait(r.request_id, tuple(r.prompt_token_ids),
+                                                    tuple(self.block_table(r.request_id))))
         if sched.is_empty:
             return self._stalled()
-        if self.hooks.on_schedule is not None:
-            self.hooks.on_schedule(sched)
-        out = self.runner.execute(sched, self.hooks.on_layer_done)
+        self.last_load = self.load()   # what runs now holds its pages: routing reads this during the pass
+        conn = self._prefill_conn
+        if conn is not None:
+            conn.on_schedule(sched, {c.request_id: tuple(self.block_table(c.request_id)) for c in sched.chunks})
+        out = self.runner.execute(sched, conn.on_layer_done if conn is not None else None)
         results = self._update(sched, out)
         if sched.stalled:
             self.preemptor.relieve(sched.stalled)  # they run next step
@@ -340,8 +356,9 @@ class LLMEngine:
             tracked = self._tracked[r.request_id]
             if r.prefill_only and c.end == r.target_computed_tokens:
                 row = out.chunk_rows[r.request_id]
-                if self.hooks.on_prefill_done is not None:
-                    self.hooks.on_prefill_done(r, out.hidden[row], out.logits[row])
+                if self._prefill_conn is not None:
+                    self._prefill_conn.on_prefill_done(PrefillDone(r.request_id, tuple(self.block_table(r.request_id)),
+                                                                   out.hidden[row], out.logits[row]))
                 results.append(self._finish(tracked, FinishReason.PREFILLED, new_ids=(), delta=""))
                 continue
             if not c.samples:
@@ -385,10 +402,11 @@ class LLMEngine:
             new_token_ids=(token,),
             delta_text=delta,
             finished=False,
-            num_prompt_tokens=r.num_prompt_tokens_original,
+            num_prompt_tokens=r.num_prompt_tokens,
             num_output_tokens=len(r.output_token_ids),
             new_logprobs=new_lp,
-            num_cached_tokens=r.num_cached_prompt_tokens or 0,
+            num_cached_tokens=r.num_reused_tokens or 0,
+            first_scheduled_time=r.first_scheduled_time,
         )
 
     def _finish(
@@ -429,12 +447,13 @@ class LLMEngine:
             new_token_ids=new_ids,
             delta_text=delta,
             finished=True,
-            num_prompt_tokens=r.num_prompt_tokens_original,
+            num_prompt_tokens=r.num_prompt_tokens,
             num_output_tokens=len(r.output_token_ids),
             new_logprobs=new_logprobs,
             completion=completion,
             error=error,
-            num_cached_tokens=r.num_cached_prompt_tokens or 0,
+            num_cached_tokens=r.num_reused_tokens or 0,
+            first_scheduled_time=r.first_scheduled_time,
         )
 
     def _stalled(self) -> list[RequestOutput]:
@@ -457,6 +476,27 @@ class LLMEngine:
     @property
     def num_offloads(self) -> int:
         return self.preemptor.num_offloads
+
+    def info(self) -> EngineInfo:
+        a = self.arch
+        return EngineInfo(model_name=self.source.name, vocab_size=a.vocab_size, hidden_size=a.hidden_size,
+                          num_layers=a.num_layers, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                          page_size=self.cache_manager.page_size, max_model_len=self.max_model_len,
+                          num_blocks=self.pool.num_usable_blocks)
+
+    def load(self) -> EngineLoad:
+        """How busy the engine is now (engine thread; from another thread, a snapshot that may
+        straddle one step)."""
+        s = self.scheduler
+        prompt_left = output_left = 0
+        for t in self._tracked.values():
+            r = t.request
+            prompt_left += max(0, r.target_computed_tokens - r.num_computed_tokens)
+            if not r.prefill_only:
+                output_left += max(0, (r.sampling.max_tokens or self.max_model_len) - len(r.output_token_ids))
+        return EngineLoad(num_unfinished=len(self._tracked), num_waiting=len(s.waiting) + len(s.waiting_for_kv),
+                          num_running=len(s.running), prompt_tokens_left=prompt_left, output_tokens_left=output_left,
+                          free_blocks=self.pool.num_free_blocks, total_blocks=self.pool.num_usable_blocks)
 
     def metrics(self) -> EngineMetrics:
         """A snapshot of the engine's gauges and counters (call from the engine thread, or accept

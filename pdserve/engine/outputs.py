@@ -32,9 +32,11 @@ class RequestOutput:
     completion: CompletionOutput | None = None  # set when finished
     error: str | None = None
     # Prompt tokens this engine took from its prefix cache instead of computing (E12), counted at
-    # the request's first admission (Request.num_cached_prompt_tokens). 0 for a remote-prefill
-    # request (a decode node's): the prefill node reports its own count in PrefillResponse.
+    # the request's first admission (Request.num_reused_tokens). 0 for a remote-prefill request
+    # (a decode node's): the prefill node reports its own count in PrefillResponse.
     num_cached_tokens: int = 0
+    # When the engine first gave the request pages (time.monotonic()): the end of its queueing.
+    first_scheduled_time: float | None = None
 
     @property
     def finish_reason(self) -> str | None:

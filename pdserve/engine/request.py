@@ -66,24 +66,18 @@ class Request:
     generator: torch.Generator | None = None
     num_preemptions: int = 0   # soft resets (E14)
     num_offloads: int = 0      # moves of its KV to the CPU swap pool (E15)
-    # Prompt tokens whose KV came from the prefix cache at the last admission (E12): the first
-    # computed chunk starts there (a multiple of page_size), pages [0, num_cached_tokens // P)
-    # of its table are shared blocks that already hold that KV.
-    num_cached_tokens: int = 0
-    # What usage reports (RequestOutput.num_cached_tokens, OpenAI's prompt_tokens_details.
-    # cached_tokens): prompt tokens this engine did not compute because their KV came from its
-    # prefix cache, counted at the request's first admission (a later soft reset recomputes, but
-    # the prompt was served from cache once; as vLLM counts it). None until first admitted; stays
-    # None (reported as 0) for a remote-prefill request, whose KV another node computed.
-    num_cached_prompt_tokens: int | None = None
+    # Prefix cache (E12), set at each admission: the leading prompt tokens whose KV was found in
+    # shared blocks, so computing starts there (a multiple of page_size).
+    num_prefix_hit_tokens: int = 0
+    # Usage (RequestOutput.num_cached_tokens): the prefix hit of the FIRST admission, kept across
+    # soft resets (as vLLM counts it). None until admitted; None for a remote-prefill request.
+    num_reused_tokens: int | None = None
+    # When the scheduler first gave it pages (time.monotonic()); None while it waits.
+    first_scheduled_time: float | None = None
     # Chained hashes of its complete blocks, extended on demand (prefix_cache.request_block_hashes).
     block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
-    # When a soft reset folded generated tokens back into the prompt, the original prompt length.
-    num_prompt_tokens_original: int = -1
 
     def __post_init__(self) -> None:
-        if self.num_prompt_tokens_original < 0:
-            self.num_prompt_tokens_original = len(self.prompt_token_ids)
         if self.sampling.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.sampling.seed)
 

@@ -34,3 +34,31 @@ class EngineMetrics:
     def prefix_cache_hit_rate(self) -> float:
         """Hit tokens / queried tokens; 0 before any lookup."""
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """How busy the engine is now, for routing (NodeInfo.load): read on the engine thread."""
+
+    num_unfinished: int              # requests the engine holds (any state but finished)
+    num_waiting: int                 # queued for admission, plus admitted and waiting for KV
+    num_running: int
+    prompt_tokens_left: int          # tokens still to compute before each request samples (or ends)
+    output_tokens_left: int          # tokens still to generate, at each request's max_tokens (or context)
+    free_blocks: int                 # blocks a new request can take now (empty + evictable cached)
+    total_blocks: int
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine serves, fixed once it is built (NodeInfo, request validation)."""
+
+    model_name: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    max_model_len: int
+    num_blocks: int                  # usable blocks of the pool

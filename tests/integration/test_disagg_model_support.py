@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kv_messenger.wiring import UnsupportedModelError
+from kv_messenger import UnsupportedModelError
 from pdserve.engine.config import EngineConfig
 from pdserve.model.loader import resolve_model
 from support.tiny_models import TINY_GEMMA3, make_tiny_checkpoint
@@ -48,27 +48,23 @@ def _check_message(message: str, model: str) -> None:
 
 
 def test_prefill_node_refuses_a_hybrid_model(tiny_gemma):
-    from prefill_node.service import NodeConfig, PrefillNode
+    from prefill_node.service import PrefillNode, PrefillNodeConfig
 
     before = len(_engine_threads())
-    loop = asyncio.new_event_loop()
-    try:
-        with pytest.raises(UnsupportedModelError) as err:
-            PrefillNode(NodeConfig(engine=_config(tiny_gemma), provider="shm"), loop)
-    finally:
-        loop.close()
+    with pytest.raises(UnsupportedModelError) as err:
+        PrefillNode(PrefillNodeConfig(engine=_config(tiny_gemma), provider="shm"))
     _check_message(str(err.value), tiny_gemma)
     assert len(_engine_threads()) == before, "the refused node left its engine thread running"
 
 
 def test_decode_node_refuses_a_hybrid_model_unless_colocated(tiny_gemma):
-    from decode_node.server import DecodeNode
+    from decode_node.service import DecodeNode, DecodeNodeConfig
 
     before = len(_engine_threads())
 
     async def build(colocated: bool) -> None:
-        node = DecodeNode(_config(tiny_gemma), "decode-test", colocated=colocated,
-                          prefill_addresses=[] if colocated else ["127.0.0.1:1"], provider="shm", fabric_node=None)
+        node = DecodeNode(DecodeNodeConfig(_config(tiny_gemma), "decode-test", colocated=colocated,
+                                           prefill_addresses=() if colocated else ("127.0.0.1:1",), provider="shm"))
         await node.start()
         try:
             assert node.llm.cache_manager.group_names == ("full", "sliding")
@@ -88,12 +84,13 @@ def test_node_processes_exit_with_the_reason(tiny_gemma, tmp_path):
          "--model", tiny_gemma, "--num-blocks", "64", "--page-size", "4", "--threads", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert decode.returncode == 2, decode.stderr[-3000:]
+    assert "failed to start: UnsupportedModelError" in decode.stderr
     _check_message(decode.stderr, tiny_gemma)
 
     prefill = subprocess.run(
         [sys.executable, "-m", "prefill_node", "--port", "0", "--provider", "shm",
          "--model", tiny_gemma, "--num-blocks", "64", "--page-size", "4", "--threads", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert prefill.returncode == 1, prefill.stderr[-3000:]
+    assert prefill.returncode == 2, prefill.stderr[-3000:]
     assert "failed to start: UnsupportedModelError" in prefill.stderr
     _check_message(prefill.stderr, tiny_gemma)

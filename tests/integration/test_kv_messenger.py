@@ -16,14 +16,32 @@ import torch
 
 import numpy as np
 
-from fabric import FabricConfig, TransferEngine, alloc_buffer
-from kv_messenger import ContextCodec, KvLayout, KvReceiver, KvSender, ShardingScheme, TransferTarget
+from fabric import FabricConfig, TransferEngine
+from kv_messenger import ContextCodec, KvLayout, KvReceiver, KvSender, ReceiverEvents, ShardingScheme, TransferTicket
 from kv_messenger.plan import completed_pages, expected_writes
-from kv_messenger.wiring import layout_of, register_kv
 from pdserve import LLM, SamplingParams
-from pdserve.engine.llm_engine import EngineHooks
+from pdserve.engine.cache.hostmem import alloc_buffer, alloc_tensor
+from pdserve.engine.cache.kv_cache import KVCacheShape
+from pdserve.engine.kv_connector import AttentionGroupSpec, KvCacheSpec, PrefillDone
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler.output import ScheduledChunk, SchedulerOutput
+
+
+class _Events(ReceiverEvents):
+    """The decode node's side of a receiver, for tests: tickets and landings go to queues."""
+
+    def __init__(self) -> None:
+        self.tickets: dict[str, TransferTicket] = {}
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+
+    def ticket_ready(self, ticket: TransferTicket, token_ids: tuple[int, ...]) -> None:
+        self.tickets[ticket.request_id] = ticket
+
+    def ticket_refused(self, request_id: str, error: str) -> None:
+        raise AssertionError(f"{request_id}: {error}")
+
+    def kv_landed(self, request_id: str) -> None:
+        self.jobs.put(("ready", request_id))
 
 
 def test_completed_pages_and_expected_counts():
@@ -54,35 +72,27 @@ def test_prefill_engine_pushes_kv_into_decode_engine(provider, kv_dtype):
 
     cfg = FabricConfig(provider=provider, node="127.0.0.1" if provider != "shm" else None)
     fab_p, fab_d = TransferEngine(cfg), TransferEngine(cfg)
-    engine_thread_jobs: queue.SimpleQueue = queue.SimpleQueue()
+    events = _Events()
+    engine_thread_jobs = events.jobs
     try:
-        # Decode side
-        tickets = {}
-        decode_hooks = EngineHooks(on_kv_wait=lambda r, blocks: tickets.__setitem__(r.request_id, blocks))
-        decode = LLM(num_blocks=128, hooks=decode_hooks, kv_cache_dtype=kv_dtype).engine
-        assert layout_of(decode.kv_cache).dtype == ("bfloat16" if kv_dtype == "bfloat16" else "float32")
-        codec = ContextCodec(decode.arch.hidden_size)
-        receiver = KvReceiver(fab_d, register_kv(fab_d, decode.kv_cache), layout_of(decode.kv_cache), codec,
-                              on_ready=lambda rid: engine_thread_jobs.put(("ready", rid)))
-        # Prefill side
-        hooks = EngineHooks()
-        prefill = LLM(num_blocks=64, max_batch_tokens=32, hooks=hooks, kv_cache_dtype=kv_dtype).engine
-        sender = KvSender(fab_p, register_kv(fab_p, prefill.kv_cache), layout_of(prefill.kv_cache),
-                          block_table=prefill.block_table,
-                          release=lambda rid: engine_thread_jobs.put(("release", rid)), codec=codec)
-        hooks.on_schedule, hooks.on_layer_done, hooks.on_prefill_done = (
-            sender.on_schedule, sender.on_layer_done, sender.on_prefill_done)
+        # Decode side: the receiver is the engine's DecodeConnector
+        receiver = KvReceiver(fab_d, events)
+        decode = LLM(num_blocks=128, kv_connector=receiver, kv_cache_dtype=kv_dtype).engine
+        assert receiver.layout.dtype == ("bfloat16" if kv_dtype == "bfloat16" else "float32")
+        # Prefill side: the sender is the engine's PrefillConnector
+        sender = KvSender(fab_p)
+        prefill = LLM(num_blocks=64, max_batch_tokens=32, kv_connector=sender, kv_cache_dtype=kv_dtype).engine
         fab_p.connect(fab_d.peer_descriptor)
 
         for i, p in enumerate(PROMPTS):
             decode.add_request(p, params, request_id=f"r{i}", remote_prefill=True)
         decode.step()
+        tickets = events.tickets
         futures = {}
-        for rid, blocks in tickets.items():
+        for rid, t in tickets.items():
             r = decode._tracked[rid].request
-            t = receiver.prepare(rid, r.num_prompt_tokens, blocks)
-            futures[rid] = sender.add(TransferTarget(rid, t.kv, t.layout, t.dst_pages, t.context, t.context_offset,
-                                                     t.imm_tag, t.expected_writes, t.num_prefill_tokens))
+            futures[rid] = sender.add(t)
+            futures[rid].add_done_callback(lambda _f, rid=rid: engine_thread_jobs.put(("release", rid)))
             prefill.add_request(r.prompt_token_ids[:-1], SamplingParams(max_tokens=1), request_id=rid,
                                 prefill_only=True, hold_blocks=True)
         while prefill.has_unfinished_requests():
@@ -144,32 +154,48 @@ class _Pair:
     def __init__(self, src_pages: list[int]) -> None:
         cfg = FabricConfig(provider="shm")
         self.fab_p, self.fab_d = TransferEngine(cfg), TransferEngine(cfg)
-        self.src = alloc_buffer(SMALL.nbytes, huge_pages=False)
-        self.src.numpy()[:] = np.random.default_rng(7).integers(0, 256, SMALL.nbytes, dtype=np.uint8)
-        self.dst = alloc_buffer(SMALL.nbytes, huge_pages=False)
-        self.codec = ContextCodec(hidden_size=16, top_k=4)
+        self.src_pages = tuple(src_pages)
+        # src: [layers, 2, pages, kv_heads, page_size, head_dim], random bytes, as an engine's pool
+        shape = KVCacheShape(SMALL.num_layers, SMALL.num_pages, SMALL.kv_heads, SMALL.page_size, SMALL.head_dim)
+        src = alloc_tensor((shape.num_layers, 2, shape.num_pages, shape.kv_heads, shape.page_size, shape.head_dim),
+                           torch.float32, huge_pages=False)
+        self.src = src.view(-1).view(torch.uint8).numpy()                      # [nbytes]
+        self.src[:] = np.random.default_rng(7).integers(0, 256, SMALL.nbytes, dtype=np.uint8)
+        self.dst_buf = alloc_buffer(SMALL.nbytes, huge_pages=False)
+        self.dst = self.dst_buf.numpy()                                          # [nbytes]
+        self.codec = ContextCodec(hidden_size=16)
         self.landing = self.codec.alloc_staging(self.fab_d, slots=1)
         self.released: list[str] = []
-        self.sender = KvSender(self.fab_p, self.fab_p.register(self.src), SMALL, block_table=lambda rid: src_pages,
-                               release=self.released.append, codec=self.codec)
-        self.dst_region = self.fab_d.register(self.dst)
+        self.sender = KvSender(self.fab_p)
+        self.sender.register_kv_cache(KvCacheSpec(
+            buffer=src, shape=shape, dtype=torch.float32, groups=(AttentionGroupSpec("full", (0, 1, 2), None),),
+            hidden_size=16, model_name="test"))
+        self.dst_region = self.fab_d.register(self.dst_buf.view)
         self.fired: queue.SimpleQueue = queue.SimpleQueue()
 
-    def target(self, rid: str, dst_pages: tuple[int, ...], n_prefill: int, tag: int) -> TransferTarget:
+    def target(self, rid: str, dst_pages: tuple[int, ...], n_prefill: int, tag: int) -> TransferTicket:
         count = expected_writes(n_prefill, SMALL, ShardingScheme(), ShardingScheme())
         self.fab_d.imm_counter.expect(tag, count, self.fired.put)
-        return TransferTarget(rid, self.dst_region.descriptor, SMALL, dst_pages, self.landing.region.descriptor, 0,
+        return TransferTicket(rid, self.dst_region.descriptor, SMALL, dst_pages, self.landing.region.descriptor, 0,
                               tag, count, n_prefill)
 
+    def add(self, ticket: TransferTicket):
+        fut = self.sender.add(ticket)
+        fut.add_done_callback(lambda _f: self.released.append(ticket.request_id))
+        return fut
+
     def run_pass(self, chunks: list[ScheduledChunk]) -> None:
-        self.sender.on_schedule(SchedulerOutput(tuple(chunks)))
+        self.sender.on_schedule(SchedulerOutput(tuple(chunks)), {c.request_id: self.src_pages for c in chunks})
         for layer in range(SMALL.num_layers):
             self.sender.on_layer_done(layer)
+
+    def prefill_done(self, req: Request, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        self.sender.on_prefill_done(PrefillDone(req.request_id, self.src_pages, hidden, logits))
 
     def page_bytes(self, buf, layer: int, kv: int, page: int) -> bytes:
         k, v = SMALL.page_offsets(layer, np.asarray([page]))
         off = int((k if kv == 0 else v)[0])
-        return bytes(buf.view[off : off + SMALL.page_nbytes])
+        return bytes(buf[off : off + SMALL.page_nbytes])
 
     def close(self) -> None:
         self.sender.close()
@@ -190,11 +216,11 @@ def test_prefix_hit_sends_cached_pages_with_the_first_chunk():
     pair = _Pair(src_pages)
     try:
         req = _request("r-prefix", 23)
-        fut = pair.sender.add(pair.target("r-prefix", dst_pages, 22, tag=0x5151))
+        fut = pair.add(pair.target("r-prefix", dst_pages, 22, tag=0x5151))
         before = pair.fab_p.stats()
         pair.run_pass([ScheduledChunk(req, start=8, num_tokens=8, samples=False)])
         pair.run_pass([ScheduledChunk(req, start=16, num_tokens=6, samples=False)])
-        pair.sender.on_prefill_done(req, torch.arange(16, dtype=torch.float32), torch.arange(50, dtype=torch.float32))
+        pair.prefill_done(req, torch.arange(16, dtype=torch.float32), torch.arange(50, dtype=torch.float32))
         assert pair.fired.get(timeout=10) == 0x5151
         result = fut.result(timeout=10)
         assert result.num_writes == 6 * SMALL.num_layers * 2 + 1 == fut.result().num_writes
@@ -217,7 +243,7 @@ def test_targets_with_out_of_range_tags_are_refused():
     pair = _Pair([0])
     try:
         with pytest.raises(ValueError, match=r"imm_tag=16777216 outside 0..16777215"):
-            pair.sender.add(TransferTarget("r-big-tag", pair.dst_region.descriptor, SMALL, (0,),
+            pair.sender.add(TransferTicket("r-big-tag", pair.dst_region.descriptor, SMALL, (0,),
                                            pair.landing.region.descriptor, 0, 2**24, 7, 3))
     finally:
         pair.close()
@@ -228,11 +254,11 @@ def test_chunks_without_prefix_hit_send_each_page_once():
     pair = _Pair(src_pages)
     try:
         req = _request("r-plain", 15)  # 14 prefilled tokens: 4 pages
-        fut = pair.sender.add(pair.target("r-plain", dst_pages, 14, tag=77))
+        fut = pair.add(pair.target("r-plain", dst_pages, 14, tag=77))
         before = pair.fab_p.stats()
         for start, n in ((0, 5), (5, 5), (10, 4)):
             pair.run_pass([ScheduledChunk(req, start=start, num_tokens=n, samples=False)])
-        pair.sender.on_prefill_done(req, torch.zeros(16), torch.arange(50, dtype=torch.float32))
+        pair.prefill_done(req, torch.zeros(16), torch.arange(50, dtype=torch.float32))
         assert pair.fired.get(timeout=10) == 77
         assert fut.result(timeout=10).num_writes == 4 * SMALL.num_layers * 2 + 1
         after = pair.fab_p.stats()

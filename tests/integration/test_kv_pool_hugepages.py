@@ -4,7 +4,7 @@ The pool is a fresh anonymous mapping, 2 MiB aligned, and where the kernel has t
 pages (always or madvise) the kernel backs it with huge pages once it is written (AnonHugePages in
 /proc/self/smaps for the pool's range; nothing is committed before). That holds for prefill nodes,
 decode nodes (whose pools the fabric registers) and colocated decode nodes alike. A custom
-allocator (EngineHooks.allocate_kv) that returns the wrong tensor is refused by name.
+allocator (PagedKVCache(allocate=...)) that returns the wrong tensor is refused by name.
 """
 
 from __future__ import annotations
@@ -55,30 +55,28 @@ def check_pool_on_huge_pages(buf: torch.Tensor) -> None:
 
 
 def test_prefill_node_pool_is_on_huge_pages(tiny_llama):
-    from prefill_node.service import NodeConfig, PrefillNode
+    from prefill_node.service import PrefillNode, PrefillNodeConfig
 
-    loop = asyncio.new_event_loop()
-    node = PrefillNode(NodeConfig(engine=_config(tiny_llama), provider="shm"), loop)
+    node = PrefillNode(PrefillNodeConfig(engine=_config(tiny_llama), provider="shm"))
     try:
         kv = node.engine.engine.kv_cache
         assert kv.nbytes == NUM_BLOCKS * 8 * 1024 >= 8 * MiB
         check_pool_on_huge_pages(kv.buffer)
     finally:
-        node.close()
-        loop.close()
+        node.close_now()
 
 
 def test_decode_node_pool_is_on_huge_pages_colocated_or_not(tiny_llama):
-    from decode_node.server import DecodeNode
+    from decode_node.service import DecodeNode, DecodeNodeConfig
 
     async def build(colocated: bool) -> None:
-        node = DecodeNode(_config(tiny_llama), "decode-test", colocated=colocated,
-                          prefill_addresses=[] if colocated else ["127.0.0.1:1"], provider="shm", fabric_node=None)
+        node = DecodeNode(DecodeNodeConfig(_config(tiny_llama), "decode-test", colocated=colocated,
+                                           prefill_addresses=() if colocated else ("127.0.0.1:1",), provider="shm"))
         await node.start()
         try:
             buf = node.llm.kv_cache.buffer
             if colocated:
-                assert node.hooks.allocate_kv is None and node.fabric is None
+                assert node.transport is None and node.receiver is None
             check_pool_on_huge_pages(buf)
         finally:
             await node.close()

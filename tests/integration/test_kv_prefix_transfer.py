@@ -13,12 +13,25 @@ import time
 import torch
 
 from fabric import FabricConfig, TransferEngine
-from kv_messenger import ContextCodec, KvReceiver, KvSender, TransferTarget
-from kv_messenger.wiring import layout_of, register_kv
+from kv_messenger import KvReceiver, KvSender, ReceiverEvents, TransferTicket
 from pdserve import LLM, SamplingParams
-from pdserve.engine.llm_engine import EngineHooks
 
 PROMPT = "Once upon a time, in a land far away, there lived a king who " * 5
+
+
+class _Events(ReceiverEvents):
+    def __init__(self, jobs: queue.SimpleQueue) -> None:
+        self.jobs = jobs
+        self.tickets: dict[str, TransferTicket] = {}
+
+    def ticket_ready(self, ticket: TransferTicket, token_ids: tuple[int, ...]) -> None:
+        self.tickets[ticket.request_id] = ticket
+
+    def ticket_refused(self, request_id: str, error: str) -> None:
+        raise AssertionError(f"{request_id}: {error}")
+
+    def kv_landed(self, request_id: str) -> None:
+        self.jobs.put(("ready", request_id))
 
 
 def test_prefix_cached_prompt_sends_every_page():
@@ -29,19 +42,11 @@ def test_prefix_cached_prompt_sends_every_page():
     fab_p, fab_d = TransferEngine(cfg), TransferEngine(cfg)
     jobs: queue.SimpleQueue = queue.SimpleQueue()
     try:
-        tickets: dict[str, list[int]] = {}
-        decode = LLM(num_blocks=128, hooks=EngineHooks(
-            on_kv_wait=lambda r, blocks: tickets.__setitem__(r.request_id, blocks))).engine
-        codec = ContextCodec(decode.arch.hidden_size)
-        receiver = KvReceiver(fab_d, register_kv(fab_d, decode.kv_cache), layout_of(decode.kv_cache), codec,
-                              on_ready=lambda rid: jobs.put(("ready", rid)))
-        hooks = EngineHooks()
-        prefill = LLM(num_blocks=64, max_batch_tokens=32, hooks=hooks).engine
-        sender = KvSender(fab_p, register_kv(fab_p, prefill.kv_cache), layout_of(prefill.kv_cache),
-                          block_table=prefill.block_table, release=lambda rid: jobs.put(("release", rid)),
-                          codec=codec)
-        hooks.on_schedule, hooks.on_layer_done, hooks.on_prefill_done = (
-            sender.on_schedule, sender.on_layer_done, sender.on_prefill_done)
+        events = _Events(jobs)
+        receiver = KvReceiver(fab_d, events)
+        decode = LLM(num_blocks=128, kv_connector=receiver).engine
+        sender = KvSender(fab_p)
+        prefill = LLM(num_blocks=64, max_batch_tokens=32, kv_connector=sender).engine
         fab_p.connect(fab_d.peer_descriptor)
 
         cached_tokens = []
@@ -49,14 +54,14 @@ def test_prefix_cached_prompt_sends_every_page():
             decode.add_request(PROMPT, params, request_id=rid, remote_prefill=True)
             decode.step()
             r = decode.get_request(rid)
-            t = receiver.prepare(rid, r.num_prompt_tokens, tickets[rid])
-            fut = sender.add(TransferTarget(rid, t.kv, t.layout, t.dst_pages, t.context, t.context_offset,
-                                            t.imm_tag, t.expected_writes, t.num_prefill_tokens))
+            t = events.tickets[rid]
+            fut = sender.add(t)
+            fut.add_done_callback(lambda _f, rid=rid: jobs.put(("release", rid)))
             pr = prefill.add_request(r.prompt_token_ids[:-1], SamplingParams(max_tokens=1), request_id=rid,
                                      prefill_only=True, hold_blocks=True)
             while prefill.has_unfinished_requests():
                 prefill.step()
-            cached_tokens.append(pr.num_cached_tokens)
+            cached_tokens.append(pr.num_prefix_hit_tokens)
             ready = released = False
             deadline = time.monotonic() + 20
             while not (ready and released) and time.monotonic() < deadline:

@@ -23,14 +23,11 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pdserve_api.convert import ticket_to_pb
 from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 from fabric import FabricConfig, TransferEngine
-from kv_messenger import ContextCodec, KvReceiver
-from kv_messenger.wiring import layout_of, register_kv
+from kv_messenger import KvReceiver, ReceiverEvents, TransferTicket
 from pdserve import LLM, SamplingParams
-from pdserve.engine.llm_engine import EngineHooks
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived " * 6]
@@ -117,20 +114,28 @@ class NodeProcess:
             os.unlink(self.stderr.name)
 
 
-class DecodeSide:
+class DecodeSide(ReceiverEvents):
     """The decode node's half, in this process: remote-prefill engine, fabric endpoint, receiver."""
 
     def __init__(self, provider: str) -> None:
-        self.blocks: dict[str, list[int]] = {}
-        hooks = EngineHooks(on_kv_wait=lambda r, blocks: self.blocks.__setitem__(r.request_id, blocks))
-        self.llm = LLM(num_blocks=128, hooks=hooks, num_threads=1)   # the machine is shared: no OpenMP spinning
-        self.engine = self.llm.engine
-        self.fab = TransferEngine(FabricConfig(provider=provider, node="127.0.0.1" if provider != "shm" else None))
+        self.tickets: dict[str, TransferTicket] = {}
         self.ready: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self.receiver = KvReceiver(self.fab, register_kv(self.fab, self.engine.kv_cache), layout_of(self.engine.kv_cache),
-                                   ContextCodec(self.engine.arch.hidden_size), on_ready=self.ready.put)
+        self.fab = TransferEngine(FabricConfig(provider=provider, node="127.0.0.1" if provider != "shm" else None))
+        self.receiver = KvReceiver(self.fab, events=self)
+        # the machine is shared: no OpenMP spinning
+        self.llm = LLM(num_blocks=128, kv_connector=self.receiver, num_threads=1)
+        self.engine = self.llm.engine
         self.prompt_ids: dict[str, list[int]] = {}
         self._expected: dict[str, tuple[int, ...]] | None = None
+
+    def ticket_ready(self, ticket: TransferTicket, token_ids: tuple[int, ...]) -> None:
+        self.tickets[ticket.request_id] = ticket
+
+    def ticket_refused(self, request_id: str, error: str) -> None:
+        pytest.fail(f"{request_id}: {error}")
+
+    def kv_landed(self, request_id: str) -> None:
+        self.ready.put(request_id)
 
     def expected(self) -> dict[str, tuple[int, ...]]:
         """A plain (colocated) greedy generate of PROMPTS on the same engine, computed once."""
@@ -147,9 +152,7 @@ class DecodeSide:
         calls = {}
         for rid in prompts:
             ids = self.prompt_ids[rid]
-            ticket = self.receiver.prepare(rid, len(ids), self.blocks.pop(rid))
-            calls[rid] = ticket_to_pb(ticket, token_ids=ids[:-1], peer=self.fab.peer_descriptor, model="",
-                                      deadline_s=None)
+            calls[rid] = self.tickets.pop(rid).to_pb(ids[:-1], self.fab.peer_descriptor)
         return calls
 
     def decode(self, rids: set[str], timeout: float = CALL_TIMEOUT_S) -> dict[str, tuple[int, ...]]:
@@ -302,24 +305,29 @@ def test_bad_input_is_rejected_and_the_node_keeps_serving(shm_node, shm_side):
 _DYING_DECODE = r"""
 import sys, time, grpc, torch
 from fabric import FabricConfig, TransferEngine
-from kv_messenger import ContextCodec, KvReceiver
-from kv_messenger.plan import KvLayout
+from kv_messenger import KvReceiver, ReceiverEvents
+from pdserve.engine.cache.kv_cache import KVCacheShape
+from pdserve.engine.kv_connector import AttentionGroupSpec, KvCacheSpec
 from pdserve.model.arch import ModelArch
 from pdserve.model.loader import load_config, resolve_model
-from pdserve_api.convert import ticket_to_pb
 from pdserve_api.v1 import prefill_pb2_grpc
+
+class Quiet(ReceiverEvents):
+    def ticket_ready(self, ticket, token_ids): pass
+    def ticket_refused(self, request_id, error): pass
+    def kv_landed(self, request_id): pass
 
 address, n, provider = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 arch = ModelArch.from_hf_config(load_config(resolve_model(None)))
 pages = 64
 buf = torch.zeros(arch.num_layers, 2, pages, arch.num_kv_heads, 16, arch.head_dim)
 fab = TransferEngine(FabricConfig(provider=provider, node="127.0.0.1" if provider != "shm" else None))
-region = fab.register(address=buf.data_ptr(), length=buf.numel() * buf.element_size())
-layout = KvLayout(arch.num_layers, pages, arch.num_kv_heads, 16, arch.head_dim, "float32")
-rx = KvReceiver(fab, region, layout, ContextCodec(arch.hidden_size), on_ready=lambda rid: None)
+rx = KvReceiver(fab, Quiet())
+rx.register_kv_cache(KvCacheSpec(buf, KVCacheShape(arch.num_layers, pages, arch.num_kv_heads, 16, arch.head_dim),
+                                 torch.float32, (AttentionGroupSpec("full", tuple(range(arch.num_layers)), None),),
+                                 arch.hidden_size, "dying"))
 ticket = rx.prepare("dying", n + 1, list(range(pages)))
-req = ticket_to_pb(ticket, token_ids=[(7 * i) % 1000 + 10 for i in range(n)], peer=fab.peer_descriptor,
-                   model="", deadline_s=None)
+req = ticket.to_pb([(7 * i) % 1000 + 10 for i in range(n)], fab.peer_descriptor)
 fut = prefill_pb2_grpc.PrefillServiceStub(grpc.insecure_channel(address)).Prefill.future(req, timeout=120)
 print("sent", flush=True)
 while rx.landed("dying") == 0:

@@ -7,13 +7,14 @@ import asyncio
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.engine_thread import AsyncEngine
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_thread import EngineThread
+from pdserve.engine.llm_engine import LLMEngine
 
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = AsyncEngine(EngineConfig.from_options(num_blocks=256, num_threads=2))
+    eng = EngineThread(LLMEngine(EngineConfig.from_options(num_blocks=256, num_threads=2)))
     yield eng
     eng.shutdown()
 

@@ -1,7 +1,7 @@
 """RequestOutput.num_cached_tokens: prompt tokens an engine took from its prefix cache (E12).
 
 Counted at the request's first admission, on every output of the request, and carried into the
-wire's Usage.cached_prompt_tokens (proto convert). A prefill-only request (a prefill node's)
+wire's Usage.cached_prompt_tokens (pdserve.serving.convert). A prefill-only request (a prefill node's)
 reports its hit the same way; a remote-prefill request (a decode node's) reports 0: its KV was
 computed elsewhere, and the decode node reports the prefill node's count instead (tested through
 the HTTP API in test_http_api.py).
@@ -10,7 +10,7 @@ the HTTP API in test_http_api.py).
 from __future__ import annotations
 
 import pytest
-from pdserve_api.convert import output_to_pb
+from pdserve.serving.convert import output_to_pb
 
 from pdserve import LLM, SamplingParams
 from support.tiny_models import make_tiny_checkpoint

@@ -11,7 +11,7 @@ from pdserve.engine.cache.groups import FULL, AttentionGroup
 from pdserve.engine.cache.manager import KVCacheManager
 from pdserve.engine.cache.prefix_cache import hash_block, request_block_hashes
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.llm_engine import EngineHooks
+from pdserve.engine.kv_connector import DecodeConnector, KvCacheSpec, KvWait, PrefillConnector, PrefillDone
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams as SP
 from pdserve.engine.scheduler import make_scheduler
@@ -113,7 +113,7 @@ def test_scheduler_starts_a_hit_request_at_its_first_uncached_token():
     s.add_request(b)
     out = s.schedule()
     assert [(c.request_id, c.start, c.num_tokens) for c in out.chunks] == [("b", 12, 2)]
-    assert b.num_cached_tokens == 12 and b.num_computed_tokens == 12
+    assert b.num_prefix_hit_tokens == 12 and b.num_computed_tokens == 12
 
 
 def test_prefix_caching_is_off_with_a_sliding_group():
@@ -141,21 +141,53 @@ def _llm(tiny: str, **kw) -> LLM:
                num_threads=1, **kw)
 
 
+class _ChunkStarts(PrefillConnector):
+    """Records where each pass's chunks of one request start (the engine's on_schedule event)."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid, self.starts = rid, []
+
+    def register_kv_cache(self, spec: KvCacheSpec) -> None:
+        pass
+
+    def on_schedule(self, sched, block_ids) -> None:
+        self.starts.extend(c.start for c in sched.chunks if c.request_id == self.rid)
+
+    def on_layer_done(self, layer: int) -> None:
+        pass
+
+    def on_prefill_done(self, done: PrefillDone) -> None:
+        pass
+
+
+class _Waits(DecodeConnector):
+    """Records the pages of each request that waits for its KV."""
+
+    def __init__(self) -> None:
+        self.waits: dict[str, list[int]] = {}
+
+    def register_kv_cache(self, spec: KvCacheSpec) -> None:
+        pass
+
+    def on_kv_wait(self, wait: KvWait) -> None:
+        self.waits[wait.request_id] = list(wait.block_ids)
+
+
 def test_second_request_with_a_shared_ten_page_prefix_computes_only_its_suffix(tiny):
     first, second = PREFIX + [11, 12, 13], PREFIX + [21, 22, 23, 24, 25]
     cold = _llm(tiny, allow_block_sharing=False).generate([second], GREEDY)[0]
-    llm = _llm(tiny)
+    recorder = _ChunkStarts("b")
+    llm = _llm(tiny, kv_connector=recorder)
     eng = llm.engine
     llm.generate([first], GREEDY)
     tokens0, prompt0 = eng.num_forward_tokens, eng.num_prompt_tokens_computed
-    starts: list[int] = []
-    eng.hooks.on_schedule = lambda sched: starts.extend(c.start for c in sched.chunks if c.request_id == "b")
+    starts = recorder.starts
     r = eng.add_request(second, GREEDY, request_id="b")
     done = None
     while eng.has_unfinished_requests():
         done = [o for o in eng.step() if o.finished] or done
     assert done[0].completion.token_ids == cold.token_ids
-    assert r.num_cached_tokens == 160 and starts[0] == 160
+    assert r.num_prefix_hit_tokens == 160 and starts[0] == 160
     assert eng.num_prompt_tokens_computed - prompt0 == 5          # the suffix only
     assert eng.num_forward_tokens - tokens0 == 5 + GREEDY.max_tokens - 1
     m = eng.metrics()
@@ -176,9 +208,9 @@ def test_a_repeated_prompt_recomputes_only_its_last_block(tiny):
 
 
 def test_remote_prefill_blocks_join_the_cache_only_when_their_kv_has_landed(tiny):
-    eng = _llm(tiny).engine
-    waits: dict[str, list[int]] = {}
-    eng.hooks = EngineHooks(on_kv_wait=lambda r, blocks: waits.__setitem__(r.request_id, blocks))
+    recorder = _Waits()
+    eng = _llm(tiny, kv_connector=recorder).engine
+    waits = recorder.waits
     remote = eng.add_request(PREFIX, GREEDY, request_id="remote", remote_prefill=True)
     eng.step()
     assert len(waits["remote"]) == 10                  # 159 tokens: 10 pages

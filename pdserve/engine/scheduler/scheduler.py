@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import time
 from collections import deque
 
 from pdserve.engine.cache.manager import KVCacheManager
@@ -119,7 +120,7 @@ class Scheduler(abc.ABC):
         self.running.remove(request)
         self.cache.free(request)
         request.num_computed_tokens = 0
-        request.num_cached_tokens = 0
+        request.num_prefix_hit_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PENDING
         self.waiting.appendleft(request)
@@ -178,9 +179,11 @@ class Scheduler(abc.ABC):
         if self.cache.allocate_slots(request, reserve, hit) is None:  # all or nothing (E10)
             return False
         request.num_computed_tokens = hit.num_tokens
-        request.num_cached_tokens = hit.num_tokens
-        if request.num_cached_prompt_tokens is None:  # first admission: what usage reports
-            request.num_cached_prompt_tokens = min(hit.num_tokens, request.num_prompt_tokens_original)
+        request.num_prefix_hit_tokens = hit.num_tokens
+        if request.num_reused_tokens is None:  # first admission: what usage reports
+            request.num_reused_tokens = min(hit.num_tokens, request.num_prompt_tokens)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
         self.waiting.popleft()
         self.running.append(request)
         request.status = RequestStatus.PREFILLING
@@ -197,6 +200,8 @@ class Scheduler(abc.ABC):
             return False
         self.waiting.popleft()
         request.status = RequestStatus.WAITING_FOR_KV
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
         self.waiting_for_kv[request.request_id] = request
         self._kv_waits.append(request)
         return True

@@ -2,7 +2,7 @@
 
     REGISTRY.register(EngineCollector(lambda: async_engine.last_metrics, model_name="SmolLM2-135M"))
 
-`snapshot` must not block and must be safe from the scraping thread: AsyncEngine.last_metrics is the
+`snapshot` must not block and must be safe from the scraping thread: EngineThread.last_metrics is the
 snapshot its engine thread took after its last step (or idle tick), so a scrape never waits for a
 forward pass and never reads engine state mid-step. While it returns None (the engine is still
 loading) the collector yields the families without samples.

@@ -1,7 +1,8 @@
 """Engine-side disaggregation without the network: a prefill-only engine and a remote-prefill
 engine in one process, with the KV pages copied by hand between their pools.
 
-This pins the engine contract the KV messenger builds on: the decode engine allocates pages for
+This pins the engine contract the KV messenger builds on (pdserve.engine.kv_connector), through
+recording connectors: the decode engine allocates pages for
 all prompt tokens but the last at admission and never schedules the request before `kv_ready`
 (D3, D4); the prefill engine computes the prompt minus its last token, never samples, reports the last position's
 hidden state and logits, and keeps its pages until `release_blocks` (D11, D12, D17). The decode
@@ -11,32 +12,68 @@ single engine's.
 
 from __future__ import annotations
 
-import torch
-
 from pdserve import LLM, SamplingParams
-from pdserve.engine.llm_engine import EngineHooks
+from pdserve.engine.kv_connector import DecodeConnector, KvCacheSpec, KvWait, PrefillConnector, PrefillDone
 from pdserve.engine.request import RequestStatus
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived " * 5, "Hi"]
+
+
+class RecordingDecode(DecodeConnector):
+    def __init__(self) -> None:
+        self.specs: list[KvCacheSpec] = []
+        self.waits: dict[str, KvWait] = {}
+
+    def register_kv_cache(self, spec: KvCacheSpec) -> None:
+        self.specs.append(spec)
+
+    def on_kv_wait(self, wait: KvWait) -> None:
+        self.waits[wait.request_id] = wait
+
+
+class RecordingPrefill(PrefillConnector):
+    def __init__(self) -> None:
+        self.specs: list[KvCacheSpec] = []
+        self.passes: list[tuple[tuple[str, ...], dict[str, tuple[int, ...]]]] = []
+        self.layers: list[list[int]] = []
+        self.done: dict[str, PrefillDone] = {}
+
+    def register_kv_cache(self, spec: KvCacheSpec) -> None:
+        self.specs.append(spec)
+
+    def on_schedule(self, sched, block_ids) -> None:
+        self.passes.append((tuple(c.request_id for c in sched.chunks), dict(block_ids)))
+        self.layers.append([])
+
+    def on_layer_done(self, layer: int) -> None:
+        self.layers[-1].append(layer)
+
+    def on_prefill_done(self, done: PrefillDone) -> None:
+        self.done[done.request_id] = done
 
 
 def test_prefill_engine_to_decode_engine_by_page_copy():
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = LLM(num_blocks=128).generate(PROMPTS, params)
 
-    waits: dict[str, list[int]] = {}
-    prefilled: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    decode = LLM(num_blocks=128, hooks=EngineHooks(on_kv_wait=lambda r, blocks: waits.__setitem__(r.request_id, blocks))).engine
-    prefill = LLM(num_blocks=64, max_batch_tokens=32,
-                  hooks=EngineHooks(on_prefill_done=lambda r, h, lg: prefilled.__setitem__(r.request_id, (h, lg)))).engine
+    dconn, pconn = RecordingDecode(), RecordingPrefill()
+    decode = LLM(num_blocks=128, kv_connector=dconn).engine
+    prefill = LLM(num_blocks=64, max_batch_tokens=32, kv_connector=pconn).engine
+    for conn, eng in ((dconn, decode), (pconn, prefill)):   # the pool, handed over once while building
+        (spec,) = conn.specs
+        assert spec.buffer.data_ptr() == eng.kv_cache.buffer.data_ptr() and spec.shape == eng.kv_cache.shape
+        assert [g.name for g in spec.groups] == ["full"] and spec.groups[0].layers == tuple(range(eng.arch.num_layers))
+        assert spec.hidden_size == eng.arch.hidden_size
 
     for i, p in enumerate(PROMPTS):
         decode.add_request(p, params, request_id=f"r{i}", remote_prefill=True)
     decode.step()  # admission only: nothing can run before the KV lands
+    waits = {rid: list(w.block_ids) for rid, w in dconn.waits.items()}
     multi = [f"r{i}" for i, p in enumerate(PROMPTS) if len(decode.tokenize(p)) > 1]
     assert sorted(waits) == multi
     for rid in multi:
         r = decode._tracked[rid].request
+        assert dconn.waits[rid].prompt_token_ids == tuple(r.prompt_token_ids)
         assert r.status is RequestStatus.WAITING_FOR_KV
         assert len(waits[rid]) == decode.cache_manager.num_blocks_for(r.num_prompt_tokens - 1)
     for _ in range(3):
@@ -52,6 +89,12 @@ def test_prefill_engine_to_decode_engine_by_page_copy():
     assert {o.request_id for o in outs} == set(multi)
     assert all(o.finish_reason == "prefilled" and o.completion.token_ids == () for o in outs)
     assert prefill.num_held_requests == len(multi)
+    # Every pass was announced with each request's pages, and every layer reported in order (D6, D7).
+    assert pconn.passes and all(layers == list(range(prefill.arch.num_layers)) for layers in pconn.layers)
+    for rids, block_ids in pconn.passes:
+        assert set(block_ids) == set(rids)
+    for rid in multi:
+        assert pconn.passes[-1][1].get(rid, pconn.done[rid].block_ids) == pconn.done[rid].block_ids
 
     for rid in multi:
         src = prefill.block_table(rid)
@@ -60,7 +103,8 @@ def test_prefill_engine_to_decode_engine_by_page_copy():
         assert len(src) == len(dst)
         # buffer: [layers, 2, pages, kv_heads, page_size, head_dim]
         decode.kv_cache.buffer[:, :, dst] = prefill.kv_cache.buffer[:, :, src]
-        hidden, logits = prefilled[rid]
+        assert pconn.done[rid].block_ids == tuple(src)
+        hidden, logits = pconn.done[rid].hidden, pconn.done[rid].logits
         assert hidden.shape == (decode.arch.hidden_size,) and logits.shape == (decode.arch.vocab_size,)
         assert prefill.release_blocks(rid) == len(src)
         decode.kv_ready(rid)

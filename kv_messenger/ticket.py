@@ -1,0 +1,150 @@
+"""One request's transfer ticket: where its KV goes, and how it travels in the Prefill call.
+
+The decode side makes a `TransferTicket` when a request's pages are allocated (KvReceiver.prepare)
+and sends it to a prefill node inside a PrefillRequest (`to_pb`); the prefill node reads it back
+(`TransferTicket.from_pb`) and hands it to its KvSender. Fabric descriptors travel as explicit
+JSON (no pickle: a node never unpickles bytes from the network); malformed bytes raise ValueError
+naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from pdserve_api.v1 import common_pb2, prefill_pb2
+
+from fabric import IMM_TAG_MAX, PeerDescriptor, RemoteDescriptor
+from kv_messenger.plan import DTYPE_SIZES, KvLayout, ShardingScheme
+
+
+@dataclass(frozen=True)
+class TransferTicket:
+    """Everything a prefill node needs to push one request's KV into a decode node's pages."""
+
+    request_id: str
+    kv: RemoteDescriptor           # the decode node's registered KV buffer
+    layout: KvLayout               # its geometry
+    dst_pages: tuple[int, ...]     # destination page ids, in token order
+    context: RemoteDescriptor      # the decode node's context buffer
+    context_offset: int            # byte offset of this request's slot in it
+    imm_tag: int                   # names the request in every write's immediate data
+    expected_writes: int           # immediate-data units the decode side counts (plan.expected_writes)
+    num_prefill_tokens: int        # prompt tokens minus the last (D17)
+    sharding: ShardingScheme = ShardingScheme()
+
+    def check_fits(self, layout: KvLayout) -> None:
+        """Raise ValueError naming the value if a node with `layout` cannot write this ticket's pages."""
+        self.layout.compatible_with(layout)
+        rid, n = self.request_id, self.num_prefill_tokens
+        pages = -(-n // layout.page_size)
+        if len(self.dst_pages) != pages:
+            raise ValueError(f"request {rid}: {len(self.dst_pages)} destination pages for {n} tokens "
+                             f"(page size {layout.page_size} needs {pages})")
+        out = [p for p in self.dst_pages if not 0 <= p < self.layout.num_pages]
+        if out:
+            raise ValueError(f"request {rid}: destination page ids outside [0, {self.layout.num_pages}): {out[:5]}")
+        if not 0 <= self.imm_tag <= IMM_TAG_MAX:
+            raise ValueError(f"request {rid}: imm_tag={self.imm_tag} outside 0..{IMM_TAG_MAX} (a tag has 24 "
+                             f"bits: the low 8 bits of the immediate data count the pages a write holds)")
+
+    def to_pb(self, token_ids: list[int], peer: PeerDescriptor, model: str = "",
+              deadline_s: float | None = None) -> prefill_pb2.PrefillRequest:
+        """The Prefill call for this ticket (token_ids: the prompt minus its last token; peer: the
+        decode node's fabric endpoint)."""
+        req = prefill_pb2.PrefillRequest(
+            request_id=self.request_id,
+            token_ids=token_ids,
+            peer=prefill_pb2.FabricPeer(provider=peer.provider, descriptor=peer_to_bytes(peer)),
+            kv_memory=[prefill_pb2.KvMemory(tp_rank=0, descriptor=remote_to_bytes(self.kv),
+                                            layout=layout_to_pb(self.layout))],
+            page_ids=list(self.dst_pages),
+            context=prefill_pb2.ContextSlot(descriptor=remote_to_bytes(self.context), offset=self.context_offset,
+                                            capacity=0, logits_top_k=0),
+            sharding=common_pb2.ShardingScheme(tp_size=self.sharding.tp_size,
+                                               kv_heads_per_rank=self.layout.kv_heads,
+                                               total_kv_heads=self.layout.kv_heads),
+            imm_tag=self.imm_tag,
+            expected_writes=self.expected_writes,
+            model=model,
+        )
+        if deadline_s is not None:
+            req.deadline_s = deadline_s
+        return req
+
+    @classmethod
+    def from_pb(cls, req: prefill_pb2.PrefillRequest) -> TransferTicket:
+        """The ticket inside a Prefill call; malformed input raises ValueError."""
+        if len(req.kv_memory) != 1:
+            raise ValueError(f"expected one KV memory descriptor (tp_size 1), got {len(req.kv_memory)}")
+        if not req.token_ids:
+            raise ValueError(f"request {req.request_id}: no tokens to prefill")
+        mem = req.kv_memory[0]
+        return cls(
+            request_id=req.request_id,
+            kv=remote_from_bytes(mem.descriptor),
+            layout=layout_from_pb(mem.layout),
+            dst_pages=tuple(req.page_ids),
+            context=remote_from_bytes(req.context.descriptor),
+            context_offset=req.context.offset,
+            imm_tag=req.imm_tag,
+            expected_writes=req.expected_writes,
+            num_prefill_tokens=len(req.token_ids),
+            sharding=ShardingScheme(tp_size=req.sharding.tp_size or 1) if req.HasField("sharding") else ShardingScheme(),
+        )
+
+
+# --- fabric descriptors and the KV layout on the wire -------------------------------------------
+
+def peer_to_bytes(peer: PeerDescriptor) -> bytes:
+    return json.dumps({
+        "provider": peer.provider, "address": peer.address.hex(), "engine_id": peer.engine_id,
+        "host_id": peer.host_id, "pid": peer.pid, "start_time": peer.start_time,
+    }).encode()
+
+
+def peer_from_bytes(raw: bytes) -> PeerDescriptor:
+    try:
+        d = json.loads(raw)
+        return PeerDescriptor(provider=str(d["provider"]), address=bytes.fromhex(d["address"]),
+                              engine_id=str(d["engine_id"]), host_id=str(d["host_id"]),
+                              pid=int(d["pid"]), start_time=int(d["start_time"]))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"malformed fabric peer descriptor: {e}") from e
+
+
+def remote_to_bytes(desc: RemoteDescriptor) -> bytes:
+    return json.dumps({
+        "peer": peer_to_bytes(desc.peer).decode(), "region_id": desc.region_id, "base": desc.base,
+        "key": desc.key, "length": desc.length,
+    }).encode()
+
+
+def remote_from_bytes(raw: bytes) -> RemoteDescriptor:
+    try:
+        d = json.loads(raw)
+        return RemoteDescriptor(peer=peer_from_bytes(d["peer"].encode()), region_id=int(d["region_id"]),
+                                base=int(d["base"]), key=int(d["key"]), length=int(d["length"]))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"malformed fabric memory descriptor: {e}") from e
+
+
+def layout_to_pb(layout: KvLayout) -> prefill_pb2.KvLayout:
+    elem = DTYPE_SIZES[layout.dtype]
+    token = layout.head_dim * elem
+    head = layout.page_size * token
+    page = layout.kv_heads * head
+    kv = layout.num_pages * page
+    return prefill_pb2.KvLayout(
+        num_layers=layout.num_layers, num_pages=layout.num_pages, kv_heads=layout.kv_heads,
+        page_size=layout.page_size, head_dim=layout.head_dim, dtype=layout.dtype, element_size=elem,
+        base_offset=0, layer_stride=2 * kv, kv_stride=kv, page_stride=page, head_stride=head, token_stride=token,
+    )
+
+
+def layout_from_pb(m: prefill_pb2.KvLayout) -> KvLayout:
+    layout = KvLayout(m.num_layers, m.num_pages, m.kv_heads, m.page_size, m.head_dim, m.dtype)
+    if layout_to_pb(layout) != m:
+        raise ValueError("KV layout strides are not the HND layout this node writes "
+                         f"(got page_stride={m.page_stride}, expected {layout.page_nbytes})")
+    return layout
