@@ -24,6 +24,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from support.wait import wait_until
 
 from fabric import FabricConfig, TransferEngine
 from kv_messenger import KvReceiver, ReceiverEvents, TransferTicket
@@ -248,7 +249,8 @@ def test_abort_before_prefill_is_remembered(shm_node, shm_side):
 def test_abort_during_prefill(shm_node, shm_side):
     call = shm_side.admit({"ab1": PROMPTS[1] * 3})["ab1"]
     fut = shm_node.prefill.Prefill.future(call, timeout=CALL_TIMEOUT_S)
-    time.sleep(0.3)
+    # the abort goes out once the node has the call (or has already answered it)
+    wait_until(lambda: fut.done() or shm_node.info().load.outstanding_requests, 30, "the node to take ab1")
     resp = shm_node.prefill.AbortPrefill(prefill_pb2.AbortPrefillRequest(request_id="ab1"), timeout=30)
     assert resp.confirmed
     try:
