@@ -9,7 +9,7 @@ ops object chosen per pass:
 - `CLayerOps.begin_pass(...)`: the same C ops called by address for a pass of at most
   `small_batch_max_tokens` float32 tokens (EngineConfig; 0: never). A batch-32 decode step runs
   ~12 small ops per layer, and through the generic wrappers their checks and allocations cost
-  more than the arithmetic (bench/results/layer_loop_ab.md); `CLayerOps` checks the weights
+  more than the arithmetic (the paired A/B of commit 4e1421f); `CLayerOps` checks the weights
   once when it binds them, and a pass allocates one set of scratch buffers, then makes 8 foreign
   calls per layer besides attention.
 

@@ -82,6 +82,15 @@ def test_silu_extremes() -> None:
         silu_mul(torch.randn(2, 7))
 
 
+def test_silu_vector_lanes_follow_exp8s_range() -> None:
+    # exp8 (pdserve/kernels/csrc/exp8.h) gives exactly 0 for x <= -87, so a vector lane's silu(g) is
+    # -0.0 there (torch: a tiny negative number); just above -87 it is exp's normal-range result.
+    gate = torch.tensor([[-87.0, -87.5, -100.0, -1e30, -86.9, -80.0, -50.0, -30.0]])  # one 8-lane vector
+    out = silu_mul(torch.cat([gate, torch.ones_like(gate)], dim=1))[0]
+    assert torch.equal(out[:4], torch.zeros(4)) and (out[4:] < 0).all()
+    assert torch.allclose(out[4:].double(), F.silu(gate[0, 4:].double()), rtol=2e-6, atol=0)
+
+
 def test_argmax_rows_matches_torch() -> None:
     x = torch.randn(9, 1003)
     x[1, 17] = x[1, 900] = x[1].max() + 1                                # tie: first index wins
