@@ -40,8 +40,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 
-from pdserve.engine.cache.hostmem import alloc_tensor  # noqa: E402
-from pdserve.kernels.attention import cpu_kernels  # noqa: E402
+from pdserve.engine.cache.hostmem import alloc_tensor
+from pdserve.kernels.attention import cpu_kernels
 
 logger = logging.getLogger(__name__)
 

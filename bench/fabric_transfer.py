@@ -56,8 +56,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 
-from fabric import FabricConfig, FabricError, TransferEngine  # noqa: E402
-from pdserve.engine.cache.hostmem import alloc_buffer, thp_mode  # noqa: E402
+from fabric import FabricConfig, FabricError, TransferEngine
+from pdserve.engine.cache.hostmem import alloc_buffer, thp_mode
 
 logger = logging.getLogger(__name__)
 

@@ -71,7 +71,7 @@ def _glue_worker(batch: int) -> None:
     from pdserve.model.registry import build_model
 
     class NoAttention:  # returns q as the attention output: contiguous float32 [T, Hq, D]
-        def forward(self, q, k, v, k_pool, v_pool, plan, scale):  # noqa: ANN001, ANN201
+        def forward(self, q, k, v, k_pool, v_pool, plan, scale):
             return q
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=30, num_attention_heads=4,

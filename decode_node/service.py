@@ -150,7 +150,7 @@ class DecodeNode(ReceiverEvents):
         self._page_size = info.page_size
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+    def tokenizer(self):  # a transformers tokenizer
         return self.llm.tokenizer
 
     async def start(self) -> None:

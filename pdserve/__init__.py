@@ -10,7 +10,7 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str):  # noqa: ANN202 - lazy: importing pdserve must not load torch models
+def __getattr__(name: str):  # lazy: importing pdserve must not load torch models
     if name == "LLM":
         from pdserve.engine.llm import LLM
 

@@ -44,7 +44,7 @@ class RouterFront(generate_pb2_grpc.GenerateServiceServicer):
 
     # --- gRPC -------------------------------------------------------------------------------------
 
-    async def Generate(  # noqa: N802 - gRPC method name
+    async def Generate(  # gRPC method name
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         check_request(request, self.limits)
@@ -52,17 +52,17 @@ class RouterFront(generate_pb2_grpc.GenerateServiceServicer):
             async for response in stream:
                 yield response
 
-    async def Abort(  # noqa: N802 - gRPC method name
+    async def Abort(  # gRPC method name
         self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.AbortResponse:
         return await self.forward.Abort(request, context)
 
-    async def ListModels(  # noqa: N802 - gRPC method name
+    async def ListModels(  # gRPC method name
         self, request: generate_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.ListModelsResponse:
         return await self.forward.ListModels(request, context)
 
-    async def Health(  # noqa: N802 - gRPC method name
+    async def Health(  # gRPC method name
         self, request: generate_pb2.HealthRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.HealthResponse:
         return await self.health()

@@ -63,7 +63,7 @@ class RouterGenerateService(generate_pb2_grpc.GenerateServiceServicer):
     def running(self) -> dict[str, DecodeNode]:
         return dict(self._running)
 
-    async def Generate(  # noqa: N802 - gRPC method name
+    async def Generate(  # gRPC method name
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         timer = RequestTimer(request_metrics())
@@ -159,7 +159,7 @@ class RouterGenerateService(generate_pb2_grpc.GenerateServiceServicer):
             logger.info("done request_id=%s node=%s finish=%s messages=%d elapsed_s=%.3f",
                         rid, node.address, finish, sent, time.monotonic() - start)
 
-    async def Abort(  # noqa: N802 - gRPC method name
+    async def Abort(  # gRPC method name
         self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.AbortResponse:
         rid = request.request_id
@@ -178,7 +178,7 @@ class RouterGenerateService(generate_pb2_grpc.GenerateServiceServicer):
         aborted = any(isinstance(r, generate_pb2.AbortResponse) and r.aborted for r in replies)
         return generate_pb2.AbortResponse(aborted=aborted)
 
-    async def ListModels(  # noqa: N802 - gRPC method name
+    async def ListModels(  # gRPC method name
         self, request: generate_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.ListModelsResponse:
         errors: list[str] = []

@@ -25,7 +25,7 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_options(model=model, **engine_options), kv_connector)
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+    def tokenizer(self):  # a transformers tokenizer
         return self.engine.tokenizer
 
     def generate(

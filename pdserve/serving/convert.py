@@ -72,7 +72,7 @@ class Prompt:
             return cls(messages=tuple(ChatMessage(m.role, m.content) for m in request.messages.messages))
         raise ValueError("the request has no prompt: set one of text, token_ids, messages")
 
-    def to_engine(self, tokenizer) -> str | list[int]:  # noqa: ANN001 - a transformers tokenizer
+    def to_engine(self, tokenizer) -> str | list[int]:  # a transformers tokenizer
         """What the engine takes: the text, the ids, or the messages rendered by the chat template."""
         if self.text is not None:
             return self.text

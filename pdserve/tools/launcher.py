@@ -469,7 +469,7 @@ class Cluster:
 
     def _spawn(self, name: str) -> None:
         child = self._children[name]
-        log = open(child.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
+        log = open(child.log_path, "ab")  # handed to the child, closed below
         try:
             log.write(f"$ {shlex.join(child.spec.argv)}\n".encode())
             log.flush()

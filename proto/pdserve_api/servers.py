@@ -248,12 +248,12 @@ def _wrap_handler(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandle
 class ExceptionToStatusInterceptor(grpc.ServerInterceptor):
     """Server interceptor (sync servers) applying ``map_exceptions`` to every handler."""
 
-    def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201
+    def intercept_service(self, continuation, handler_call_details):
         return _wrap_handler(continuation(handler_call_details))
 
 
 class AioExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
     """Server interceptor (grpc.aio servers) applying ``map_exceptions`` to every handler."""
 
-    async def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201
+    async def intercept_service(self, continuation, handler_call_details):
         return _wrap_handler(await continuation(handler_call_details))

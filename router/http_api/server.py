@@ -179,7 +179,7 @@ class HttpApi:
             except StopAsyncIteration:
                 return ApiError(500, f"request {response_id}: the decode node ended the stream without "
                                      "any message").response()
-            except Exception as e:  # noqa: BLE001 - every failure is answered with its status
+            except Exception as e:  # every failure is answered with its status
                 error = from_exception(e)
                 logger.info("request_id=%s answered %d: %s", response_id, error.status, error.message[:200])
                 return error.response()
@@ -237,7 +237,7 @@ class HttpApi:
     async def _models(self, request: web.Request) -> web.Response:
         try:
             reply = await self.backend.list_models()
-        except Exception as e:  # noqa: BLE001 - answered with its status
+        except Exception as e:  # answered with its status
             return from_exception(e).response()
         data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "pdserve",
                  "max_model_len": m.max_context_length} for m in reply.models]

@@ -21,7 +21,7 @@ from pdserve.kernels.ops.native import ffi as _ffi, lib as _lib
 _F32 = torch.float32
 
 
-def _ptr(t: torch.Tensor, kind: str = "float *"):  # noqa: ANN202 - a cffi pointer
+def _ptr(t: torch.Tensor, kind: str = "float *"):  # a cffi pointer
     return _ffi.cast(kind, t.data_ptr())
 
 

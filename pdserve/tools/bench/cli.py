@@ -105,7 +105,7 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
                      duration_s=args.duration, seed=args.seed, num_warmups=args.num_warmups, send=send)
 
 
-def _serve_settings(args: argparse.Namespace):  # noqa: ANN202
+def _serve_settings(args: argparse.Namespace):
     from pdserve.tools.bench.serve import ServeSettings
 
     return ServeSettings(args.backend, args.url or DEFAULT_URLS[args.backend], dataset_from_args(args),
@@ -174,7 +174,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         provider=args.provider, startup_timeout_s=args.startup_timeout)
     prefix = Path(args.output_prefix) if args.output_prefix else None
 
-    def keep(setup: str, res) -> None:  # noqa: ANN001 - a ServeResult; saved at once: the next setup may fail
+    def keep(setup: str, res) -> None:  # a ServeResult; saved at once: the next setup may fail
         if prefix is not None:
             print(f"{setup} result: {write_json(f'{prefix}_{setup}.json', res.to_json())}", flush=True)
 
@@ -200,7 +200,7 @@ def _command_line() -> str:
     return f"{prog} {shlex.join(sys.argv[1:])}"
 
 
-def compare_markdown(result, table: str, command: str) -> str:  # noqa: ANN001 - a CompareResult
+def compare_markdown(result, table: str, command: str) -> str:  # a CompareResult
     """The comparison as Markdown: command, workload, clusters, load, the side-by-side table."""
     s = result.settings
     d, r = s.dataset, s.run

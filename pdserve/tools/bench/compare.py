@@ -148,7 +148,7 @@ def format_comparison(rows: dict[str, tuple[float | None, float | None, float | 
     return "\n".join(lines)
 
 
-def cluster_config(settings: CompareSettings, setup: str):  # noqa: ANN201 - a launcher ClusterConfig
+def cluster_config(settings: CompareSettings, setup: str):  # a launcher ClusterConfig
     from pdserve.tools.launcher import ClusterConfig
 
     common = dict(port=0, provider=settings.provider, threads_per_node=settings.threads_per_node,

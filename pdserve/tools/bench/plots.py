@@ -12,11 +12,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from pdserve.tools.bench.metrics import BenchMetrics  # noqa: E402
-from pdserve.tools.bench.records import RequestRecord  # noqa: E402
+from pdserve.tools.bench.metrics import BenchMetrics
+from pdserve.tools.bench.records import RequestRecord
 
 
 def _cdf(ax, values_ms: Sequence[float], label: str) -> None:
