@@ -75,8 +75,8 @@ sys.path.insert(0, REPO_ROOT)
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.model.loader import ModelSource, resolve_model
 from pdserve.kernels.ops.linear import linear
+from pdserve.model.loader import ModelSource, resolve_model
 
 SYSTEMS = ("pdserve", "hf-cb", "hf-static")
 STATIC_BATCH = 16

@@ -43,9 +43,9 @@ sys.path.insert(0, str(ROOT))
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tools.client import AsyncClient, Client
 from pdserve.tools.launcher import Cluster
-from pdserve.engine.sampling_params import SamplingParams
 from router.config import RouterConfig
 from router.policy import RoutingConfig, make_policy
 from router.server import RouterServer

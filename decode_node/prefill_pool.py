@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2_grpc
-
 from kv_messenger.ticket import peer_from_bytes
 from pdserve.serving.prefix_index import Candidate, LoadCap, PrefixIndex, chain_hashes, choose, token_blocks
+from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

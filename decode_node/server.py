@@ -24,14 +24,14 @@ import time
 import uuid
 
 import grpc
-from pdserve_api.servers import UnavailableError
-from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc
 
 from decode_node.service import DecodeNode, DecodeNodeConfig
 from pdserve.serving.convert import Prompt, output_to_pb, sampling_from_pb
 from pdserve.serving.logs import bind_request_id
 from pdserve.serving.metrics import RequestTimer, request_metrics
 from pdserve.serving.node_server import NodeHolder, NodeServer, ServeOptions, service_names
+from pdserve_api.servers import UnavailableError
+from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc
 
 SERVICE_NAMES = service_names((generate_pb2.DESCRIPTOR, "GenerateService"), (node_pb2.DESCRIPTOR, "NodeService"))
 

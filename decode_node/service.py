@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-from pdserve_api.v1 import common_pb2, node_pb2, prefill_pb2
 
 from decode_node.prefill_pool import PREFILL_ROUTING, PrefillNode, PrefillPool, PrefixAffinity
 from fabric import FabricConfig, TransferEngine
@@ -44,6 +43,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import RequestStatus
 from pdserve.serving.logs import bind_request_id
 from pdserve.serving.metrics import node_metrics, request_metrics
+from pdserve_api.v1 import common_pb2, node_pb2, prefill_pb2
 
 logger = logging.getLogger(__name__)
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from pdserve_api.v1 import common_pb2, prefill_pb2
-
 from fabric import IMM_TAG_MAX, PeerDescriptor, RemoteDescriptor
 from kv_messenger.plan import DTYPE_SIZES, KvLayout, ShardingScheme
+from pdserve_api.v1 import common_pb2, prefill_pb2
 
 
 @dataclass(frozen=True)

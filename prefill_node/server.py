@@ -22,13 +22,13 @@ from __future__ import annotations
 import logging
 
 import grpc
-from pdserve_api.servers import UnavailableError
-from pdserve_api.v1 import common_pb2, node_pb2, node_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 from kv_messenger.ticket import TransferTicket, peer_from_bytes, peer_to_bytes
 from pdserve.serving.logs import bind_request_id
 from pdserve.serving.metrics import node_metrics, prefill_metrics
 from pdserve.serving.node_server import NodeHolder, NodeServer, ServeOptions, service_names
+from pdserve_api.servers import UnavailableError
+from pdserve_api.v1 import common_pb2, node_pb2, node_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from prefill_node.service import AbortedError, PrefillNode, PrefillNodeConfig, PrefillOutcome, PrefillSpec
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import grpc
-from pdserve_api.servers import StatusError, UnavailableError
 
 from fabric import FabricConfig, FabricError, PeerDescriptor, TransferEngine
 from kv_messenger import KvSender, ShardingScheme, TransferResult, TransferTicket, expected_writes
@@ -38,6 +37,7 @@ from pdserve.engine.engine_thread import EngineDeadError, EngineThread
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve_api.servers import StatusError, UnavailableError
 
 logger = logging.getLogger(__name__)
 

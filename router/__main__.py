@@ -8,11 +8,11 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from pdserve.serving.logs import add_log_args, setup_logging
 from router.config import RouterConfig
 from router.http_api import HttpConfig
 from router.limits import RequestLimits
 from router.policy import add_routing_args, routing_from_args
-from pdserve.serving.logs import add_log_args, setup_logging
 
 logger = logging.getLogger("router")
 

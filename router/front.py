@@ -19,8 +19,8 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
-from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
 
+from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
 from router.limits import RequestLimits, check_request
 from router.nodes import NodePool
 from router.service import RouterGenerateService

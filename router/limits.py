@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve_api.v1 import generate_pb2
-
 from pdserve.serving.convert import Prompt, sampling_from_pb
+from pdserve_api.v1 import generate_pb2
 
 MAX_ID_CHARS = 256  # request_id and model: they go into logs and metrics labels
 

@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pdserve_api.servers import UnavailableError
-from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc
 
 from pdserve.serving.convert import Prompt
 from pdserve.serving.metrics import router_metrics
 from pdserve.serving.prefix_index import Candidate
+from pdserve_api.servers import UnavailableError
+from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc
 from router.config import RouterConfig
 from router.policy import Route, RoutingConfig, RoutingPolicy, make_policy
 

@@ -23,11 +23,18 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve_api.v1 import generate_pb2
-
 from pdserve.serving.convert import Prompt
-from pdserve.serving.prefix_index import (REASON_LEAST_LOADED, Candidate, LoadCap, PrefixIndex, chain_hashes, choose,
-                                  text_blocks, token_blocks)
+from pdserve.serving.prefix_index import (
+    REASON_LEAST_LOADED,
+    Candidate,
+    LoadCap,
+    PrefixIndex,
+    chain_hashes,
+    choose,
+    text_blocks,
+    token_blocks,
+)
+from pdserve_api.v1 import generate_pb2
 
 POLICIES = ("least-loaded", "prefix")
 

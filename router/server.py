@@ -25,9 +25,9 @@ import signal
 
 import grpc
 from grpc_health.v1 import health_pb2
+
 from pdserve_api.servers import AioExceptionToStatusInterceptor, add_standard_services_aio
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
-
 from router.config import RouterConfig
 from router.front import RouterFront
 from router.http_api import HttpApi, HttpConfig

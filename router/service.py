@@ -32,11 +32,11 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-from pdserve_api.servers import UnavailableError
-from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
 
 from pdserve.serving.logs import bind_request_id
 from pdserve.serving.metrics import RequestTimer, request_metrics, router_metrics
+from pdserve_api.servers import UnavailableError
+from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
 from router.config import RouterConfig
 from router.nodes import DecodeNode, NodePool, estimate_work
 

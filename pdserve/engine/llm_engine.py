@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kernels.attention import get_backend
 from pdserve.engine.cache.block_pool import BlockPool, CacheIntegrityError
 from pdserve.engine.cache.groups import attention_groups, max_blocks_per_request
 from pdserve.engine.cache.kv_cache import KVCacheShape, PagedKVCache
@@ -46,9 +45,6 @@ from pdserve.engine.kv_connector import (
     PrefillConnector,
     PrefillDone,
 )
-from pdserve.model.arch import ModelArch
-from pdserve.model.loader import ModelSource, iter_weights, load_config, load_generation_eos, load_tokenizer, resolve_model
-from pdserve.model.registry import build_model
 from pdserve.engine.outputs import CompletionOutput, RequestOutput
 from pdserve.engine.request import FinishReason, Request, RequestStatus
 from pdserve.engine.runner import ModelOutput, ModelRunner
@@ -66,6 +62,17 @@ from pdserve.engine.sizing import (
     size_pool,
 )
 from pdserve.engine.stats import EngineInfo, EngineLoad, EngineMetrics
+from pdserve.kernels.attention import get_backend
+from pdserve.model.arch import ModelArch
+from pdserve.model.loader import (
+    ModelSource,
+    iter_weights,
+    load_config,
+    load_generation_eos,
+    load_tokenizer,
+    resolve_model,
+)
+from pdserve.model.registry import build_model
 
 logger = logging.getLogger(__name__)
 

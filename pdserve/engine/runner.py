@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pdserve.kernels.attention.base import AttentionBackend, AttentionBatch, LayerPlans
 from pdserve.engine.cache.kv_cache import PagedKVCache
 from pdserve.engine.cache.manager import KVCacheManager
+from pdserve.engine.scheduler.output import ScheduledChunk, SchedulerOutput
+from pdserve.kernels.attention.base import AttentionBackend, AttentionBatch, LayerPlans
 from pdserve.model.arch import SLIDING_ATTENTION, ModelArch
 from pdserve.model.llama import LayerHook
-from pdserve.engine.scheduler.output import ScheduledChunk, SchedulerOutput
 
 FULL_GROUP = "full"
 SLIDING_GROUP = "sliding"

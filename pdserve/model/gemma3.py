@@ -31,12 +31,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.attention.base import AttentionBackend, LayerPlans
-from pdserve.model.arch import FULL_ATTENTION, SLIDING_ATTENTION, ModelArch, rope_inv_freq
-from pdserve.model.layers import (MergedColumnLinear, RotaryEmbedding, RowLinear, embedding_and_head,
-                                  load_embedding_and_head)
-from pdserve.model.weights import CheckpointReader
 from pdserve.kernels.ops.linear import MAX_ROWS, linear
+from pdserve.model.arch import FULL_ATTENTION, SLIDING_ATTENTION, ModelArch, rope_inv_freq
+from pdserve.model.layers import (
+    MergedColumnLinear,
+    RotaryEmbedding,
+    RowLinear,
+    embedding_and_head,
+    load_embedding_and_head,
+)
 from pdserve.model.llama import LayerHook
+from pdserve.model.weights import CheckpointReader
 
 
 class GemmaRMSNorm(nn.Module):

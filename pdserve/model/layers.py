@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model.weights import CheckpointReader
 from pdserve.kernels.ops.linear import linear
 from pdserve.kernels.ops.norm_act import add_rms_norm, rms_norm_reference
 from pdserve.kernels.ops.rope_kv import rope
+from pdserve.model.weights import CheckpointReader
 
 
 class MergedColumnLinear(nn.Module):

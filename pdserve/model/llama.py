@@ -18,14 +18,20 @@ import torch
 from torch import nn
 
 from pdserve.kernels.attention.base import AttentionBackend
-from pdserve.model.arch import ModelArch, rope_inv_freq
-from pdserve.model.layers import (MergedColumnLinear, RMSNorm, RotaryEmbedding, RowLinear, embedding_and_head,
-                                  load_embedding_and_head)
-from pdserve.model.layer_ops import CLayerOps, LayerOps, ModuleLayerOps
-from pdserve.model.weights import CheckpointReader
 from pdserve.kernels.ops.linear import MAX_ROWS, linear
 from pdserve.kernels.ops.norm_act import silu_mul
 from pdserve.kernels.ops.rope_kv import rope_qk
+from pdserve.model.arch import ModelArch, rope_inv_freq
+from pdserve.model.layer_ops import CLayerOps, LayerOps, ModuleLayerOps
+from pdserve.model.layers import (
+    MergedColumnLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowLinear,
+    embedding_and_head,
+    load_embedding_and_head,
+)
+from pdserve.model.weights import CheckpointReader
 
 LayerHook = Callable[[int], None]
 

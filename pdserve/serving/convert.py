@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdserve_api.v1 import generate_pb2
-
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve_api.v1 import generate_pb2
 
 if TYPE_CHECKING:   # the router converts too, and must not load torch for a type
     from pdserve.engine.outputs import RequestOutput

@@ -33,13 +33,13 @@ from typing import Generic, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2
-from pdserve_api.servers import AioExceptionToStatusInterceptor, UnavailableError, add_standard_services_aio
 
 from pdserve.engine.engine_thread import EngineThread
 from pdserve.serving.logs import add_log_args
 from pdserve.serving.metrics import REGISTRY
 from pdserve.serving.metrics.engine_collector import EngineCollector
 from pdserve.serving.metrics.server import MetricsServer
+from pdserve_api.servers import AioExceptionToStatusInterceptor, UnavailableError, add_standard_services_aio
 
 logger = logging.getLogger(__name__)
 

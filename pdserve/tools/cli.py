@@ -21,8 +21,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from pdserve.tools.client import cmd_generate_remote
 
         return cmd_generate_remote(args)
-    from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from typing import Union
 
 import grpc
-from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.convert import finish_reason_from_pb, sampling_to_pb
+from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

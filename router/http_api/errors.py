@@ -15,6 +15,7 @@ import logging
 
 import grpc
 from aiohttp import web
+
 from pdserve_api.servers import status_details, status_for
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve_api.v1 import generate_pb2
-
 from router.http_api.errors import bad_request
 
 MAX_LOGPROBS = 20  # SamplingParams' bound

@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve_api.v1 import generate_pb2
-
 from router.http_api.parse import ApiCall
 
 _FINISH = {

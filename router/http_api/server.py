@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiohttp import web
-from pdserve_api.v1 import generate_pb2
 
+from pdserve_api.v1 import generate_pb2
 from router.http_api.errors import ApiError, from_exception
 from router.http_api.parse import ApiCall, parse_chat, parse_completion
 from router.http_api.render import Renderer

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kernels.ops.norm_act import argmax_rows
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kernels.ops.norm_act import argmax_rows
 
 logger = logging.getLogger(__name__)
 
