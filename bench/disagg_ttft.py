@@ -29,9 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.tools.client import Client
-from pdserve.tools.launcher import Cluster
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.tools.client import Client  # noqa: E402
+from pdserve.tools.launcher import Cluster  # noqa: E402
 
 
 def machine() -> dict:

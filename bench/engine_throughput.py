@@ -73,10 +73,10 @@ import torch
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from pdserve import LLM, SamplingParams
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.kernels.ops.linear import linear
-from pdserve.model.loader import ModelSource, resolve_model
+from pdserve import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.kernels.ops.linear import linear  # noqa: E402
+from pdserve.model.loader import ModelSource, resolve_model  # noqa: E402
 
 SYSTEMS = ("pdserve", "hf-cb", "hf-static")
 STATIC_BATCH = 16

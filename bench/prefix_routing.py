@@ -41,14 +41,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.tools.client import AsyncClient, Client
-from pdserve.tools.launcher import Cluster
-from router.config import RouterConfig
-from router.policy import RoutingConfig, make_policy
-from router.server import RouterServer
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.tools.client import AsyncClient, Client  # noqa: E402
+from pdserve.tools.launcher import Cluster  # noqa: E402
+from router.config import RouterConfig  # noqa: E402
+from router.policy import RoutingConfig, make_policy  # noqa: E402
+from router.server import RouterServer  # noqa: E402
 
 WORDS = ("river stone market lantern harbor violet engine garden copper meadow signal archive winter "
          "orchard compass thunder ribbon canyon velvet beacon quarry saddle mirror prairie anchor "
