@@ -8,7 +8,6 @@ from dataclasses import dataclass
 IMM_MODES = ("last", "every")
 LOCALITIES = ("cluster", "host")
 DEFAULT_PROVIDERS = {"cluster": "tcp;ofi_rxm", "host": "shm"}
-PRODUCTION_PROVIDERS = ("efa", "verbs;ofi_rxm")
 
 
 @dataclass(frozen=True)

@@ -98,10 +98,6 @@ class ImmCounter:
         with self._lock:
             return self._landed.get(tag, 0)
 
-    def expected_tags(self) -> list[int]:
-        with self._lock:
-            return sorted(self._expect)
-
     def _settle(self, tag: int, surplus: int) -> None:
         if surplus:
             logger.warning("tag %d: %d more writes landed than expected; kept as unclaimed", tag, surplus)

@@ -38,11 +38,6 @@ class RequestLimits:
         return 6 * self.max_prompt_bytes + (1 << 20)
 
 
-def prompt_bytes(request: generate_pb2.GenerateRequest) -> int:
-    """Size of a request's prompt in bytes (UTF-8 text; 4 per token id; chat contents and roles)."""
-    return Prompt.from_pb(request).nbytes if request.WhichOneof("prompt") else 0
-
-
 def check_request(request: generate_pb2.GenerateRequest, limits: RequestLimits) -> None:
     """Raise ValueError naming what is wrong with `request`; return None when it may be forwarded."""
     for name in ("request_id", "model"):

@@ -58,17 +58,9 @@ class ModelArch:
             raise ValueError(f"sliding_window={self.sliding_window} but no layer is a sliding layer")
 
     @property
-    def has_sliding_layers(self) -> bool:
-        return self.sliding_window is not None
-
-    @property
     def is_hybrid(self) -> bool:
         """Some layers full, some sliding (Gemma 3): they read different attention groups."""
         return len(set(self.layer_types)) > 1
-
-    def layer_window(self, layer: int) -> int | None:
-        """The sliding window of layer `layer`, None for a full-attention layer."""
-        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
 
     @classmethod
     def from_hf_config(cls, config: object) -> "ModelArch":

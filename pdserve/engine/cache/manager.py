@@ -103,9 +103,6 @@ class KVCacheManager:
         plans = self._plans(request, request.num_computed_tokens, num_new_tokens)
         return max(0, sum(p.net_blocks for p in plans))
 
-    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
-        return self.blocks_needed(request, num_new_tokens) <= self.pool.num_free_blocks
-
     def lookup_prefix(self, request: Request) -> PrefixHit:
         """Cached blocks a request that holds nothing yet can start from (nothing taken)."""
         if self.prefix_cache is None or request.remote_prefill or self.has(request.request_id):

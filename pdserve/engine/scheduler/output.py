@@ -59,7 +59,3 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
-
-    @property
-    def num_decode_chunks(self) -> int:
-        return sum(1 for c in self.chunks if c.num_tokens == 1)
