@@ -55,6 +55,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.serving.logs import FORMATS
+from router.policy import POLICIES
+
 logger = logging.getLogger(__name__)
 
 PROVIDERS = ("shm", "tcp;ofi_rxm", "tcp")
@@ -100,9 +103,6 @@ class ClusterConfig:
         if self.colocated and (self.prefill or self.decode):
             raise ValueError(f"colocated nodes replace prefill/decode nodes: got colocated={self.colocated} "
                              f"with prefill={self.prefill}, decode={self.decode}")
-        from pdserve.serving.logs import FORMATS
-        from router.policy import POLICIES
-
         if self.routing not in POLICIES:
             raise ValueError(f"routing must be one of {POLICIES}, got {self.routing!r}")
         if self.log_format not in FORMATS:
@@ -556,9 +556,6 @@ class Cluster:
 
 def add_up_args(p: argparse.ArgumentParser) -> None:
     """The `pdserve up` flags (call on the sub-parser, then `p.set_defaults(func=cmd_up)`)."""
-    from pdserve.serving.logs import FORMATS
-    from router.policy import POLICIES
-
     p.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill nodes (default 1)")
     p.add_argument("--decode", type=int, default=None, metavar="M", help="decode nodes (default 1)")
     p.add_argument("--colocated", type=int, default=0, metavar="M",

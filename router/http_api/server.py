@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from pdserve.serving.metrics import render
 from pdserve_api.v1 import generate_pb2
 from router.http_api.errors import ApiError, from_exception
 from router.http_api.parse import ApiCall, parse_chat, parse_completion
@@ -251,7 +252,5 @@ class HttpApi:
         return web.json_response(body, status=200 if reply.serving else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        from pdserve.serving.metrics import render
-
         body, content_type = render()
         return web.Response(body=body, headers={"Content-Type": content_type})
