@@ -172,3 +172,36 @@ def test_the_checker_sees_function_local_and_relative_imports():
 ])
 def test_forbidden_edges_are_caught(source, target):
     assert violations([Edge("x.py", 1, source, target)]), f"{source} -> {target} should be forbidden"
+
+
+def _layout_table() -> dict[str, str]:
+    """README's Layout table: folder cell -> its 'may import' cell."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].startswith("`"):
+            for name in cells[0].replace("`", "").split(","):
+                rows[name.strip().rstrip("/")] = cells[-1]
+    return rows
+
+
+def test_the_readme_layout_table_matches_the_tree():
+    rows = _layout_table()
+    for name in rows:
+        assert (ROOT / name).exists(), f"README's Layout table names {name!r}, which is not in the tree"
+    top = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and any(p.rglob("*.py"))}
+    rooms = {f"pdserve/{p.name}" for p in (ROOT / "pdserve").iterdir() if (p / "__init__.py").is_file()}
+    missing = sorted((top - {"pdserve"} | rooms) - set(rows))
+    assert not missing, f"folders with code that README's Layout table does not describe: {missing}"
+    # the "may import" column says what ALLOWED says, for the rooms that are folders
+    folder_room = {"pdserve/engine": "engine", "pdserve/model": "model", "pdserve/kernels": "kernels",
+                   "pdserve/serving": "serving", "fabric": "fabric", "kv_messenger": "kv_messenger",
+                   "router": "router", "proto": "wire", "prefill_node": "prefill_node"}
+    names = {"engine": "engine", "model": "model", "kernels": "kernels", "serving": "serving", "wire": "wire",
+             "fabric": "fabric", "kv_messenger": "kv_messenger"}
+    for folder, room in folder_room.items():
+        cell = rows[folder]
+        listed = {r for r, word in names.items() if word in cell.replace("nothing of ours", "")}
+        assert listed == set(ALLOWED[room]) & set(names), (folder, cell, sorted(ALLOWED[room]))
