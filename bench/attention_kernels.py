@@ -262,7 +262,7 @@ def bench_kv_dtypes(batch: int, ctx: int, threads: int, rounds: int) -> dict:
     result = {}
     for pair, t in times.items():
         kv_bytes = 2 * batch * ctx * HKV * D * torch.empty((), dtype=pair[1]).element_size()
-        result[pair] = dict(t=t, ratio=statistics.median(a / b for a, b in zip(base, t)),
+        result[pair] = dict(t=t, ratio=statistics.median(a / b for a, b in zip(base, t, strict=True)),
                             gbps=kv_bytes / min(t) / 1e9)
     del layers
     return result

@@ -338,7 +338,7 @@ def decode_step_bench(engine: LLMEngine, batch: int, prompt_len: int, steps: int
             "torch_matmul_s": torch_matmul, "step_over_torch_matmul": step / torch_matmul,
             "attention_s": attn, "other_s": step - matmul - attn, "step_over_matmul": step / matmul,
             "step_over_matmul_min": min(step_times) / min(matmul_times),
-            "step_over_matmul_paired": statistics.median(s / m for s, m in zip(step_times, matmul_times))}
+            "step_over_matmul_paired": statistics.median(s / m for s, m in zip(step_times, matmul_times, strict=True))}
 
 
 # --- machine -----------------------------------------------------------------------------------

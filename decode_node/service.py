@@ -333,7 +333,7 @@ class DecodeNode(ReceiverEvents):
                     why = "; ".join(errors) or self.pool.describe_down() or "no prefill node configured"
                     msg = f"no prefill node could prefill request {rid}: {why}"
                     logger.warning(msg)
-                    self.engine.submit(lambda: self._abandoned(rid, msg, self.config.local_prefill_fallback))
+                    self.engine.submit(lambda msg=msg: self._abandoned(rid, msg, self.config.local_prefill_fallback))
                     return
                 tried.add(node.address)
                 t.node = node
@@ -345,7 +345,7 @@ class DecodeNode(ReceiverEvents):
                 if not await self._abandon_on(node, rid):
                     # Writes may still land: the pages stay reserved until the endpoint is gone.
                     msg = f"prefill on {node.address} failed ({err}); its writes may still land"
-                    self.engine.submit(lambda: self._hold_until_gone(rid, node, msg))
+                    self.engine.submit(lambda node=node, msg=msg: self._hold_until_gone(rid, node, msg))
                     return
                 ticket = await self.engine.call(lambda: self._reprepare(rid))
             # None: the request ended meanwhile (its pages were released)

@@ -123,10 +123,10 @@ class RoutingPolicy(abc.ABC):
     def choose(self, request: generate_pb2.GenerateRequest, candidates: Sequence[Candidate]) -> Route:
         """Where `request` should go."""
 
-    def sent(self, route: Route) -> None:
+    def sent(self, route: Route) -> None:  # noqa: B027 - optional hook: a stateless policy keeps the no-op
         """The request was forwarded along `route`."""
 
-    def forget(self, address: str) -> None:
+    def forget(self, address: str) -> None:  # noqa: B027 - optional hook, as sent
         """The node at `address` left the rotation: whatever it held may be gone."""
 
 

@@ -48,7 +48,7 @@ class LLM:
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         for p in prompts:  # validate everything before queueing anything
             self._validate_prompt(p)
-        ids = [self.engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+        ids = [self.engine.add_request(p, sp).request_id for p, sp in zip(prompts, params, strict=True)]
         done: dict[str, CompletionOutput] = {}
         while len(done) < len(ids):
             for out in self.engine.step():

@@ -209,7 +209,7 @@ class Gemma3ForCausalLM(nn.Module):
         ValueError lists what is missing or unexpected.
         """
         ckpt = CheckpointReader(weights)
-        take, copy = ckpt.take, ckpt.copy
+        take = ckpt.take
 
         def load_norm(norm: GemmaRMSNorm, name: str) -> None:
             t = take(name)

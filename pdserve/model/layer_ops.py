@@ -120,7 +120,7 @@ class CLayerOps:
         self.inter = layers[0].mlp.down_proj.weight.shape[1]
         self.eps = eps
         self.max_tokens = max_tokens
-        H, I, qkv_n = self.hidden, self.inter, (self.hq + 2 * self.hkv) * self.d
+        H, I, qkv_n = self.hidden, self.inter, (self.hq + 2 * self.hkv) * self.d  # noqa: E741 - I as in the shape comments
         bound = []
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -203,7 +203,7 @@ class _CPass:
 def _c_pass(bound: CLayerOps, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> _CPass:
     """The C ops of one pass over h, in scratch buffers allocated once for the pass. The attention
     backend reads q, k, v during its call and keeps none of them."""
-    T, H, I = h.shape[0], bound.hidden, bound.inter
+    T, H, I = h.shape[0], bound.hidden, bound.inter  # noqa: E741 - I: the intermediate size, as in the shape comments
     Hq, Hkv, D = bound.hq, bound.hkv, bound.d
     qkv_n, attn_n = (Hq + 2 * Hkv) * D, Hq * D
     layers, n_layers, eps = bound.layers, len(bound.layers), bound.eps

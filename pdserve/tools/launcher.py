@@ -266,7 +266,7 @@ def plan(config: ClusterConfig, ports: Sequence[int] | None = None,
     router_port = config.port or next(it)
     http_port = config.http_port if config.http_port != 0 else next(it)
     specs: list[ProcessSpec] = []
-    for (name, role, port, argv), cpus in zip(nodes, pinned):
+    for (name, role, port, argv), cpus in zip(nodes, pinned, strict=True):
         metrics_port = next(it) if config.node_metrics else None
         if metrics_port is not None:
             argv = [*argv, "--metrics-port", str(metrics_port)]

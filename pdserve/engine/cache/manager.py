@@ -138,10 +138,10 @@ class KVCacheManager:
             self.pool.acquire(hit.block_ids)
         if self.prefix_cache is not None and first and not request.remote_prefill:
             self.prefix_cache.record(request, hit)
-        for g, plan in zip(self.groups, plans):  # recycle first: those blocks count as free above
+        for g, plan in zip(self.groups, plans, strict=True):  # recycle first: those blocks count as free above
             self.pool.free(g.apply(rid, GrowthPlan(num_new=0, recycle=plan.recycle), []))
         new_all: list[int] = []
-        for g, plan in zip(self.groups, plans):
+        for g, plan in zip(self.groups, plans, strict=True):
             new = self.pool.allocate(plan.num_new)
             if new is None:  # cannot happen: checked above with the recycled blocks counted back
                 raise CacheIntegrityError(f"pool ran out mid-allocation for {request!r}: {plan}")
@@ -188,7 +188,7 @@ class KVCacheManager:
             return None
         pairs: list[tuple[int, int]] = []
         it = iter(new)
-        for g, old in zip(self.groups, layout.tables):
+        for g, old in zip(self.groups, layout.tables, strict=True):
             table = []
             for b in old:
                 if b == PADDING_BLOCK:

@@ -161,7 +161,7 @@ def _validate(
     _validate_meta(block_tables, query_start, context_lens, fail)
     tensors = (out, q, k_pool, v_pool)
     if not all(t.is_cpu and t.is_contiguous() for t in tensors):
-        for name, t in zip(("out", "q", "k_pool", "v_pool"), tensors):
+        for name, t in zip(("out", "q", "k_pool", "v_pool"), tensors, strict=True):
             if t.device.type != "cpu":
                 fail(f"{name} is on {t.device}, expected cpu")
             if not t.is_contiguous():

@@ -98,10 +98,10 @@ class Backend(abc.ABC):
         """The exceptions a failed call raises (recorded on the trace; anything else propagates)."""
         return (OSError, ValueError)
 
-    async def open(self) -> None:
+    async def open(self) -> None:  # noqa: B027 - optional: a backend without a connection keeps the no-op
         """Connect; called by __aenter__."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional, as open
         """Release the connection; called by __aexit__."""
 
     async def __aenter__(self) -> Backend:

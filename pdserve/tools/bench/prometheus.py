@@ -71,7 +71,7 @@ class Histogram:
         if earlier.bounds and earlier.bounds != self.bounds:
             raise ValueError(f"{self.name}: bucket bounds differ between scrapes: {earlier.bounds} vs {self.bounds}")
         before = earlier.counts or (0.0,) * len(self.counts)
-        return Histogram(self.name, self.bounds, tuple(a - b for a, b in zip(self.counts, before)),
+        return Histogram(self.name, self.bounds, tuple(a - b for a, b in zip(self.counts, before, strict=True)),
                          self.total - earlier.total)
 
     def quantile_bucket(self, q: float) -> tuple[float, float]:
@@ -82,7 +82,7 @@ class Histogram:
             raise ValueError(f"{self.name}: no observations")
         rank = max(1, math.ceil(q * self.count - 1e-9))
         lower = 0.0
-        for bound, cum in zip(self.bounds, self.counts):
+        for bound, cum in zip(self.bounds, self.counts, strict=True):
             if cum >= rank:
                 return lower, bound
             lower = bound

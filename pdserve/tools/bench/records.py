@@ -38,7 +38,7 @@ class StreamTrace:
             raise ValueError(f"request {self.request_id}: {len(self.chunk_times)} chunk times but "
                              f"{len(self.chunk_tokens)} chunk token counts")
         times = (self.sent_at, *self.chunk_times, self.ended_at)
-        if any(b < a for a, b in zip(times, times[1:])):
+        if any(b < a for a, b in zip(times, times[1:], strict=False)):  # consecutive pairs
             raise ValueError(f"request {self.request_id}: times go backwards: sent {self.sent_at}, "
                              f"chunks {self.chunk_times}, ended {self.ended_at}")
 
@@ -84,7 +84,7 @@ def record_from_trace(index: int, trace: StreamTrace, bench_start: float, max_to
     """The record of one trace; prompt_len (known to the dataset) stands in when usage is missing."""
     times = trace.chunk_times
     ttft = times[0] - trace.sent_at if times else None
-    itl = tuple(b - a for a, b in zip(times, times[1:]))
+    itl = tuple(b - a for a, b in zip(times, times[1:], strict=False))  # consecutive pairs
     streamed = sum(trace.chunk_tokens)
     output = trace.completion_tokens if trace.completion_tokens is not None else streamed
     e2e = trace.ended_at - trace.sent_at

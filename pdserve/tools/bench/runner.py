@@ -98,7 +98,7 @@ async def run_benchmark(backend: Backend, requests: Sequence[BenchRequest], conf
 
     tasks: list[asyncio.Task[RequestRecord | None]] = []
     try:
-        for req, offset in zip(requests, offsets):
+        for req, offset in zip(requests, offsets, strict=True):
             delay = start + offset - time.perf_counter()
             if config.duration_s is not None and offset >= config.duration_s:
                 break

@@ -64,9 +64,9 @@ def write_sweep(sweep: SweepResult, prefix: str | Path) -> list[Path]:
     """Every file of a sweep: per-rate JSONs, the summary JSON, the plot."""
     prefix = Path(prefix)
     paths = [write_json(f"{prefix}_rate{_rate_name(rate)}.json", res.to_json())
-             for rate, res in zip(sweep.rates, sweep.results)]
+             for rate, res in zip(sweep.rates, sweep.results, strict=True)]
     paths.append(write_json(f"{prefix}.json", sweep.summary()))
-    finite = [(r, res.metrics) for r, res in zip(sweep.rates, sweep.results) if r != float("inf")]
+    finite = [(r, res.metrics) for r, res in zip(sweep.rates, sweep.results, strict=True) if r != float("inf")]
     if finite:
         paths.append(sweep_plot([r for r, _ in finite], [m for _, m in finite], f"{prefix}.png"))
     return paths
