@@ -36,9 +36,10 @@ from pdserve.tools.launcher import Cluster  # noqa: E402
 
 def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M"),
-            "commit": commit, "loadavg": os.getloadavg()}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit, "loadavg": os.getloadavg()}
 
 
 def main() -> int:
@@ -86,19 +87,24 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     m = machine()
     (out / "disagg_ttft.json").write_text(json.dumps({"machine": m, "args": vars(args), "rows": rows}, indent=1))
-    lines = ["# Disaggregated TTFT split", "", f"Command: `.venv/bin/python bench/disagg_ttft.py {' '.join(sys.argv[1:])}`",
+    lines = ["# Disaggregated TTFT split", "",
+             f"Command: `.venv/bin/python bench/disagg_ttft.py {' '.join(sys.argv[1:])}`",
              f"Machine: {m['nproc']} cores, {m['cpu']}, Python {m['python']}, {m['date']}, commit {m['commit']}, "
              f"load average at end {m['loadavg'][0]:.2f}", f"Cluster: 1 prefill + 1 decode, provider {args.provider}, "
              f"{args.threads_per_node} thread(s) per node, medians of {args.repeats} sequential requests", "",
-             "| prompt tokens | server TTFT ms | queue ms | prefill compute ms | transfer tail ms | tail % of TTFT | first decode step ms | client TTFT ms |",
+             "| prompt tokens | server TTFT ms | queue ms | prefill compute ms | transfer tail ms | tail % of TTFT "
+             "| first decode step ms | client TTFT ms |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['prompt_tokens']} | {r['server_ttft_s']*1e3:.1f} | {r['queue_s']*1e3:.1f} | {r['prefill_compute_s']*1e3:.1f} | "
-                     f"{r['transfer_tail_s']*1e3:.1f} | {r['tail_pct_of_ttft']:.1f} | {r['first_decode_step_s']*1e3:.1f} | {r['client_ttft_s']*1e3:.1f} |")
+        lines.append(f"| {r['prompt_tokens']} | {r['server_ttft_s']*1e3:.1f} | {r['queue_s']*1e3:.1f} "
+                     f"| {r['prefill_compute_s']*1e3:.1f} | {r['transfer_tail_s']*1e3:.1f} "
+                     f"| {r['tail_pct_of_ttft']:.1f} | {r['first_decode_step_s']*1e3:.1f} "
+                     f"| {r['client_ttft_s']*1e3:.1f} |")
     r512 = next((r for r in rows if r["prompt_tokens"] == 512), None)
     if r512:
         ok = r512["tail_pct_of_ttft"] <= 5.0
-        lines += ["", f"Target: transfer tail <= 5% of TTFT at 512 tokens: {r512['tail_pct_of_ttft']:.1f}% -> {'MET' if ok else 'MISSED'}"]
+        lines += ["", f"Target: transfer tail <= 5% of TTFT at 512 tokens: {r512['tail_pct_of_ttft']:.1f}% "
+                      f"-> {'MET' if ok else 'MISSED'}"]
     (out / "disagg_ttft.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -25,8 +25,8 @@ output tokens / wall seconds.
 When pdserve runs, the script also times one decode step at batch --decode-batch (32): that many
 requests with prompts of the workload's mean length are prefilled, then --decode-steps
 ``engine.step()`` calls in which every chunk is a 1-token decode are timed (median). Beside it,
-the step's matrix multiplications alone: the same linear calls (``pdserve.kernels.ops.linear.linear``) (per layer qkv_proj, o_proj,
-gate_up_proj, down_proj at 32 rows, then lm_head on 32 rows) in a loop, one pass after each
+the step's matrix multiplications alone: the same linear calls (``pdserve.kernels.ops.linear.linear``)
+(per layer qkv_proj, o_proj, gate_up_proj, down_proj at 32 rows, then lm_head on 32 rows) in a loop, one pass after each
 timed step so both see the same machine load (median); and the attention backend's time inside
 the step. "other" = step - matmuls - attention (norms, RoPE, KV writes, sampling, Python).
 The step-over-matmul target is judged on the median of the per-step ratios (each step over the

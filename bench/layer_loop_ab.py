@@ -55,7 +55,8 @@ def _worker(batch: int, ctx: int, max_tokens: int, threads: int | None) -> None:
                 engine.step()
                 times.append(time.perf_counter() - t0)
                 if engine.num_forward_tokens - before != batch:
-                    raise RuntimeError(f"step ran {engine.num_forward_tokens - before} tokens, not a batch-{batch} decode")
+                    raise RuntimeError(f"step ran {engine.num_forward_tokens - before} tokens, "
+                                       f"not a batch-{batch} decode")
             print(json.dumps({"times": times}), flush=True)
         elif cmd[0] == "tokens":
             print(json.dumps({"tokens": [r.output_token_ids for r in requests]}), flush=True)
@@ -169,9 +170,11 @@ def main() -> int:
     for tree in trees.values():
         tree.proc.wait(timeout=60)
     old_med, new_med = statistics.median(steps["old"]), statistics.median(steps["new"])
-    print(f"batch-{args.batch} decode step, {args.threads or 'default'} threads, {args.rounds} rounds x {args.steps} steps per tree, "
+    print(f"batch-{args.batch} decode step, {args.threads or 'default'} threads, "
+          f"{args.rounds} rounds x {args.steps} steps per tree, "
           f"context about {args.ctx}..{args.ctx + 16 + args.rounds * args.steps}:")
-    print(f"  median step: old {1e3 * old_med:.2f} ms, new {1e3 * new_med:.2f} ms ({100 * (new_med / old_med - 1):+.1f}%)")
+    print(f"  median step: old {1e3 * old_med:.2f} ms, new {1e3 * new_med:.2f} ms "
+          f"({100 * (new_med / old_med - 1):+.1f}%)")
     print(f"  median paired difference (new - old, per round): {1e3 * statistics.median(diffs):+.2f} ms; "
           f"new faster in {sum(d < 0 for d in diffs)} of {len(diffs)} rounds")
     same = tokens["old"] == tokens["new"]
@@ -189,7 +192,8 @@ def _glue_main(args: argparse.Namespace) -> int:
         for name in order:
             mins[name].append(min(trees[name].ask("run 50")["times"]))
         diffs.append(mins["new"][-1] - mins["old"][-1])
-        print(f"round {r:2d} ({order[0]} first): old {1e3 * mins['old'][-1]:6.3f} ms  new {1e3 * mins['new'][-1]:6.3f} ms"
+        print(f"round {r:2d} ({order[0]} first): old {1e3 * mins['old'][-1]:6.3f} ms  "
+              f"new {1e3 * mins['new'][-1]:6.3f} ms"
               f"  new-old {1e3 * diffs[-1]:+6.3f} ms", flush=True)
     for tree in trees.values():
         tree.proc.stdin.close()

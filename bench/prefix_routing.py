@@ -204,7 +204,8 @@ def main() -> int:
             results.append(run_policy(policy, order, args, seed))
     info["loadavg_end"] = os.getloadavg()
     summary = [pooled(policy, [r for r in results if r["policy"] == policy]) for policy in args.policies.split(",")]
-    header = f"{'policy':<14} {'seed':>5} {'hit rate':>8} {'mean TTFT':>10} {'warm TTFT':>10} {'p50 TTFT':>9} {'p90 TTFT':>9}"
+    header = (f"{'policy':<14} {'seed':>5} {'hit rate':>8} {'mean TTFT':>10} {'warm TTFT':>10} "
+              f"{'p50 TTFT':>9} {'p90 TTFT':>9}")
     print("\n" + header)
     for r in results + summary:
         print(f"{r['policy']:<14} {r['seed']:>5} {r['prefix_cache_hit_rate']:>8.1%} {r['mean_ttft_s']:>9.3f}s "

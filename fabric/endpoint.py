@@ -97,7 +97,8 @@ class Endpoint:
             len(errbuf),
         )
         if rc:
-            raise FabricError(rc, f"opening provider {provider!r} (node={node!r}) failed at {ffi.string(errbuf).decode()}")
+            raise FabricError(rc, f"opening provider {provider!r} (node={node!r}) failed at "
+                                  f"{ffi.string(errbuf).decode()}")
         self.h = out[0]
         info = ffi.new("pdf_info *")
         rc = lib.pdf_get_info(self.h, info)

@@ -55,7 +55,8 @@ class ContextCodec:
         h = self.hidden_size
         raw = staging.array[self.slot_offset(slot) : self.slot_offset(slot) + self.slot_nbytes]
         raw[: h * 4] = np.frombuffer(hidden.float().numpy().tobytes(), dtype=np.uint8)
-        raw[h * 4 : h * 4 + self.top_k * 4] = np.frombuffer(top.indices.to(torch.int32).numpy().tobytes(), dtype=np.uint8)
+        raw[h * 4 : h * 4 + self.top_k * 4] = np.frombuffer(top.indices.to(torch.int32).numpy().tobytes(),
+                                                             dtype=np.uint8)
         raw[h * 4 + self.top_k * 4 :] = np.frombuffer(top.values.numpy().tobytes(), dtype=np.uint8)
 
     def decode(self, staging: _Staging, slot: int) -> Context:

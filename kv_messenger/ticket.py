@@ -89,7 +89,8 @@ class TransferTicket:
             imm_tag=req.imm_tag,
             expected_writes=req.expected_writes,
             num_prefill_tokens=len(req.token_ids),
-            sharding=ShardingScheme(tp_size=req.sharding.tp_size or 1) if req.HasField("sharding") else ShardingScheme(),
+            sharding=(ShardingScheme(tp_size=req.sharding.tp_size or 1) if req.HasField("sharding")
+                      else ShardingScheme()),
         )
 
 

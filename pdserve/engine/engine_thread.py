@@ -196,7 +196,8 @@ class EngineThread:
         self._fail_all("engine shut down")
 
     def _take_metrics(self) -> None:
-        """Engine thread: refresh `last_metrics` and `last_load`; a failing snapshot is logged once and never stops serving."""
+        """Engine thread: refresh `last_metrics` and `last_load`; a failing snapshot is logged once and never
+        stops serving."""
         try:
             self.last_metrics = self.engine.metrics()
             self.engine.last_load = self.engine.load()

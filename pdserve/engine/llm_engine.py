@@ -138,7 +138,8 @@ class LLMEngine:
         self.swap = SwapSpace(self.kv_cache, self.cache_manager, swap_slots) if swap_slots > 0 else None
         logger.info("KV cache: %d blocks of %d tokens (%s, %.2f MiB each, %.2f GiB total; %s), groups %s, "
                     "prefix cache %s%s, swap pool %d blocks (%.2f GiB), max_model_len %d",
-                    size.num_blocks, P, str(kv_dtype).removeprefix("torch."), block_nbytes / 2**20, size.num_blocks * block_nbytes / 2**30, size.reason,
+                    size.num_blocks, P, str(kv_dtype).removeprefix("torch."), block_nbytes / 2**20,
+                    size.num_blocks * block_nbytes / 2**30, size.reason,
                     self.cache_manager.group_names, "on" if sharing else "off",
                     "" if sharing or not config.cache.allow_block_sharing else " (sliding-window layers)",
                     swap_slots, swap_slots * block_nbytes / 2**30, self.max_model_len)

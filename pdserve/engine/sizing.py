@@ -148,7 +148,8 @@ def fit_max_model_len(
         else:
             hi = mid - 1
     if lo < 2:
-        raise ValueError(f"the KV cache has {usable_blocks} usable blocks of {page_size} tokens: too few for any request")
+        raise ValueError(f"the KV cache has {usable_blocks} usable blocks of {page_size} tokens: "
+                         "too few for any request")
     logger.warning("KV cache of %d blocks holds at most %d tokens per request: max_model_len %d -> %d",
                    usable_blocks, lo, max_model_len, lo)
     return lo

@@ -92,7 +92,8 @@ class RowLinear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
-def embedding_and_head(vocab_size: int, hidden_size: int, tied: bool, dtype: torch.dtype) -> tuple[nn.Embedding, torch.Tensor]:
+def embedding_and_head(vocab_size: int, hidden_size: int, tied: bool,
+                       dtype: torch.dtype) -> tuple[nn.Embedding, torch.Tensor]:
     """The token embedding and the lm_head weight [V, hidden]: the embedding's own weight when tied."""
     embed = nn.Embedding(vocab_size, hidden_size, dtype=dtype)
     embed.weight.requires_grad_(False)

@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate completions, streaming to stdout: on this machine, or on a cluster with --url")
+    g = sub.add_parser("generate", help="generate completions, streaming to stdout: on this machine, "
+                                        "or on a cluster with --url")
     g.add_argument("prompts", nargs="+", metavar="PROMPT")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

@@ -117,7 +117,8 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if not self.colocated:
             if self.decode < 1:
-                raise ValueError(f"a cluster needs at least one decode node (or --colocated M), got decode={self.decode}")
+                raise ValueError(f"a cluster needs at least one decode node (or --colocated M), "
+                                 f"got decode={self.decode}")
             if self.prefill < 1:
                 raise ValueError(f"a disaggregated cluster needs at least one prefill node, got prefill={self.prefill} "
                                  "(use --colocated M for nodes that prefill themselves)")
@@ -560,7 +561,8 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=None, metavar="M", help="decode nodes (default 1)")
     p.add_argument("--colocated", type=int, default=0, metavar="M",
                    help="run M colocated nodes (prefill and decode together, D18) instead of prefill/decode nodes")
-    p.add_argument("--model", default=None, metavar="PATH", help="checkpoint for every node (default: the embedded model)")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="checkpoint for every node (default: the embedded model)")
     p.add_argument("--host", default="127.0.0.1", help="address every process listens on")
     p.add_argument("--port", type=int, default=50051, help="the router's gRPC port (default 50051; 0: any free port)")
     p.add_argument("--http-port", type=int, default=8000, metavar="P",

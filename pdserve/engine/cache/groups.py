@@ -123,7 +123,8 @@ def max_blocks_per_request(groups: tuple[AttentionGroup, ...], page_size: int, n
     return sum(group_max_blocks(g, page_size, num_tokens, max_chunk) for g in groups)
 
 
-def attention_groups(layer_types: tuple[str, ...] | list[str] | None, sliding_window: int | None) -> tuple[AttentionGroup, ...]:
+def attention_groups(layer_types: tuple[str, ...] | list[str] | None,
+                     sliding_window: int | None) -> tuple[AttentionGroup, ...]:
     """The groups a model's layers need, from Hugging Face `layer_types` ("full_attention" /
     "sliding_attention" per layer): ("full",), ("sliding",) or ("full", "sliding")."""
     if not layer_types:

@@ -222,7 +222,8 @@ class KVCacheManager:
         """The pool balances, and every block's reference count equals the number of table
         entries (over all requests and groups) that hold it."""
         self.pool.check_integrity()
-        holders: Counter[int] = Counter(b for g in self.groups for t in g.tables.values() for b in t if b != PADDING_BLOCK)
+        holders: Counter[int] = Counter(b for g in self.groups for t in g.tables.values() for b in t
+                                        if b != PADDING_BLOCK)
         held = sum(holders.values())
         refs = sum(self.pool.ref_count(b) for b in range(self.pool.num_padding_blocks, self.pool.num_blocks))
         if held != refs:
@@ -232,4 +233,5 @@ class KVCacheManager:
             )
         for b, n in holders.items():
             if self.pool.ref_count(b) != n:
-                raise CacheIntegrityError(f"block {b} is in {n} table entries but has ref count {self.pool.ref_count(b)}")
+                raise CacheIntegrityError(f"block {b} is in {n} table entries but has ref count "
+                                          f"{self.pool.ref_count(b)}")

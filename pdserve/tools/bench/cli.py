@@ -84,7 +84,8 @@ def _add_workload_args(p: argparse.ArgumentParser, *, compare: bool = False) -> 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="grpc", choices=BACKENDS, help="gRPC (default) or the OpenAI HTTP API")
     p.add_argument("--url", default=None,
-                   help=f"server address (default: {DEFAULT_URLS['grpc']} for grpc, {DEFAULT_URLS['openai']} for openai)")
+                   help=f"server address (default: {DEFAULT_URLS['grpc']} for grpc, "
+                        f"{DEFAULT_URLS['openai']} for openai)")
     p.add_argument("--metrics-url", default=None, metavar="URL",
                    help="a server's Prometheus /metrics: its TTFT/ITL/E2E histograms over the run go into the result")
 
@@ -180,7 +181,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     result = run_compare(settings, progress=not args.no_progress, on_result=keep)  # ClusterStartError: exit 1
     for name, res in result.results.items():
-        print(format_table(res.metrics, f"{name} ({', '.join(c.split(' -m ')[1].split()[0] for c in result.clusters[name])})"))
+        modules = ", ".join(c.split(" -m ")[1].split()[0] for c in result.clusters[name])
+        print(format_table(res.metrics, f"{name} ({modules})"))
     rows = comparison_rows(result.results["colocated"].metrics, result.results["disaggregated"].metrics)
     table = format_comparison(rows, result.targets)
     print(table)
@@ -211,8 +213,10 @@ def compare_markdown(result, table: str, command: str) -> str:  # a CompareResul
              f"{r.duration_s if r.duration_s is not None else '-'} s, max concurrency {r.max_concurrency or '-'}, "
              f"{r.num_warmups} warm-up request(s) per cluster; backend {s.backend}.",
              f"Clusters: colocated {s.prefill + s.decode} nodes vs disaggregated {s.prefill} prefill + {s.decode} "
-             f"decode, {s.threads_per_node} torch thread(s) per node, {'each node pinned to its own cores' if s.pin_cores else 'unpinned'}, "
-             f"{s.num_blocks} KV blocks per node, engine flags {list(s.engine_args) or 'default'}, router unpinned.", ""]
+             f"decode, {s.threads_per_node} torch thread(s) per node, "
+             f"{'each node pinned to its own cores' if s.pin_cores else 'unpinned'}, "
+             f"{s.num_blocks} KV blocks per node, engine flags {list(s.engine_args) or 'default'}, "
+             "router unpinned.", ""]
     for name, res in result.results.items():
         before, after = res.machine_before, res.machine_after
         lines.append(f"- {name}: load average (1, 5, 15 min) {before['load_average']} before, "

@@ -136,7 +136,8 @@ def load_prompt_file(path: str | Path) -> list[tuple[Prompt, int | None]]:
     return items
 
 
-def prompt_file_requests(path: str | Path, num: int, output_len: LengthRange | None, seed: int = 0) -> list[BenchRequest]:
+def prompt_file_requests(path: str | Path, num: int, output_len: LengthRange | None,
+                         seed: int = 0) -> list[BenchRequest]:
     """`num` requests from a JSONL prompt file, drawn with replacement in a seeded order (every prompt
     once before any repeats). max_tokens: drawn from `output_len` when given, else the line's
     "max_tokens" (a line without one then raises)."""

@@ -97,5 +97,6 @@ def load_result(path: str | Path) -> tuple[dict[str, Any], list[RequestRecord]]:
     """(the result dict, its records); ValueError for a file that is not a pdserve-bench result."""
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise ValueError(f"{path} is not a {SCHEMA} result (schema: {data.get('schema') if isinstance(data, dict) else None})")
+        schema = data.get("schema") if isinstance(data, dict) else None
+        raise ValueError(f"{path} is not a {SCHEMA} result (schema: {schema})")
     return data, [RequestRecord.from_json(r) for r in data.get("records", [])]
