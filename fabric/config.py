@@ -35,7 +35,8 @@ class FabricConfig:
         False: never; None (default): where it costs nothing measurable (shm,
         and RDMA providers, whose completions already wait for the target),
         not on tcp, where every write then waits for an acknowledgement from
-        the target's progress (measured: 64 KiB writes 1.4 vs 2.7-3.3 GB/s).
+        the target's progress (it cost 64 KiB writes much of their bandwidth:
+        bench/results/fabric-notes.md).
         The engine's ``delivery_complete`` attribute says what was granted.
         shm control messages never use it (they must not wait on a peer that
         may have died). Nothing in pdserve depends on it: the receiver counts
@@ -46,8 +47,8 @@ class FabricConfig:
         before it sleeps on the provider's wait fd or its doorbell (idle, it
         uses no CPU; see csrc/pdf_wait.h). Short by default: on a small
         machine a spinning thread takes the core the peer or the caller
-        needs (2 cores, 64 KiB shm writes: 20 us gave 5.1-5.8 GB/s and
-        ~110 us per lone write, 50 us 4.2-5.1 GB/s and 170-220 us).
+        needs (on 2 cores longer spins cost 64 KiB shm writes both bandwidth
+        and lone-write latency: bench/results/fabric-notes.md, commit 36e12b5).
     busy_spin_us: how long it spins without progress while its own writes
         are outstanding, before sleeping in steps up to sleep_max_us (the
         longest step of the timed sleeps, also used when the provider offers

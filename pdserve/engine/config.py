@@ -49,9 +49,9 @@ class CacheConfig:
     kv_prefault: fault the whole KV pool in at startup (MADV_POPULATE_WRITE) instead of page by
         page as blocks are first used. The pool hands out never-used blocks first, so without it
         every block's first use in a fresh process takes a page fault (a 2 MiB huge page zeroed
-        for ~170 blocks): milliseconds per decode step until the pool has been cycled once.
-        Costs startup time (reference 2-core VM: 0.1-0.2 s per GiB, ~2.4 s per GiB where the
-        hypervisor backs the memory for the first time) and commits the memory now.
+        for ~170 blocks), which decode steps pay until the pool has been cycled once.
+        Costs startup time in proportion to the pool's size (much more where the hypervisor
+        backs the memory for the first time; commit 332da6a) and commits the memory now.
     """
 
     page_size: int = field(default=16, metadata={"help": "tokens per KV page (a power of two)"})

@@ -7,9 +7,9 @@ adjacent in memory, so a run of pages is one contiguous byte range (D13). One bu
 memory registration for the fabric.
 
 Allocation: by default a CPU pool is a fresh anonymous mapping on transparent huge pages
-(pdserve.engine.cache.hostmem, standard library only): decode attention reads it 10-30% faster
-than 4 KiB pages, and the fabric registers the same memory (shm transfers ~2x faster from and to
-huge pages).
+(pdserve.engine.cache.hostmem, standard library only): decode attention reads it faster than
+4 KiB pages (fewer TLB misses, commit 5a48399), and the fabric registers the same memory (shm
+transfers are faster from and to huge pages: bench/results/fabric.md).
 Seam: `PagedKVCache(..., allocate=fn)` takes the buffer from `fn(dims, dtype)` instead.
 """
 
@@ -93,9 +93,9 @@ def _default_allocate(dims: tuple[int, ...], dtype: torch.dtype, device: torch.d
     so it reads as zeros and nothing is committed before it is written.
 
     Decode attention streams every sequence's pages from DRAM; on 4 KiB pages each 4 KiB costs a
-    TLB entry, and the same kernel runs 10-30% faster on 2 MiB pages here (30 layers of batch-32
-    decode pools: 33 vs 37-47 ms). Shared-memory fabric transfers from and to huge pages are ~2x
-    faster too. Where the kernel has no THP the pool stays on normal pages (logged once).
+    TLB entry, so the same kernel runs faster on 2 MiB pages (30 layers of batch-32 decode
+    pools, commit 5a48399). Shared-memory fabric transfers from and to huge pages are faster too
+    (bench/results/fabric.md). Where the kernel has no THP the pool stays on normal pages (logged once).
     A fresh mapping rather than torch.empty + madvise: torch's allocator may hand back heap memory
     that is already faulted in on small pages, which madvise does not convert.
     """

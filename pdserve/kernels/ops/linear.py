@@ -2,7 +2,8 @@
 
 A decode step multiplies a handful of rows (one per running sequence) by every weight matrix.
 That product is bound by reading the weights once; torch's CPU GEMM does not behave that way
-for 2-32 rows (measured here: 2 rows cost 2x one row, 3 rows 2.7x). csrc/small_linear.c reads
+for 2-32 rows (its time grows with the row count: the F.linear column of
+bench/results/linear_kernels.md). csrc/small_linear.c reads
 each weight row once per call and reuses it for every input row. It is used when
 
 - x is a float32 CPU matrix [M, K] with unit column stride and M <= `MAX_ROWS` (32),
@@ -25,9 +26,9 @@ from pdserve.kernels.ops.native import available, lib as _lib, unavailable_reaso
 
 __all__ = ["MAX_ROWS", "available", "linear", "max_rows", "small_linear", "unavailable_reason"]
 
-# Up to this many rows the kernel beats or matches MKL on this machine (bench/linear_kernels.py,
-# bench/results/linear_kernels.md): at 32 rows equal on 1 thread, 1.3-1.5x faster on 2 threads
-# (MKL scales poorly across threads at these shapes); from 48 rows on 1 thread MKL wins.
+# Up to this many rows the kernel beats or matches MKL (bench/linear_kernels.py; 1 thread:
+# bench/results/linear_kernels.md, 2 threads: bench/results/linear_kernels-2threads.md, where MKL
+# scales poorly across threads at these shapes); from 48 rows on 1 thread MKL wins.
 MAX_ROWS = 32
 _F32 = torch.float32
 

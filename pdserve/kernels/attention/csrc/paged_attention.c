@@ -35,8 +35,8 @@
  * few lines before each 8-key block of scores and PV and before the softmax (pf_step). A thread
  * claims its next item before running the current one, so that the current item's last page
  * prefetches the next item's first page. (Batch-32 decode at context 320, 30 layers' pools, 2
- * threads, paired runs on the 2-core EPYC VM: the per-block steps took ~20-25% off one burst per
- * page; the per-iteration lines took another 13-17% off float32, bfloat16 unchanged.)
+ * threads, paired runs: the per-block steps beat one burst per page (bench/results/attention_kernels.md);
+ * the per-iteration lines helped float32 further, bfloat16 unchanged (commit 87f134d).)
  *
  * Dtypes (q/out, K/V pools): (f32, f32), (bf16, bf16) and (f32, bf16), the last for a float32
  * model with a bfloat16 KV cache (half the bytes read per key). All math is float32 whatever the
@@ -67,7 +67,8 @@ typedef uint16_t v8h_u __attribute__((vector_size(16), aligned(2)));
 #else
 #define PROF_NOINLINE
 /* Per-page stages (scores, softmax) stay inlined in the page loop even though run_item exists
- * twice (full and windowed): left to itself, GCC then calls them out of line (+0.3% work). */
+ * twice (full and windowed): left to itself, GCC then calls them out of line (more work: commit
+ * 5a3bd23). */
 #define PAGE_STAGE inline __attribute__((always_inline))
 #endif
 
@@ -530,7 +531,7 @@ ALWAYS_INLINE void run_item_impl(const params *pr, const work_item *it, const wo
     const int pf_steps = 2 * ((P + 7) / 8) + 1;
     /* per-iteration prefetch lines: float32 decode items, through the *_pf instances (prefill
      * tiles compute far longer per page than its lines take to arrive; a per-iteration test in
-     * their loops cost them ~10%) */
+     * their loops slowed them: commit 87f134d) */
     const int fine = !pr->kv_bf16 && it->nq == 1;
     for (int pg = page_lo; pg < page_hi; pg++) {
         const int t0 = pg * P;

@@ -5,8 +5,8 @@
  * Between the cffi markers: the module's Python interface, read by _ops_build.py as its cdef
  * (so the C sources and the binding declare each function once). Entry points named *_addr take
  * every array as an integer address (torch's data_ptr()): a decode step makes ~600 such calls,
- * and each ffi.cast of a pointer argument would cost ~0.4 us. Below the markers: the typed forms
- * the _addr entry points wrap, for use inside C.
+ * and an ffi.cast per pointer argument adds up over them (commit c8c7cb3). Below the markers:
+ * the typed forms the _addr entry points wrap, for use inside C.
  */
 #ifndef PDSERVE_CPU_OPS_H
 #define PDSERVE_CPU_OPS_H

@@ -82,8 +82,9 @@ int op_silu_mul(float *out, const float *gate_up, int rows, int I, int64_t ld_ou
     if (rows < 0 || I <= 0) return OP_ERR_SHAPE;
     if (ld_out < I || ld_in < 2 * (int64_t)I) return OP_ERR_STRIDE;
     const int I8 = I & ~7;
-    /* rows split over threads once there is enough work (a batch-32 decode step's 32 x 1536
-     * SiLUs take ~70 us on one core); each row is computed alike whatever the split */
+    /* rows split over threads once there is enough work to pay for the fork (SILU_PARALLEL_MIN;
+     * a batch-32 decode step's 32 x 1536 SiLUs qualify: commit 4afc65e); each row is computed
+     * alike whatever the split */
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && (int64_t)rows * I >= SILU_PARALLEL_MIN)
 #else

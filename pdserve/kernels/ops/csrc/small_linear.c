@@ -50,8 +50,8 @@ ALWAYS_INLINE float fma1(float a, float b, float acc) { return acc + a * b; }
 /*
  * Bands a thread claims at a time. A static split (one half of W per thread) waits at the end
  * for the slower core, and on a shared VM the two cores' speeds differ from moment to moment:
- * claiming 2 bands at a time made a decode step's 121 products 7-8% faster there (median of 25
- * paired passes at 32 rows); each band is computed alike whoever takes it, so results are
+ * claiming 2 bands at a time made a decode step's 121 products faster there (paired passes at
+ * 32 rows, commit 989e4fb); each band is computed alike whoever takes it, so results are
  * unchanged bit for bit.
  */
 #define CHUNK_BANDS 2
