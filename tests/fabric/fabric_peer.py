@@ -80,11 +80,12 @@ def _serve(conn: Any, config: FabricConfig, pool_bytes: int, netns: str | None) 
             done = threading.Event()
             result: list[Any] = []
 
-            def ok() -> None:
+            # bound now: a write that outlives its wait must not report into the next command's
+            def ok(result: list[Any] = result, done: threading.Event = done) -> None:
                 result.append("done")
                 done.set()
 
-            def failed(err: Exception) -> None:
+            def failed(err: Exception, result: list[Any] = result, done: threading.Event = done) -> None:
                 result.append(err)
                 done.set()
 

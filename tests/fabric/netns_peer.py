@@ -69,8 +69,9 @@ def main() -> int:
         done = threading.Semaphore(0)
         errors: list[str] = []
         for batch in batches:
-            s, d, n = zip(*batch)
-            engine.write_pages(region, s, desc, d, n, TAG, done.release, lambda e: (errors.append(str(e)), done.release()))
+            s, d, n = zip(*batch, strict=True)
+            engine.write_pages(region, s, desc, d, n, TAG, done.release,
+                               lambda e: (errors.append(str(e)), done.release()))
         for _ in batches:
             if not done.acquire(timeout=60):
                 out({"error": "timed out waiting for completions"})

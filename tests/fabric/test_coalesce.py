@@ -63,7 +63,8 @@ def _write(a, src, dst, s, d, n, tag, mode) -> None:
 
 def _check_landed(src_buf, dst_buf, s, d, n) -> None:
     src, dst = src_buf.numpy(), dst_buf.numpy()
-    bad = [i for i, (so, do, ln) in enumerate(zip(s, d, n)) if not np.array_equal(src[so : so + ln], dst[do : do + ln])]
+    bad = [i for i, (so, do, ln) in enumerate(zip(s, d, n, strict=True))
+           if not np.array_equal(src[so : so + ln], dst[do : do + ln])]
     assert not bad, f"{len(bad)} of {len(s)} entries differ, first {bad[0]}"
 
 
@@ -114,7 +115,7 @@ def test_last_mode_counts_batches_and_merges_too(engines) -> None:
         s = [k * MiB + i * PAGE for i in range(64)]
         d = [4 * MiB + k * MiB + i * PAGE for i in range(64)]
         _write(a, src, dst, s, d, [PAGE] * 64, 5, "last")
-        entries += zip(s, d)
+        entries += zip(s, d, strict=True)
     assert a.stats().writes - before.writes == 3
     assert landing.wait(5)
     _check_landed(src_buf, dst_buf, [e[0] for e in entries], [e[1] for e in entries], [PAGE] * len(entries))

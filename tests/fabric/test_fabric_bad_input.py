@@ -7,10 +7,10 @@ import time
 
 import numpy as np
 import pytest
+from fabric_peer import PeerProcess
 
 from fabric import FabricConfig, FabricError, ImmCounter, TransferEngine
 from fabric.errors import fi_strerror
-from fabric_peer import PeerProcess
 from pdserve.engine.cache.hostmem import alloc_buffer
 
 MiB = 1 << 20

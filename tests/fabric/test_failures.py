@@ -8,9 +8,9 @@ import time
 
 import numpy as np
 import pytest
+from fabric_peer import PeerProcess, digest
 
 from fabric import FabricConfig, FabricError, TransferEngine
-from fabric_peer import PeerProcess, digest
 from pdserve.engine.cache.hostmem import alloc_buffer
 
 MiB = 1 << 20
@@ -113,7 +113,7 @@ def test_other_peers_keep_working_after_one_dies(provider: str) -> None:
         # the healthy peer still gets writes and messages, byte for byte
         healthy.call("expect", [(0x77, 3 * 32)])
         out = _Outcomes()
-        for k in range(3):
+        for _ in range(3):
             engine.write_pages(region, offs, healthy.descriptor, offs, lens, 0x77, out.on_done, out.on_error,
                                imm_mode="every")
         deadline = time.monotonic() + 10

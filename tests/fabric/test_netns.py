@@ -71,7 +71,8 @@ def _line(proc: subprocess.Popen, timeout: float) -> dict:
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     if not sel.select(timeout):
-        raise TimeoutError(f"no output within {timeout}s; stderr: {proc.stderr.read() if proc.poll() is not None else ''}")
+        stderr = proc.stderr.read() if proc.poll() is not None else ""
+        raise TimeoutError(f"no output within {timeout}s; stderr: {stderr}")
     line = proc.stdout.readline()
     if not line:
         raise RuntimeError(f"peer exited ({proc.wait(5)}): {proc.stderr.read()[-2000:]}")
@@ -95,7 +96,7 @@ def test_transfer_between_network_namespaces(namespaces) -> None:
         assert "error" not in sent and "error" not in got, (sent, got)
         assert sent["errors"] == []
         assert sent["writes"] == got["writes"] > 100
-        bad = [i for i, (x, y) in enumerate(zip(sent["digests"], got["digests"])) if x != y]
+        bad = [i for i, (x, y) in enumerate(zip(sent["digests"], got["digests"], strict=True)) if x != y]
         assert not bad, f"{len(bad)} writes differ"
         receiver.stdin.write("\n")
         receiver.stdin.flush()

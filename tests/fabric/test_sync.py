@@ -9,10 +9,10 @@ import time
 
 import numpy as np
 import pytest
+from fabric_peer import PeerProcess, digest
 
 from fabric import FabricConfig, FabricError, TransferEngine
 from fabric.backend import SyncResult
-from fabric_peer import PeerProcess, digest
 from pdserve.engine.cache.hostmem import alloc_buffer
 
 KiB = 1024
@@ -53,7 +53,7 @@ def test_sync_writes_land_and_count(provider: str, spin_us: int) -> None:
                                           spin_us=spin_us, timeout=30)
             assert isinstance(res, SyncResult) and res.writes == k
             expected[tag] = expected.get(tag, 0) + k
-            writes += list(zip(src.tolist(), dst.tolist(), sizes.tolist()))
+            writes += list(zip(src.tolist(), dst.tolist(), sizes.tolist(), strict=True))
         assert dst_next <= POOL
         peer.call("expect", list(expected.items()))
         fired = peer.call("wait_fired", (list(expected), 30))

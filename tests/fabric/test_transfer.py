@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import random
-import zlib
 import threading
+import zlib
 
 import numpy as np
 import pytest
+from fabric_peer import PeerProcess, digest
 
 from fabric import FabricConfig, FabricError, TransferEngine
-from fabric_peer import PeerProcess, digest
 from pdserve.engine.cache.hostmem import alloc_buffer
 
 POOL = 48 << 20
@@ -121,7 +121,7 @@ def _run_rounds(provider: str, imm_mode: str, rounds: int, seed: int, node: str 
             peer.call("expect", [(t, per_tag[t]) for t in early])
             waiter = _Waiter(len(batches))
             for tag, part in batches:
-                s, d, n = zip(*part)
+                s, d, n = zip(*part, strict=True)
                 engine.write_pages(region, s, peer.descriptor, d, n, tag, waiter.on_done, waiter.on_error)
             waiter.wait(60)
             peer.call("expect", [(t, per_tag[t]) for t in tags[2:]])
@@ -132,7 +132,7 @@ def _run_rounds(provider: str, imm_mode: str, rounds: int, seed: int, node: str 
             view = src_buf.view
             want = [digest(view, s, n) for s, _, n in writes]
             del view
-            bad = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+            bad = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
             assert not bad, f"{len(bad)} of {len(writes)} writes differ, first {writes[bad[0]]}"
         # exactly once: nothing fired twice after everything settled
         fired = peer.call("fired")
