@@ -11,10 +11,9 @@ from __future__ import annotations
 import queue
 import time
 
+import numpy as np
 import pytest
 import torch
-
-import numpy as np
 
 from fabric import FabricConfig, TransferEngine
 from kv_messenger import ContextCodec, KvLayout, KvReceiver, KvSender, ReceiverEvents, ShardingScheme, TransferTicket
@@ -226,7 +225,7 @@ def test_prefix_hit_sends_cached_pages_with_the_first_chunk():
         assert result.num_writes == 6 * SMALL.num_layers * 2 + 1 == fut.result().num_writes
         for layer in range(SMALL.num_layers):
             for kv in (0, 1):
-                for i, (s, d) in enumerate(zip(src_pages, dst_pages)):
+                for i, (s, d) in enumerate(zip(src_pages, dst_pages, strict=True)):
                     assert pair.page_bytes(pair.dst, layer, kv, d) == pair.page_bytes(pair.src, layer, kv, s), \
                         (layer, kv, i)
         after = pair.fab_p.stats()
@@ -264,7 +263,7 @@ def test_chunks_without_prefix_hit_send_each_page_once():
         after = pair.fab_p.stats()
         assert after.writes - before.writes == after.entries - before.entries == 4 * SMALL.num_layers * 2 + 1
         for layer in range(SMALL.num_layers):
-            for s, d in zip(src_pages, dst_pages):
+            for s, d in zip(src_pages, dst_pages, strict=True):
                 assert pair.page_bytes(pair.dst, layer, 1, d) == pair.page_bytes(pair.src, layer, 1, s)
     finally:
         pair.close()
