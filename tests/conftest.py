@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from support import native
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -65,7 +65,7 @@ class TestHarnessOnACluster:
         result = run_serve(settings, progress=False)
         assert_adds_up(result, planned=12)
         records = result.outcome.records
-        assert all(r.prompt_tokens == len(req.prompt) for r, req in zip(records, TINY.build()))
+        assert all(r.prompt_tokens == len(req.prompt) for r, req in zip(records, TINY.build(), strict=False))
         assert all(len(r.itl_s) == r.output_tokens - 1 for r in records)  # one token per streamed message
 
         # the concurrency cap: at no send time were more than 3 requests in flight
@@ -91,7 +91,8 @@ class TestHarnessOnACluster:
         settings = ServeSettings("openai", cluster.http_url, data, RunConfig(max_concurrency=4, send=SEND))
         result = run_serve(settings, progress=False)
         assert_adds_up(result, planned=8)
-        assert all(r.prompt_tokens == len(req.prompt) for r, req in zip(result.outcome.records, data.build()))
+        records = result.outcome.records
+        assert all(r.prompt_tokens == len(req.prompt) for r, req in zip(records, data.build(), strict=False))
 
     def test_a_repeated_workload_adds_up_again(self, cluster):
         """The same 2 prompts of 3 full pages (+ 1 partial) twice: the second time their prefixes are cached

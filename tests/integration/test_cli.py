@@ -30,7 +30,7 @@ def test_generate_json_matches_the_python_api(default_source):
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     expected = LLM(num_blocks=64).generate(prompts, SamplingParams(temperature=0, max_tokens=10))
     assert [set(d) for d in lines] == [{"text", "token_ids", "finish_reason"}] * 2
-    for d, e in zip(lines, expected):
+    for d, e in zip(lines, expected, strict=True):
         assert d == {"text": e.text, "token_ids": list(e.token_ids), "finish_reason": e.finish_reason}
 
 

@@ -22,6 +22,7 @@ from support.cluster import assert_no_page_leak, running_cluster
 from support.paths import ROOT
 from support.wait import wait_until
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tools.client import AsyncClient, Client
 from pdserve.tools.launcher import (
     Cluster,
@@ -32,7 +33,6 @@ from pdserve.tools.launcher import (
     free_ports,
     plan,
 )
-from pdserve.engine.sampling_params import SamplingParams
 
 ENGINE = ("--max-batch-tokens", "32")
 SMALL = dict(port=0, num_blocks=256, threads_per_node=1, engine_args=ENGINE, startup_timeout_s=150,
@@ -75,7 +75,9 @@ def test_dry_run_prints_every_command_in_start_order(capsys):
 
 def test_cluster_config_names_bad_values():
     for kwargs, match in ((dict(decode=0), "at least one decode node"), (dict(prefill=0), "at least one prefill"),
-                          (dict(colocated=1, decode=2), "colocated nodes replace"), (dict(colocated=1, prefill=1), "colocated nodes replace"), (dict(provider="verbs"), "provider"),
+                          (dict(colocated=1, decode=2), "colocated nodes replace"),
+                          (dict(colocated=1, prefill=1), "colocated nodes replace"),
+                          (dict(provider="verbs"), "provider"),
                           (dict(prefill=-1), "prefill must be"), (dict(num_blocks=0), "num_blocks")):
         with pytest.raises(ValueError, match=match):
             ClusterConfig(**kwargs)
@@ -114,7 +116,8 @@ def test_http_port_pinned_cores_and_urls_in_the_plan(capsys):
     node = cluster.processes["colocated-0"]
     assert urls["colocated-0"] == f"http://127.0.0.1:{node.http_port}/metrics"
     assert node.argv[-2:] == ("--metrics-port", str(node.http_port))
-    assert len({node.port, node.http_port, cluster.processes["router"].port, cluster.processes["router"].http_port}) == 4
+    router = cluster.processes["router"]
+    assert len({node.port, node.http_port, router.port, router.http_port}) == 4
     assert Cluster(colocated=1, http_port=None).http_url is None
 
 
@@ -130,7 +133,8 @@ def test_a_pinned_child_runs_only_on_its_cores():
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and out.strip() == f"[{core}] ['a', '--b']"
     assert child_command([sys.executable, "-m", "router", "--port", "1"], 42, (2, 3)) == [
-        sys.executable, "-m", "pdserve.tools.launcher", "--parent-pid", "42", "--cpus", "2,3", "-m", "router", "--port", "1"]
+        sys.executable, "-m", "pdserve.tools.launcher", "--parent-pid", "42", "--cpus", "2,3",
+        "-m", "router", "--port", "1"]
     with pytest.raises(ValueError, match="preexec_fn is not accepted"):
         spawn([sys.executable, "-c", "pass"], preexec_fn=lambda: None)
     with pytest.raises(ValueError, match=r"must be \[python, '-m', MODULE"):
@@ -221,7 +225,7 @@ def reference():
     llm = LLM(num_blocks=256, num_threads=1)
     outs = llm.generate([*PROMPTS, LONG_IDS], GREEDY)
     assert len(llm.tokenizer(LONG)["input_ids"]) > 64  # several prefill chunks, several pages
-    return {key: (o.text, tuple(o.token_ids), o.finish_reason) for key, o in zip([*PROMPTS, "ids"], outs)}
+    return {key: (o.text, tuple(o.token_ids), o.finish_reason) for key, o in zip([*PROMPTS, "ids"], outs, strict=True)}
 
 
 def check_greedy(url: str, reference: dict) -> list[str]:

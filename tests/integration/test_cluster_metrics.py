@@ -55,9 +55,9 @@ def scrape(urls: dict[str, str]) -> Scrape:
 
 @pytest.mark.slow
 def test_cluster_metrics_add_up_and_logs_keep_prompts_out(tmp_path):
+    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.tools.client import AsyncClient
     from pdserve.tools.launcher import Cluster
-    from pdserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with Cluster(prefill=1, decode=1, port=0, http_port=0, node_metrics=True, num_blocks=128, threads_per_node=1,

@@ -11,13 +11,14 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pdserve_api.v1 import node_pb2, node_pb2_grpc
 from support.net import free_ports
 from support.paths import ROOT
 from support.wait import wait_until
 
-from pdserve.tools.client import Client, ClientError
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.tools.client import Client, ClientError
+from pdserve_api.v1 import node_pb2, node_pb2_grpc
+
 
 def _wait_serving(addr: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
     with grpc.insecure_channel(addr) as ch:
@@ -25,7 +26,8 @@ def _wait_serving(addr: str, proc: subprocess.Popen, timeout: float = 120.0) -> 
 
         def serving() -> bool:
             assert proc.poll() is None, f"node exited with {proc.returncode}"
-            return stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING
+            status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+            return status == health_pb2.HealthCheckResponse.SERVING
 
         wait_until(serving, timeout, f"{addr} to report SERVING", interval=0.3, retry_on=(grpc.RpcError,))
 

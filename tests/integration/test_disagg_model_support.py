@@ -16,11 +16,11 @@ import threading
 from pathlib import Path
 
 import pytest
+from support.tiny_models import TINY_GEMMA3, make_tiny_checkpoint
 
 from kv_messenger import UnsupportedModelError
 from pdserve.engine.config import EngineConfig
 from pdserve.model.loader import resolve_model
-from support.tiny_models import TINY_GEMMA3, make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,9 +10,9 @@ pages), E3 (chunked prefill), E18 (the Llama-family model against its reference)
 from __future__ import annotations
 
 import pytest
+from support.reference import REFERENCE_PROMPTS, hf_greedy
 
 from pdserve import LLM, SamplingParams
-from support.reference import REFERENCE_PROMPTS, hf_greedy
 
 MAX_NEW = 24
 
@@ -44,7 +44,7 @@ def test_batch_of_16_mixed_prompts_matches_transformers(llm, reference):
     prompts = REFERENCE_PROMPTS + REFERENCE_PROMPTS[::-1]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
     expected = reference + reference[::-1]
-    for i, (o, ref) in enumerate(zip(outs, expected)):
+    for i, (o, ref) in enumerate(zip(outs, expected, strict=True)):
         assert list(o.token_ids) == ref, f"prompt {i} differs inside the batch"
     llm.engine.check_integrity()
     assert llm.engine.pool.num_used_blocks == 0

@@ -20,22 +20,22 @@ import contextlib
 
 import pytest
 import torch
+from support.native import with_cpu
+from support.reference import hf_greedy
+from support.tiny_models import TINY_GEMMA3, TINY_GEMMA3_WINDOW, make_tiny_checkpoint
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels.attention import cpu_kernels, get_backend
 from pdserve.engine.cache.block_pool import BlockPool
 from pdserve.engine.cache.groups import FULL, PADDING_BLOCK, attention_groups
 from pdserve.engine.cache.kv_cache import KVCacheShape, PagedKVCache
 from pdserve.engine.cache.manager import KVCacheManager
-from pdserve.model.arch import ModelArch
-from pdserve.model.loader import GEMMA3_270M_NAME, gemma3_270m_available, iter_weights, load_config, resolve_model
-from pdserve.model.registry import build_model
 from pdserve.engine.request import Request
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler.output import ScheduledChunk, SchedulerOutput
-from support.native import with_cpu
-from support.reference import hf_greedy
-from support.tiny_models import TINY_GEMMA3, TINY_GEMMA3_WINDOW, make_tiny_checkpoint
+from pdserve.kernels.attention import cpu_kernels, get_backend
+from pdserve.model.arch import ModelArch
+from pdserve.model.loader import GEMMA3_270M_NAME, gemma3_270m_available, iter_weights, load_config, resolve_model
+from pdserve.model.registry import build_model
 
 BACKENDS = with_cpu(cpu_kernels.available(), cpu_kernels.unavailable_reason())
 PAGE = 4
@@ -197,7 +197,8 @@ def test_unsupported_configs_raise_clear_errors():
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         ModelArch.from_hf_config(transformers.GPT2Config())
     # Qwen2 sliding only from layer 2 on: a hybrid the Llama-family model cannot run.
-    qwen = transformers.Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=64, max_window_layers=2)
+    qwen = transformers.Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=64,
+                                    max_window_layers=2)
     arch = ModelArch.from_hf_config(qwen)
     assert arch.layer_types == ("full_attention",) * 2 + ("sliding_attention",) * 2
     with pytest.raises(ValueError, match="only Gemma 3 supports per-layer attention types"):

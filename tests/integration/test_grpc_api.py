@@ -16,13 +16,13 @@ import time
 
 import grpc
 import pytest
-from support.cluster import API_CLUSTER, LONG_PROMPT, assert_all_free, cluster_fixture, wait_busy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
+from support.cluster import API_CLUSTER, LONG_PROMPT, assert_all_free, cluster_fixture, wait_busy
 
-from pdserve.tools.client import AsyncClient, Client, ClientError
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.tools.client import AsyncClient, Client, ClientError
+from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ def test_sampling_options_and_logprobs_through_the_client(cluster, client):
     greedy = client.complete(PROMPT, SamplingParams(temperature=0, max_tokens=6, logprobs=3))
     assert greedy.finish_reason == "length" and len(greedy.token_ids) == 6 == len(greedy.logprobs)
     assert greedy.usage.completion_tokens == 6 and greedy.usage.prompt_tokens > 0
-    for token_id, position in zip(greedy.token_ids, greedy.logprobs):
+    for token_id, position in zip(greedy.token_ids, greedy.logprobs, strict=True):
         assert position.sampled.token_id == token_id == position.top[0].token_id  # greedy: the most likely
         logprobs = [t.logprob for t in position.top]
         assert len(logprobs) == 3 and logprobs == sorted(logprobs, reverse=True) and logprobs[0] <= 0

@@ -21,15 +21,14 @@ import time
 from urllib.parse import urlsplit
 
 import aiohttp
-import grpc
 import pytest
 from support.cluster import API_CLUSTER, LONG_PROMPT, assert_all_free, cluster_fixture, node_addresses, wait_busy
 from support.net import free_ports
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.tools.client import Client
 from pdserve_api.servers import UnavailableError
 from pdserve_api.v1 import generate_pb2
-
-from pdserve.tools.client import Client
-from pdserve.engine.sampling_params import SamplingParams
 from router.config import RouterConfig
 from router.http_api import HttpApi, HttpConfig
 from router.limits import RequestLimits
@@ -284,7 +283,7 @@ def test_bad_bodies_get_400_naming_the_field_and_reach_no_node():
         return answers, too_large, long_prompt, unknown, good
 
     answers, too_large, long_prompt, unknown, good = run(_with_api(backend, go, RequestLimits(max_prompt_bytes=1024)))
-    for (path, body, param), (status, reply) in zip(BAD_BODIES, answers):
+    for (_path, body, param), (status, reply) in zip(BAD_BODIES, answers, strict=True):
         error = reply["error"]
         assert (status, error["type"], error["param"]) == (400, "invalid_request_error", param), (body, reply)
         assert error["message"], body

@@ -13,6 +13,7 @@ import asyncio
 
 import pytest
 import torch
+from support.tiny_models import make_tiny_checkpoint
 
 from pdserve.engine.cache.hostmem import (
     HUGE_PAGE_BYTES,
@@ -23,7 +24,6 @@ from pdserve.engine.cache.hostmem import (
 )
 from pdserve.engine.cache.kv_cache import KVCacheShape, PagedKVCache
 from pdserve.engine.config import EngineConfig
-from support.tiny_models import make_tiny_checkpoint
 
 MiB = 1 << 20
 NUM_BLOCKS = 2048  # tiny llama: 2 layers x K/V x 2 kv heads x 16 tokens x 16 dims x 4 bytes = 8 KiB a block

@@ -23,12 +23,12 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from support.wait import wait_until
 
 from fabric import FabricConfig, TransferEngine
 from kv_messenger import KvReceiver, ReceiverEvents, TransferTicket
 from pdserve import LLM, SamplingParams
+from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away, there lived " * 6]
@@ -73,7 +73,8 @@ class NodeProcess:
         health = health_pb2_grpc.HealthStub(self.channel)
         while True:
             try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError as e:
                 if time.monotonic() > deadline:

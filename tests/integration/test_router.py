@@ -17,15 +17,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from pdserve_api.servers import AioExceptionToStatusInterceptor, add_standard_services_aio
-from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc
 from support.net import free_ports
 from support.paths import ROOT
 from support.wait import async_wait_until
 
-from pdserve.tools.client import AsyncClient, Client, ClientError, build_request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.metrics import REGISTRY
+from pdserve.tools.client import AsyncClient, Client, ClientError, build_request
+from pdserve_api.servers import AioExceptionToStatusInterceptor, add_standard_services_aio
+from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc
 from router.config import RouterConfig
 from router.policy import RoutingConfig, make_policy, prompt_hashes
 from router.server import GENERATE_SERVICE, RouterServer
@@ -46,7 +46,7 @@ class FakeDecode(generate_pb2_grpc.GenerateServiceServicer, node_pb2_grpc.NodeSe
         self.progress: dict[str, int] = {}  # request id -> tokens sent
         self.info_error: str | None = None  # GetNodeInfo raises RuntimeError(info_error) when set
 
-    async def Generate(self, request, context):  # noqa: N802
+    async def Generate(self, request, context):
         rid = request.request_id or "node-assigned"
         if request.text == "bad":
             raise ValueError("prompt 'bad' is invalid here")
@@ -76,7 +76,7 @@ class FakeDecode(generate_pb2_grpc.GenerateServiceServicer, node_pb2_grpc.NodeSe
         finally:
             self.running.pop(rid, None)
 
-    async def Abort(self, request, context):  # noqa: N802
+    async def Abort(self, request, context):
         event = self.running.get(request.request_id)
         if event is None:
             return generate_pb2.AbortResponse(aborted=False)
@@ -84,10 +84,10 @@ class FakeDecode(generate_pb2_grpc.GenerateServiceServicer, node_pb2_grpc.NodeSe
         event.set()
         return generate_pb2.AbortResponse(aborted=True)
 
-    async def ListModels(self, request, context):  # noqa: N802
+    async def ListModels(self, request, context):
         return generate_pb2.ListModelsResponse(models=[generate_pb2.ModelInfo(id="fake", max_context_length=64)])
 
-    async def GetNodeInfo(self, request, context):  # noqa: N802
+    async def GetNodeInfo(self, request, context):
         if self.info_error:
             raise RuntimeError(self.info_error)
         return node_pb2.NodeInfo(node_id=self.node_id, role=node_pb2.NODE_ROLE_DECODE, model="fake")

@@ -12,9 +12,9 @@ from typing import Any
 
 import grpc
 import pytest
-from pdserve_api.v1 import common_pb2, node_pb2, node_pb2_grpc
 
 from pdserve.tools.launcher import Cluster
+from pdserve_api.v1 import common_pb2, node_pb2, node_pb2_grpc
 from support.wait import wait_until
 
 # The API tests' cluster (test_http_api.py, test_grpc_api.py): one prefill and one decode node, small

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from pdserve import LLM, SamplingParams
-from pdserve.kernels.attention import cpu_kernels
 from support.native import with_cpu
 from support.reference import hf_greedy
 from support.tiny_models import TINY_ARCHS, make_tiny_checkpoint
+
+from pdserve import LLM, SamplingParams
+from pdserve.kernels.attention import cpu_kernels
 
 PROMPTS = ["The capital of France is", "def f(x):\n    return", "Once upon a time " * 30]
 BACKENDS = with_cpu(cpu_kernels.available(), cpu_kernels.unavailable_reason())
@@ -42,7 +42,7 @@ def test_tiny_model_matches_transformers(checkpoints, arch, backend):
     llm = LLM(model=str(path), num_blocks=64, page_size=8, max_batch_tokens=32, attention_backend=backend)
     assert llm.engine.arch.model_type == hf.config.model_type
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    for prompt, out in zip(PROMPTS, outs):
+    for prompt, out in zip(PROMPTS, outs, strict=True):
         assert list(out.token_ids) == hf_greedy(hf, tok, prompt, 16), f"{arch}/{backend}: {prompt[:20]!r}"
     llm.engine.check_integrity()
 
@@ -61,6 +61,6 @@ def test_mistral_sliding_window_matches_transformers(tmp_path, backend):
     assert llm.engine.arch.layer_types == ("sliding_attention",) * 2 and llm.engine.max_model_len == 512
     assert llm.engine.cache_manager.group_names == ("sliding",)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    for prompt, out in zip(PROMPTS, outs):
+    for prompt, out in zip(PROMPTS, outs, strict=True):
         assert list(out.token_ids) == hf_greedy(hf, tok, prompt, 16), f"{backend}: {prompt[:20]!r}"
     llm.engine.check_integrity()

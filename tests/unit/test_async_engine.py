@@ -37,7 +37,7 @@ def test_concurrent_streams_equal_offline_generate(engine):
 
     results = asyncio.run(main())
     offline = LLM(num_blocks=256).generate(prompts, params)
-    for (text, ids, last), ref in zip(results, offline):
+    for (text, ids, last), ref in zip(results, offline, strict=True):
         assert ids == list(ref.token_ids)
         assert text == ref.text == last.completion.text
         assert last.finished and last.finish_reason == "length"

@@ -11,8 +11,15 @@ import pytest
 
 from pdserve.tools.bench.arrivals import arrival_offsets
 from pdserve.tools.bench.compare import DEFAULT_TARGETS, Target, comparison_rows, format_comparison
-from pdserve.tools.bench.datasets import (SHIPPED_PROMPTS, BenchRequest, DatasetSpec, LengthRange, load_prompt_file,
-                                    prompt_file_requests, random_requests)
+from pdserve.tools.bench.datasets import (
+    SHIPPED_PROMPTS,
+    BenchRequest,
+    DatasetSpec,
+    LengthRange,
+    load_prompt_file,
+    prompt_file_requests,
+    random_requests,
+)
 from pdserve.tools.bench.metrics import LatencyStats, Slo, compute_metrics
 from pdserve.tools.bench.prometheus import Histogram
 from pdserve.tools.bench.records import StreamTrace, record_from_trace
@@ -113,11 +120,11 @@ def test_metrics_of_nothing_completed_and_bad_durations():
 def test_arrivals_are_seeded_with_the_asked_mean_and_burstiness():
     a = arrival_offsets(20000, rate=4.0, burstiness=1.0, seed=3)
     assert a == arrival_offsets(20000, rate=4.0, burstiness=1.0, seed=3) and a[0] == 0.0
-    gaps = [y - x for x, y in zip(a, a[1:])]
+    gaps = [y - x for x, y in zip(a, a[1:], strict=False)]
     assert min(gaps) >= 0 and statistics.fmean(gaps) == pytest.approx(0.25, rel=0.03)
     assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(1.0, rel=0.05)  # exponential: CV 1
     b = arrival_offsets(20000, rate=4.0, burstiness=4.0, seed=3)
-    regular = [y - x for x, y in zip(b, b[1:])]
+    regular = [y - x for x, y in zip(b, b[1:], strict=False)]
     assert statistics.fmean(regular) == pytest.approx(0.25, rel=0.03)
     assert statistics.pstdev(regular) / statistics.fmean(regular) == pytest.approx(0.5, rel=0.05)  # gamma k=4
     assert arrival_offsets(3, rate=math.inf) == [0.0, 0.0, 0.0]
@@ -187,7 +194,7 @@ pdserve:time_to_first_token_seconds_bucket{{le="1.0",model_name="m"}} {c}
 pdserve:time_to_first_token_seconds_bucket{{le="+Inf",model_name="m"}} {d}
 pdserve:time_to_first_token_seconds_count{{model_name="m"}} {d}
 pdserve:time_to_first_token_seconds_sum{{model_name="m"}} {s}
-"""
+"""  # noqa: E501 (the HELP line, as the router writes it)
 
 
 def test_server_histograms_are_read_subtracted_and_located():
@@ -250,8 +257,9 @@ def test_a_comparison_of_hand_made_runs_renders_as_json_and_markdown():
     results = {}
     for name, duration in (("colocated", 2.0), ("disaggregated", 4.0)):
         records = tuple(timeline())
-        results[name] = ServeResult(ServeSettings("grpc", "x:1", spec, settings.run), RunOutcome(records, duration, 4, 0),
-                                    compute_metrics(records, duration), machine, machine)
+        results[name] = ServeResult(ServeSettings("grpc", "x:1", spec, settings.run),
+                                    RunOutcome(records, duration, 4, 0), compute_metrics(records, duration),
+                                    machine, machine)
     rows = comparison_rows(results["colocated"].metrics, results["disaggregated"].metrics)
     targets = [t.check(rows[t.metric][2]) for t in settings.targets]
     result = CompareResult(settings, results, {"colocated": ["a"], "disaggregated": ["b", "c"]}, targets)

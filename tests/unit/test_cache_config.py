@@ -7,11 +7,11 @@ import logging
 
 import pytest
 import torch
+from support.tiny_models import make_tiny_checkpoint
 
 from pdserve import LLM
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.sizing import MemoryBudget, activation_bytes, available_memory_bytes, size_pool
-from support.tiny_models import make_tiny_checkpoint
 
 GiB, MiB = 2**30, 2**20
 

@@ -10,10 +10,10 @@ the HTTP API in test_http_api.py).
 from __future__ import annotations
 
 import pytest
-from pdserve.serving.convert import output_to_pb
+from support.tiny_models import make_tiny_checkpoint
 
 from pdserve import LLM, SamplingParams
-from support.tiny_models import make_tiny_checkpoint
+from pdserve.serving.convert import output_to_pb
 
 PAGE = 4
 PARAMS = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)

@@ -12,7 +12,8 @@ def test_reader_copies_and_reports_missing_and_unexpected():
     r.copy(p, "a")
     assert torch.equal(p, torch.ones(2))
     assert r.take("c") is None and r.take("d", required=False) is None
-    with pytest.raises(ValueError, match=r"model_type 'llama': 1 missing \(e.g. \['c'\]\), 1 unexpected \(e.g. \['b'\]\)"):
+    with pytest.raises(ValueError,
+                       match=r"model_type 'llama': 1 missing \(e.g. \['c'\]\), 1 unexpected \(e.g. \['b'\]\)"):
         r.finish("llama")
 
 

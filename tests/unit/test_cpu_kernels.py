@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from pdserve.kernels.attention import cpu_kernels
 from support.native import skip_unless_built
 
-pytestmark = skip_unless_built(cpu_kernels.available(), "the C attention kernels (pdserve.kernels.attention._cpu_kernels)",
+from pdserve.kernels.attention import cpu_kernels
+
+pytestmark = skip_unless_built(cpu_kernels.available(),
+                               "the C attention kernels (pdserve.kernels.attention._cpu_kernels)",
                                cpu_kernels.unavailable_reason())
 
 
@@ -246,7 +247,7 @@ def windowed_case(q_lens: list[int], ctx_lens: list[int], window: int, p: int, h
     bt[bt == 0] = n
     case["k_pool"][0] = float("nan")
     case["v_pool"][0] = float("nan")
-    for s, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens)):
+    for s, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
         first_page = max(0, ctx - q_len - window + 1) // p
         bt[s, :first_page] = 0
     return {**case, "window": window}
@@ -338,7 +339,7 @@ def test_torch_backend_matches_kernel_backend(window: int | None) -> None:
         tables.append(perm[used:used + n])
         used += n
     slot_pages, slot_offsets = [], []
-    for s, (q_len, c) in enumerate(zip(q_lens, ctx)):
+    for s, (q_len, c) in enumerate(zip(q_lens, ctx, strict=True)):
         for pos in range(c - q_len, c):
             slot_pages.append(tables[s][pos // P])
             slot_offsets.append(pos % P)

@@ -17,7 +17,8 @@ def test_seeded_sampling_is_reproducible_alone_or_in_a_batch(llm):
     p = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
     alone = llm.generate("Once upon a time", p)[0]
     batched = llm.generate(["Hello there", "Once upon a time", "Why is the sky blue?"],
-                           [SamplingParams(temperature=1.0, max_tokens=9), p, SamplingParams(temperature=0.7, max_tokens=20)])
+                           [SamplingParams(temperature=1.0, max_tokens=9), p,
+                            SamplingParams(temperature=0.7, max_tokens=20)])
     assert batched[1].token_ids == alone.token_ids
     other = llm.generate("Once upon a time", SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99,
                                                             max_tokens=16, ignore_eos=True))[0]

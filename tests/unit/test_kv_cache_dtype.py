@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.tiny_models import make_tiny_checkpoint
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
-from support.tiny_models import make_tiny_checkpoint
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,"]
 
@@ -45,9 +45,9 @@ def test_bfloat16_pool_halves_the_blocks_bytes_and_both_backends_read_it_alike(t
         assert kv.buffer.dtype == torch.bfloat16
         assert kv.nbytes == LLM(model=tiny_llama, num_blocks=64, num_threads=1).engine.kv_cache.nbytes // 2
         runs[backend] = llm.generate(prompts, params)
-    for c, t in zip(runs["cpu"], runs["torch"]):
+    for c, t in zip(runs["cpu"], runs["torch"], strict=True):
         assert c.token_ids == t.token_ids
-        for a, b in zip(c.logprobs, t.logprobs):  # float32 summation order only
+        for a, b in zip(c.logprobs, t.logprobs, strict=True):  # float32 summation order only
             assert abs(a.sampled.logprob - b.sampled.logprob) < 1e-4
 
 
@@ -58,12 +58,13 @@ def test_default_model_with_bfloat16_kv_stays_close_to_the_float32_cache():
     bf16 = llm.generate(PROMPTS, params)
     assert llm.engine.kv_cache.buffer.dtype == torch.bfloat16
     agreeing = 0
-    for a, b in zip(f32, bf16):
+    for a, b in zip(f32, bf16, strict=True):
         # up to the first differing token both saw the same context: their logprobs stay close
-        for ta, tb, la, lb in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
+        for ta, tb, la, lb in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=False):
             assert abs(la.sampled.logprob - lb.sampled.logprob) < 0.05, (a.text, b.text)
             if ta != tb:
                 break
             agreeing += 1
     # greedy continuations mostly coincide (a near-tie may flip late in a continuation)
-    assert agreeing >= 0.75 * sum(len(a.token_ids) for a in f32), [(a.text, b.text) for a, b in zip(f32, bf16)]
+    texts = [(a.text, b.text) for a, b in zip(f32, bf16, strict=True)]
+    assert agreeing >= 0.75 * sum(len(a.token_ids) for a in f32), texts

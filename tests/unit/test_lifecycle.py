@@ -3,9 +3,10 @@ real engine (tiny model), and visible in the engine's gauges (waiting / running)
 
 from __future__ import annotations
 
+from support.tiny_models import make_tiny_checkpoint
+
 from pdserve import LLM, SamplingParams
 from pdserve.engine.request import RequestStatus
-from support.tiny_models import make_tiny_checkpoint
 
 
 def test_request_moves_through_every_state_and_the_gauges_follow(tmp_path):

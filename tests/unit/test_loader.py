@@ -19,6 +19,8 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
+from support.tiny_models import TINY_ARCHS, default_model_source, make_tiny_checkpoint
+from support.wait import wait_until
 
 from pdserve.model import loader
 from pdserve.model.loader import (
@@ -30,8 +32,6 @@ from pdserve.model.loader import (
     load_tokenizer,
     resolve_model,
 )
-from support.tiny_models import TINY_ARCHS, default_model_source, make_tiny_checkpoint
-from support.wait import wait_until
 
 PROMPT = "The capital of France is"
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # as transformers' GGUF tokenizer gives them

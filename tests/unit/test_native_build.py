@@ -34,7 +34,8 @@ def test_read_cdef_returns_the_region_between_the_markers(tmp_path):
     ("int f(void);\n", r"expected one '/\* cffi:begin \*/' line and one '/\* cffi:end \*/' line, found 0"),
     ("/* cffi:begin */\n/* cffi:begin */\n/* cffi:end */\n", r"found 2 at lines \[1, 2\] and 1 at lines \[3\]"),
     ("/* cffi:end */\n/* cffi:begin */\n", r"\(line 1\) comes before"),
-    ("/* cffi:begin */\nint f(void);\n#define N ...\n/* cffi:end */\n", r"x.h:3: only '#define NAME <integer>'.*'#define N \.\.\.'"),
+    ("/* cffi:begin */\nint f(void);\n#define N ...\n/* cffi:end */\n",
+     r"x.h:3: only '#define NAME <integer>'.*'#define N \.\.\.'"),
     ("/* cffi:begin */\n#include <stdint.h>\n/* cffi:end */\n", r"x.h:2: .*'#include <stdint.h>'"),
 ])
 def test_read_cdef_refuses_bad_regions(tmp_path, body, message):

@@ -8,13 +8,11 @@ import dataclasses
 
 import pytest
 
-from decode_node.__main__ import build_parser as decode_parser
-from decode_node.__main__ import make as make_decode
+from decode_node.__main__ import build_parser as decode_parser, make as make_decode
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.serving import engine_args
 from pdserve.serving.node_server import DECODE_PORT, PREFILL_PORT
-from prefill_node.__main__ import build_parser as prefill_parser
-from prefill_node.__main__ import make as make_prefill
+from prefill_node.__main__ import build_parser as prefill_parser, make as make_prefill
 
 
 def test_default_nodes_pair_up():

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from support.native import skip_unless_built
 
 from pdserve.kernels.ops import native
-from support.native import skip_unless_built
 from pdserve.kernels.ops.norm_act import add_rms_norm, argmax_rows, rms_norm_reference, silu_mul
 
-pytestmark = skip_unless_built(native.available(), "the C ops (pdserve.kernels.ops._cpu_ops)", native.unavailable_reason())
+pytestmark = skip_unless_built(native.available(), "the C ops (pdserve.kernels.ops._cpu_ops)",
+                               native.unavailable_reason())
 
 
 @pytest.mark.parametrize("rows,size", [(1, 8), (3, 13), (32, 576), (5, 960), (0, 16)])

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from support.tiny_models import make_tiny_checkpoint
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.cache.block_pool import BlockPool
@@ -19,7 +20,6 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams as SP
 from pdserve.engine.scheduler import StalledRequest, make_scheduler
 from pdserve.engine.scheduler.preemption import Preemptor, VictimCandidate, choose_victims
-from support.tiny_models import make_tiny_checkpoint
 
 
 def _req(rid: str, n: int, t: float = 0.0) -> Request:
@@ -140,7 +140,7 @@ def _run(tiny: str, **options) -> tuple[list[tuple[int, ...]], object]:
               num_threads=1, **options)
     eng = llm.engine
     prompts, params = _workload()
-    for i, (p, sp) in enumerate(zip(prompts, params)):
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         eng.add_request(p, sp, request_id=f"r{i}")
     done: dict[str, tuple[int, ...]] = {}
     steps = 0
@@ -179,7 +179,7 @@ def test_aborting_an_offloaded_request_frees_its_swap_slots(tiny):
               num_threads=1, num_blocks=21, cpu_offload_space=0.5)
     eng = llm.engine
     prompts, params = _workload()
-    for i, (p, sp) in enumerate(zip(prompts[:12], params)):
+    for i, (p, sp) in enumerate(zip(prompts[:12], params, strict=False)):
         eng.add_request(p, sp, request_id=f"r{i}")
     for _ in range(200):
         eng.step()

@@ -4,6 +4,7 @@ and the engine skipping the prefill of a shared prefix with output equal to a co
 from __future__ import annotations
 
 import pytest
+from support.tiny_models import make_tiny_checkpoint
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.cache.block_pool import BlockPool
@@ -15,7 +16,6 @@ from pdserve.engine.kv_connector import DecodeConnector, KvCacheSpec, KvWait, Pr
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams as SP
 from pdserve.engine.scheduler import make_scheduler
-from support.tiny_models import make_tiny_checkpoint
 
 P = 4
 

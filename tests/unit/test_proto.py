@@ -12,7 +12,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from support.paths import PROTO_DIR, ROOT
 
 try:  # installed (package-dir mapping in pyproject) or not yet: both work
@@ -20,12 +19,12 @@ try:  # installed (package-dir mapping in pyproject) or not yet: both work
 except ImportError:
     sys.path.insert(0, str(PROTO_DIR))
 
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
-from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from pdserve_api.servers import (  # noqa: E402
+from pdserve_api.servers import (
     AioExceptionToStatusInterceptor,
     ExceptionToStatusInterceptor,
     StatusError,
@@ -35,7 +34,7 @@ from pdserve_api.servers import (  # noqa: E402
     status_details,
     status_for,
 )
-from pdserve_api.v1 import (  # noqa: E402
+from pdserve_api.v1 import (
     common_pb2,
     generate_pb2,
     generate_pb2_grpc,

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.native import skip_unless_built
 
 from pdserve.kernels.ops import native
-from support.native import skip_unless_built
 from pdserve.kernels.ops.rope_kv import rope, rope_qk, rope_reference, write_kv_rows
 
-pytestmark = skip_unless_built(native.available(), "the C ops (pdserve.kernels.ops._cpu_ops)", native.unavailable_reason())
+pytestmark = skip_unless_built(native.available(), "the C ops (pdserve.kernels.ops._cpu_ops)",
+                               native.unavailable_reason())
 
 
 def tables(T: int, D: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

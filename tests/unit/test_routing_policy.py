@@ -8,12 +8,26 @@ import argparse
 from array import array
 
 import pytest
-from pdserve_api.v1 import generate_pb2
 
-from pdserve.serving.prefix_index import (Candidate, LoadCap, PrefixIndex, chain_hashes, choose, text_blocks,
-                                          token_blocks)
-from router.policy import (LeastLoadedPolicy, PrefixPolicy, RoutingConfig, add_routing_args, make_policy,
-                           prompt_hashes, routing_from_args)
+from pdserve.serving.prefix_index import (
+    Candidate,
+    LoadCap,
+    PrefixIndex,
+    chain_hashes,
+    choose,
+    text_blocks,
+    token_blocks,
+)
+from pdserve_api.v1 import generate_pb2
+from router.policy import (
+    LeastLoadedPolicy,
+    PrefixPolicy,
+    RoutingConfig,
+    add_routing_args,
+    make_policy,
+    prompt_hashes,
+    routing_from_args,
+)
 
 
 def text_request(text: str) -> generate_pb2.GenerateRequest:

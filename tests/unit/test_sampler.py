@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pdserve.engine.sampling.sampler import Sampler, SampleLogprobs
+from pdserve.engine.sampling.sampler import SampleLogprobs, Sampler
 from pdserve.engine.sampling_params import SamplingParams
 
 VOCAB = 64

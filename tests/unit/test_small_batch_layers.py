@@ -10,16 +10,15 @@ architecture they apply to (biases included), with both attention backends; they
 from __future__ import annotations
 
 import pytest
-
-from pdserve import LLM, SamplingParams
-from pdserve.kernels.attention import cpu_kernels
-from pdserve.engine.config import EngineConfig
-from pdserve.model.layer_ops import CLayerOps
-from pdserve.kernels.ops import native
-from pdserve.kernels.ops.linear import max_rows
-
 from support.native import skip_unless_built, with_cpu
 from support.tiny_models import make_tiny_checkpoint
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.kernels.attention import cpu_kernels
+from pdserve.kernels.ops import native
+from pdserve.kernels.ops.linear import max_rows
+from pdserve.model.layer_ops import CLayerOps
 
 pytestmark = [
     skip_unless_built(native.available(), "the C ops (pdserve.kernels.ops._cpu_ops)", native.unavailable_reason()),
@@ -69,7 +68,7 @@ def test_bit_identical_to_the_module_path(checkpoints, arch, backend, monkeypatc
     calls = counter.calls
     slow = generate(llm, module_path=True)
     assert counter.calls == calls
-    for a, b in zip(fast, slow):
+    for a, b in zip(fast, slow, strict=True):
         assert a.token_ids == b.token_ids
         assert a.logprobs and a.logprobs == b.logprobs  # every sampled and top-3 logprob, exactly
     llm.engine.check_integrity()
@@ -111,7 +110,7 @@ def test_small_batch_max_tokens_sets_the_limit_and_zero_disables(checkpoints, mo
     default = LLM(model=str(checkpoints["llama"]), num_blocks=64, page_size=8, max_batch_tokens=32)
     default_out = default.generate(PROMPTS, params)
     assert counter.calls == 5 + 6  # its prefill pass (4 short prompts, <= 32 tokens) and 5 decode passes
-    for a, b, c in zip(narrow_out, off_out, default_out):
+    for a, b, c in zip(narrow_out, off_out, default_out, strict=True):
         assert a.token_ids == b.token_ids == c.token_ids and a.logprobs == b.logprobs == c.logprobs
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from support.native import skip_unless_built
 
 from pdserve.kernels.ops import linear as ops_linear
 from pdserve.kernels.ops.linear import linear, max_rows, small_linear
-from support.native import skip_unless_built
 
 pytestmark = skip_unless_built(ops_linear.available(), "the small linear kernel (pdserve.kernels.ops._cpu_ops)",
                                ops_linear.unavailable_reason())
