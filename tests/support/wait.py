@@ -7,6 +7,7 @@ have happened (a later request finished, a counter moved), then assert it did no
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -59,7 +60,7 @@ async def async_wait_until(pred: Callable[[], T | Awaitable[T]], timeout: float,
     deadline = time.monotonic() + timeout
     while True:
         last = pred()
-        if asyncio.iscoroutine(last) or isinstance(last, asyncio.Future):
+        if inspect.isawaitable(last):
             last = await last
         if last:
             return last  # type: ignore[return-value]
