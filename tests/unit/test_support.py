@@ -76,12 +76,13 @@ def test_paths_and_child_env():
 
 
 def test_native_switch_skips_without_it_and_fails_with_it():
-    assert native.skip_unless_built(False, "X", "not built").name == "skipif"
-    assert native.with_cpu(False, "not built") == ["torch"]
-    assert native.with_cpu(True, None) == ["torch", "cpu"]
-    before = native.required()
-    native.set_required(True)
+    before = native.required()  # this run's --require-native, put back at the end
     try:
+        native.set_required(False)
+        assert native.skip_unless_built(False, "X", "not built").name == "skipif"
+        assert native.with_cpu(False, "not built") == ["torch"]
+        assert native.with_cpu(True, None) == ["torch", "cpu"]
+        native.set_required(True)
         with pytest.raises(native.NativeMissing, match="X is not available under --require-native: not built"):
             native.skip_unless_built(False, "X", "not built")
         with pytest.raises(native.NativeMissing, match="the C attention backend"):
