@@ -7,7 +7,6 @@ the receiver counts entries (pages) whatever was merged; "last" counts one per b
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -61,6 +60,17 @@ def _write(a, src, dst, s, d, n, tag, mode) -> None:
     assert done.wait(10) and not errors, errors
 
 
+FENCE_TAG = 0xF00D
+
+
+def _fence(a, b, src, dst, landing: _Landing) -> None:
+    """One more write, posted after every earlier write completed at the sender, lands behind them
+    on the same connection: once it has, a surplus unit of an earlier tag would have been counted."""
+    b.imm_counter.expect(FENCE_TAG, 1, landing)
+    _write(a, src, dst, [0], [7 * MiB], [PAGE], FENCE_TAG, "every")
+    assert landing.wait(FENCE_TAG), "the fence write never landed"
+
+
 def _check_landed(src_buf, dst_buf, s, d, n) -> None:
     src, dst = src_buf.numpy(), dst_buf.numpy()
     bad = [i for i, (so, do, ln) in enumerate(zip(s, d, n, strict=True))
@@ -85,8 +95,8 @@ def test_contiguous_run_is_posted_as_few_writes_and_counted_per_page(engines) ->
     assert after.entries - before.entries == 610
     assert landing.wait(0xABCDE)
     _check_landed(src_buf, dst_buf, s, d, n)
-    time.sleep(0.05)
-    assert landing.fired == {0xABCDE: 1} and b.imm_counter.landed(0xABCDE) == 0
+    _fence(a, b, src, dst, landing)
+    assert landing.fired == {0xABCDE: 1, FENCE_TAG: 1} and b.imm_counter.landed(0xABCDE) == 0
 
 
 @pytest.mark.timeout(60)
@@ -119,8 +129,8 @@ def test_last_mode_counts_batches_and_merges_too(engines) -> None:
     assert a.stats().writes - before.writes == 3
     assert landing.wait(5)
     _check_landed(src_buf, dst_buf, [e[0] for e in entries], [e[1] for e in entries], [PAGE] * len(entries))
-    time.sleep(0.05)
-    assert landing.fired == {5: 1} and b.imm_counter.landed(5) == 0
+    _fence(a, b, src, dst, landing)
+    assert landing.fired == {5: 1, FENCE_TAG: 1} and b.imm_counter.landed(5) == 0
 
 
 @pytest.mark.timeout(60)
