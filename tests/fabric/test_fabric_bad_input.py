@@ -8,10 +8,13 @@ import time
 import numpy as np
 import pytest
 from fabric_peer import PeerProcess
+from support.wait import wait_until
 
 from fabric import FabricConfig, FabricError, ImmCounter, TransferEngine
 from fabric.errors import fi_strerror
 from pdserve.engine.cache.hostmem import alloc_buffer
+
+FENCE_TAG = 6
 
 MiB = 1 << 20
 
@@ -32,9 +35,12 @@ def pair(provider: str):
     b.close()
 
 
-def _assert_nothing_posted(a: TransferEngine, b: TransferEngine) -> None:
-    time.sleep(0.05)
+def _assert_nothing_posted(a: TransferEngine, b: TransferEngine, src, dst) -> None:
+    """Fence: a good write with another tag, posted after the refused ones, lands; anything the
+    refused calls had posted on the same connection would have landed before it."""
     assert a.outstanding() == 0
+    a.write_pages_sync(src, [0], dst.descriptor, [0], [4096], FENCE_TAG)
+    wait_until(lambda: b.imm_counter.landed(FENCE_TAG) == 1, 10, "the fence write to land")
     assert b.imm_counter.landed(5) == 0
 
 
@@ -56,7 +62,7 @@ def test_out_of_range_offsets_name_the_values(pair, src_offs, dst_offs, lens, ma
     a, b, src, dst = pair
     with pytest.raises(ValueError, match=match):
         a.write_pages(src, src_offs, dst.descriptor, dst_offs, lens, 5, _never, _never)
-    _assert_nothing_posted(a, b)
+    _assert_nothing_posted(a, b, src, dst)
 
 
 @pytest.mark.timeout(30)
@@ -67,7 +73,7 @@ def test_bad_imm_and_mode(pair) -> None:
         a.write_pages(src, [0], dst.descriptor, [0], [4096], 2**24, _never, _never)
     with pytest.raises(ValueError, match=r"imm_mode='sometimes'"):
         a.write_pages(src, [0], dst.descriptor, [0], [4096], 5, _never, _never, imm_mode="sometimes")
-    _assert_nothing_posted(a, b)
+    _assert_nothing_posted(a, b, src, dst)
 
 
 @pytest.mark.timeout(30)
@@ -84,7 +90,7 @@ def test_unregistered_memory_is_refused(pair) -> None:
     a.deregister(extra)
     with pytest.raises(FabricError, match="deregistered"):
         a.write_pages(extra, [0], dst.descriptor, [0], [4096], 5, _never, _never)
-    _assert_nothing_posted(a, b)
+    _assert_nothing_posted(a, b, src, dst)
 
 
 @pytest.mark.timeout(30)
@@ -101,7 +107,7 @@ def test_stale_descriptors_in_process(pair, provider: str) -> None:
     c.close()
     with pytest.raises(FabricError, match="engine .* is closed"):
         a.write_pages(src, [0], gone, [0], [4096], 5, _never, _never)
-    _assert_nothing_posted(a, b)
+    _assert_nothing_posted(a, b, src, dst)
 
 
 @pytest.mark.timeout(60)
