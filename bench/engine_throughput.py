@@ -308,8 +308,15 @@ def decode_step_bench(engine: LLMEngine, batch: int, prompt_len: int, steps: int
     while any(not r.output_token_ids for r in requests):
         engine.step()
         prefill_steps += 1
-    seen: list[tuple[int, int]] = []
-    engine.hooks.on_schedule = lambda s: seen.append((len(s.chunks), s.num_batched_tokens))
+    seen: list[tuple[int, int]] = []   # (chunks, tokens) of each timed step's pass
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():  # the scheduler's own method, noting what each pass runs
+        s = schedule()
+        seen.append((len(s.chunks), s.num_batched_tokens))
+        return s
+
+    engine.scheduler.schedule = recording_schedule
     timer = AttentionTimer(engine)
     calls = linear_calls(engine, batch)
     step_times, attn_times, matmul_times, torch_times = [], [], [], []
@@ -327,7 +334,7 @@ def decode_step_bench(engine: LLMEngine, batch: int, prompt_len: int, steps: int
                 torch_times.append(torch_matmul)
     finally:
         timer.remove()
-        engine.hooks.on_schedule = None
+        del engine.scheduler.schedule   # back to the class's method
         for r in requests:
             engine.abort_request(r.request_id)
     assert all(s == (batch, batch) for s in seen), f"not every timed step was {batch} 1-token decodes: {seen}"

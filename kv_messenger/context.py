@@ -27,7 +27,7 @@ class Context:
 
 
 @dataclass
-class _Staging:
+class Staging:
     buffer: HostBuffer            # owned here; the fabric registers its view
     region: MemoryRegion          # the registration of buffer.view
     array: np.ndarray             # uint8 view
@@ -42,13 +42,13 @@ class ContextCodec:
     def slot_offset(self, slot: int) -> int:
         return slot * self.slot_nbytes
 
-    def alloc_staging(self, fabric_engine: TransferEngine, slots: int) -> _Staging:
+    def alloc_staging(self, fabric_engine: TransferEngine, slots: int) -> Staging:
         """A registered buffer of `slots` context slots (sender staging or receiver landing area)."""
         buf = alloc_buffer(slots * self.slot_nbytes, huge_pages=False)
         region = fabric_engine.register(buf.view)
-        return _Staging(buf, region, buf.numpy())
+        return Staging(buf, region, buf.numpy())
 
-    def encode_into(self, staging: _Staging, slot: int, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+    def encode_into(self, staging: Staging, slot: int, hidden: torch.Tensor, logits: torch.Tensor) -> None:
         # hidden: [hidden_size]; logits: [vocab]
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         top = torch.topk(logprobs, self.top_k)
@@ -59,7 +59,7 @@ class ContextCodec:
                                                              dtype=np.uint8)
         raw[h * 4 + self.top_k * 4 :] = np.frombuffer(top.values.numpy().tobytes(), dtype=np.uint8)
 
-    def decode(self, staging: _Staging, slot: int) -> Context:
+    def decode(self, staging: Staging, slot: int) -> Context:
         h, k = self.hidden_size, self.top_k
         raw = staging.array[self.slot_offset(slot) : self.slot_offset(slot) + self.slot_nbytes].copy()
         return Context(

@@ -24,7 +24,8 @@ import threading
 
 from fabric import IMM_TAG_MAX, MemoryRegion, TransferEngine
 from kv_messenger.context import Context, ContextCodec
-from kv_messenger.plan import KvLayout, ShardingScheme, check_transferable, expected_writes, layout_of
+from kv_messenger.plan import KvLayout, ShardingScheme, expected_writes
+from kv_messenger.pool import register_pool
 from kv_messenger.ticket import TransferTicket
 from pdserve.engine.kv_connector import DecodeConnector, KvCacheSpec, KvWait
 
@@ -70,13 +71,8 @@ class KvReceiver(DecodeConnector):
         self._tags_in_use: set[int] = set()
 
     def register_kv_cache(self, spec: KvCacheSpec) -> None:
-        check_transferable(spec)   # UnsupportedModelError (a ValueError) for sliding-window / hybrid models
-        if not spec.buffer.is_contiguous():
-            raise ValueError("the KV buffer must be contiguous to be registered as one region")
-        self.layout = layout_of(spec)
-        self.kv_region = self.transport.register(address=spec.buffer.data_ptr(), length=spec.nbytes)
-        self.codec = ContextCodec(spec.hidden_size)
-        self._landing = self.codec.alloc_staging(self.transport, slots=self._context_slots)
+        pool = register_pool(self.transport, spec, self._context_slots)   # ValueError: cannot be moved
+        self.layout, self.kv_region, self.codec, self._landing = pool.layout, pool.region, pool.codec, pool.context
 
     def on_kv_wait(self, wait: KvWait) -> None:
         try:

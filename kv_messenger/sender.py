@@ -42,7 +42,8 @@ import numpy as np
 
 from fabric import FabricError, MemoryRegion, TransferEngine
 from kv_messenger.context import ContextCodec
-from kv_messenger.plan import KvLayout, check_transferable, completed_pages, layout_of
+from kv_messenger.plan import KvLayout, completed_pages
+from kv_messenger.pool import register_pool
 from kv_messenger.ticket import TransferTicket
 from pdserve.engine.kv_connector import KvCacheSpec, PrefillConnector, PrefillDone
 from pdserve.engine.scheduler.output import SchedulerOutput
@@ -120,13 +121,8 @@ class KvSender(PrefillConnector):
         self._thread.start()
 
     def register_kv_cache(self, spec: KvCacheSpec) -> None:
-        check_transferable(spec)   # UnsupportedModelError (a ValueError) for sliding-window / hybrid models
-        if not spec.buffer.is_contiguous():
-            raise ValueError("the KV buffer must be contiguous to be registered as one region")
-        self.layout = layout_of(spec)
-        self.kv_region = self.transport.register(address=spec.buffer.data_ptr(), length=spec.nbytes)
-        self.codec = ContextCodec(spec.hidden_size)
-        self._staging = self.codec.alloc_staging(self.transport, slots=self._staging_slots)
+        pool = register_pool(self.transport, spec, self._staging_slots)   # ValueError: cannot be moved
+        self.layout, self.kv_region, self.codec, self._staging = pool.layout, pool.region, pool.codec, pool.context
 
     # --- requests ------------------------------------------------------------------------------
 

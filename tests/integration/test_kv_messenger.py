@@ -14,9 +14,10 @@ import time
 import numpy as np
 import pytest
 import torch
+from support.kv_events import QueueEvents
 
 from fabric import FabricConfig, TransferEngine
-from kv_messenger import ContextCodec, KvLayout, KvReceiver, KvSender, ReceiverEvents, ShardingScheme, TransferTicket
+from kv_messenger import ContextCodec, KvLayout, KvReceiver, KvSender, ShardingScheme, TransferTicket
 from kv_messenger.plan import completed_pages, expected_writes
 from pdserve import LLM, SamplingParams
 from pdserve.engine.cache.hostmem import alloc_buffer, alloc_tensor
@@ -24,23 +25,6 @@ from pdserve.engine.cache.kv_cache import KVCacheShape
 from pdserve.engine.kv_connector import AttentionGroupSpec, KvCacheSpec, PrefillDone
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler.output import ScheduledChunk, SchedulerOutput
-
-
-class _Events(ReceiverEvents):
-    """The decode node's side of a receiver, for tests: tickets and landings go to queues."""
-
-    def __init__(self) -> None:
-        self.tickets: dict[str, TransferTicket] = {}
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-
-    def ticket_ready(self, ticket: TransferTicket, token_ids: tuple[int, ...]) -> None:
-        self.tickets[ticket.request_id] = ticket
-
-    def ticket_refused(self, request_id: str, error: str) -> None:
-        raise AssertionError(f"{request_id}: {error}")
-
-    def kv_landed(self, request_id: str) -> None:
-        self.jobs.put(("ready", request_id))
 
 
 def test_completed_pages_and_expected_counts():
@@ -71,7 +55,7 @@ def test_prefill_engine_pushes_kv_into_decode_engine(provider, kv_dtype):
 
     cfg = FabricConfig(provider=provider, node="127.0.0.1" if provider != "shm" else None)
     fab_p, fab_d = TransferEngine(cfg), TransferEngine(cfg)
-    events = _Events()
+    events = QueueEvents()
     engine_thread_jobs = events.jobs
     try:
         # Decode side: the receiver is the engine's DecodeConnector

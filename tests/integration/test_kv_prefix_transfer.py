@@ -11,27 +11,13 @@ import queue
 import time
 
 import torch
+from support.kv_events import QueueEvents
 
 from fabric import FabricConfig, TransferEngine
-from kv_messenger import KvReceiver, KvSender, ReceiverEvents, TransferTicket
+from kv_messenger import KvReceiver, KvSender
 from pdserve import LLM, SamplingParams
 
 PROMPT = "Once upon a time, in a land far away, there lived a king who " * 5
-
-
-class _Events(ReceiverEvents):
-    def __init__(self, jobs: queue.SimpleQueue) -> None:
-        self.jobs = jobs
-        self.tickets: dict[str, TransferTicket] = {}
-
-    def ticket_ready(self, ticket: TransferTicket, token_ids: tuple[int, ...]) -> None:
-        self.tickets[ticket.request_id] = ticket
-
-    def ticket_refused(self, request_id: str, error: str) -> None:
-        raise AssertionError(f"{request_id}: {error}")
-
-    def kv_landed(self, request_id: str) -> None:
-        self.jobs.put(("ready", request_id))
 
 
 def test_prefix_cached_prompt_sends_every_page():
@@ -42,7 +28,7 @@ def test_prefix_cached_prompt_sends_every_page():
     fab_p, fab_d = TransferEngine(cfg), TransferEngine(cfg)
     jobs: queue.SimpleQueue = queue.SimpleQueue()
     try:
-        events = _Events(jobs)
+        events = QueueEvents(jobs)
         receiver = KvReceiver(fab_d, events)
         decode = LLM(num_blocks=128, kv_connector=receiver).engine
         sender = KvSender(fab_p)
