@@ -12,6 +12,10 @@ so any two commits work). Each round, in an order flipped every round, each tree
   steps (median).
 Prints each tree's median per measure and the median of the per-round paired differences
 (new - old), and checks that both trees generate the same greedy tokens.
+
+The worker started first (--old) was favoured on the prefill pass whichever tree it ran
+(bench/results/restructure_ab.md), so run it both ways round (--old A --new B, then --old B --new A)
+and read the two together.
 """
 
 from __future__ import annotations
