@@ -7,10 +7,12 @@ Build time only: setuptools runs the builders listed in setup.py's ``cffi_module
 importable, so each builder loads this file by path::
 
     nb = runpy.run_path(os.path.join(<repository root>, "native_build.py"))
-    builder.cdef(nb["read_cdef"](header_path))
-    compile_args, link_args = nb["cflags"](openmp=True)
+    builder = nb["ffi_builder"]("pkg._mod", '#include "mod.h"\n', cdef=nb["read_cdef"](header_path),
+                                sources=[...], include_dirs=[...], openmp=True, absolute_sources=False)
+    nb["build_in_place"](builder_with_absolute_sources, next_to_the_builder, "pkg-mod-")   # __main__
 
-It imports nothing from the repository and nothing outside the standard library.
+It imports nothing from the repository and, outside the standard library, only cffi (which every
+builder needs anyway), inside `ffi_builder`.
 
 The cdef of a module lives in its public C header, between two marker lines::
 
@@ -125,3 +127,40 @@ def cflags(openmp: bool) -> tuple[list[str], list[str]]:
         link_args.append("-fopenmp")
     compile_args += os.environ.get("PDSERVE_KERNEL_CFLAGS", "").split()
     return compile_args, link_args
+
+
+def ffi_builder(module: str, preamble: str, *, cdef: str, sources: list[str], include_dirs: list[str],
+                openmp: bool, absolute_sources: bool, extra_compile_args: tuple[str, ...] = (),
+                libraries: tuple[str, ...] = ()):
+    """One cffi (API mode) builder: `module` compiled from `preamble` plus `sources` (absolute paths)
+    with this machine's `cflags(openmp)` and then the builder's own `extra_compile_args`.
+
+    absolute_sources: setuptools wants the C files relative to its working directory (the
+    repository root; it refuses absolute paths), cffi's own compile() runs in a temporary directory
+    and needs them absolute."""
+    from cffi import FFI
+
+    compile_args, link_args = cflags(openmp)
+    builder = FFI()
+    builder.cdef(cdef)
+    builder.set_source(
+        module,
+        preamble,
+        sources=list(sources) if absolute_sources else [os.path.relpath(p) for p in sources],
+        include_dirs=list(include_dirs),
+        libraries=list(libraries),
+        extra_compile_args=[*compile_args, *extra_compile_args],
+        extra_link_args=link_args,
+    )
+    return builder
+
+
+def build_in_place(builder, target_dir: str, prefix: str) -> str:
+    """Compile `builder` (made with absolute_sources=True) in a temporary directory and move the
+    module into `target_dir` (next to its builder: where the package imports it); its path."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        so_path = builder.compile(tmpdir=tmp, verbose=False)
+        target = os.path.join(target_dir, os.path.basename(so_path))
+        os.replace(so_path, target)
+    return target
+

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import runpy
-import tempfile
 
 from cffi import FFI
 
@@ -72,34 +71,21 @@ _EXTRA_COMPILE_ARGS = ["-Wall"]
 
 
 def make_builder(absolute_sources: bool) -> FFI:
-    """The FFI builder. setuptools wants the C files relative to its working directory
-    (the repository root; it refuses absolute paths); cffi's own compile() runs in a temporary
-    directory and needs them absolute."""
+    """The FFI builder (native_build.ffi_builder: setuptools takes relative sources, an in-place
+    build absolute ones)."""
     # native_build.py by path: setuptools runs this file before any package here is importable,
     # and fabric must not import anything of this repository.
     native_build = runpy.run_path(os.path.join(_REPO, "native_build.py"))
-    compile_args, link_args = native_build["cflags"](openmp=False)
-    paths = [os.path.join(_CSRC, name) for name in _SOURCES]
-    builder = FFI()
-    builder.cdef("".join(native_build["read_cdef"](os.path.join(_CSRC, h)) for h in _HEADERS) + _LIBFABRIC_CDEF)
-    builder.set_source(
-        "fabric._libfabric",
-        _PREAMBLE,
-        sources=paths if absolute_sources else [os.path.relpath(p) for p in paths],
-        include_dirs=[_CSRC],
-        libraries=["fabric"],
-        extra_compile_args=[*compile_args, *_EXTRA_COMPILE_ARGS],
-        extra_link_args=link_args,
-    )
-    return builder
+    cdef = "".join(native_build["read_cdef"](os.path.join(_CSRC, h)) for h in _HEADERS) + _LIBFABRIC_CDEF
+    return native_build["ffi_builder"](
+        "fabric._libfabric", _PREAMBLE, cdef=cdef, sources=[os.path.join(_CSRC, name) for name in _SOURCES],
+        include_dirs=[_CSRC], openmp=False, absolute_sources=absolute_sources,
+        extra_compile_args=tuple(_EXTRA_COMPILE_ARGS), libraries=("fabric",))
 
 
 ffibuilder = make_builder(absolute_sources=False)  # setup.py: cffi_modules=[...:ffibuilder]
 
 if __name__ == "__main__":
     # Build in place: the .so lands next to this file (fabric/_libfabric*.so).
-    with tempfile.TemporaryDirectory(prefix="pdserve-fabric-build-") as tmp:
-        so_path = make_builder(absolute_sources=True).compile(tmpdir=tmp, verbose=False)
-        target = os.path.join(_HERE, os.path.basename(so_path))
-        os.replace(so_path, target)
-        print(target)
+    native_build = runpy.run_path(os.path.join(_REPO, "native_build.py"))
+    print(native_build["build_in_place"](make_builder(absolute_sources=True), _HERE, "pdserve-fabric-build-"))

@@ -13,7 +13,6 @@ taken with).
 
 import os
 import runpy
-import tempfile
 
 from cffi import FFI
 
@@ -26,31 +25,19 @@ _SOURCES = ("paged_attention.c",)
 
 
 def make_builder(absolute_sources: bool) -> FFI:
-    """setuptools wants the C files relative to its working directory (the repository root);
-    cffi's own compile() runs in a temporary directory and needs them absolute."""
+    """The module's builder (native_build.ffi_builder: setuptools takes relative sources, an in-place
+    build absolute ones)."""
     # native_build.py by path: setuptools runs this file before any package here is importable.
     native_build = runpy.run_path(os.path.join(_REPO, "native_build.py"))
-    compile_args, link_args = native_build["cflags"](openmp=True)
-    paths = [os.path.join(_CSRC, name) for name in _SOURCES]
-    builder = FFI()
-    builder.cdef(native_build["read_cdef"](_HEADER))
-    builder.set_source(
-        "pdserve.kernels.attention._cpu_kernels",
-        '#include "paged_attention.h"\n',
-        sources=paths if absolute_sources else [os.path.relpath(p) for p in paths],
-        include_dirs=[_CSRC, _SHARED_CSRC],
-        extra_compile_args=compile_args,
-        extra_link_args=link_args,
-    )
-    return builder
+    return native_build["ffi_builder"](
+        "pdserve.kernels.attention._cpu_kernels", '#include "paged_attention.h"\n',
+        cdef=native_build["read_cdef"](_HEADER), sources=[os.path.join(_CSRC, name) for name in _SOURCES],
+        include_dirs=[_CSRC, _SHARED_CSRC], openmp=True, absolute_sources=absolute_sources)
 
 
 ffibuilder = make_builder(absolute_sources=False)  # setup.py: cffi_modules=[...:ffibuilder]
 
 if __name__ == "__main__":
     # Build in place: the .so lands next to this file (pdserve/kernels/attention/_cpu_kernels*.so).
-    with tempfile.TemporaryDirectory(prefix="pdserve-attention-build-") as tmp:
-        so_path = make_builder(absolute_sources=True).compile(tmpdir=tmp, verbose=False)
-        target = os.path.join(_HERE, os.path.basename(so_path))
-        os.replace(so_path, target)
-        print(target)
+    native_build = runpy.run_path(os.path.join(_REPO, "native_build.py"))
+    print(native_build["build_in_place"](make_builder(absolute_sources=True), _HERE, "pdserve-attention-build-"))
