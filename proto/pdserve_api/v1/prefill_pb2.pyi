@@ -68,7 +68,7 @@ class ContextSlot(_message.Message):
     def __init__(self, descriptor: _Optional[bytes] = ..., offset: _Optional[int] = ..., capacity: _Optional[int] = ..., logits_top_k: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "peer", "kv_memory", "page_ids", "context", "sharding", "imm_tag", "expected_writes", "cached_tokens", "model", "deadline_s")
+    __slots__ = ("request_id", "token_ids", "peer", "kv_memory", "page_ids", "context", "sharding", "imm_tag", "expected_writes", "cached_tokens", "model", "deadline_s", "decode_node_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class PrefillRequest(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     peer: FabricPeer
@@ -93,7 +94,8 @@ class PrefillRequest(_message.Message):
     cached_tokens: int
     model: str
     deadline_s: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., peer: _Optional[_Union[FabricPeer, _Mapping]] = ..., kv_memory: _Optional[_Iterable[_Union[KvMemory, _Mapping]]] = ..., page_ids: _Optional[_Iterable[int]] = ..., context: _Optional[_Union[ContextSlot, _Mapping]] = ..., sharding: _Optional[_Union[_common_pb2.ShardingScheme, _Mapping]] = ..., imm_tag: _Optional[int] = ..., expected_writes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., model: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    decode_node_id: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., peer: _Optional[_Union[FabricPeer, _Mapping]] = ..., kv_memory: _Optional[_Iterable[_Union[KvMemory, _Mapping]]] = ..., page_ids: _Optional[_Iterable[int]] = ..., context: _Optional[_Union[ContextSlot, _Mapping]] = ..., sharding: _Optional[_Union[_common_pb2.ShardingScheme, _Mapping]] = ..., imm_tag: _Optional[int] = ..., expected_writes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., model: _Optional[str] = ..., deadline_s: _Optional[float] = ..., decode_node_id: _Optional[str] = ...) -> None: ...
 
 class PrefillTimings(_message.Message):
     __slots__ = ("queue_time_s", "compute_time_s", "last_layer_to_completion_s")
