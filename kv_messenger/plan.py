@@ -5,9 +5,9 @@ The KV buffer of a node is `[layers, 2 (K, V), pages, kv_heads, page_size, head_
 page of one layer and side is one contiguous run of `kv_heads * page_size * head_dim` elements,
 and a rank's shard of it (a range of kv heads) is contiguous too.
 
-Equal sharding on both sides (the only scheme so far) maps rank r to rank r and every page to one
-write per layer and side. Mismatched tensor-parallel sizes (D14) slot in here: `expected_writes`
-and `page_writes` are the two functions that change.
+`KvLayout` and the tensor-parallel shard plan (D14: which byte runs go from which prefill rank to
+which decode rank) live in `shard_plan`; this module's `expected_writes` is that plan's count.
+Equal sharding on both sides maps rank r to rank r and every page to one write per layer and side.
 
 What the decode side counts, exactly: page writes, not posted operations. The sender hands the
 fabric one entry per page, layer and side (and one for the context), with imm_mode "every". The
@@ -22,65 +22,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
+from kv_messenger.shard_plan import (
+    DTYPE_SIZES as DTYPE_SIZES,  # re-exported: the wire's element sizes
+    KvLayout,
+    KvShards,
+    expected_page_writes,
+)
 from pdserve.engine.kv_connector import KvCacheSpec
-
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@dataclass(frozen=True)
-class KvLayout:
-    """Geometry of one node's registered KV buffer (and how to address bytes in it)."""
-
-    num_layers: int
-    num_pages: int
-    kv_heads: int
-    page_size: int
-    head_dim: int
-    dtype: str
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_pages", "kv_heads", "page_size", "head_dim"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"KvLayout.{name} must be an integer >= 1, got {v!r}")
-        if self.dtype not in DTYPE_SIZES:
-            raise ValueError(f"KvLayout.dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
-
-    @property
-    def page_nbytes(self) -> int:
-        return self.kv_heads * self.page_size * self.head_dim * DTYPE_SIZES[self.dtype]
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_layers * 2 * self.num_pages * self.page_nbytes
-
-    def page_offsets(self, layer: int, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Byte offsets of K and V of `pages` (int array) in `layer`: two uint64 arrays."""
-        base_k = (layer * 2 + 0) * self.num_pages * self.page_nbytes
-        base_v = (layer * 2 + 1) * self.num_pages * self.page_nbytes
-        p = pages.astype(np.uint64) * np.uint64(self.page_nbytes)
-        return p + np.uint64(base_k), p + np.uint64(base_v)
-
-    def compatible_with(self, other: "KvLayout") -> None:
-        """Raise ValueError naming the mismatch if pages of `other` cannot be copied 1:1 into ours."""
-        for name in ("num_layers", "kv_heads", "page_size", "head_dim", "dtype"):
-            a, b = getattr(self, name), getattr(other, name)
-            if a != b:
-                raise ValueError(f"KV layouts differ in {name}: {a!r} here vs {b!r} on the peer")
 
 
 @dataclass(frozen=True)
 class ShardingScheme:
-    """A node's tensor-parallel split of the KV heads."""
+    """A node's tensor-parallel size, as the wire carries it. Which heads each rank holds follows
+    from it and the model's KV head count by one rule (`shard_plan.shard_kv_heads`): `kv_shards`."""
 
     tp_size: int = 1
-    kv_heads_per_rank: int = 0  # 0: all heads on every rank (tp_size 1)
+    kv_heads_per_rank: int = 0  # the wire's field, informational (uneven splits have no one number)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+
+    def kv_shards(self, layout: KvLayout) -> KvShards:
+        """This node's side of a transfer: `layout` (kv_heads = the model's total) split over its ranks;
+        ValueError naming the counts when the heads cannot be split."""
+        return KvShards.of(layout, self.tp_size)
 
 
 def num_prompt_pages(num_prefill_tokens: int, page_size: int) -> int:
@@ -95,18 +61,19 @@ def expected_writes(
     decode_sharding: ShardingScheme,
     context_writes: int = 1,
 ) -> int:
-    """Immediate-data units (page writes) the decode side counts for one request.
+    """Immediate-data units (page writes) the decode side counts for one request, over all its ranks.
 
-    Equal sharding: pages x layers x (K, V) + the context write(s). Coalesced writes carry
-    several units, so this is also the number of entries the sender hands the fabric.
+    `layout`: the geometry both sides share, kv_heads = the model's total. Equal sharding: pages x
+    layers x (K, V) + the context write(s); otherwise the shard plan's count (shard_plan:
+    pages x layers x (K, V) x the runs of a page, + the context). Coalesced writes carry several
+    units, so this is also the number of entries the sender hands the fabric. ValueError naming
+    both sides when the split cannot be planned.
     """
-    if prefill_sharding.tp_size != decode_sharding.tp_size:
-        raise ValueError(
-            f"tensor-parallel shard mismatch (prefill tp={prefill_sharding.tp_size}, "
-            f"decode tp={decode_sharding.tp_size}) is not supported yet"
-        )
     pages = num_prompt_pages(num_prefill_tokens, layout.page_size)
-    return pages * layout.num_layers * 2 + context_writes
+    if prefill_sharding.tp_size == decode_sharding.tp_size == 1:
+        return pages * layout.num_layers * 2 + context_writes
+    return expected_page_writes(prefill_sharding.kv_shards(layout), decode_sharding.kv_shards(layout),
+                                pages, context_writes).total
 
 
 def completed_pages(start: int, end: int, final_end: int, page_size: int) -> range:

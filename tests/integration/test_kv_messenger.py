@@ -37,8 +37,10 @@ def test_completed_pages_and_expected_counts():
     layout = KvLayout(30, 100, 3, 16, 64, "float32")
     assert expected_writes(511, layout, ShardingScheme(), ShardingScheme()) == 32 * 30 * 2 + 1
     assert expected_writes(16, layout, ShardingScheme(), ShardingScheme()) == 1 * 60 + 1
-    with pytest.raises(ValueError, match="shard mismatch"):
-        expected_writes(16, layout, ShardingScheme(tp_size=2), ShardingScheme())
+    # TP 2 -> 1 with 3 KV heads: rank 0 sends heads 0-1 and rank 1 head 2, two runs per page (shard_plan)
+    assert expected_writes(16, layout, ShardingScheme(tp_size=2), ShardingScheme()) == 1 * 60 * 2 + 1
+    with pytest.raises(ValueError, match="cannot split 3 KV heads over tensor-parallel size 4"):
+        expected_writes(16, layout, ShardingScheme(tp_size=4), ShardingScheme())
     with pytest.raises(ValueError, match="differ in page_size"):
         layout.compatible_with(KvLayout(30, 100, 3, 32, 64, "float32"))
 
