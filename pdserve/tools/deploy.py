@@ -1,0 +1,758 @@
+"""`pdserve deploy`: the Kubernetes manifests of a cluster, rendered from one typed spec (K2, K4).
+
+    pdserve deploy render --prefill 1 --decode 3 [--prefill-tp 2] [--provider efa --efa-devices 1] ...
+                                           # every object of one namespace, as multi-document YAML
+    pdserve deploy render --overlay 1p3d   # the spec of a checked-in overlay
+    pdserve deploy tree [--root deploy/k8s] [--check]
+                                           # (re)write the kustomize base and overlays; --check: exit 1
+                                           # naming the files that differ (the drift test runs it)
+
+One `DeploySpec` (two `RoleSpec`s, prefill and decode) is rendered by `render(spec)` into plain
+dicts: the router Deployment and Service (gRPC 50051, HTTP 8000), one workload per role (a
+Deployment, or a LeaderWorkerSet of TP pods per group when the role's TP size is above 1: leader =
+rank 0), a headless Service per role (the router resolves the decode Service's records, decode
+nodes the prefill Service's: `--decode dns:NAME:PORT`, `--prefill dns:NAME:PORT`, see
+pdserve.serving.discovery), a ConfigMap of engine flags (each container arg `--flag=$(VAR)` reads
+one key), PodDisruptionBudgets, a ServiceMonitor, autoscaling per role on queue depth (KEDA
+ScaledObjects, or HPAs on external metrics), and NetworkPolicies (only the router reaches decode
+nodes, only decode nodes reach prefill nodes; the fabric's TCP port range between the two roles).
+
+`tree()` writes `base/` (the spec of `BASE`) and one folder per `OVERLAYS` entry whose
+kustomization takes the base and JSON patches (RFC 6902) computed from the two renderings, so
+`kubectl kustomize deploy/k8s/overlays/NAME` gives exactly `render(OVERLAYS[NAME])`.
+
+Probes are the kubelet's native gRPC probes on grpc.health.v1: startup and readiness on the
+role's serving service (a node answers NOT_SERVING while its model loads and while it drains;
+the router's GenerateService entry is SERVING only while a decode node is healthy), liveness on
+the whole server (""). terminationGracePeriodSeconds covers a node's drain: the gRPC server's
+stop grace plus the fabric's close bound plus a margin (`drain_seconds`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fabric.config import FabricConfig
+from pdserve.serving.node_server import DECODE_PORT, PREFILL_PORT, STOP_GRACE_S
+
+ROUTER_PORT = 50051          # router gRPC (router/__main__.py default)
+ROUTER_HTTP_PORT = 8000      # router OpenAI-compatible HTTP and its /metrics (pdserve up's default)
+NODE_METRICS_PORT = 9100     # a node's --metrics-port in the pods
+ROLES = ("prefill", "decode")
+ROLE_PORTS = {"prefill": PREFILL_PORT, "decode": DECODE_PORT}
+ROLE_MODULES = {"prefill": "prefill_node", "decode": "decode_node", "router": "router"}
+# The service each role's readiness probe asks for (what the role serves to its callers).
+READINESS_SERVICES = {"prefill": "pdserve.api.v1.PrefillService", "decode": "pdserve.api.v1.GenerateService",
+                      "router": "pdserve.api.v1.GenerateService"}
+PROVIDERS = ("verbs;ofi_rxm", "tcp;ofi_rxm", "efa")
+AUTOSCALERS = ("keda", "hpa", "none")
+PYTHON = "python"            # the image's venv python is first on PATH (deploy/Containerfile)
+MODEL_CACHE = "/var/cache/pdserve"   # PDSERVE_CACHE_DIR in the pods: the converted model lives here
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_ROLE = "app.kubernetes.io/component"   # prefill, decode or router
+LABEL_PART = "app.kubernetes.io/part-of"
+LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+HEADER = "# Rendered by `pdserve deploy tree` from pdserve/tools/deploy.py: edit the spec there, not this file.\n"
+
+
+def drain_seconds() -> int:
+    """What a node's SIGTERM path may take (node_server: health NOT_SERVING, drain, server stop with
+    STOP_GRACE_S, node close: engine stop and the fabric's close bound), rounded up, plus a margin
+    for the router to see NOT_SERVING (its next health poll) before the node stops answering."""
+    return int(math.ceil(STOP_GRACE_S + FabricConfig().close_timeout_s)) + 20
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One role's pods. replicas: node count (TP groups when tp > 1); tp: ranks per node (a
+    LeaderWorkerSet of `tp` pods per group above 1); cpu / memory: per rank (requests = limits, so
+    the pods are Guaranteed and can pin cores); gpus: nvidia.com/gpu per rank; max_replicas: the
+    autoscaler's ceiling; queue_target: waiting requests per replica the autoscaler aims at;
+    engine: engine flags of this role (flag without dashes -> value), through the ConfigMap."""
+
+    replicas: int = 1
+    tp: int = 1
+    cpu: str = "4"
+    memory: str = "16Gi"
+    gpus: int = 0
+    max_replicas: int = 0      # 0: 4 x replicas
+    queue_target: int = 4
+    engine: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.gpus < 0:
+            raise ValueError(f"gpus must be >= 0, got {self.gpus}")
+        if self.max_replicas and self.max_replicas < self.replicas:
+            raise ValueError(f"max_replicas {self.max_replicas} is below replicas {self.replicas}")
+        if self.queue_target < 1:
+            raise ValueError(f"queue_target must be >= 1, got {self.queue_target}")
+        for flag, _value in self.engine:
+            if flag.startswith("-") or not flag:
+                raise ValueError(f"engine flags are named without dashes (num-blocks), got {flag!r}")
+
+    @property
+    def ceiling(self) -> int:
+        return self.max_replicas or 4 * self.replicas
+
+
+@dataclass(frozen=True)
+class DeploySpec:
+    """A whole namespace. provider: the libfabric provider of both roles ("verbs;ofi_rxm" on RoCE /
+    InfiniBand, "efa" on AWS, "tcp;ofi_rxm" anywhere); rdma_resource: the device-plugin resource a
+    verbs pod asks for (one per pod); efa_devices: vpc.amazonaws.com/efa per pod (with IPC_LOCK,
+    huge pages and required prefill/decode anti-affinity); fabric_ports: the TCP port range of the
+    tcp provider (FI_TCP_PORT_LOW_RANGE / HIGH_RANGE), opened between the roles by the
+    NetworkPolicies; model: --model of both roles (None: the image's default model); cache_pvc: a
+    PersistentVolumeClaim holding the converted model (None: an emptyDir, converted at each
+    start); startup_s: how long a node may take to load before the kubelet restarts it;
+    prometheus: the server KEDA queries; monitoring_namespace: the namespace allowed to scrape."""
+
+    name: str = "pdserve"
+    namespace: str = "pdserve"
+    image: str = "pdserve:0.1.0"
+    prefill: RoleSpec = RoleSpec(engine=(("max-batch-tokens", "512"),))
+    decode: RoleSpec = RoleSpec(engine=(("max-batch-tokens", "256"),))
+    router_replicas: int = 2
+    provider: str = "verbs;ofi_rxm"
+    rdma_resource: str | None = "rdma/hca_shared_devices_a"
+    efa_devices: int = 0
+    hugepages_2mi: str | None = None
+    fabric_ports: tuple[int, int] = (20000, 20999)
+    model: str | None = None
+    cache_pvc: str | None = None
+    startup_s: int = 900
+    autoscaler: str = "keda"
+    prometheus: str = "http://prometheus-operated.monitoring.svc:9090"
+    monitoring_namespace: str = "monitoring"
+
+    def __post_init__(self) -> None:
+        if self.provider not in PROVIDERS:
+            raise ValueError(f"provider must be one of {PROVIDERS}, got {self.provider!r}")
+        if self.autoscaler not in AUTOSCALERS:
+            raise ValueError(f"autoscaler must be one of {AUTOSCALERS}, got {self.autoscaler!r}")
+        if self.efa_devices and self.provider != "efa":
+            raise ValueError(f"efa_devices={self.efa_devices} needs provider 'efa', got {self.provider!r}")
+        if self.provider == "efa" and self.efa_devices < 1:
+            raise ValueError("provider 'efa' needs efa_devices >= 1 (vpc.amazonaws.com/efa per pod)")
+        low, high = self.fabric_ports
+        if not 1024 <= low <= high <= 65535:
+            raise ValueError(f"fabric_ports must be 1024 <= low <= high <= 65535, got {self.fabric_ports}")
+        if self.router_replicas < 1:
+            raise ValueError(f"router_replicas must be >= 1, got {self.router_replicas}")
+        if self.startup_s < 30:
+            raise ValueError(f"startup_s must be >= 30 (a model load), got {self.startup_s}")
+        for label, value in (("name", self.name), ("namespace", self.namespace)):
+            if not value or not all(c.isalnum() or c == "-" for c in value) or value != value.lower():
+                raise ValueError(f"{label} must be a lowercase DNS label, got {value!r}")
+
+    def role(self, role: str) -> RoleSpec:
+        return self.prefill if role == "prefill" else self.decode
+
+    def service_host(self, role: str) -> str:
+        """The headless Service's DNS name of a role (router, prefill or decode)."""
+        return f"{self.name}-{role}.{self.namespace}.svc.cluster.local"
+
+
+# The spec of deploy/k8s/base/, and the checked-in overlays (the drift test re-renders all of them).
+BASE = DeploySpec()
+_CPU_ROLE = {"cpu": "2", "memory": "4Gi"}
+OVERLAYS: dict[str, DeploySpec] = {
+    "1p1d": BASE,
+    "1p3d": dataclasses.replace(BASE, decode=dataclasses.replace(BASE.decode, replicas=3)),
+    "2p4d": dataclasses.replace(BASE, prefill=dataclasses.replace(BASE.prefill, replicas=2),
+                                decode=dataclasses.replace(BASE.decode, replicas=4)),
+    "tp2": dataclasses.replace(BASE, prefill=dataclasses.replace(BASE.prefill, tp=2)),
+    "efa": dataclasses.replace(BASE, provider="efa", rdma_resource=None, efa_devices=1, hugepages_2mi="2Gi",
+                               decode=dataclasses.replace(BASE.decode, replicas=3)),
+    "cpu-tcp": dataclasses.replace(BASE, provider="tcp;ofi_rxm", rdma_resource=None,
+                                   prefill=dataclasses.replace(BASE.prefill, **_CPU_ROLE),
+                                   decode=dataclasses.replace(BASE.decode, **_CPU_ROLE)),
+    "hpa": dataclasses.replace(BASE, autoscaler="hpa", decode=dataclasses.replace(BASE.decode, replicas=3)),
+}
+
+
+# --- pieces ----------------------------------------------------------------------------------------
+
+def _labels(spec: DeploySpec, role: str) -> dict[str, str]:
+    return {LABEL_NAME: spec.name, LABEL_ROLE: role, LABEL_PART: "pdserve"}
+
+
+def _meta(spec: DeploySpec, name: str, role: str | None, **extra: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": spec.namespace}
+    meta["labels"] = _labels(spec, role) if role else {LABEL_NAME: spec.name, LABEL_PART: "pdserve"}
+    meta.update(extra)
+    return meta
+
+
+def _env_name(flag: str) -> str:
+    return "PDSERVE_ENGINE_" + flag.upper().replace("-", "_")
+
+
+def _engine_flags(spec: DeploySpec, role: str) -> list[tuple[str, str]]:
+    """(flag, value) of a role's engine flags, in ConfigMap order: --model, --threads, then the role's own."""
+    r = spec.role(role)
+    flags: list[tuple[str, str]] = []
+    if spec.model:
+        flags.append(("model", spec.model))
+    cpu = r.cpu[:-1] if r.cpu.endswith("m") else r.cpu
+    threads = max(1, int(float(cpu) / (1000 if r.cpu.endswith("m") else 1)))
+    flags.append(("threads", str(threads)))
+    own = dict(r.engine)
+    for flag in own:
+        if flag in ("model", "threads"):
+            raise ValueError(f"engine flag {flag!r} is set by the spec (model / the role's cpu), not per role")
+    flags.extend(own.items())
+    return flags
+
+
+def _config_key(role: str, flag: str) -> str:
+    return f"{role}.{flag}"
+
+
+def _config_map(spec: DeploySpec) -> dict[str, Any]:
+    data = {_config_key(role, flag): value for role in ROLES for flag, value in _engine_flags(spec, role)}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(spec, f"{spec.name}-engine", None),
+            "data": data}
+
+
+def _config_hash(spec: DeploySpec) -> str:
+    """A digest of the ConfigMap, in the pod templates: editing the flags rolls the pods."""
+    return hashlib.sha256(json.dumps(_config_map(spec)["data"], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _grpc_probe(port: int, service: str, period: int, failures: int, timeout: int = 2) -> dict[str, Any]:
+    return {"grpc": {"port": port, "service": service}, "periodSeconds": period,
+            "failureThreshold": failures, "timeoutSeconds": timeout}
+
+
+def _probes(spec: DeploySpec, role: str, port: int) -> dict[str, Any]:
+    ready = READINESS_SERVICES[role]
+    startup_period = 10
+    return {
+        # Until it passes, no liveness: the model load may take `startup_s`.
+        "startupProbe": _grpc_probe(port, ready, startup_period, max(1, spec.startup_s // startup_period)),
+        "readinessProbe": _grpc_probe(port, ready, 5, 2),
+        "livenessProbe": _grpc_probe(port, "", 10, 3),
+    }
+
+
+def _security(spec: DeploySpec, role: str) -> dict[str, Any]:
+    caps: dict[str, Any] = {"drop": ["ALL"]}
+    if role != "router" and (spec.efa_devices or spec.rdma_resource):
+        caps["add"] = ["IPC_LOCK"]   # RDMA memory registration pins the KV pool (memlock)
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": caps}
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def node_args(spec: DeploySpec, role: str) -> list[str]:
+    """The container args of a node of `role` (after `python -m <module>`)."""
+    port = ROLE_PORTS[role]
+    args = ["--host=0.0.0.0", f"--port={port}", "--node-id=$(POD_NAME)", f"--provider={spec.provider}",
+            "--fabric-node=$(POD_IP)", f"--metrics-port={NODE_METRICS_PORT}", "--log-format=json"]
+    if role == "decode":
+        args.append(f"--prefill=dns:{spec.service_host('prefill')}:{PREFILL_PORT}")
+    r = spec.role(role)
+    if r.tp > 1:
+        args.append(f"--tensor-parallel-size={r.tp}")
+    args.extend(f"--{flag}=$({_env_name(flag)})" for flag, _ in _engine_flags(spec, role))
+    return args
+
+
+def router_args(spec: DeploySpec) -> list[str]:
+    return ["--host=0.0.0.0", f"--port={ROUTER_PORT}", f"--http-port={ROUTER_HTTP_PORT}",
+            f"--decode=dns:{spec.service_host('decode')}:{DECODE_PORT}", "--log-format=json"]
+
+
+def _node_env(spec: DeploySpec, role: str) -> list[dict[str, Any]]:
+    env = [_field_env("POD_NAME", "metadata.name"), _field_env("POD_IP", "status.podIP"),
+           {"name": "FI_PROVIDER", "value": spec.provider},
+           {"name": "FI_TCP_PORT_LOW_RANGE", "value": str(spec.fabric_ports[0])},
+           {"name": "FI_TCP_PORT_HIGH_RANGE", "value": str(spec.fabric_ports[1])},
+           {"name": "PDSERVE_CACHE_DIR", "value": MODEL_CACHE},
+           {"name": "HOME", "value": "/tmp"}]
+    if spec.provider == "efa":
+        env.append({"name": "FI_EFA_USE_DEVICE_RDMA", "value": "1"})
+    for flag, _ in _engine_flags(spec, role):
+        env.append({"name": _env_name(flag),
+                    "valueFrom": {"configMapKeyRef": {"name": f"{spec.name}-engine", "key": _config_key(role, flag)}}})
+    return env
+
+
+def _resources(spec: DeploySpec, role: str) -> dict[str, Any]:
+    r = spec.role(role)
+    amounts: dict[str, Any] = {"cpu": r.cpu, "memory": r.memory}
+    if r.gpus:
+        amounts["nvidia.com/gpu"] = r.gpus
+    if spec.efa_devices:
+        amounts["vpc.amazonaws.com/efa"] = spec.efa_devices
+    elif spec.rdma_resource:
+        amounts[spec.rdma_resource] = 1
+    if spec.hugepages_2mi:
+        amounts["hugepages-2Mi"] = spec.hugepages_2mi
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def _volumes(spec: DeploySpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    cache: dict[str, Any] = ({"persistentVolumeClaim": {"claimName": spec.cache_pvc}} if spec.cache_pvc
+                             else {"emptyDir": {"sizeLimit": "4Gi"}})
+    volumes = [{"name": "model-cache", **cache}, {"name": "tmp", "emptyDir": {}},
+               # the KV pool and fabric doorbells live in shared memory; the container runtime's 64 MiB is too small
+               {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    mounts = [{"name": "model-cache", "mountPath": MODEL_CACHE}, {"name": "tmp", "mountPath": "/tmp"},
+              {"name": "dshm", "mountPath": "/dev/shm"}]
+    if spec.hugepages_2mi:
+        volumes.append({"name": "hugepages", "emptyDir": {"medium": "HugePages-2Mi"}})
+        mounts.append({"name": "hugepages", "mountPath": "/dev/hugepages"})
+    return volumes, mounts
+
+
+def _affinity(spec: DeploySpec, role: str) -> dict[str, Any]:
+    nodes = {"matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": list(ROLES)},
+                                  {"key": LABEL_NAME, "operator": "In", "values": [spec.name]}]}
+    term = {"labelSelector": nodes, "topologyKey": "kubernetes.io/hostname"}
+    if spec.efa_devices:
+        # One node pod per host: each gets the host's EFA devices and memory bandwidth to itself.
+        return {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
+    return {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 100, "podAffinityTerm": term}]}}
+
+
+def _node_pod(spec: DeploySpec, role: str, *, leader: bool = True) -> dict[str, Any]:
+    port = ROLE_PORTS[role]
+    volumes, mounts = _volumes(spec)
+    container: dict[str, Any] = {
+        "name": role, "image": spec.image, "imagePullPolicy": "IfNotPresent",
+        "command": [PYTHON, "-m", ROLE_MODULES[role]], "args": node_args(spec, role),
+        "env": _node_env(spec, role),
+        "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": NODE_METRICS_PORT, "protocol": "TCP"}],
+        "resources": _resources(spec, role), "volumeMounts": mounts, "securityContext": _security(spec, role),
+    }
+    if leader:
+        container.update(_probes(spec, role, port))
+    return {
+        "metadata": {"labels": _labels(spec, role), "annotations": {"pdserve.dev/engine-config": _config_hash(spec)}},
+        "spec": {
+            "terminationGracePeriodSeconds": drain_seconds(),
+            "automountServiceAccountToken": False,
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
+                                "seccompProfile": {"type": "RuntimeDefault"}},
+            "affinity": _affinity(spec, role),
+            "containers": [container],
+            "volumes": volumes,
+        },
+    }
+
+
+def _node_workload(spec: DeploySpec, role: str) -> dict[str, Any]:
+    r = spec.role(role)
+    selector = {"matchLabels": _labels(spec, role)}
+    if r.tp == 1:
+        return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(spec, f"{spec.name}-{role}", role),
+                "spec": {"replicas": r.replicas, "selector": selector,
+                         # one node at a time: a new pod must be SERVING before an old one drains
+                         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                         "template": _node_pod(spec, role)}}
+    # A TP group: `tp` pods, the leader (worker index 0) is rank 0 and serves the node's gRPC API; the
+    # other pods are ranks 1..tp-1 (same command: LWS_WORKER_INDEX and LWS_LEADER_ADDRESS say which).
+    return {"apiVersion": LWS_API, "kind": "LeaderWorkerSet",
+            "metadata": _meta(spec, f"{spec.name}-{role}-group", role),
+            "spec": {"replicas": r.replicas, "startupPolicy": "LeaderReady",
+                     "rolloutStrategy": {"type": "RollingUpdate",
+                                         "rollingUpdateConfiguration": {"maxUnavailable": 0, "maxSurge": 1}},
+                     "leaderWorkerTemplate": {"size": r.tp, "restartPolicy": "RecreateGroupOnPodRestart",
+                                              "leaderTemplate": _node_pod(spec, role),
+                                              "workerTemplate": _node_pod(spec, role, leader=False)}}}
+
+
+def _headless_service(spec: DeploySpec, role: str) -> dict[str, Any]:
+    selector = dict(_labels(spec, role))
+    if spec.role(role).tp > 1:
+        selector[LWS_WORKER_INDEX] = "0"   # only a group's leader serves the node's API
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(spec, f"{spec.name}-{role}", role),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": False, "selector": selector,
+                     "ports": [{"name": "grpc", "port": ROLE_PORTS[role], "targetPort": "grpc", "protocol": "TCP"},
+                               {"name": "metrics", "port": NODE_METRICS_PORT, "targetPort": "metrics",
+                                "protocol": "TCP"}]}}
+
+
+def _router(spec: DeploySpec) -> list[dict[str, Any]]:
+    labels = _labels(spec, "router")
+    container = {
+        "name": "router", "image": spec.image, "imagePullPolicy": "IfNotPresent",
+        "command": [PYTHON, "-m", "router"], "args": router_args(spec), "env": [{"name": "HOME", "value": "/tmp"}],
+        "ports": [{"name": "grpc", "containerPort": ROUTER_PORT, "protocol": "TCP"},
+                  {"name": "http", "containerPort": ROUTER_HTTP_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}},
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}], "securityContext": _security(spec, "router"),
+        **_probes(dataclasses.replace(spec, startup_s=60), "router", ROUTER_PORT),
+    }
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(spec, f"{spec.name}-router", "router"),
+        "spec": {"replicas": spec.router_replicas, "selector": {"matchLabels": labels},
+                 "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                 "template": {"metadata": {"labels": labels}, "spec": {
+                     "terminationGracePeriodSeconds": drain_seconds(), "automountServiceAccountToken": False,
+                     "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                                         "seccompProfile": {"type": "RuntimeDefault"}},
+                     "containers": [container], "volumes": [{"name": "tmp", "emptyDir": {}}]}}}}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(spec, f"{spec.name}-router", "router"),
+               "spec": {"type": "ClusterIP", "selector": labels,
+                        "ports": [{"name": "grpc", "port": ROUTER_PORT, "targetPort": "grpc", "protocol": "TCP",
+                                   "appProtocol": "kubernetes.io/h2c"},
+                                  {"name": "http", "port": ROUTER_HTTP_PORT, "targetPort": "http", "protocol": "TCP"}]}}
+    return [deployment, service]
+
+
+def _pdb(spec: DeploySpec, role: str) -> dict[str, Any]:
+    selector = dict(_labels(spec, role))
+    if role != "router" and spec.role(role).tp > 1:
+        selector[LWS_WORKER_INDEX] = "0"
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _meta(spec, f"{spec.name}-{role}", role),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector}}}
+
+
+def _service_monitor(spec: DeploySpec) -> dict[str, Any]:
+    # role and namespace become labels of every series, which the autoscalers' queries pin.
+    relabel = [{"sourceLabels": [f"__meta_kubernetes_pod_label_{LABEL_ROLE.replace('.', '_').replace('/', '_')}"],
+                "targetLabel": "role", "action": "replace"}]
+    endpoints = [{"port": port, "path": "/metrics", "interval": "15s", "relabelings": relabel}
+                 for port in ("metrics", "http")]
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+            "metadata": _meta(spec, spec.name, None),
+            "spec": {"selector": {"matchLabels": {LABEL_PART: "pdserve", LABEL_NAME: spec.name}},
+                     "namespaceSelector": {"matchNames": [spec.namespace]}, "endpoints": endpoints}}
+
+
+def queue_queries(spec: DeploySpec, role: str) -> dict[str, str]:
+    """The autoscaler's PromQL per trigger: waiting requests of the role's engines, summed over the
+    namespace's pods of that role (`or vector(0)`: no series yet is an empty queue, not an error).
+    Prefill also scales on the decode nodes' requests waiting for KV: the backlog as decode sees it."""
+    def q(metric: str, of: str) -> str:
+        return f'sum({metric}{{namespace="{spec.namespace}",role="{of}"}}) or vector(0)'
+    if role == "decode":
+        return {"waiting": q("pdserve:num_requests_waiting", "decode")}
+    return {"waiting": q("pdserve:num_requests_waiting", "prefill"),
+            "waiting-for-kv": q("pdserve:num_requests_waiting_for_kv", "decode")}
+
+
+def _scale_target(spec: DeploySpec, role: str) -> dict[str, Any]:
+    if spec.role(role).tp > 1:
+        return {"apiVersion": LWS_API, "kind": "LeaderWorkerSet", "name": f"{spec.name}-{role}-group"}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{spec.name}-{role}"}
+
+
+def _autoscaler(spec: DeploySpec, role: str) -> dict[str, Any]:
+    r = spec.role(role)
+    if spec.autoscaler == "keda":
+        triggers = [{"type": "prometheus", "name": name,
+                     "metadata": {"serverAddress": spec.prometheus, "query": query,
+                                  "threshold": str(r.queue_target), "activationThreshold": "0"}}
+                    for name, query in queue_queries(spec, role).items()]
+        return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
+                "metadata": _meta(spec, f"{spec.name}-{role}", role),
+                "spec": {"scaleTargetRef": _scale_target(spec, role), "minReplicaCount": r.replicas,
+                         "maxReplicaCount": r.ceiling, "pollingInterval": 15, "cooldownPeriod": 300,
+                         "triggers": triggers}}
+    # HPA: an external metric per trigger, served by a Prometheus adapter (deploy/README.md has its rule).
+    metrics = [{"type": "External", "external": {
+        "metric": {"name": f"pdserve_{name.replace('-', '_')}",
+                   "selector": {"matchLabels": {"namespace": spec.namespace,
+                                                "role": "decode" if name == "waiting-for-kv" else role}}},
+        "target": {"type": "AverageValue", "averageValue": str(r.queue_target)}}}
+        for name in queue_queries(spec, role)]
+    target = _scale_target(spec, role)
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+            "metadata": _meta(spec, f"{spec.name}-{role}", role),
+            "spec": {"scaleTargetRef": target, "minReplicas": r.replicas, "maxReplicas": r.ceiling,
+                     "metrics": metrics,
+                     "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}}}}
+
+
+def _network_policies(spec: DeploySpec) -> list[dict[str, Any]]:
+    def pods(role: str) -> dict[str, Any]:
+        return {"podSelector": {"matchLabels": {LABEL_NAME: spec.name, LABEL_ROLE: role}}}
+
+    def tcp(port: int, end: int | None = None) -> dict[str, Any]:
+        p: dict[str, Any] = {"protocol": "TCP", "port": port}
+        if end is not None:
+            p["endPort"] = end
+        return p
+
+    scrape = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": spec.monitoring_namespace}}}
+    low, high = spec.fabric_ports
+    fabric = tcp(low, high)
+
+    def policy(name: str, role: str | None, ingress: list[dict[str, Any]]) -> dict[str, Any]:
+        selector = {"matchLabels": {LABEL_NAME: spec.name, LABEL_ROLE: role}} if role else {}
+        return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                "metadata": _meta(spec, f"{spec.name}-{name}", role),
+                "spec": {"podSelector": selector, "policyTypes": ["Ingress"], "ingress": ingress}}
+
+    return [
+        policy("default-deny", None, []),
+        policy("router", "router", [{"ports": [tcp(ROUTER_PORT), tcp(ROUTER_HTTP_PORT)]}]),
+        # decode: the client API only from routers; KV writes (tcp provider) from prefill nodes; scrapes
+        policy("decode", "decode", [{"from": [pods("router")], "ports": [tcp(DECODE_PORT)]},
+                                    {"from": [pods("prefill")], "ports": [fabric]},
+                                    {"from": [scrape], "ports": [tcp(NODE_METRICS_PORT)]}]),
+        # prefill: Prefill / NodeService calls and the fabric's connections only from decode nodes; scrapes
+        policy("prefill", "prefill", [{"from": [pods("decode")], "ports": [tcp(PREFILL_PORT), fabric]},
+                                      {"from": [scrape], "ports": [tcp(NODE_METRICS_PORT)]}]),
+    ]
+
+
+def render(spec: DeploySpec) -> list[dict[str, Any]]:
+    """Every object of the namespace, in apply order."""
+    objects: list[dict[str, Any]] = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": spec.namespace,
+                                                               "labels": {LABEL_PART: "pdserve"}}},
+        _config_map(spec)]
+    for role in ("prefill", "decode"):
+        objects += [_headless_service(spec, role), _node_workload(spec, role), _pdb(spec, role)]
+    objects += _router(spec)
+    objects.append(_pdb(spec, "router"))
+    objects.append(_service_monitor(spec))
+    if spec.autoscaler != "none":
+        objects += [_autoscaler(spec, role) for role in ROLES]
+    objects += _network_policies(spec)
+    return objects
+
+
+def to_yaml(objects: Iterable[Mapping[str, Any]]) -> str:
+    return "---\n".join(yaml.safe_dump(dict(o), sort_keys=False, width=120) for o in objects)
+
+
+# --- the kustomize tree ------------------------------------------------------------------------------
+
+def object_key(o: Mapping[str, Any]) -> tuple[str, str, str]:
+    """(apiVersion, kind, name): what identifies an object in one namespace."""
+    return (o["apiVersion"], o["kind"], o["metadata"]["name"])
+
+
+def _file_name(o: Mapping[str, Any]) -> str:
+    return f"{o['kind'].lower()}-{o['metadata']['name']}.yaml"
+
+
+def _pointer(path: Sequence[str | int]) -> str:
+    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
+
+
+def json_patch(old: Any, new: Any, path: tuple[str | int, ...] = ()) -> list[dict[str, Any]]:
+    """RFC 6902 operations that turn `old` into `new` (lists of equal length element by element,
+    other lists replaced whole)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        ops: list[dict[str, Any]] = []
+        for k in old:
+            if k not in new:
+                ops.append({"op": "remove", "path": _pointer((*path, k))})
+        for k, v in new.items():
+            if k not in old:
+                ops.append({"op": "add", "path": _pointer((*path, k)), "value": v})
+            else:
+                ops += json_patch(old[k], v, (*path, k))
+        return ops
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [op for i, (a, b) in enumerate(zip(old, new, strict=True)) for op in json_patch(a, b, (*path, i))]
+    if old == new and type(old) is type(new):
+        return []
+    return [{"op": "replace", "path": _pointer(path), "value": new}]
+
+
+def _target(o: Mapping[str, Any]) -> dict[str, str]:
+    group, _, version = o["apiVersion"].rpartition("/")
+    target = {"version": version, "kind": o["kind"], "name": o["metadata"]["name"]}
+    if group:
+        target = {"group": group, **target}
+    return target
+
+
+def tree() -> dict[str, str]:
+    """Relative path under deploy/k8s -> file text: base/ and overlays/NAME/ (see the module docstring)."""
+    files: dict[str, str] = {}
+    base = render(BASE)
+    for o in base:
+        files[f"base/{_file_name(o)}"] = HEADER + to_yaml([o])
+    files["base/kustomization.yaml"] = HEADER + yaml.safe_dump(
+        {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+         "resources": [_file_name(o) for o in base]}, sort_keys=False)
+    base_by_key = {object_key(o): o for o in base}
+    for name, spec in OVERLAYS.items():
+        objects = render(spec)
+        by_key = {object_key(o): o for o in objects}
+        resources: list[str] = ["../../base"]
+        patches: list[dict[str, Any]] = []
+        for key, o in base_by_key.items():
+            if key not in by_key:
+                patches.append({"patch": yaml.safe_dump({"$patch": "delete", "apiVersion": o["apiVersion"],
+                                                         "kind": o["kind"], "metadata": {
+                                                             "name": o["metadata"]["name"],
+                                                             "namespace": o["metadata"]["namespace"]}},
+                                                        sort_keys=False)})
+        for key, o in by_key.items():
+            if key not in base_by_key:
+                files[f"overlays/{name}/{_file_name(o)}"] = HEADER + to_yaml([o])
+                resources.append(_file_name(o))
+                continue
+            ops = json_patch(base_by_key[key], o)
+            if ops:
+                patch_file = f"patch-{_file_name(o)}"
+                files[f"overlays/{name}/{patch_file}"] = HEADER + yaml.safe_dump(ops, sort_keys=False, width=120)
+                patches.append({"path": patch_file, "target": _target(o)})
+        kustomization: dict[str, Any] = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                                         "resources": resources}
+        if patches:
+            kustomization["patches"] = patches
+        files[f"overlays/{name}/kustomization.yaml"] = HEADER + yaml.safe_dump(kustomization, sort_keys=False,
+                                                                                width=120)
+    return files
+
+
+def default_root() -> Path:
+    return Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+
+
+def tree_drift(root: Path) -> list[str]:
+    """Files under `root` that differ from `tree()` (missing, changed, or not rendered any more)."""
+    want = tree()
+    drift = [p for p, text in want.items() if not (root / p).is_file() or (root / p).read_text() != text]
+    for sub in ("base", "overlays"):
+        for path in sorted((root / sub).rglob("*.yaml")) if (root / sub).is_dir() else ():
+            rel = path.relative_to(root).as_posix()
+            if rel not in want:
+                drift.append(rel)
+    return sorted(drift)
+
+
+def write_tree(root: Path) -> list[str]:
+    """Write `tree()` under `root`, removing rendered files no longer rendered; returns what changed."""
+    changed = tree_drift(root)
+    want = tree()
+    for rel in changed:
+        path = root / rel
+        if rel in want:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(want[rel])
+        else:
+            path.unlink()
+    return changed
+
+
+# --- the command line --------------------------------------------------------------------------------
+
+def _engine_pairs(values: Sequence[str] | None, what: str) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for v in values or ():
+        flag, sep, value = v.partition("=")
+        if not sep:
+            raise ValueError(f"{what} takes FLAG=VALUE (e.g. num-blocks=4096), got {v!r}")
+        pairs.append((flag.lstrip("-"), value))
+    return tuple(pairs)
+
+
+def spec_from_args(args: argparse.Namespace) -> DeploySpec:
+    if args.overlay:
+        if args.overlay not in OVERLAYS:
+            raise ValueError(f"--overlay must be one of {sorted(OVERLAYS)}, got {args.overlay!r}")
+        return OVERLAYS[args.overlay]
+
+    def role(which: str, replicas: int, tp: int, extra: Sequence[str] | None) -> RoleSpec:
+        base = BASE.role(which)
+        kw: dict[str, Any] = {"replicas": replicas, "tp": tp}
+        for name in ("cpu", "memory", "gpus"):
+            value = getattr(args, f"{which}_{name}")
+            if value is not None:
+                kw[name] = value
+        return dataclasses.replace(base, engine=base.engine + _engine_pairs(extra, f"--{which}-engine"), **kw)
+
+    provider = args.provider or ("efa" if args.efa else BASE.provider)
+    rdma = args.rdma_resource if provider == "verbs;ofi_rxm" else None
+    return DeploySpec(
+        namespace=args.namespace, image=args.image, model=args.model, cache_pvc=args.cache_pvc,
+        prefill=role("prefill", args.prefill, args.prefill_tp, args.prefill_engine),
+        decode=role("decode", args.decode, args.decode_tp, args.decode_engine),
+        router_replicas=args.routers, provider=provider, rdma_resource=rdma,
+        efa_devices=args.efa_devices if provider == "efa" else 0,
+        hugepages_2mi=args.hugepages or ("2Gi" if provider == "efa" else None),
+        autoscaler=args.autoscaler, prometheus=args.prometheus)
+
+
+def add_deploy_parser(sub: argparse._SubParsersAction) -> None:
+    d = sub.add_parser("deploy", help="Kubernetes manifests of a cluster (render, or write the kustomize tree)")
+    dsub = d.add_subparsers(dest="deploy_command", required=True)
+    r = dsub.add_parser("render", help="print the manifests of one spec as multi-document YAML")
+    r.add_argument("--overlay", default=None, help=f"a checked-in overlay's spec: {', '.join(OVERLAYS)}")
+    r.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill nodes (TP groups) (default 1)")
+    r.add_argument("--decode", type=int, default=1, metavar="M", help="decode nodes (TP groups) (default 1)")
+    r.add_argument("--prefill-tp", type=int, default=1, metavar="A", help="ranks per prefill node (default 1)")
+    r.add_argument("--decode-tp", type=int, default=1, metavar="B", help="ranks per decode node (default 1)")
+    r.add_argument("--provider", default=None, choices=PROVIDERS,
+                   help=f"libfabric provider of every node (default {BASE.provider}; efa with --efa)")
+    r.add_argument("--efa", action="store_true", help="AWS EFA: provider efa, EFA devices, IPC_LOCK, huge "
+                                                      "pages, one node pod per host")
+    r.add_argument("--efa-devices", type=int, default=1, metavar="N", help="vpc.amazonaws.com/efa per pod")
+    r.add_argument("--rdma-resource", default=BASE.rdma_resource, metavar="NAME",
+                   help=f"device-plugin resource of a verbs pod (default {BASE.rdma_resource})")
+    r.add_argument("--hugepages", default=None, metavar="QTY", help="hugepages-2Mi per pod (default: 2Gi with EFA)")
+    for role in ROLES:
+        base = BASE.role(role)
+        r.add_argument(f"--{role}-cpu", default=None, help=f"CPU per {role} rank (default {base.cpu})")
+        r.add_argument(f"--{role}-memory", default=None, help=f"memory per {role} rank (default {base.memory})")
+        r.add_argument(f"--{role}-gpus", type=int, default=None, help=f"nvidia.com/gpu per {role} rank (default 0)")
+        r.add_argument(f"--{role}-engine", action="append", metavar="FLAG=VALUE",
+                       help=f"an engine flag of the {role} nodes, through the ConfigMap (repeatable)")
+    r.add_argument("--routers", type=int, default=BASE.router_replicas, help="router replicas")
+    r.add_argument("--namespace", default=BASE.namespace)
+    r.add_argument("--image", default=BASE.image)
+    r.add_argument("--model", default=None, help="--model of every node (default: the image's default model)")
+    r.add_argument("--cache-pvc", default=None, metavar="CLAIM", help="PVC for the converted model (default: "
+                                                                      "an emptyDir per pod)")
+    r.add_argument("--autoscaler", default=BASE.autoscaler, choices=AUTOSCALERS)
+    r.add_argument("--prometheus", default=BASE.prometheus, metavar="URL", help="the Prometheus KEDA queries")
+    r.set_defaults(func=_cmd_render)
+    t = dsub.add_parser("tree", help="write the kustomize base and overlays (deploy/k8s) from the specs")
+    t.add_argument("--root", type=Path, default=None, help="default: deploy/k8s of this checkout")
+    t.add_argument("--check", action="store_true", help="write nothing; exit 1 naming the files that differ")
+    t.set_defaults(func=_cmd_tree)
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    sys.stdout.write(to_yaml(render(spec_from_args(args))))
+    return 0
+
+
+def _cmd_tree(args: argparse.Namespace) -> int:
+    root = args.root or default_root()
+    if args.check:
+        drift = tree_drift(root)
+        for rel in drift:
+            print(f"differs from the render: {root / rel}", file=sys.stderr)
+        return 1 if drift else 0
+    for rel in write_tree(root):
+        print(f"wrote {root / rel}")
+    return 0
+
+
+__all__ = ["BASE", "OVERLAYS", "DeploySpec", "RoleSpec", "add_deploy_parser", "drain_seconds", "json_patch",
+           "node_args", "object_key", "queue_queries", "render", "router_args", "to_yaml", "tree", "tree_drift",
+           "write_tree"]
