@@ -26,9 +26,10 @@ import uuid
 import grpc
 
 from decode_node.service import DecodeNode, DecodeNodeConfig
-from pdserve.serving.convert import Prompt, output_to_pb, sampling_from_pb
+from pdserve.serving.convert import output_to_pb
 from pdserve.serving.logs import bind_request_id
 from pdserve.serving.metrics import RequestTimer, request_metrics
+from pdserve.serving.node_request import prepare_generate
 from pdserve.serving.node_server import NodeHolder, NodeServer, ServeOptions, service_names
 from pdserve_api.servers import UnavailableError
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc
@@ -55,14 +56,15 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         rid = request.request_id or f"{node.node_id}-{uuid.uuid4().hex[:12]}"
         if request.model and request.model != node.model_name:
             raise LookupError(f"unknown model {request.model!r}; this node serves {node.model_name!r}")
-        params = sampling_from_pb(request.sampling)
-        prompt = Prompt.from_pb(request).to_engine(node.tokenizer)
+        # S6 checks (input caps, max_tokens vs the context left) and S10 resume: pdserve.serving.node_request
+        prepared = await prepare_generate(request, node.tokenizer, node.max_model_len)
+        params, prompt = prepared.params, prepared.prompt_ids
         t0 = time.monotonic()
         bind_request_id(rid)  # this handler task serves one request: every line it logs names it
         state = node.begin(rid)   # ValueError for an id in use here
         timer = RequestTimer(request_metrics(), node.model_name, start=t0)
         first = None
-        gen = node.engine.generate(prompt, params, rid, remote_prefill=not node.colocated)
+        gen = prepared.outputs(node.engine.generate(prompt, params, rid, remote_prefill=not node.colocated))
         try:
             async for out in gen:
                 msg = output_to_pb(out, node.tokenizer)

@@ -47,7 +47,7 @@ class RouterFront(generate_pb2_grpc.GenerateServiceServicer):
     async def Generate(  # gRPC method name
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        check_request(request, self.limits)
+        check_request(request, self.limits, self.context_length())
         async with contextlib.aclosing(self.forward.Generate(request, context)) as stream:
             async for response in stream:
                 yield response
@@ -71,7 +71,7 @@ class RouterFront(generate_pb2_grpc.GenerateServiceServicer):
 
     async def stream(self, request: generate_pb2.GenerateRequest) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """Generate for an HTTP request; errors surface at the first `anext`, closing cancels it."""
-        check_request(request, self.limits)
+        check_request(request, self.limits, self.context_length())
         async with contextlib.aclosing(self.forward.Generate(request, _NoDeadline())) as stream:  # type: ignore[arg-type]
             async for response in stream:
                 yield response

@@ -2,16 +2,20 @@
 
 The decode node is the authority on a prompt (it tokenizes, knows the context length and the
 vocabulary); the router only refuses, cheaply and early, what is malformed whatever the model:
-no prompt, an empty conversation, sampling values out of range, and a prompt so large in bytes that
-tokenizing it would stall a decode node's engine thread. Every refusal is a ValueError naming the
-field and the value (the exception mapping turns it into INVALID_ARGUMENT, the HTTP API into 400).
+no prompt, an empty conversation, sampling values out of range or over the input caps
+(pdserve.serving.convert.InputLimits: stop strings, stop token ids, logprobs), a prompt so large in
+bytes that tokenizing it would stall a decode node, and, for a token-id prompt once a node has
+reported the context length, a max_tokens that does not fit after it (the node makes the same
+check for every prompt: pdserve.serving.node_request). Every refusal is a ValueError naming the
+field and the value (the exception mapping turns it into INVALID_ARGUMENT, the HTTP API into 400;
+a convert.FieldError also names the field for the HTTP `param`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.serving.convert import Prompt, sampling_from_pb
+from pdserve.serving.convert import Prompt, fit_context, sampling_from_pb
 from pdserve_api.v1 import generate_pb2
 
 MAX_ID_CHARS = 256  # request_id and model: they go into logs and metrics labels
@@ -38,8 +42,12 @@ class RequestLimits:
         return 6 * self.max_prompt_bytes + (1 << 20)
 
 
-def check_request(request: generate_pb2.GenerateRequest, limits: RequestLimits) -> None:
-    """Raise ValueError naming what is wrong with `request`; return None when it may be forwarded."""
+def check_request(request: generate_pb2.GenerateRequest, limits: RequestLimits,
+                  context_length: int | None = None) -> None:
+    """Raise ValueError naming what is wrong with `request`; return None when it may be forwarded.
+
+    context_length: the decode nodes' context length when known (checks token-id prompts' max_tokens).
+    """
     for name in ("request_id", "model"):
         value = getattr(request, name)
         if len(value) > MAX_ID_CHARS:
@@ -57,4 +65,8 @@ def check_request(request: generate_pb2.GenerateRequest, limits: RequestLimits) 
     if size > limits.max_prompt_bytes:
         raise ValueError(f"prompt is {size} bytes; this server accepts at most {limits.max_prompt_bytes} "
                          "bytes per prompt (router --max-prompt-bytes)")
-    sampling_from_pb(request.sampling)  # raises ValueError naming the first out-of-range value
+    params = sampling_from_pb(request.sampling)  # raises ValueError naming the first out-of-range value
+    if context_length and prompt.token_ids is not None:
+        streamed = len(request.resume.token_ids) if request.HasField("resume") else 0
+        clamp = request.sampling.clamp_max_tokens or not request.sampling.HasField("max_tokens")
+        fit_context(params, len(prompt.token_ids) + streamed, context_length, clamp)

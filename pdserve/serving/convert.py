@@ -3,10 +3,17 @@
 The engine never imports the wire format and the wire package imports nothing of ours (DESIGN
 §2), so servers and clients convert here: prompts, sampling options, streamed outputs. (The
 Prefill call's ticket converts itself: kv_messenger.ticket.TransferTicket.)
+
+Input limits (S6) live here too, so that the router (router.limits.check_request) and every node
+(decode_node.server, through `sampling_from_pb` and `fit_context`) refuse the same things with the
+same words: the caps on stop strings, stop token ids and logprobs (`InputLimits`), and a
+max_tokens larger than the context left after the prompt (`fit_context`). Each refusal is a
+ValueError naming the value and the cap (INVALID_ARGUMENT over gRPC, 400 over HTTP).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -81,10 +88,92 @@ class Prompt:
         return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
+# --- input limits (S6) ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class InputLimits:
+    """Caps on the parts of a request whose cost grows with their count or size and that no model
+    needs in bulk: each stop string is matched against the output text after every token, each stop
+    token id against every sampled token, and logprobs sorts the vocabulary per position.
+
+    max_stop_strings / max_stop_chars: how many stop strings, and how many characters each may have.
+    max_stop_token_ids: how many stop token ids. max_logprobs: the most alternatives per position
+    (SamplingParams' own bound)."""
+
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256
+    max_stop_token_ids: int = 256
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{f.name} must be an integer >= 0, got {value!r}")
+
+
+INPUT_LIMITS = InputLimits()
+
+
+class FieldError(ValueError):
+    """A ValueError about one request field; `field` names it as the wire does (OpenAI's `param`)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def check_sampling_limits(s: generate_pb2.SamplingOptions, limits: InputLimits = INPUT_LIMITS) -> None:
+    """Raise ValueError naming the value and the cap when `s` asks for more than `limits` allow."""
+    if len(s.stop) > limits.max_stop_strings:
+        raise FieldError(f"stop has {len(s.stop)} strings; at most {limits.max_stop_strings} are allowed", "stop")
+    for i, stop in enumerate(s.stop):
+        if len(stop) > limits.max_stop_chars:
+            raise FieldError(f"stop[{i}] is {len(stop)} characters long; at most {limits.max_stop_chars} "
+                             "are allowed per stop string", "stop")
+    if len(s.stop_token_ids) > limits.max_stop_token_ids:
+        raise FieldError(f"stop_token_ids has {len(s.stop_token_ids)} ids; at most {limits.max_stop_token_ids} "
+                         "are allowed", "stop_token_ids")
+    if s.HasField("logprobs") and s.logprobs > limits.max_logprobs:
+        raise FieldError(f"logprobs must be an integer in [0, {limits.max_logprobs}], got {s.logprobs} "
+                         f"(at most {limits.max_logprobs} alternatives per position)", "logprobs")
+
+
+def context_error(max_model_len: int, prompt_tokens: int, max_tokens: int) -> str:
+    """The refusal of a max_tokens that does not fit the context after the prompt (both numbers named)."""
+    left = max_model_len - prompt_tokens
+    return (f"this model's context is {max_model_len} tokens, but the request needs "
+            f"{prompt_tokens + max_tokens}: {prompt_tokens} in the prompt plus max_tokens={max_tokens} for the "
+            f"completion; at most {max(left, 0)} tokens are left for the completion, so lower max_tokens "
+            "or shorten the prompt")
+
+
+def fit_context(params: SamplingParams, prompt_tokens: int, max_model_len: int,
+                clamp: bool = False) -> SamplingParams:
+    """`params` checked against the context left after a prompt of `prompt_tokens` tokens.
+
+    A max_tokens over what is left raises FieldError (context_error) unless `clamp`
+    (SamplingOptions.clamp_max_tokens, or a max_tokens the request left unset), which lowers it to
+    what is left. A prompt that leaves
+    nothing to generate raises ValueError in either case. max_tokens=None (until the context is
+    full) is returned as is."""
+    left = max_model_len - prompt_tokens
+    if left < 1:
+        raise ValueError(f"prompt has {prompt_tokens} tokens but the model's context is {max_model_len} tokens "
+                         "(at least one must be left to generate)")
+    if params.max_tokens is None or params.max_tokens <= left:
+        return params
+    if clamp:
+        return dataclasses.replace(params, max_tokens=left)
+    raise FieldError(context_error(max_model_len, prompt_tokens, params.max_tokens), "max_tokens")
+
+
 # --- sampling -------------------------------------------------------------------------------------
 
-def sampling_from_pb(s: generate_pb2.SamplingOptions) -> SamplingParams:
-    """SamplingOptions -> SamplingParams; invalid values raise ValueError naming them."""
+def sampling_from_pb(s: generate_pb2.SamplingOptions, limits: InputLimits = INPUT_LIMITS) -> SamplingParams:
+    """SamplingOptions -> SamplingParams; invalid values, and values over `limits`, raise ValueError
+    naming them."""
+    check_sampling_limits(s, limits)
     kw: dict[str, object] = {
         "top_k": s.top_k,
         "min_p": s.min_p,

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from pdserve.serving.convert import FieldError
 from pdserve.serving.metrics import render
 from pdserve_api.v1 import generate_pb2
 from router.http_api.errors import ApiError, from_exception
@@ -46,6 +47,26 @@ from router.http_api.render import Renderer
 from router.limits import RequestLimits, check_request
 
 logger = logging.getLogger(__name__)
+
+MAX_JSON_DEPTH = 32  # nesting of a request body: OpenAI bodies need 4 (chat content parts)
+
+
+def json_depth(value: Any, limit: int) -> int:
+    """How deep `value` (parsed JSON) nests lists and dicts (a scalar: 0), counted up to limit + 1."""
+    depth, level = 0, [value]
+    while level and depth <= limit:
+        nested = []
+        for v in level:
+            if isinstance(v, dict):
+                nested.extend(x for x in v.values() if isinstance(x, (dict, list)))
+            elif isinstance(v, list):
+                nested.extend(x for x in v if isinstance(x, (dict, list)))
+        level = [v for v in level if isinstance(v, (dict, list))]
+        if not level:
+            break
+        depth += 1
+        level = nested
+    return depth
 
 
 class Backend(Protocol):
@@ -150,10 +171,14 @@ class HttpApi:
                            f"(prompts may have at most {self.limits.max_prompt_bytes} bytes)") from e
         try:
             body = json.loads(raw)
+        except RecursionError as e:  # the C scanner's own guard, far above MAX_JSON_DEPTH
+            raise ApiError(400, f"the body nests JSON arrays or objects more than {MAX_JSON_DEPTH} levels deep") from e
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the body is not valid JSON: {e}") from e
         if not isinstance(body, dict):
             raise ApiError(400, f"the body must be a JSON object, got {type(body).__name__}")
+        if json_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the body nests JSON arrays or objects more than {MAX_JSON_DEPTH} levels deep")
         return body
 
     def _parse(self, body: dict[str, Any], kind: str) -> ApiCall:
@@ -165,9 +190,10 @@ class HttpApi:
         try:
             call = self._parse(await self._read_json(request), kind)
             try:
-                check_request(call.request, self.limits)
+                check_request(call.request, self.limits, self.backend.context_length())
             except ValueError as e:
-                raise ApiError(400, str(e), param="messages" if kind == "chat" else "prompt") from e
+                param = e.field if isinstance(e, FieldError) else "messages" if kind == "chat" else "prompt"
+                raise ApiError(400, str(e), param=param) from e
         except ApiError as e:
             logger.info("%s %s answered %d: %s", request.method, request.path, e.status, e.message[:200])
             return e.response()

@@ -111,6 +111,34 @@ def _status(stub, request: generate_pb2.GenerateRequest) -> tuple[grpc.StatusCod
     return err.value.code(), err.value.details()
 
 
+# S6 input limits: the router and the decode node's own port answer them alike.
+LIMIT_CASES = [
+    (generate_pb2.GenerateRequest(text=PROMPT, sampling=generate_pb2.SamplingOptions(max_tokens=10 ** 9)),
+     grpc.StatusCode.INVALID_ARGUMENT, "plus max_tokens=1000000000 for the completion"),
+    (generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[1] * 8),
+                                  sampling=generate_pb2.SamplingOptions(max_tokens=10 ** 9)),
+     grpc.StatusCode.INVALID_ARGUMENT, "1000000008: 8 in the prompt"),
+    (generate_pb2.GenerateRequest(text=PROMPT, sampling=generate_pb2.SamplingOptions(stop=["s"] * 17)),
+     grpc.StatusCode.INVALID_ARGUMENT, "stop has 17 strings; at most 16 are allowed"),
+    (generate_pb2.GenerateRequest(text=PROMPT, sampling=generate_pb2.SamplingOptions(stop=["s" * 300])),
+     grpc.StatusCode.INVALID_ARGUMENT, "stop[0] is 300 characters long; at most 256"),
+    (generate_pb2.GenerateRequest(text=PROMPT, sampling=generate_pb2.SamplingOptions(stop_token_ids=[1] * 300)),
+     grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids has 300 ids; at most 256 are allowed"),
+]
+
+
+def test_the_decode_nodes_own_port_refuses_what_the_router_refuses(cluster):
+    decode = next(s.address for s in cluster.specs if s.role == "decode")
+    with grpc.insecure_channel(decode) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        for request, code, text in LIMIT_CASES:
+            got, details = _status(stub, request)
+            assert got == code and text in details, (got, details)
+        done = list(stub.Generate(generate_pb2.GenerateRequest(text=PROMPT, sampling=generate_pb2.SamplingOptions(
+            max_tokens=2, temperature=0)), timeout=120))
+        assert done[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH  # and it keeps serving
+
+
 def test_bad_requests_are_refused_and_the_server_keeps_serving(cluster, client):
     def req(**kw) -> generate_pb2.GenerateRequest:
         r = generate_pb2.GenerateRequest(**kw)
@@ -140,7 +168,7 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(cluster, client):
         (req(token_ids=generate_pb2.TokenIds(ids=[10 ** 6])), invalid, "token ids must be integers in [0, "),
         (req(text="hello " * 9000), invalid, "context"),
         (req(model="no-such-model"), grpc.StatusCode.NOT_FOUND, "unknown model 'no-such-model'"),
-    ]
+    ] + LIMIT_CASES
     with grpc.insecure_channel(cluster.url, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         for request, code, text in cases:

@@ -258,6 +258,15 @@ BAD_BODIES = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ("/v1/completions", {"prompt": "p", "stop": [f"s{i}" for i in range(17)]}, "stop"),        # S6 input caps
+    ("/v1/completions", {"prompt": "p", "stop": "s" * 257}, "stop"),
+    ("/v1/completions", {"prompt": "p", "stop_token_ids": list(range(257))}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": [1] * 60, "max_tokens": 5}, "max_tokens"),  # 65 > the fake's context of 64
+    ("/v1/completions", b"[" * 50_000 + b"]" * 50_000, None),                    # nesting past the parser's guard
+    ("/v1/completions", {"prompt": "p", "user": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]},
+     None),                                                                       # 34 levels: past MAX_JSON_DEPTH
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "tools": [{"type": "function"}]},
      "tools"),
 ]
@@ -549,6 +558,7 @@ def test_bad_input_gets_4xx_and_the_server_keeps_serving(cluster, openai_client,
             for body in (b"{\"model\": ", {"model": model, "prompt": PROMPT, "temperature": "0"},
                          {"model": model, "prompt": [10 ** 6]},  # token id beyond the vocabulary
                          {"model": model, "prompt": "hello " * 9000},  # more tokens than the context
+                         {"model": model, "prompt": PROMPT, "max_tokens": 10 ** 9},  # S6: past the context left
                          {"model": model, "prompt": "x" * (10 * 1024 * 1024)}):
                 path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
                 data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -556,7 +566,8 @@ def test_bad_input_gets_4xx_and_the_server_keeps_serving(cluster, openai_client,
                     out.append((r.status, (await r.json())["error"]["message"]))
         return out
 
-    (bad_json, wrong_type, bad_id, too_long, huge) = run(go())
+    (bad_json, wrong_type, bad_id, too_long, too_many, huge) = run(go())
+    assert too_many[0] == 400 and "plus max_tokens=1000000000 for the completion" in too_many[1]
     assert bad_json[0] == 400 and "not valid JSON" in bad_json[1]
     assert wrong_type[0] == 400 and "temperature must be a finite number" in wrong_type[1]
     assert bad_id[0] == 400 and "token ids must be integers in [0, " in bad_id[1]
