@@ -3,6 +3,7 @@
 - fabric/_ffi_build.py: libfabric bindings (needs libfabric-dev, see scripts/setup.sh)
 - pdserve/kernels/attention/_kernels_build.py: the C paged-attention kernel (OpenMP)
 - pdserve/kernels/ops/_ops_build.py: C CPU ops (small-batch linear, fused RMSNorm / SiLU-mul / argmax)
+- kv_messenger/_checksum_build.py: the page-shard checksum (CRC32C, S7)
 
 Each builder reads its module's cdef from the module's C header and its compiler flags from
 native_build.py (repository root, loaded by path: setuptools runs the builders before any
@@ -16,5 +17,6 @@ setup(
         "fabric/_ffi_build.py:ffibuilder",
         "pdserve/kernels/attention/_kernels_build.py:ffibuilder",
         "pdserve/kernels/ops/_ops_build.py:ffibuilder",
+        "kv_messenger/_checksum_build.py:ffibuilder",
     ]
 )

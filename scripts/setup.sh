@@ -33,7 +33,8 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # The stamp covers everything that changes what gets installed or compiled.
 stamp_src=$(cat pyproject.toml setup.py scripts/setup.sh \
   $(ls native_build.py fabric/*.py fabric/csrc/* pdserve/kernels/csrc/* pdserve/kernels/attention/_kernels_build.py pdserve/kernels/attention/csrc/* \
-    pdserve/kernels/ops/_ops_build.py pdserve/kernels/ops/csrc/* 2>/dev/null) \
+    pdserve/kernels/ops/_ops_build.py pdserve/kernels/ops/csrc/* kv_messenger/_checksum_build.py kv_messenger/csrc/* \
+    2>/dev/null) \
   | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$VENV/.pdserve-stamp" 2>/dev/null)" != "$stamp_src" ]; then
   LOG="$VENV/pdserve-install.log"

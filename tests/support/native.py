@@ -15,6 +15,7 @@ NATIVE_MODULES: dict[str, str] = {
     "fabric._libfabric": "fabric/_ffi_build.py",
     "pdserve.kernels.attention._cpu_kernels": "pdserve/kernels/attention/_kernels_build.py",
     "pdserve.kernels.ops._cpu_ops": "pdserve/kernels/ops/_ops_build.py",
+    "kv_messenger._checksum": "kv_messenger/_checksum_build.py",
 }
 
 _required = False
