@@ -267,9 +267,11 @@ def parse_chat(body: dict, default_max_tokens: int | None = None) -> ApiCall:
     max_tokens = _int(body, "max_completion_tokens", 1, _UINT32)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, _UINT32)
+    clamp = max_tokens is None  # OpenAI's default: until the context is full (lowered to fit by the node)
     if max_tokens is None:
         max_tokens = default_max_tokens
     request.sampling.CopyFrom(_sampling(body, max_tokens))
+    request.sampling.clamp_max_tokens = clamp
     want = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
     if top is not None and not want:

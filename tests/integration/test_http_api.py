@@ -193,6 +193,7 @@ def test_non_streamed_answers_and_defaults():
     completion_req, chat_req = backend.requests
     assert list(completion_req.token_ids.ids) == [1, 2] and not completion_req.sampling.HasField("max_tokens")
     assert chat_req.sampling.max_tokens == 64  # chat default: the context length
+    assert chat_req.sampling.clamp_max_tokens and not completion_req.sampling.clamp_max_tokens  # lowered to fit
 
 
 def test_errors_before_the_stream_keep_their_status_and_after_it_end_the_stream():
