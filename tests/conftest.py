@@ -2,7 +2,8 @@
 model, ours and transformers').
 
 Folders: tests/unit (in-process and fast), tests/integration (processes, servers, clusters, whole
-models end to end), tests/fabric (the transfer engine, with peer processes); each test gets the
+models end to end), tests/fabric (the transfer engine, with peer processes), tests/deploy (the
+Kubernetes manifests and the container image); each test gets the
 marker of its folder (`pytest -m unit`). Helpers live in tests/support (imported as `support.*`)."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 TESTS = Path(__file__).resolve().parent
-FOLDER_MARKERS = ("unit", "integration", "fabric")  # tests/<folder>/... -> pytest.mark.<folder>
+FOLDER_MARKERS = ("unit", "integration", "fabric", "deploy")  # tests/<folder>/... -> pytest.mark.<folder>
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

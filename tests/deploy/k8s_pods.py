@@ -1,0 +1,104 @@
+"""What the kubelet does with a rendered container, done here: its environment (literal values,
+ConfigMap keys, the downward API), `$(VAR)` expansion in command and args, and the real argparse
+parser of the module the command runs (so a flag renamed in the code but not in the manifests fails).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+MODULES = ("prefill_node", "decode_node", "router")
+
+
+def expand(text: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' expansion: $(NAME) becomes NAME's value when defined (else stays as written), $$ is $."""
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group(1)
+        return env[name] if name in env else m.group(0)
+    return _VAR.sub(sub, text)
+
+
+def config_maps(objects: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, str]]:
+    return {o["metadata"]["name"]: o.get("data", {}) for o in objects if o["kind"] == "ConfigMap"}
+
+
+def container_env(container: Mapping[str, Any], objects: Sequence[Mapping[str, Any]],
+                  fields: Mapping[str, str]) -> dict[str, str]:
+    """The container's environment as the kubelet builds it, in order (later entries may use earlier ones)."""
+    maps = config_maps(objects)
+    env: dict[str, str] = {}
+    for e in container.get("env", ()):
+        if "value" in e:
+            env[e["name"]] = expand(e["value"], env)
+            continue
+        source = e["valueFrom"]
+        if "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            assert ref["name"] in maps, f"{e['name']}: no ConfigMap {ref['name']!r} in the manifests"
+            assert ref["key"] in maps[ref["name"]], f"{e['name']}: ConfigMap {ref['name']} has no key {ref['key']!r}"
+            env[e["name"]] = maps[ref["name"]][ref["key"]]
+        elif "fieldRef" in source:
+            path = source["fieldRef"]["fieldPath"]
+            assert path in fields, f"{e['name']}: no value for the downward API field {path}"
+            env[e["name"]] = fields[path]
+        else:
+            raise AssertionError(f"{e['name']}: unsupported env source {sorted(source)}")
+    return env
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """One container's process: `python -m module args...` with its environment."""
+
+    module: str
+    args: tuple[str, ...]
+    env: dict[str, str]
+
+
+def invocation(container: Mapping[str, Any], objects: Sequence[Mapping[str, Any]],
+               fields: Mapping[str, str]) -> Invocation:
+    env = container_env(container, objects, fields)
+    command = [expand(c, env) for c in container["command"]]
+    assert len(command) == 3 and command[1] == "-m" and command[2] in MODULES, \
+        f"container {container['name']}: command {command} is not `python -m <{'|'.join(MODULES)}>`"
+    args = tuple(expand(a, env) for a in container.get("args", ()))
+    unexpanded = [a for a in args if "$(" in a]
+    assert not unexpanded, f"container {container['name']}: args reference undefined variables: {unexpanded}"
+    return Invocation(command[2], args, env)
+
+
+def parser_of(module: str) -> argparse.ArgumentParser:
+    return importlib.import_module(f"{module}.__main__").build_parser()
+
+
+def parse(inv: Invocation) -> argparse.Namespace:
+    """The module's real parser on the args; AssertionError with argparse's message if it refuses them."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            return parser_of(inv.module).parse_args(list(inv.args))
+        except SystemExit:
+            pass
+    raise AssertionError(f"python -m {inv.module} refuses {list(inv.args)}: {err.getvalue().strip()}")
+
+
+def pod_templates(objects: Sequence[Mapping[str, Any]]) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """(where, pod template) of every workload: Deployments, and both templates of a LeaderWorkerSet."""
+    for o in objects:
+        name = f"{o['kind']}/{o['metadata']['name']}"
+        if o["kind"] == "Deployment":
+            yield name, o["spec"]["template"]
+        elif o["kind"] == "LeaderWorkerSet":
+            lwt = o["spec"]["leaderWorkerTemplate"]
+            yield f"{name} leader", lwt["leaderTemplate"]
+            yield f"{name} worker", lwt["workerTemplate"]
