@@ -1,0 +1,218 @@
+"""Host topology for D16: NUMA nodes, their CPUs and distances, and where each NIC sits, read from
+sysfs; and a pure chooser of the NIC and CPUs closest to a shard's memory.
+
+Read (under `root`, default /sys; tests pass a fake tree):
+- /devices/system/node/node<N>/cpulist   CPUs of node N ("0-3,8,10-11"; empty for memory-only nodes)
+- /devices/system/node/node<N>/distance  its distances to every node, in node-id order ("10 21")
+  (no node directory, a kernel without NUMA: one node 0 holding /devices/system/cpu/online)
+- /class/infiniband/<dev>/device         RDMA devices (verbs, EFA); their net interfaces in device/net/
+- /class/net/<iface>/device              network interfaces
+  A device's NUMA node is the first `numa_node` file found walking up from its device directory
+  (a virtio NIC keeps it on its PCI parent); -1 or no such file: unknown. Interfaces without a
+  device link, or whose device lives under /devices/virtual (lo, bridges, veth, soft-RoCE), are
+  virtual and skipped.
+
+`choose(topology, numa_node, provider)`: the NIC of the memory's own node first, else the one on
+the nearest node by distance (ties: an RDMA device before an interface, then by name), else none
+(a NIC whose node is unknown is never called close); the CPUs of the nearest node that has any.
+The libfabric domain is inferred where the provider's naming is known: verbs -> the RDMA device
+name, efa -> "<device>-rdm", tcp / sockets -> the interface name, shm -> "shm" (no NIC).
+
+Malformed files raise TopologyError (a ValueError) naming the path and the text. Nothing here
+blocks beyond reading small sysfs files.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_NODE_DIR = re.compile(r"node(\d+)")
+
+
+class TopologyError(ValueError):
+    """A sysfs file that does not say what the kernel documents."""
+
+
+@dataclass(frozen=True)
+class NumaNode:
+    id: int
+    cpus: tuple[int, ...]          # ascending; empty for a memory-only node
+    distances: tuple[int, ...]     # to every node of the topology, in node-id order
+
+
+@dataclass(frozen=True)
+class Nic:
+    name: str                      # RDMA device ("mlx5_0", "rdmap16s27") or interface ("eth0")
+    kind: str                      # "rdma" (class/infiniband) or "net" (class/net)
+    numa_node: int | None          # None: unknown (-1 or no numa_node file)
+    netdevs: tuple[str, ...] = ()  # an RDMA device's network interfaces
+
+    def domain(self, provider: str | None) -> str | None:
+        """The libfabric domain name this NIC has under `provider`, where it can be inferred."""
+        core = (provider or "").split(";")[0]
+        if self.kind == "rdma":
+            return {"verbs": self.name, "efa": f"{self.name}-rdm"}.get(core)
+        return self.name if core in ("tcp", "sockets") else None
+
+    def serves(self, provider: str | None) -> bool:
+        """Whether `provider` (None: any) runs over this NIC."""
+        core = (provider or "").split(";")[0]
+        if not core:
+            return True
+        return core in (("verbs", "efa") if self.kind == "rdma" else ("tcp", "sockets"))
+
+
+@dataclass(frozen=True)
+class Topology:
+    nodes: tuple[NumaNode, ...]    # by ascending id
+    nics: tuple[Nic, ...]          # RDMA devices, then interfaces, each by name
+
+    def node(self, node_id: int) -> NumaNode:
+        for n in self.nodes:
+            if n.id == node_id:
+                return n
+        raise ValueError(f"NUMA node {node_id} is not in this topology (nodes {[n.id for n in self.nodes]})")
+
+    def distance(self, a: int, b: int) -> int:
+        return self.node(a).distances[[n.id for n in self.nodes].index(b)]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a shard whose memory is on `numa_node` should run its transfers."""
+
+    numa_node: int
+    nic: Nic | None
+    domain: str | None             # libfabric domain of `nic` (or "shm"), None when not inferable
+    cpus: tuple[int, ...]          # empty: no node has CPUs (never on a running kernel)
+    cpu_node: int | None           # the node `cpus` belong to
+    reason: str                    # why, in words (for the node's startup log)
+
+
+def parse_cpulist(text: str, path: str = "<cpulist>") -> tuple[int, ...]:
+    """"0-3,8,10-11" -> (0, 1, 2, 3, 8, 10, 11); "" -> (). TopologyError naming `path` otherwise."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+        if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise TopologyError(f"{path}: malformed CPU list {text.strip()!r} (at {part!r})")
+        lo = int(m.group(1))
+        cpus.update(range(lo, int(m.group(2) or lo) + 1))
+    return tuple(sorted(cpus))
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="ascii")
+    except UnicodeDecodeError as e:
+        raise TopologyError(f"{path}: not ASCII text ({e})") from e
+
+
+def _int(path: Path) -> int:
+    text = _read(path).strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise TopologyError(f"{path}: expected an integer, found {text!r}") from None
+
+
+def _numa_of(device: Path, root: Path) -> int | None:
+    """The NUMA node of a device: the nearest numa_node file at or above its real directory."""
+    d = Path(os.path.realpath(device))
+    top = Path(os.path.realpath(root / "devices"))
+    while d != top and top in d.parents:
+        f = d / "numa_node"
+        if f.is_file():
+            v = _int(f)
+            if v < -1:
+                raise TopologyError(f"{f}: NUMA node {v} (expected -1 or a node id)")
+            return None if v == -1 else v
+        d = d.parent
+    return None
+
+
+def _is_virtual(device: Path, root: Path) -> bool:
+    if not device.exists():
+        return True
+    return Path(os.path.realpath(root / "devices" / "virtual")) in Path(os.path.realpath(device)).parents
+
+
+def _read_nodes(root: Path) -> tuple[NumaNode, ...]:
+    base = root / "devices" / "system" / "node"
+    ids = sorted(int(m.group(1)) for p in (base.iterdir() if base.is_dir() else ())
+                 if (m := _NODE_DIR.fullmatch(p.name)) and p.is_dir())
+    if not ids:
+        online = root / "devices" / "system" / "cpu" / "online"
+        cpus = parse_cpulist(_read(online), str(online)) if online.is_file() else ()
+        return (NumaNode(0, cpus, (10,)),)
+    nodes = []
+    for i in ids:
+        d = base / f"node{i}"
+        cpulist = d / "cpulist"
+        cpus = parse_cpulist(_read(cpulist), str(cpulist)) if cpulist.is_file() else ()
+        dist_file = d / "distance"
+        if dist_file.is_file():
+            text = _read(dist_file).split()
+            try:
+                dist = tuple(int(x) for x in text)
+            except ValueError:
+                raise TopologyError(f"{dist_file}: expected integers, found {' '.join(text)!r}") from None
+            if len(dist) != len(ids):
+                raise TopologyError(f"{dist_file}: {len(dist)} distances for {len(ids)} nodes {ids}")
+        else:
+            dist = tuple(10 if j == i else 20 for j in ids)   # the kernel's defaults: local 10, remote 20
+        nodes.append(NumaNode(i, cpus, dist))
+    return tuple(nodes)
+
+
+def _read_nics(root: Path, node_ids: set[int]) -> tuple[Nic, ...]:
+    nics = []
+    for cls, kind in (("infiniband", "rdma"), ("net", "net")):
+        base = root / "class" / cls
+        for entry in sorted(base.iterdir() if base.is_dir() else (), key=lambda p: p.name):
+            device = entry / "device"
+            if _is_virtual(device, root):
+                continue
+            node = _numa_of(device, root)
+            if node is not None and node not in node_ids:
+                raise TopologyError(f"{entry}: NIC on NUMA node {node}, which {root}/devices/system/node does "
+                                    f"not list ({sorted(node_ids)})")
+            netdevs = tuple(sorted(p.name for p in (device / "net").iterdir())) if (device / "net").is_dir() else ()
+            nics.append(Nic(entry.name, kind, node, netdevs if kind == "rdma" else ()))
+    return tuple(nics)
+
+
+def read_topology(root: str | os.PathLike = "/sys") -> Topology:
+    """NUMA nodes and NICs of the host whose sysfs is mounted at `root`."""
+    r = Path(root)
+    nodes = _read_nodes(r)
+    return Topology(nodes, _read_nics(r, {n.id for n in nodes}))
+
+
+def choose(topology: Topology, numa_node: int, provider: str | None = None) -> Placement:
+    """The NIC (serving `provider`; None: any) and CPUs closest to memory on `numa_node`."""
+    here = topology.node(numa_node)
+    ids = [n.id for n in topology.nodes]
+    rank = {b: (0 if b == numa_node else 1, here.distances[ids.index(b)], b) for b in ids}
+    cpu_node = min((n for n in topology.nodes if n.cpus), key=lambda n: rank[n.id], default=None)
+    cpus = cpu_node.cpus if cpu_node else ()
+    cpu_id = cpu_node.id if cpu_node else None
+    if (provider or "").split(";")[0] == "shm":
+        return Placement(numa_node, None, "shm", cpus, cpu_id, "shm moves bytes through memory: no NIC")
+    usable = [n for n in topology.nics if n.serves(provider)]
+    known = [n for n in usable if n.numa_node is not None]
+    if not known:
+        unknown = [n.name for n in usable if n.numa_node is None]
+        why = (f"no NIC for provider {provider!r}" if provider else "no NIC") + " with a known NUMA node"
+        if unknown:
+            why += f" (locality unknown: {', '.join(unknown)})"
+        return Placement(numa_node, None, None, cpus, cpu_id, why)
+    nic = min(known, key=lambda n: (rank[n.numa_node], n.kind != "rdma", n.name))
+    where = "on the memory's node" if nic.numa_node == numa_node else \
+        f"on node {nic.numa_node}, distance {here.distances[ids.index(nic.numa_node)]}: the nearest"
+    return Placement(numa_node, nic, nic.domain(provider), cpus, cpu_id, f"{nic.kind} NIC {nic.name} {where}")
