@@ -33,6 +33,17 @@ ranks; each segment is one write, from one source rank of that set chosen at ran
 The number of writes depends on the segments only, never on the random choice, so the decode side
 counts without knowing the choice. Never one write per head or per token (D13): a segment is as
 long as the source and destination holdings allow.
+
+How each side uses it (both know both schemes: the ticket carries the decode side's, the node
+info the prefill side's):
+- sender, per request: `plan = plan_transfer(src, dst, rng)`; per finished layer,
+  `plan.layer_writes(layer, src_pages, dst_pages)` gives one `RankWrites` per (prefill rank,
+  decode rank) pair: one `write_pages` call from that prefill rank's registered pool to that decode
+  rank's descriptor (D15: one messenger holds every rank's registration).
+- receiver: `expected_page_writes(src, dst, pages).total` is its ImmCounter target (`per_rank`
+  splits it; the context write counts on rank 0, the leader).
+- checksums (S7): `plan.layer_entries(...)` lists the same entries in a canonical order that does
+  not depend on the replica choice, so source-side and destination-side hashes compare by index.
 """
 
 from __future__ import annotations
@@ -243,10 +254,24 @@ class ExpectedWrites:
 
 
 @dataclass(frozen=True)
+class LayerEntries:
+    """Every entry of one layer in the canonical order (run by run as `ShardPlan.runs` lists them, K
+    pages then V pages), which does not depend on the random replica choice: entry i is the same
+    destination bytes on every plan of the request. The sender hashes entry i at its source, the
+    receiver at its destination, and the two checksum arrays compare element by element (S7)."""
+
+    src_ranks: np.ndarray     # [entries] int64
+    src_offsets: np.ndarray   # [entries] uint64, within the source rank's own buffer
+    dst_ranks: np.ndarray     # [entries] int64
+    dst_offsets: np.ndarray   # [entries] uint64, within the destination rank's own buffer
+    lengths: np.ndarray       # [entries] uint64
+
+
+@dataclass(frozen=True)
 class RankWrites:
     """One layer's entries from one source rank's buffer to one destination rank's buffer, in the
-    arrays `TransferEngine.write_pages` takes (byte offsets within each rank's own buffer): all K
-    entries, then all V entries, run by run."""
+    arrays `TransferEngine.write_pages` takes (byte offsets within each rank's own buffer), in the
+    canonical order (`LayerEntries`) restricted to this pair."""
 
     src_rank: int
     dst_rank: int
@@ -271,25 +296,33 @@ class ShardPlan:
         per_page = tuple(self.runs_to(d) for d in range(self.dst.scheme.tp_size))
         return _expected(per_page, num_pages, self.dst.layout.num_layers, context_writes)
 
-    def layer_writes(self, layer: int, src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[RankWrites, ...]:
+    def layer_entries(self, layer: int, src_pages: np.ndarray, dst_pages: np.ndarray) -> LayerEntries:
         """Every entry of `layer` for request pages held at `src_pages` on every source rank and
-        `dst_pages` on every destination rank (equal-length int arrays), grouped by rank pair."""
-        if len(src_pages) != len(dst_pages):
-            raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
-        groups: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray, int]]] = {}
+        `dst_pages` on every destination rank (equal-length int arrays), in the canonical order."""
+        src_pages, dst_pages = np.asarray(src_pages), np.asarray(dst_pages)
+        if src_pages.shape != dst_pages.shape or src_pages.ndim != 1:
+            raise ValueError(f"source pages {src_pages.shape} and destination pages {dst_pages.shape} must be "
+                             f"1-D and of one length")
+        n = len(src_pages)
+        sr, so, dr, do, ln = [], [], [], [], []
         for w in self.runs:
-            sk, sv = self.src.rank_layout(w.src_rank).page_offsets(layer, np.asarray(src_pages))
-            dk, dv = self.dst.rank_layout(w.dst_rank).page_offsets(layer, np.asarray(dst_pages))
-            g = groups.setdefault((w.src_rank, w.dst_rank), [])
-            g.append((sk + np.uint64(w.src_offset), dk + np.uint64(w.dst_offset), w.length))
-            g.append((sv + np.uint64(w.src_offset), dv + np.uint64(w.dst_offset), w.length))
+            sk, sv = self.src.rank_layout(w.src_rank).page_offsets(layer, src_pages)
+            dk, dv = self.dst.rank_layout(w.dst_rank).page_offsets(layer, dst_pages)
+            so += [sk + np.uint64(w.src_offset), sv + np.uint64(w.src_offset)]
+            do += [dk + np.uint64(w.dst_offset), dv + np.uint64(w.dst_offset)]
+            sr.append(np.full(2 * n, w.src_rank, dtype=np.int64))
+            dr.append(np.full(2 * n, w.dst_rank, dtype=np.int64))
+            ln.append(np.full(2 * n, w.length, dtype=np.uint64))
+        return LayerEntries(np.concatenate(sr), np.concatenate(so), np.concatenate(dr), np.concatenate(do),
+                            np.concatenate(ln))
+
+    def layer_writes(self, layer: int, src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[RankWrites, ...]:
+        """`layer_entries` grouped by (source rank, destination rank): one write_pages call each."""
+        e = self.layer_entries(layer, src_pages, dst_pages)
         out = []
-        for (s, d), parts in groups.items():
-            # K entries of every run first, then V: the order write_pages coalesces best.
-            parts = parts[0::2] + parts[1::2]
-            out.append(RankWrites(
-                s, d, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
-                np.concatenate([np.full(len(p[0]), p[2], dtype=np.uint64) for p in parts])))
+        for s, d in dict.fromkeys((w.src_rank, w.dst_rank) for w in self.runs):
+            sel = (e.src_ranks == s) & (e.dst_ranks == d)
+            out.append(RankWrites(s, d, e.src_offsets[sel], e.dst_offsets[sel], e.lengths[sel]))
         return tuple(out)
 
 

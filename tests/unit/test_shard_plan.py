@@ -104,6 +104,16 @@ def test_plan_reassembles_every_decode_shard(p_tp, d_tp, k, dtype):
             # the fewest runs any plan could use.
             groups = len({holders[h] for h in heads})
             assert plan.runs_to(r) == groups
+        # The canonical entry order: entry i's source bytes are entry i's destination bytes (what S7's
+        # checksums compare), whichever replicas this seed chose.
+        for layer in range(LAYERS):
+            e = plan.layer_entries(layer, SRC_PAGES, DST_PAGES)
+            src_b = [p.reshape(-1).view(np.uint8) for p in src_pools]
+            for i in range(len(e.lengths)):
+                so, do, n = int(e.src_offsets[i]), int(e.dst_offsets[i]), int(e.lengths[i])
+                assert np.array_equal(src_b[e.src_ranks[i]][so:so + n], dst_bytes[e.dst_ranks[i]][do:do + n])
+            assert np.array_equal(e.dst_offsets, plan_transfer(src, dst, random.Random(seed + 100))
+                                  .layer_entries(layer, SRC_PAGES, DST_PAGES).dst_offsets)
         want_count = plan.expected_writes(n_pages)
         assert want_count == expected_page_writes(src, dst, n_pages)
         assert list(want_count.per_rank) == [entries[0] + 1] + entries[1:]   # + the context write on the leader
