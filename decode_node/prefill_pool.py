@@ -23,6 +23,7 @@ import grpc
 
 from kv_messenger.ticket import peer_from_bytes
 from pdserve.serving.prefix_index import Candidate, LoadCap, PrefixIndex, chain_hashes, choose, token_blocks
+from pdserve.serving.channels import PLAINTEXT, ChannelSecurity, open_channel
 from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -67,14 +68,15 @@ class PrefillNode:
 
 
 class PrefillPool:
-    def __init__(self, addresses: list[str], affinity: PrefixAffinity | None = None) -> None:
+    def __init__(self, addresses: list[str], affinity: PrefixAffinity | None = None,
+                 security: ChannelSecurity = PLAINTEXT) -> None:
         if not addresses:
             raise ValueError("a decode node needs at least one prefill node address (or --colocated)")
         self.affinity = affinity
         self.index = PrefixIndex(affinity.capacity) if affinity is not None else None
         self.nodes: list[PrefillNode] = []
         for addr in addresses:
-            ch = grpc.aio.insecure_channel(addr)
+            ch = open_channel(addr, security)   # TLS / token as configured, keepalive
             self.nodes.append(PrefillNode(addr, ch, prefill_pb2_grpc.PrefillServiceStub(ch),
                                           node_pb2_grpc.NodeServiceStub(ch)))
 

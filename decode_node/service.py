@@ -60,6 +60,7 @@ POOL_REFRESH_S = 1.0         # GetNodeInfo of every prefill node, this often
 @dataclass(frozen=True)
 class DecodeNodeConfig:
     """One decode (or colocated) node."""
+from pdserve.serving.channels import PLAINTEXT, ChannelSecurity
 
     engine: EngineConfig
     node_id: str
@@ -95,6 +96,7 @@ class PrefillOutcome:
 @dataclass
 class Transfer:
     """One request's prompt KV on its way here (loop-owned)."""
+    channel_security: ChannelSecurity = PLAINTEXT   # of the channels to prefill nodes (mTLS, token)
 
     token_ids: tuple[int, ...]                # prompt minus its last token
     task: asyncio.Task | None = None
@@ -159,7 +161,7 @@ class DecodeNode(ReceiverEvents):
         if not self.config.colocated:
             cfg = self.config
             affinity = PrefixAffinity(block_tokens=self._page_size) if cfg.prefill_routing == "prefix" else None
-            self.pool = PrefillPool(list(cfg.prefill_addresses), affinity)
+            self.pool = PrefillPool(list(cfg.prefill_addresses), affinity, cfg.channel_security)
             await self.pool.refresh()
             self._refresher = asyncio.create_task(self._refresh_loop())
 
@@ -426,3 +428,4 @@ class DecodeNode(ReceiverEvents):
             num_layers=info.num_layers, max_context_length=info.max_model_len,
             fabric_peer=peer_to_bytes(self.transport.peer_descriptor) if self.transport is not None else b"",
         )
+        req.decode_node_id = self.config.node_id   # under mTLS, checked against our certificate (S9)

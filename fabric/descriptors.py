@@ -1,8 +1,47 @@
-"""Picklable descriptors exchanged between processes (peers and regions)."""
+"""Picklable descriptors exchanged between processes (peers and regions), and the checks an
+endpoint name from the network passes before it reaches fi_av_insert (``check_address``)."""
 
 from __future__ import annotations
 
+import ipaddress
+import socket
+import struct
 from dataclasses import dataclass
+
+ADDR_MAX = 256  # the longest endpoint name (PDF_ADDR_MAX in csrc/pdf_core.h)
+_SOCKADDR_SIZES = {socket.AF_INET: 16, socket.AF_INET6: 28}  # sockaddr_in, sockaddr_in6
+
+
+def _sockaddr_provider(provider: str) -> bool:
+    """Providers whose endpoint names are a struct sockaddr (tcp, and verbs / sockets under rxm)."""
+    core = provider.split(";")[0]
+    return core in ("tcp", "verbs", "sockets", "udp")
+
+
+def check_address(provider: str, address: bytes, own_length: int) -> None:
+    """Raise ValueError naming the problem if ``address`` cannot be an endpoint name of
+    ``provider`` (whose names this endpoint's are ``own_length`` bytes long): shm names are
+    NUL-terminated strings of at most ADDR_MAX bytes; sockaddr names (tcp, verbs) have the size
+    their address family says; other providers' names have exactly this endpoint's length."""
+    n = len(address)
+    if not 1 <= n <= ADDR_MAX:
+        raise ValueError(f"endpoint name of {n} bytes: expected 1..{ADDR_MAX}")
+    if provider == "shm":
+        if address[-1] != 0 or address.index(0) != n - 1:
+            raise ValueError(f"shm endpoint name of {n} bytes is not one NUL-terminated string")
+        return
+    if _sockaddr_provider(provider):
+        if n < 2:
+            raise ValueError(f"{provider} endpoint name of {n} bytes: too short for a sockaddr")
+        family = struct.unpack_from("=H", address)[0]
+        want = _SOCKADDR_SIZES.get(family)
+        if want is None:
+            raise ValueError(f"{provider} endpoint name has address family {family}, not IPv4 or IPv6")
+        if n != want:
+            raise ValueError(f"{provider} endpoint name of {n} bytes: its address family needs {want}")
+        return
+    if n != own_length:
+        raise ValueError(f"{provider} endpoint name of {n} bytes: this provider's are {own_length}")
 
 
 @dataclass(frozen=True)
@@ -26,6 +65,17 @@ class PeerDescriptor:
 
     def __repr__(self) -> str:
         return f"PeerDescriptor({self.provider}, engine={self.engine_id[:8]}, pid={self.pid})"
+
+    def ip_address(self) -> str | None:
+        """The IP address in the endpoint name of a sockaddr provider (tcp, verbs), else None."""
+        if not _sockaddr_provider(self.provider) or len(self.address) < 2:
+            return None
+        family = struct.unpack_from("=H", self.address)[0]
+        if family == socket.AF_INET and len(self.address) >= 8:
+            return str(ipaddress.IPv4Address(self.address[4:8]))
+        if family == socket.AF_INET6 and len(self.address) >= 24:
+            return str(ipaddress.IPv6Address(self.address[8:24]))
+        return None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Sequence
 
 from pdserve.serving.engine_args import add_engine_args, engine_config
-from pdserve.serving.node_server import PREFILL_PORT, NodeServer, ServeOptions, add_node_args, run_main
+from pdserve.serving.node_server import PREFILL_PORT, NodeServer, add_node_args, run_main, serve_options
 from prefill_node.server import node_server
 from prefill_node.service import PrefillNodeConfig
 
@@ -30,7 +30,7 @@ def make(args: argparse.Namespace) -> NodeServer:
     node_id = args.node_id or (f"prefill-{args.port}" if args.port else f"prefill-{uuid.uuid4().hex[:12]}")
     config = PrefillNodeConfig(engine=engine_config(args), provider=args.provider, fabric_node=args.fabric_node,
                                node_id=node_id)
-    return node_server(config, ServeOptions(host=args.host, port=args.port, metrics_port=args.metrics_port))
+    return node_server(config, serve_options(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

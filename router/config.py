@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.serving.channels import PLAINTEXT, ChannelSecurity
 from router.policy import RoutingConfig
 
 
@@ -50,6 +51,7 @@ class RouterConfig:
             parse_address(address)
         if len(set(self.decode_nodes)) != len(self.decode_nodes):
             raise ValueError(f"decode node addresses must be distinct, got {list(self.decode_nodes)}")
+    security: ChannelSecurity = PLAINTEXT  # its gRPC port and its channels to the nodes (mTLS, token; S9)
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         for name in ("health_interval_s", "health_timeout_s", "load_timeout_s", "shutdown_grace_s"):

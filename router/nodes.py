@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.serving.channels import ChannelSecurity, open_channel
 from pdserve.serving.convert import Prompt
 from pdserve.serving.metrics import router_metrics
 from pdserve.serving.prefix_index import Candidate
@@ -98,8 +99,8 @@ class DecodeNode:
     def end(self, request_id: str) -> None:
         self.inflight.pop(request_id, None)
 
-    def open(self) -> None:
-        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+    def open(self, security: ChannelSecurity) -> None:
+        self.channel = open_channel(self.address, security, options=CHANNEL_OPTIONS)  # TLS / token, keepalive
         self.generate = generate_pb2_grpc.GenerateServiceStub(self.channel)
         self.node = node_pb2_grpc.NodeServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -124,7 +125,7 @@ class NodePool:
     async def start(self) -> None:
         """Open channels, poll every node once (so the first request sees real health), start polling."""
         for node in self.nodes:
-            node.open()
+            node.open(self._config.security)
         await self.poll_all()
         self._task = asyncio.create_task(self._poll_forever(), name="router-node-poller")
 

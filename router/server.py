@@ -26,6 +26,7 @@ import signal
 import grpc
 from grpc_health.v1 import health_pb2
 
+from pdserve.serving.channels import add_server_port, aio_server
 from pdserve_api.servers import AioExceptionToStatusInterceptor, add_standard_services_aio
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
 from router.config import RouterConfig
@@ -65,12 +66,10 @@ class RouterServer:
         """Bind, register services, poll the nodes once, serve; returns the bound gRPC port."""
         # Room for a prompt far over the limit, so that it is refused by check_request with its size named.
         options = [("grpc.max_receive_message_length", max(GRPC_MAX_MESSAGE_BYTES, self.limits.max_message_bytes))]
-        server = grpc.aio.server(interceptors=[AioExceptionToStatusInterceptor()], options=options)
+        server = aio_server(self.config.security, interceptors=[AioExceptionToStatusInterceptor()], options=options)
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(self.front, server)
         self._health = await add_standard_services_aio(server, [GENERATE_SERVICE], serving=False)
-        port = server.add_insecure_port(self.config.listen_address)
-        if port == 0:
-            raise OSError(f"router could not bind {self.config.listen_address}")
+        port = add_server_port(server, self.config.listen_address, self.config.security)  # OSError if it cannot
         self._server, self.port = server, port
         await self.pool.start()
         await server.start()

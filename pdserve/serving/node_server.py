@@ -14,6 +14,10 @@ serve). While the node is being built its servicers answer UNAVAILABLE (`NodeHol
 Flags (`add_node_args`) have the same names and defaults on both node kinds: a prefill node and a
 decode node started by hand with their defaults can talk to each other.
 
+Security (S9): `--tls-cert/--tls-key/--tls-ca` serve mTLS and `--auth-token-file` (or
+$PDSERVE_AUTH_TOKEN) checks a shared token on every call (pdserve.serving.channels); the server
+also pings its clients (keepalive), so a stopped peer's calls fail within seconds.
+
 Blocking waits, with their bounds: the node's build (none: a model load takes what it takes, and
 SIGTERM during it is honoured once it ends); drain (the node's own bound); server stop
 (STOP_GRACE_S); close (the node's own bound). The engine watchdog polls every
@@ -35,6 +39,14 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from pdserve.engine.engine_thread import EngineThread
+from pdserve.serving.channels import (
+    PLAINTEXT,
+    ChannelSecurity,
+    add_security_args,
+    add_server_port,
+    aio_server,
+    security_from_args,
+)
 from pdserve.serving.logs import add_log_args
 from pdserve.serving.metrics import REGISTRY
 from pdserve.serving.metrics.engine_collector import EngineCollector
@@ -69,6 +81,7 @@ def add_node_args(p: argparse.ArgumentParser, role: str, default_port: int) -> a
                         "the provider's choice)")
     g.add_argument("--metrics-port", type=int, default=0, metavar="P",
                    help="serve Prometheus metrics at http://HOST:P/metrics (default 0: no metrics server)")
+    add_security_args(g)
     add_log_args(g)
     return g
 
@@ -115,6 +128,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 0
     metrics_port: int = 0   # GET /metrics on host:metrics_port; 0: no metrics server
+    security: ChannelSecurity = PLAINTEXT   # TLS / mTLS and the token of the gRPC port
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
@@ -144,12 +158,13 @@ async def serve_node(spec: NodeServer[N]) -> int:
         loop.add_signal_handler(sig, stop.set)
     opts, name = spec.options, f"{spec.role} {spec.node_id}"
     holder: NodeHolder[N] = NodeHolder(spec.node_id)
-    server = grpc.aio.server(interceptors=[AioExceptionToStatusInterceptor()], options=[("grpc.so_reuseport", 0)])
+    server = aio_server(opts.security, interceptors=[AioExceptionToStatusInterceptor()],
+                        options=[("grpc.so_reuseport", 0)])
     spec.add_servicers(server, holder)
     health = await add_standard_services_aio(server, spec.service_names, serving=False)
     try:
-        port = server.add_insecure_port(f"{opts.host}:{opts.port}")
-    except RuntimeError as e:
+        port = add_server_port(server, f"{opts.host}:{opts.port}", opts.security)
+    except (RuntimeError, OSError) as e:
         logger.error("%s cannot bind %s:%d: %s", name, opts.host, opts.port, e)
         return 1
     metrics = MetricsServer(opts.host, opts.metrics_port) if opts.metrics_port else None
@@ -161,7 +176,8 @@ async def serve_node(spec: NodeServer[N]) -> int:
             await server.stop(0)
             return 1
     await server.start()
-    logger.info("%s: gRPC bound on %s:%d, loading the model", name, opts.host, port)
+    logger.info("%s: gRPC bound on %s:%d (%s), loading the model", name, opts.host, port,
+                opts.security.describe())
 
     async def set_health(status: int) -> None:
         for service in ("", *spec.service_names):
@@ -209,6 +225,12 @@ async def serve_node(spec: NodeServer[N]) -> int:
         await metrics.stop()
     logger.info("%s: stopped", name)
     return 0
+
+
+def serve_options(args: argparse.Namespace) -> ServeOptions:
+    """The ServeOptions of add_node_args' flags (ValueError naming a bad TLS or token file)."""
+    return ServeOptions(host=args.host, port=args.port, metrics_port=args.metrics_port,
+                        security=security_from_args(args))
 
 
 def service_names(*descriptors: tuple[object, str]) -> tuple[str, ...]:

@@ -9,6 +9,9 @@
         async for chunk in client.generate([{"role": "user", "content": "Hi"}]):
             ...
 
+`security` (pdserve.serving.channels.ChannelSecurity: a CA to verify the server, a client certificate
+for mTLS, the shared token) secures the channel; the default is plaintext with no token. Channels
+send keepalive pings, so a stopped server fails the calls in flight within seconds.
 `Client` uses a blocking grpc channel and may be shared by threads; `AsyncClient` uses grpc.aio and
 belongs to the event loop that first calls it. A prompt is text, token ids (used as given), or chat
 messages (a list of {"role", "content"} mappings or (role, content) pairs). A failed call raises
@@ -38,6 +41,14 @@ from typing import Union
 import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.serving.channels import (
+    PLAINTEXT,
+    ChannelSecurity,
+    add_security_args,
+    open_channel,
+    open_sync_channel,
+    security_from_args,
+)
 from pdserve.serving.convert import finish_reason_from_pb, sampling_to_pb
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
 
@@ -262,10 +273,10 @@ def _target(url: str) -> str:
 class Client:
     """Blocking client. `timeout`: default deadline in seconds of every call (None: none)."""
 
-    def __init__(self, url: str, timeout: float | None = None) -> None:
+    def __init__(self, url: str, timeout: float | None = None, security: ChannelSecurity = PLAINTEXT) -> None:
         self.url = _target(url)
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(self.url, options=_CHANNEL_OPTIONS)
+        self._channel = open_sync_channel(self.url, security, options=_CHANNEL_OPTIONS)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
 
     def generate(self, prompt: Prompt, sampling: SamplingParams | None = None, request_id: str | None = None,
@@ -325,10 +336,10 @@ class Client:
 class AsyncClient:
     """asyncio client (grpc.aio). `timeout`: default deadline in seconds of every call (None: none)."""
 
-    def __init__(self, url: str, timeout: float | None = None) -> None:
+    def __init__(self, url: str, timeout: float | None = None, security: ChannelSecurity = PLAINTEXT) -> None:
         self.url = _target(url)
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(self.url, options=_CHANNEL_OPTIONS)
+        self._channel = open_channel(self.url, security, options=_CHANNEL_OPTIONS)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
 
     async def generate(self, prompt: Prompt, sampling: SamplingParams | None = None, request_id: str | None = None,
@@ -395,6 +406,7 @@ def add_remote_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: add each generated token's logprob and the N most likely "
                         "alternatives (0..20)")
+    add_security_args(p)
 
 
 def logprobs_json(p: PositionLogprobs) -> dict[str, object]:
@@ -416,7 +428,12 @@ def cmd_generate_remote(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         max_tokens=args.max_tokens, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos, logprobs=logprobs,
     )
-    with Client(args.url, timeout=getattr(args, "timeout", None)) as client:
+    try:
+        security = security_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with Client(args.url, timeout=getattr(args, "timeout", None), security=security) as client:
         for text in args.prompts:
             prompt: Prompt = [{"role": "user", "content": text}] if args.chat else text
             acc = _Collector()

@@ -32,6 +32,13 @@ so `url`, `http_url` and `metrics_urls` are known up front. With
 allowed CPUs, set with sched_setaffinity by the child at its start, see Spawning); the router is not
 pinned. Too few cores for every node is a ValueError naming the counts.
 
+Security (S9): with `tls`, the start makes a throwaway CA and one certificate per child (named
+after it: prefill-0, decode-0, router) plus one for clients ("client"), in `<log_dir>/security/`
+(pdserve.tools.certs; the CA key is deleted once they are signed), and every child serves mTLS
+and calls the others with its own certificate; with `auth_token`, a random token is written to
+`<log_dir>/security/token` (owner-only) and every child checks and sends it. `client_security`
+is what a client of the cluster needs (Client(url, security=cluster.client_security)).
+
 Threads: none of its own. `Cluster` is driven by the caller's thread; `cmd_up` waits in the main
 thread for SIGINT/SIGTERM (or a child's unexpected exit).
 """
@@ -43,6 +50,7 @@ import ctypes
 import logging
 import os
 import runpy
+import secrets
 import shlex
 import signal
 import socket
@@ -55,7 +63,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.serving.channels import PLAINTEXT, ChannelSecurity, open_sync_channel, security_argv
 from pdserve.serving.logs import FORMATS
+from pdserve.tools.certs import make_pki
 from router.policy import POLICIES
 
 logger = logging.getLogger(__name__)
@@ -76,7 +86,8 @@ class ClusterConfig:
     `Cluster.metrics_urls` lists them with the router's). routing: the router's decode-node policy,
     "least-loaded" or "prefix" (prefix-aware; decode nodes of a disaggregated cluster then also
     prefer the prefill node that was sent a prompt's prefix). log_format: "text" or "json" lines
-    for every process."""
+    for every process. tls: mTLS between every process, with certificates made for this cluster;
+    auth_token: a shared token on every gRPC call (see Security)."""
 
     prefill: int | None = None
     decode: int | None = None
@@ -97,6 +108,8 @@ class ClusterConfig:
     node_metrics: bool = True
     routing: str = "least-loaded"
     log_format: str = "text"
+    tls: bool = False
+    auth_token: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine_args", tuple(self.engine_args))
@@ -226,12 +239,34 @@ def core_slices(num_nodes: int, per_node: int, available: Sequence[int] | None =
     return [tuple(cores[i * per_node:(i + 1) * per_node]) for i in range(num_nodes)]
 
 
+SECURITY_DIR = "security"       # under the log dir: certificates, keys and the token of a secured cluster
+TOKEN_FILE = "token"
+CLIENT_CERT = "client"          # the certificate name a secured cluster makes for its clients
+
+
+def _security_flags(config: ClusterConfig, security_dir: str | None, name: str) -> list[str]:
+    """The TLS / token flags of child `name` (none unless config.tls or config.auth_token)."""
+    if not (config.tls or config.auth_token):
+        return []
+    if security_dir is None:
+        raise ValueError("a cluster with tls or auth_token needs the folder of its certificates (security_dir)")
+    d = Path(security_dir)
+    flags: list[str] = []
+    if config.tls:
+        flags += ["--tls-cert", str(d / f"{name}.pem"), "--tls-key", str(d / f"{name}.key"),
+                  "--tls-ca", str(d / "ca.pem")]
+    if config.auth_token:
+        flags += ["--auth-token-file", str(d / TOKEN_FILE)]
+    return flags
+
+
 def plan(config: ClusterConfig, ports: Sequence[int] | None = None,
-         cores: Sequence[int] | None = None) -> list[ProcessSpec]:
+         cores: Sequence[int] | None = None, security_dir: str | None = None) -> list[ProcessSpec]:
     """The processes to start, in order. ports: one per node, then the router's when config.port is 0,
     then the HTTP API's when config.http_port is 0, then one metrics port per node when
     config.node_metrics (default: fresh free ports). cores: the CPUs to pin nodes to with
-    config.pin_cores (default: this process's allowed CPUs)."""
+    config.pin_cores (default: this process's allowed CPUs). security_dir: where the certificates
+    and token of a cluster with tls / auth_token are (made by Cluster.start)."""
     n_nodes = config.num_nodes
     need = n_nodes + (config.port == 0) + (config.http_port == 0) + (n_nodes if config.node_metrics else 0)
     fixed = tuple(p for p in (config.port, config.http_port) if p)
@@ -248,21 +283,24 @@ def plan(config: ClusterConfig, ports: Sequence[int] | None = None,
         for i in range(config.colocated):
             port = next(it)
             name = f"colocated-{i}"
-            argv = [py, "-m", "decode_node", *common, "--port", str(port), "--node-id", name, "--colocated", *engine]
+            argv = [py, "-m", "decode_node", *common, "--port", str(port), "--node-id", name, "--colocated", *engine,
+                    *_security_flags(config, security_dir, name)]
             nodes.append((name, "colocated", port, argv))
     else:
         fabric = ["--provider", config.provider, "--fabric-node", config.host]
         for i in range(config.prefill):
             port = next(it)
             name = f"prefill-{i}"
-            argv = [py, "-m", "prefill_node", *common, "--port", str(port), "--node-id", name, *fabric, *engine]
+            argv = [py, "-m", "prefill_node", *common, "--port", str(port), "--node-id", name, *fabric, *engine,
+                    *_security_flags(config, security_dir, name)]
             nodes.append((name, "prefill", port, argv))
         prefill_addrs = ",".join(f"{config.host}:{port}" for _, _, port, _ in nodes)
         for i in range(config.decode):
             port = next(it)
             name = f"decode-{i}"
             argv = [py, "-m", "decode_node", *common, "--port", str(port), "--node-id", name, *fabric,
-                    "--prefill", prefill_addrs, "--prefill-routing", config.routing, *engine]
+                    "--prefill", prefill_addrs, "--prefill-routing", config.routing, *engine,
+                    *_security_flags(config, security_dir, name)]
             nodes.append((name, "decode", port, argv))
     router_port = config.port or next(it)
     http_port = config.http_port if config.http_port != 0 else next(it)
@@ -274,7 +312,8 @@ def plan(config: ClusterConfig, ports: Sequence[int] | None = None,
         specs.append(ProcessSpec(name, role, config.host, port, tuple(argv), metrics_port, tuple(cpus)))
     decode_addrs = ",".join(s.address for s in specs if s.role != "prefill")
     argv = [py, "-m", "router", *common, "--port", str(router_port), "--decode", decode_addrs,
-            "--health-interval", str(config.router_health_interval_s), "--routing", config.routing]
+            "--health-interval", str(config.router_health_interval_s), "--routing", config.routing,
+            *_security_flags(config, security_dir, "router")]
     if http_port is not None:
         argv += ["--http-port", str(http_port)]
     specs.append(ProcessSpec("router", "router", config.host, router_port, tuple(argv), http_port))
@@ -381,12 +420,12 @@ def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def health_status(address: str, timeout: float = 1.0) -> str:
+def health_status(address: str, timeout: float = 1.0, security: ChannelSecurity = PLAINTEXT) -> str:
     """The grpc.health.v1 status of a server ("SERVING", "NOT_SERVING", ...) or "UNREACHABLE: why"."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with open_sync_channel(address, security) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                                timeout=timeout)
@@ -411,8 +450,10 @@ class Cluster:
 
     def __init__(self, config: ClusterConfig | None = None, **options: object) -> None:
         self.config: ClusterConfig = config or ClusterConfig(**options)  # type: ignore[arg-type]
-        self.specs = plan(self.config)
         self.log_dir = Path(self.config.log_dir or tempfile.mkdtemp(prefix="pdserve-cluster-"))
+        self.security_dir = self.log_dir / SECURITY_DIR
+        self.specs = plan(self.config, security_dir=str(self.security_dir))
+        self._client_security: ChannelSecurity | None = None
         self._children = {s.name: _Child(s, self.log_dir / f"{s.name}.log") for s in self.specs}
         self._lock = threading.Lock()
 
@@ -450,6 +491,42 @@ class Cluster:
         """The shell command line of every child, in start order (what `pdserve up --dry-run` prints)."""
         return [s.command for s in self.specs]
 
+    @property
+    def client_security(self) -> ChannelSecurity:
+        """What a client of this cluster needs: the CA and the client certificate (tls), the token
+        (auth_token); plaintext for a cluster with neither. Available once started."""
+        if not (self.config.tls or self.config.auth_token):
+            return PLAINTEXT
+        if self._client_security is None:
+            raise RuntimeError("the cluster's certificates and token are made by start()")
+        return self._client_security
+
+    def _make_security(self) -> None:
+        """The certificates (tls) and the token (auth_token) every child's flags name (see Security)."""
+        if not (self.config.tls or self.config.auth_token):
+            return
+        d = self.security_dir
+        d.mkdir(parents=True, exist_ok=True)
+        os.chmod(d, 0o700)
+        cert = key = ca = None
+        if self.config.tls:
+            pki = make_pki(d, [*(s.name for s in self.specs), CLIENT_CERT], hosts=[self.config.host])
+            cert, key, ca = pki[CLIENT_CERT].cert, pki[CLIENT_CERT].key, pki.ca
+        token_path = None
+        if self.config.auth_token:
+            token_path = d / TOKEN_FILE
+            fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(32) + "\n")
+        self._client_security = ChannelSecurity.load(cert_file=cert, key_file=key, ca_file=ca,
+                                                     token_file=str(token_path) if token_path else None,
+                                                     token_env=None)
+
+    def client_flags(self) -> list[str]:
+        """The `pdserve generate --url` / Client flags a client of this cluster needs."""
+        s = self.client_security
+        return security_argv(s, str(self.security_dir / TOKEN_FILE) if s.token else None)
+
     # --- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> Cluster:
@@ -457,6 +534,7 @@ class Cluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + self.config.startup_timeout_s
         try:
+            self._make_security()
             for phase in ("prefill", "decode", "colocated", "router"):
                 names = [s.name for s in self.specs if s.role == phase]
                 for name in names:
@@ -492,7 +570,7 @@ class Cluster:
                 if code is not None:
                     raise ClusterStartError(f"{name} exited with status {code} before serving; "
                                             f"last lines of {child.log_path}:\n{log_tail(child.log_path)}")
-                status[name] = health_status(child.spec.address, timeout=1.0)
+                status[name] = health_status(child.spec.address, timeout=1.0, security=self.client_security)
                 if status[name] == "SERVING":
                     pending.remove(name)
             if not pending:
@@ -589,6 +667,11 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=None, metavar="DIR", help="child logs (default: a new temp dir, printed)")
     p.add_argument("--startup-timeout", type=float, default=180.0, metavar="S",
                    help="seconds for every process to report SERVING")
+    p.add_argument("--tls", action="store_true",
+                   help="mTLS between every process, with a throwaway CA and certificates made in "
+                        "LOG_DIR/security (clients use client.pem, client.key and ca.pem there)")
+    p.add_argument("--auth-token", action="store_true",
+                   help="a random shared token on every gRPC call (LOG_DIR/security/token)")
     p.add_argument("--dry-run", action="store_true", help="print the commands that would run, start nothing")
 
 
@@ -603,6 +686,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         threads_per_node=args.threads_per_node, num_blocks=args.num_blocks, engine_args=tuple(engine),
         log_dir=args.log_dir, startup_timeout_s=args.startup_timeout, pin_cores=args.pin_cores,
         node_metrics=args.node_metrics, routing=args.routing, log_format=args.log_format,
+        tls=args.tls, auth_token=args.auth_token,
     )
 
 
@@ -631,6 +715,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"pdserve cluster serving on {cluster.url} (gRPC){http} ({config.description})", flush=True)
         for name, url in cluster.metrics_urls.items():
             print(f"  metrics of {name}: {url}", flush=True)
+        if config.tls or config.auth_token:
+            print(f"  clients: pdserve generate --url {cluster.url} {shlex.join(cluster.client_flags())} ...",
+                  flush=True)
         status = 0
         while not stop.wait(0.5):
             dead = cluster.poll()

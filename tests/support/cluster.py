@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
+from pdserve.serving.channels import PLAINTEXT, ChannelSecurity, open_sync_channel
 
 from pdserve.tools.launcher import Cluster
 from pdserve_api.v1 import common_pb2, node_pb2, node_pb2_grpc
@@ -52,8 +53,8 @@ def cluster_fixture(name: str, scope: str = "module", **config: Any):
     return cluster
 
 
-def node_load(address: str, timeout: float = 5.0) -> common_pb2.NodeLoad:
-    with grpc.insecure_channel(address) as channel:
+def node_load(address: str, timeout: float = 5.0, security: ChannelSecurity = PLAINTEXT) -> common_pb2.NodeLoad:
+    with open_sync_channel(address, security) as channel:
         return node_pb2_grpc.NodeServiceStub(channel).GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=timeout).load
 
 
@@ -73,7 +74,7 @@ class PageState:
 
 
 def page_state(cluster: Cluster) -> PageState:
-    loads = {a: node_load(a) for a in node_addresses(cluster)}
+    loads = {a: node_load(a, security=cluster.client_security) for a in node_addresses(cluster)}
     return PageState({a: (x.free_kv_blocks, x.total_kv_blocks, x.outstanding_requests) for a, x in loads.items()
                       if x.free_kv_blocks != x.total_kv_blocks or x.outstanding_requests})
 

@@ -156,6 +156,7 @@ def _full_prefill_request() -> prefill_pb2.PrefillRequest:
         cached_tokens=16,
         model="smollm2-135m",
         deadline_s=2.5,
+        decode_node_id="decode-3",
     )
 
 
