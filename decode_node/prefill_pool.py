@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kv_messenger.ticket import peer_from_bytes
+from pdserve.serving.discovery import Membership
 from pdserve.serving.prefix_index import Candidate, LoadCap, PrefixIndex, chain_hashes, choose, token_blocks
 from pdserve.serving.channels import PLAINTEXT, ChannelSecurity, open_channel
 from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2_grpc
@@ -75,13 +76,20 @@ class PrefillPool:
         self.affinity = affinity
         self.index = PrefixIndex(affinity.capacity) if affinity is not None else None
         self.nodes: list[PrefillNode] = []
-        for addr in addresses:
+        # Static addresses now; dns:NAME:PORT entries resolved at each refresh (pdserve.serving.discovery).
+        self.members = Membership(addresses)
+        self._retired: list[PrefillNode] = []   # left discovery; channel closed once nothing is in flight there
+
+        def connect(addr: str) -> PrefillNode:
             ch = open_channel(addr, security)   # TLS / token as configured, keepalive
-            self.nodes.append(PrefillNode(addr, ch, prefill_pb2_grpc.PrefillServiceStub(ch),
-                                          node_pb2_grpc.NodeServiceStub(ch)))
+            return PrefillNode(addr, ch, prefill_pb2_grpc.PrefillServiceStub(ch), node_pb2_grpc.NodeServiceStub(ch))
+
+        self._connect = connect
+        self.nodes.extend(connect(addr) for addr in self.members.static)
 
     async def refresh(self, timeout: float = 2.0) -> None:
         """Poll every node's NodeInfo (load and fabric peer); failures mark a node down."""
+        await self._discover()
         for n in self.nodes:
             try:
                 info = await n.info.GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=timeout)
@@ -95,6 +103,23 @@ class PrefillPool:
             if n.down_since is not None:
                 logger.info("prefill node %s is back", n.address)
             n.down_since = None
+
+    async def _discover(self) -> None:
+        """dns: entries resolved again: new prefill nodes join (chosen once a refresh read their
+        NodeInfo), nodes that left are chosen no more."""
+        change = await self.members.refresh()
+        if change is not None:
+            gone = set(change.removed)
+            for n in [n for n in self.nodes if n.address in gone]:
+                self.nodes.remove(n)
+                self._retired.append(n)
+                if self.index is not None:
+                    self.index.forget(n.address)
+            known = {n.address for n in self.nodes}
+            self.nodes.extend(self._connect(a) for a in change.added if a not in known)
+        for n in [n for n in self._retired if n.sent_tokens == 0]:
+            self._retired.remove(n)
+            await n.channel.close()
 
     def mark_down(self, node: PrefillNode, why: str) -> None:
         if node.down_since is None:
@@ -132,5 +157,5 @@ class PrefillPool:
         raise KeyError(address)
 
     async def close(self) -> None:
-        for n in self.nodes:
+        for n in [*self.nodes, *self._retired]:
             await n.channel.close()

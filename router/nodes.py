@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.serving.channels import ChannelSecurity, open_channel
 from pdserve.serving.convert import Prompt
+from pdserve.serving.discovery import Membership, Resolver
 from pdserve.serving.metrics import router_metrics
 from pdserve.serving.prefix_index import Candidate
 from pdserve_api.servers import UnavailableError
@@ -111,9 +112,12 @@ class NodePool:
 
     def __init__(self, config: RouterConfig,
                  on_health_change: Callable[[bool], object] | None = None,
-                 routing: RoutingConfig | None = None) -> None:
+                 routing: RoutingConfig | None = None, resolver: Resolver | None = None) -> None:
         self._config = config
-        self.nodes = [DecodeNode(address, i) for i, address in enumerate(config.decode_nodes)]
+        # Static addresses now; dns:NAME:PORT entries resolved at each poll round (pdserve.serving.discovery).
+        self.members = Membership(config.decode_nodes, resolver)
+        self.nodes = [DecodeNode(address, i) for i, address in enumerate(self.members.static)]
+        self._retired: list[DecodeNode] = []   # left discovery; channel closed once nothing is in flight there
         # The policy: `routing` if given, else RouterConfig.routing.
         self.policy: RoutingPolicy = make_policy(routing or config.routing)
         self._on_health_change = on_health_change
@@ -137,7 +141,7 @@ class NodePool:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        for node in self.nodes:
+        for node in [*self.nodes, *self._retired]:
             if node.channel is not None:
                 await node.channel.close()
                 node.channel = None
@@ -181,6 +185,7 @@ class NodePool:
     # --- polling --------------------------------------------------------------------------------
 
     async def poll_all(self) -> None:
+        await self._discover()
         await asyncio.gather(*(self._poll(node) for node in self.nodes))
         any_healthy = any(n.healthy for n in self.nodes)
         if any_healthy != self._any_healthy:
@@ -189,6 +194,28 @@ class NodePool:
                 result = self._on_health_change(any_healthy)
                 if asyncio.iscoroutine(result):
                     await result
+
+    async def _discover(self) -> None:
+        """dns: entries resolved again: nodes that appeared join (unpolled, so out of rotation until
+        this round's poll), nodes that left go out of rotation at once."""
+        change = await self.members.refresh()
+        for address in change.removed if change is not None else ():
+            node = self._by_address.pop(address, None)
+            if node is not None:
+                self.nodes.remove(node)
+                self.policy.forget(address)
+                self._retired.append(node)
+        for address in change.added if change is not None else ():
+            if address not in self._by_address:
+                node = DecodeNode(address, max((n.index for n in self.nodes), default=-1) + 1)
+                node.open(self._config.security)
+                self.nodes.append(node)
+                self._by_address[address] = node
+        for node in [n for n in self._retired if not n.inflight]:
+            self._retired.remove(node)
+            if node.channel is not None:
+                await node.channel.close()
+                node.channel = None
 
     async def _poll_forever(self) -> None:
         while True:
