@@ -53,6 +53,10 @@ class ImmCounter:
         self._expect: dict[int, _Expectation] = {}
         self._cancelled: OrderedDict[int, int] = OrderedDict()
         self.dropped = 0  # writes that landed for cancelled tags
+        # Called as on_orphan(tag, count), on the progress thread, for arrivals of a tag no expect
+        # is waiting for (cancelled, or never expected / already completed), after they are
+        # recorded as above; None: nobody is told.
+        self.on_orphan: Callable[[int, int], None] | None = None
 
     @staticmethod
     def _check_tag(tag: int) -> None:
@@ -109,16 +113,18 @@ class ImmCounter:
         """Record ``count`` arrivals of ``tag`` (called by the progress thread)."""
         fire: _Expectation | None = None
         with self._lock:
+            exp = self._expect.get(tag)
             if tag in self._cancelled:
                 self.dropped += count
-                return
-            landed = self._landed.get(tag, 0) + count
-            exp = self._expect.get(tag)
-            if exp is not None and landed >= exp.count:
-                del self._expect[tag]
-                self._settle(tag, landed - exp.count)
-                fire = exp
             else:
-                self._landed[tag] = landed
+                landed = self._landed.get(tag, 0) + count
+                if exp is not None and landed >= exp.count:
+                    del self._expect[tag]
+                    self._settle(tag, landed - exp.count)
+                    fire = exp
+                else:
+                    self._landed[tag] = landed
+        if exp is None and self.on_orphan is not None:
+            self.on_orphan(tag, count)
         if fire is not None:
             fire.on_complete(tag)

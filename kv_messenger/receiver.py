@@ -1,17 +1,36 @@
-"""Decode side of the KV messenger: expected counts, readiness, abandonment (D3, D4, D10, S3, S5).
+"""Decode side of the KV messenger: expected counts, readiness, abandonment, quarantine and fences
+(D3, D4, D10, D20, S3, S5).
 
 Primitives:
 - `register_kv_cache(spec)` (pdserve.engine.kv_connector.DecodeConnector): the engine hands over
-  its pool once; the receiver registers it with the transport and refuses models it cannot move.
+  its pool once; the receiver registers it with the transport (and a small fence buffer) and
+  refuses models it cannot move.
 - `on_kv_wait(wait)` (engine thread): a request got its pages; the receiver prepares its ticket
   and passes it to `ReceiverEvents.ticket_ready` (or `ticket_refused`).
 - `prepare(request_id, num_prompt_tokens, block_ids)`: pick a tag and a context slot, tell the
   ImmCounter how many writes to expect, and return the `TransferTicket` the decode node puts in
-  its Prefill call. When the count completes, `ReceiverEvents.kv_landed(request_id)` is called (on
-  the fabric progress thread: it must only hand the news to the engine thread).
-- `abandon(request_id)`: forget the tag; the caller has made sure no write can land any more
-  (the prefill node confirmed its abort, or its endpoint is gone), so the pages may be reused.
+  its Prefill call, with the request's next attempt number (0, then +1 on every prepare of the
+  same request id: D20). When the count completes, `ReceiverEvents.kv_landed(request_id)` is
+  called (on the fabric progress thread: it must only hand the news to the engine thread).
+- `finish(request_id)`: the KV is in use (or the request ended with nothing in flight): the tag
+  is tombstoned and the slot freed.
+- `abandon(request_id)`: the caller has made sure no write can land any more (the call never
+  reached a prefill node): the same, without waiting.
+- `quarantine(request_id)` -> its tag: a write of the transfer may still land (S5). The request
+  leaves the receiver (a new attempt may `prepare` at once), the tag's count is cancelled and its
+  context slot stays reserved; writes landing for it are counted as quarantined, not stale.
+  `release_quarantined(tag)` once the prefill side has provably stopped: slot freed, tag
+  tombstoned.
+- `expect_fence(on_landed)` -> (tag, fence region): one write expected into the fence buffer (an
+  AbortPrefill's delivery fence); `retire_fence(tag)` when it is no longer waited for.
 - `context(request_id)`: the hidden state / top-k the prefill wrote into the context slot.
+
+Tombstones: a tag that finished, was abandoned or released is cancelled in the ImmCounter (which
+remembers the last 65536 cancelled tags), so a later write never counts toward anything; every
+write that lands for a tag no live transfer, quarantine or fence holds is a stale write, counted
+in `stale_writes` and reported through `ReceiverEvents.kv_stale_write` (pdserve:kv_stale_writes_total
+on the decode node): it must stay 0. Memory is bounded: tags and slots by CONTEXT_SLOTS, the
+attempt numbers of the last REMEMBERED_ATTEMPTS request ids.
 """
 
 from __future__ import annotations
@@ -21,8 +40,11 @@ import itertools
 import logging
 import random
 import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from fabric import IMM_TAG_MAX, MemoryRegion, TransferEngine
+from fabric import IMM_TAG_MAX, MemoryRegion, RemoteDescriptor, TransferEngine
 from kv_messenger.context import Context, ContextCodec
 from kv_messenger.plan import KvLayout, ShardingScheme, expected_writes
 from kv_messenger.pool import register_pool
@@ -31,7 +53,16 @@ from pdserve.engine.kv_connector import DecodeConnector, KvCacheSpec, KvWait
 
 logger = logging.getLogger(__name__)
 
-CONTEXT_SLOTS = 1024    # requests that may wait for their KV at once
+CONTEXT_SLOTS = 1024    # requests that may wait for their KV (or be quarantined) at once
+REMEMBERED_ATTEMPTS = 65536   # request ids whose last attempt number is kept
+FENCE_BUFFER_BYTES = 64       # the fence buffer: written by fences, never read
+
+
+@dataclass(frozen=True)
+class _Wait:
+    tag: int
+    slot: int
+    attempt: int
 
 
 class ReceiverEvents(abc.ABC):
@@ -50,6 +81,15 @@ class ReceiverEvents(abc.ABC):
     def kv_landed(self, request_id: str) -> None:
         """Fabric progress thread: every write of the request has landed. Must not block."""
 
+    def kv_landed_tag(self, request_id: str, tag: int) -> None:
+        """Fabric progress thread: every write of the request's attempt with `tag` has landed (the
+        tag tells a landing of an attempt quarantined meanwhile from the current one). Must not
+        block. Default: kv_landed(request_id)."""
+        self.kv_landed(request_id)
+
+    def kv_stale_write(self, tag: int, count: int) -> None:  # noqa: B027 (optional hook)
+        """Fabric progress thread: `count` writes landed for a tag no transfer holds. Must not block."""
+
 
 class KvReceiver(DecodeConnector):
     """The decode side's connector: give it to the engine (`LLMEngine(config, kv_connector=receiver)`)."""
@@ -67,12 +107,22 @@ class KvReceiver(DecodeConnector):
         self._free_slots = list(range(context_slots - 1, -1, -1))
         self._lock = threading.Lock()
         self._tags = itertools.count(random.SystemRandom().randrange(1, IMM_TAG_MAX))
-        self._by_request: dict[str, tuple[int, int]] = {}   # request id -> (tag, slot)
-        self._tags_in_use: set[int] = set()
+        self._by_request: dict[str, _Wait] = {}
+        self._tags_in_use: set[int] = set()           # waiting requests, quarantines, fences
+        self._quarantined: dict[int, int] = {}        # tag -> context slot kept
+        self._fences: set[int] = set()
+        self._retired_fences: OrderedDict[int, None] = OrderedDict()   # a late fence is not stale
+        self._attempts: OrderedDict[str, int] = OrderedDict()          # request id -> last attempt
+        self._fence_buf = bytearray(FENCE_BUFFER_BYTES)
+        self.fence_region: MemoryRegion | None = None
+        self.stale_writes = 0          # writes for tags nothing holds (must stay 0)
+        self.quarantined_writes = 0    # writes that landed in quarantined pages (harmless)
+        transport.imm_counter.on_orphan = self._orphan
 
     def register_kv_cache(self, spec: KvCacheSpec) -> None:
         pool = register_pool(self.transport, spec, self._context_slots)   # ValueError: cannot be moved
         self.layout, self.kv_region, self.codec, self._landing = pool.layout, pool.region, pool.codec, pool.context
+        self.fence_region = self.transport.register(self._fence_buf)
 
     def on_kv_wait(self, wait: KvWait) -> None:
         try:
@@ -81,6 +131,14 @@ class KvReceiver(DecodeConnector):
             self.events.ticket_refused(wait.request_id, f"cannot receive KV: {e}")
             return
         self.events.ticket_ready(ticket, wait.prompt_token_ids[:-1])
+
+    def _new_tag(self) -> int:
+        """Under the lock: a tag no live transfer, quarantine or fence holds (never 0)."""
+        tag = next(self._tags) % (IMM_TAG_MAX + 1)
+        while tag in self._tags_in_use or tag == 0:
+            tag = next(self._tags) % (IMM_TAG_MAX + 1)
+        self._tags_in_use.add(tag)
+        return tag
 
     def prepare(self, request_id: str, num_prompt_tokens: int, block_ids: list[int]) -> TransferTicket:
         n_prefill = num_prompt_tokens - 1
@@ -93,13 +151,15 @@ class KvReceiver(DecodeConnector):
                 raise ValueError(f"request {request_id!r} is already waiting for KV")
             if not self._free_slots:
                 raise RuntimeError("no free context slot: too many requests waiting for KV")
-            tag = next(self._tags) % (IMM_TAG_MAX + 1)
-            while tag in self._tags_in_use or tag == 0:
-                tag = next(self._tags) % (IMM_TAG_MAX + 1)
+            attempt = self._attempts.get(request_id, -1) + 1
+            self._attempts[request_id] = attempt
+            self._attempts.move_to_end(request_id)
+            while len(self._attempts) > REMEMBERED_ATTEMPTS:
+                self._attempts.popitem(last=False)
+            tag = self._new_tag()
             slot = self._free_slots.pop()
-            self._by_request[request_id] = (tag, slot)
-            self._tags_in_use.add(tag)
-        self.transport.imm_counter.expect(tag, count, lambda _tag, rid=request_id: self.events.kv_landed(rid))
+            self._by_request[request_id] = _Wait(tag, slot, attempt)
+        self.transport.imm_counter.expect(tag, count, lambda tag, rid=request_id: self.events.kv_landed_tag(rid, tag))
         return TransferTicket(
             request_id=request_id,
             kv=self.kv_region.descriptor,
@@ -111,38 +171,114 @@ class KvReceiver(DecodeConnector):
             expected_writes=count,
             num_prefill_tokens=n_prefill,
             sharding=self.sharding,
+            attempt=attempt,
         )
 
     def context(self, request_id: str) -> Context:
         with self._lock:
-            tag, slot = self._by_request[request_id]
+            slot = self._by_request[request_id].slot
         return self.codec.decode(self._landing, slot)
 
     def landed(self, request_id: str) -> int:
-        """Writes counted so far for a request (diagnostics)."""
+        """Writes counted so far for a request (progress, diagnostics)."""
         with self._lock:
             entry = self._by_request.get(request_id)
-        return self.transport.imm_counter.landed(entry[0]) if entry else 0
+        return self.transport.imm_counter.landed(entry.tag) if entry else 0
+
+    def tag_of(self, request_id: str) -> int | None:
+        """The tag of the request's current attempt, None if it waits for nothing."""
+        with self._lock:
+            entry = self._by_request.get(request_id)
+        return entry.tag if entry else None
 
     def finish(self, request_id: str) -> None:
-        """The request's KV is in use by the engine (or it ended): release its tag and slot."""
+        """The request's KV is in use by the engine (or it ended with nothing in flight): tombstone
+        its tag and free its slot."""
         with self._lock:
             entry = self._by_request.pop(request_id, None)
             if entry is None:
                 return
-            tag, slot = entry
-            self._tags_in_use.discard(tag)
-            self._free_slots.append(slot)
+            self._free_slots.append(entry.slot)
+        self._tombstone(entry.tag)
 
     def abandon(self, request_id: str) -> None:
         """Cancel the expected count; call only once no write for the request can land any more."""
-        with self._lock:
-            entry = self._by_request.get(request_id)
-        if entry is not None:
-            self.transport.imm_counter.cancel(entry[0])
         self.finish(request_id)
+
+    def quarantine(self, request_id: str) -> int | None:
+        """A write of the request's transfer may still land: its count is cancelled, its slot kept,
+        and the request leaves (a new attempt may prepare). Returns the tag (for
+        `release_quarantined`), None if the request waited for nothing."""
+        with self._lock:
+            entry = self._by_request.pop(request_id, None)
+            if entry is None:
+                return None
+            self._quarantined[entry.tag] = entry.slot
+        self.transport.imm_counter.cancel(entry.tag)   # later writes: dropped, counted as quarantined
+        return entry.tag
+
+    def release_quarantined(self, tag: int) -> None:
+        """The prefill side provably stopped writing for the quarantined `tag`: free its slot."""
+        with self._lock:
+            slot = self._quarantined.pop(tag, None)
+            if slot is None:
+                return
+            self._free_slots.append(slot)
+        self._tombstone(tag)
+
+    def expect_fence(self, on_landed: Callable[[], None]) -> tuple[int, RemoteDescriptor]:
+        """A fresh tag for one fence write into the fence buffer; `on_landed()` runs (progress
+        thread) when it lands. Call `retire_fence(tag)` once it is no longer waited for."""
+        with self._lock:
+            tag = self._new_tag()
+            self._fences.add(tag)
+        self.transport.imm_counter.expect(tag, 1, lambda _tag: on_landed())
+        return tag, self.fence_region.descriptor
+
+    def retire_fence(self, tag: int) -> None:
+        with self._lock:
+            if tag not in self._fences:
+                return
+            self._fences.discard(tag)
+            self._retired_fences[tag] = None
+            while len(self._retired_fences) > REMEMBERED_ATTEMPTS:
+                self._retired_fences.popitem(last=False)
+        self._tombstone(tag)
+
+    def _tombstone(self, tag: int) -> None:
+        self.transport.imm_counter.cancel(tag)   # a later write is dropped and reported as an orphan
+        with self._lock:
+            self._tags_in_use.discard(tag)
+
+    def _orphan(self, tag: int, count: int) -> None:
+        """Progress thread: `count` writes landed for `tag` with no expectation waiting."""
+        with self._lock:
+            if tag in self._quarantined:
+                self.quarantined_writes += count
+                return
+            if tag in self._fences or tag in self._retired_fences:
+                return   # a fence that landed after its wait ended: into the fence buffer, harmless
+            self.stale_writes += count
+        logger.error("%d KV writes landed for tag %d, which no transfer holds (stale)", count, tag)
+        self.transport.imm_counter.cancel(tag)   # tombstoned: an unknown tag is not kept forever
+        self.events.kv_stale_write(tag, count)
 
     @property
     def num_waiting(self) -> int:
         with self._lock:
             return len(self._by_request)
+
+    @property
+    def num_quarantined(self) -> int:
+        with self._lock:
+            return len(self._quarantined)
+
+    @property
+    def num_tags_in_use(self) -> int:
+        with self._lock:
+            return len(self._tags_in_use)
+
+    @property
+    def num_slots_in_use(self) -> int:
+        with self._lock:
+            return self._context_slots - len(self._free_slots)

@@ -3,8 +3,13 @@
 Primitives (D6-D8, D11-D13):
 - `register_kv_cache(spec)` (pdserve.engine.kv_connector.PrefillConnector): the engine hands over
   its pool once; the sender registers it with the transport and refuses models it cannot move.
-- `add(ticket)`: a prefill request will send its KV as the TransferTicket says (pages, tag,
-  context slot); returns a future.
+- `add(ticket, key)`: a prefill request will send its KV as the TransferTicket says (pages, tag,
+  context slot); returns a future. Transfers are keyed by `key`, the prefill engine's request id
+  for the transfer (ticket.TransferKey.engine_request_id: unique per decode node, request and
+  attempt, D20), never by the decode node's request id alone.
+- `fence(dst, tag)`: one small write carrying `tag` into `dst`, posted after the writes of a
+  transfer completed locally, on the same connection: the decode side counts it to know that
+  every earlier write of that connection has landed (FI_ORDER_WAW; see AbortPrefill).
 - engine events: `on_schedule(pass, block_ids)` records which chunks the coming forward pass
   runs, before it runs (a request's first chunk may start at s > 0 after a prefix-cache hit:
   pages [0, s // P) already hold its KV and ride along with that chunk, at every layer);
@@ -40,7 +45,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fabric import FabricError, MemoryRegion, TransferEngine
+from fabric import FabricError, MemoryRegion, RemoteDescriptor, TransferEngine
 from kv_messenger.context import ContextCodec
 from kv_messenger.plan import KvLayout, completed_pages
 from kv_messenger.pool import register_pool
@@ -51,6 +56,7 @@ from pdserve.engine.scheduler.output import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 STAGING_SLOTS = 256     # context records that may wait for their write at once
+FENCE_BYTES = 8         # one fence write (AbortPrefill's delivery fence)
 CLOSE_JOIN_S = 5.0      # close(): how long to wait for the messenger thread to stop
 
 
@@ -69,6 +75,7 @@ class TransferResult:
 class _Transfer:
     target: TransferTicket
     future: concurrent.futures.Future
+    key: str = ""              # the engine's request id for the transfer (KvSender.add)
     src_pages: list[int] = field(default_factory=list)  # filled at schedule time
     posted_writes: int = 0
     posted_bytes: int = 0
@@ -117,26 +124,49 @@ class KvSender(PrefillConnector):
         self._current: _Pass | None = None  # the pass the engine is running now, if it sends anything
         self._contexts: deque[tuple[_Transfer, int]] = deque()
         self._stop = False
+        self._fence_buf = bytearray(FENCE_BYTES)      # registered with the pool: a fence's source
+        self._fence_region: MemoryRegion | None = None
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
 
     def register_kv_cache(self, spec: KvCacheSpec) -> None:
         pool = register_pool(self.transport, spec, self._staging_slots)   # ValueError: cannot be moved
         self.layout, self.kv_region, self.codec, self._staging = pool.layout, pool.region, pool.codec, pool.context
+        self._fence_region = self.transport.register(self._fence_buf)
 
     # --- requests ------------------------------------------------------------------------------
 
-    def add(self, target: TransferTicket) -> concurrent.futures.Future:
-        """Send a request's KV as `target` says; the future resolves with a TransferResult once no
-        write of it is in flight (or fails: FabricError, CancelledError after `abort`)."""
+    def add(self, target: TransferTicket, key: str | None = None) -> concurrent.futures.Future:
+        """Send a request's KV as `target` says, under `key` (the engine's request id for it;
+        default target.request_id); the future resolves with a TransferResult once no write of it
+        is in flight (or fails: FabricError, CancelledError after `abort`)."""
         if self.layout is None:
             raise RuntimeError("KvSender.add before the engine registered its KV cache")
         target.check_fits(self.layout)
+        key = target.request_id if key is None else key
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            if target.request_id in self._transfers:
-                raise ValueError(f"request {target.request_id!r} already has a transfer")
-            self._transfers[target.request_id] = _Transfer(target, fut)
+            if key in self._transfers:
+                raise ValueError(f"transfer {key!r} already exists")
+            self._transfers[key] = _Transfer(target, fut, key=key)
+        return fut
+
+    def fence(self, dst: RemoteDescriptor, tag: int) -> concurrent.futures.Future:
+        """Post one FENCE_BYTES write carrying `tag` into `dst` (the decode node's fence buffer);
+        the future resolves with None once it completed locally, or fails with FabricError."""
+        if self._fence_region is None:
+            raise RuntimeError("KvSender.fence before the engine registered its KV cache")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def failed(err: FabricError) -> None:
+            fut.set_exception(err)
+
+        one = np.zeros(1, dtype=np.uint64)
+        try:
+            self.transport.write_pages(self._fence_region, one, dst, one, np.full(1, FENCE_BYTES, dtype=np.uint64),
+                                       tag, lambda: fut.set_result(None), failed, imm_mode="every")
+        except ValueError as e:
+            raise FabricError(22, f"fence write: {e}") from e
         return fut
 
     def abort(self, request_id: str) -> bool:
@@ -288,7 +318,7 @@ class KvSender(PrefillConnector):
                 t.outstanding -= 1
                 if t.error is None:
                     t.error = err
-                    logger.warning("request %s: KV write failed: %s", t.target.request_id, err)
+                    logger.warning("transfer %s: KV write failed: %s", t.key, err)
                 self._maybe_finish(t)
 
         try:
@@ -307,7 +337,7 @@ class KvSender(PrefillConnector):
             return
         if not (t.all_posted or t.aborted or t.error is not None):
             return
-        rid = t.target.request_id
+        rid = t.key
         self._transfers.pop(rid, None)
         if t.error is not None:
             t.future.set_exception(t.error)

@@ -18,6 +18,27 @@ from pdserve_api.v1 import common_pb2, prefill_pb2
 
 
 @dataclass(frozen=True)
+class TransferKey:
+    """What a prefill node keys one transfer by (D20): the decode node's fabric engine id, the
+    decode node's request id, and the attempt (0, then +1 on every retry of the request)."""
+
+    decode_engine_id: str
+    request_id: str
+    attempt: int
+
+    def __post_init__(self) -> None:
+        if not self.decode_engine_id or not self.request_id:
+            raise ValueError(f"a transfer key needs a decode engine id and a request id, got {self!r}")
+        if not 0 <= self.attempt < 1 << 32:
+            raise ValueError(f"request {self.request_id}: attempt={self.attempt} outside 0..2**32-1")
+
+    @property
+    def engine_request_id(self) -> str:
+        """The prefill engine's (and its KvSender's) id for this transfer: unique per key."""
+        return f"{self.request_id}#{self.attempt}@{self.decode_engine_id}"
+
+
+@dataclass(frozen=True)
 class TransferTicket:
     """Everything a prefill node needs to push one request's KV into a decode node's pages."""
 
@@ -31,6 +52,7 @@ class TransferTicket:
     expected_writes: int           # immediate-data units the decode side counts (plan.expected_writes)
     num_prefill_tokens: int        # prompt tokens minus the last (D17)
     sharding: ShardingScheme = ShardingScheme()
+    attempt: int = 0               # which attempt at the request (D20: part of the prefill side's key)
 
     def check_fits(self, layout: KvLayout) -> None:
         """Raise ValueError naming the value if a node with `layout` cannot write this ticket's pages."""
@@ -66,6 +88,7 @@ class TransferTicket:
             imm_tag=self.imm_tag,
             expected_writes=self.expected_writes,
             model=model,
+            attempt=self.attempt,
         )
         if deadline_s is not None:
             req.deadline_s = deadline_s
@@ -91,6 +114,7 @@ class TransferTicket:
             num_prefill_tokens=len(req.token_ids),
             sharding=(ShardingScheme(tp_size=req.sharding.tp_size or 1) if req.HasField("sharding")
                       else ShardingScheme()),
+            attempt=req.attempt,
         )
 
 

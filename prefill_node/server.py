@@ -23,13 +23,20 @@ import logging
 
 import grpc
 
-from kv_messenger.ticket import TransferTicket, peer_from_bytes, peer_to_bytes
+from kv_messenger.ticket import TransferKey, TransferTicket, peer_from_bytes, peer_to_bytes, remote_from_bytes
 from pdserve.serving.logs import bind_request_id
 from pdserve.serving.metrics import node_metrics, prefill_metrics
 from pdserve.serving.node_server import NodeHolder, NodeServer, ServeOptions, service_names
 from pdserve_api.servers import UnavailableError
 from pdserve_api.v1 import common_pb2, node_pb2, node_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from prefill_node.service import AbortedError, PrefillNode, PrefillNodeConfig, PrefillOutcome, PrefillSpec
+from prefill_node.service import (
+    AbortedError,
+    AbortSpec,
+    PrefillNode,
+    PrefillNodeConfig,
+    PrefillOutcome,
+    PrefillSpec,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +69,28 @@ def spec_from_pb(req: prefill_pb2.PrefillRequest) -> PrefillSpec:
         cached_tokens=req.cached_tokens,
         context_capacity=req.context.capacity,
         context_top_k=req.context.logits_top_k,
+        attempt=req.attempt,
     )
+
+
+_STATES = {"unknown": prefill_pb2.TRANSFER_STATE_UNKNOWN, "active": prefill_pb2.TRANSFER_STATE_ACTIVE,
+           "finished": prefill_pb2.TRANSFER_STATE_FINISHED, "refused": prefill_pb2.TRANSFER_STATE_REFUSED,
+           "connection_failed": prefill_pb2.TRANSFER_STATE_CONNECTION_FAILED,
+           "wrong_engine": prefill_pb2.TRANSFER_STATE_WRONG_ENGINE}
+
+
+def abort_from_pb(req: prefill_pb2.AbortPrefillRequest) -> AbortSpec:
+    """The wire AbortPrefill -> an AbortSpec; malformed fields raise ValueError naming them."""
+    if not req.request_id:
+        raise ValueError("request_id is empty")
+    if not req.decode_engine_id or not req.prefill_engine_id:
+        raise ValueError(f"abort of {req.request_id}: decode_engine_id and prefill_engine_id are required "
+                         f"(got {req.decode_engine_id!r}, {req.prefill_engine_id!r})")
+    region = remote_from_bytes(req.fence_region) if req.fence_region else None
+    if req.fence_tag and region is None:
+        raise ValueError(f"abort of {req.request_id}: fence_tag {req.fence_tag} without a fence_region")
+    return AbortSpec(TransferKey(req.decode_engine_id, req.request_id, req.attempt), req.prefill_engine_id,
+                     req.fence_tag, region)
 
 
 def _deadline(req: prefill_pb2.PrefillRequest) -> float | None:
@@ -127,7 +155,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def AbortPrefill(self, request: prefill_pb2.AbortPrefillRequest, context: grpc.aio.ServicerContext
                            ) -> prefill_pb2.AbortPrefillResponse:
         node = self._holder.require()
-        return prefill_pb2.AbortPrefillResponse(confirmed=await node.abort(request.request_id))
+        out = await node.abort(abort_from_pb(request))
+        return prefill_pb2.AbortPrefillResponse(confirmed=out.confirmed, prefill_engine_id=node.peer.engine_id,
+                                                state=_STATES[out.state], fence_posted=out.fence_posted)
 
 
 class NodeServicer(node_pb2_grpc.NodeServiceServicer):
@@ -153,6 +183,8 @@ class NodeServicer(node_pb2_grpc.NodeServiceServicer):
             num_layers=node.num_layers,
             max_context_length=node.max_model_len,
             fabric_peer=peer_to_bytes(node.peer),
+            transfers=node_pb2.TransferInfo(held_requests=load.held_requests,
+                                            active_transfers=load.outstanding_requests),
         )
 
 

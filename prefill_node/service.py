@@ -1,13 +1,37 @@
 """The prefill node's core: one engine, one fabric endpoint, one KV sender, and the lifecycle of
 each Prefill (D1, D5-D8, D11, D12, S4, S5). Knows nothing of gRPC: the server converts.
 
+Transfer identity (D20): work is keyed by TransferKey (the decode node's fabric engine id, its
+request id, the attempt); the engine request id and the sender's key are the key's
+`engine_request_id`, unique per key. A retry of a request id from another decode node, or a new
+attempt, is a new transfer; the same key twice is refused.
+
 Lifecycle of one request:
-    validate -> connect the decode node's fabric peer (once per peer) -> sender.add(target)
+    validate -> connect the decode node's fabric peer (once per peer) -> sender.add(target, key)
     -> engine request (prefill_only, hold_blocks) queued on the engine thread in the same
     synchronous step, so the sender sees its first chunk -> the sender posts the writes layer by
     layer -> when nothing of the transfer is in flight it calls `release(rid)` -> we end the
     engine request if it still runs (failed or aborted mid-prefill) and free its held blocks ->
-    the Prefill call answers. Every accepted request ends in exactly one release (S2).
+    the key is tombstoned (FINISHED: every write completed locally; CONNECTION_FAILED: the
+    fabric connection to the decode node failed) -> the Prefill call answers. Every accepted
+    request ends in exactly one release (S2).
+
+After a failed write (the peer failed at the transport) the source pages are freed only once the
+peer is disconnected: on tcp;ofi_rxm the writes of a failed peer are failed at once in our
+bookkeeping (fabric peer_fail) while the provider may still hold them and send their bytes from
+the source pages; removing the peer from the address vector closes its connection (with
+FI_AV_REMOVE_CLEANUP, which fabric.engine turns on), which drops what it still queued. shm closes
+the peer's transmit endpoint at peer_fail already.
+
+AbortPrefill (S5), bound to this process: a request naming another prefill engine id (a restart
+at the same address) is WRONG_ENGINE, never confirmed. An active transfer is aborted and waited
+for (ABORT_WAIT_S). A FINISHED key is confirmed with a delivery fence: one write carrying the
+decode node's fence tag, posted on the same connection after every write of the transfer
+completed locally (`KvSender.fence`); the connection delivers writes in order (FI_ORDER_WAW,
+which tcp;ofi_rxm and shm advertise), so once the decode node counted the fence, every write of
+the transfer has landed. A key whose connection failed since cannot be fenced (not confirmed).
+An unknown key is remembered as refused (a later Prefill for it answers ABORTED and never writes)
+and is not confirmed the first time; from then on it is REFUSED, confirmed (nothing was posted).
 
 Threads:
 - the asyncio loop (gRPC handlers) owns `_active`, `_aborted`, `_peers`; it validates, adds
@@ -30,8 +54,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from fabric import FabricConfig, FabricError, PeerDescriptor, TransferEngine
+from fabric import FabricConfig, FabricError, PeerDescriptor, RemoteDescriptor, TransferEngine
 from kv_messenger import KvSender, ShardingScheme, TransferResult, TransferTicket, expected_writes
+from kv_messenger.ticket import TransferKey
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_thread import EngineDeadError, EngineThread
 from pdserve.engine.llm_engine import LLMEngine
@@ -44,8 +69,13 @@ logger = logging.getLogger(__name__)
 ABORT_WAIT_S = 10.0        # AbortPrefill / deadline: how long to wait for in-flight writes to settle
 ENGINE_END_WAIT_S = 5.0    # after the release: how long to wait for the engine stream to end
 CLOSE_WAIT_S = 5.0         # close: how long the engine thread may take to stop
-REMEMBERED_ABORTS = 4096   # ids aborted before (or after) their Prefill, refused with ABORTED
+REMEMBERED_ABORTS = 65536  # keys aborted before (or after) their Prefill, refused with ABORTED
+REMEMBERED_FINISHED = 65536   # keys that ended here (tombstones for AbortPrefill)
 REMEMBERED_PEERS = 4096    # decode-node fabric peers we have connected to
+
+# What this process knows of a transfer (the wire's TransferState, by name).
+UNKNOWN, ACTIVE, FINISHED, REFUSED, CONNECTION_FAILED, WRONG_ENGINE = (
+    "unknown", "active", "finished", "refused", "connection_failed", "wrong_engine")
 
 
 def _retrieve(task: asyncio.Future) -> None:
@@ -82,6 +112,36 @@ class PrefillSpec:
     cached_tokens: int = 0
     context_capacity: int = 0           # 0: not stated
     context_top_k: int = 0              # 0: not stated (the codec's default)
+    attempt: int = 0                    # D20: with the peer's engine id and request_id, the key
+
+    @property
+    def key(self) -> TransferKey:
+        return TransferKey(self.peer.engine_id, self.request_id, self.attempt)
+
+
+@dataclass(frozen=True)
+class AbortSpec:
+    """One AbortPrefill call, decoded from the wire."""
+
+    key: TransferKey
+    prefill_engine_id: str              # the process the decode node dispatched to
+    fence_tag: int = 0                  # 0: no fence asked
+    fence_region: RemoteDescriptor | None = None
+
+
+@dataclass(frozen=True)
+class AbortOutcome:
+    confirmed: bool
+    state: str                          # UNKNOWN, ACTIVE, FINISHED, ...
+    fence_posted: bool = False
+
+
+@dataclass(frozen=True)
+class _Tomb:
+    """How a transfer ended here: its state and the connection generation it used."""
+
+    state: str
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -97,6 +157,7 @@ class PrefillOutcome:
 
 @dataclass(frozen=True)
 class LoadSnapshot:
+    held_requests: int = 0          # finished engine requests whose blocks are not released yet
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
     waiting_requests: int = 0
@@ -107,7 +168,9 @@ class LoadSnapshot:
 
 @dataclass
 class _Job:
-    request_id: str
+    request_id: str                          # the engine's: key.engine_request_id
+    key: TransferKey
+    epoch: int                               # the peer's connection generation when it started
     future: concurrent.futures.Future        # the sender's, resolves with a TransferResult
     received: float                          # time.monotonic() of the RPC's receipt
     transfer_done: asyncio.Future            # resolves (with None) once `future` is done
@@ -125,9 +188,13 @@ class PrefillNode:
         self.config = config
         self.node_id = config.node_id
         self._loop: asyncio.AbstractEventLoop | None = None   # the serving loop, from start()
-        self._active: dict[str, _Job] = {}
-        self._aborted: OrderedDict[str, None] = OrderedDict()
+        self._active: dict[str, _Job] = {}                  # by engine request id
+        self._aborted: OrderedDict[TransferKey, None] = OrderedDict()
+        self._finished: OrderedDict[TransferKey, _Tomb] = OrderedDict()
         self._peers: OrderedDict[str, PeerDescriptor] = OrderedDict()   # engine_id -> connected peer
+        # engine_id -> connection generation: +1 each time a transfer to it failed at the fabric
+        # (the peer is disconnected then): a fence on a later connection proves nothing of the old.
+        self._epochs: dict[str, int] = {}
         self._closing = False
         self._background: set[asyncio.Future] = set()
         # The transport first: the engine hands its KV pool to the sender (a PrefillConnector)
@@ -215,16 +282,19 @@ class PrefillNode:
         if self._closing:
             raise UnavailableError(f"prefill node {self.node_id} is shutting down")
         self.validate(spec)
-        rid = spec.request_id
-        if rid in self._aborted:
-            raise AbortedError(f"request {rid} was aborted before its Prefill arrived")
-        if rid in self._active:
-            raise ValueError(f"request id {rid!r} already has a prefill in progress here")
+        key = spec.key
+        rid = key.engine_request_id
+        if key in self._aborted:
+            raise AbortedError(f"request {spec.request_id} attempt {spec.attempt} was aborted before its Prefill "
+                               "arrived")
+        if rid in self._active or key in self._finished:
+            raise ValueError(f"request {spec.request_id!r} attempt {spec.attempt} from decode peer "
+                             f"{key.decode_engine_id[:8]} was sent here before (a retry takes a new attempt)")
         self._connect(spec.peer)
-        future = self.sender.add(spec.target)          # before the engine sees the request
+        future = self.sender.add(spec.target, rid)     # before the engine sees the request
         # Once nothing of the transfer is in flight, free the request's held blocks (D11).
         future.add_done_callback(lambda _f, rid=rid: self._on_release(rid))
-        job = _Job(rid, future, received, self._bridge(future))
+        job = _Job(rid, key, self._epochs.get(key.decode_engine_id, 0), future, received, self._bridge(future))
         self._active[rid] = job
         job.engine_task = asyncio.create_task(self._run_engine(job, spec.token_ids), name=f"prefill-{rid}")
         try:
@@ -287,7 +357,6 @@ class PrefillNode:
                                   max(0.0, res.done_time - res.last_layer_time),
                                   cached_tokens=final.num_cached_tokens if final is not None else 0)
         if isinstance(exc, FabricError):
-            self._peers.pop(spec.peer.engine_id, None)   # reconnect next time: a failed peer stays failed
             raise UnavailableError(f"request {rid}: KV transfer to decode node peer {spec.peer.engine_id[:8]} "
                                    f"failed: {exc}")
         if job.engine_error is not None:
@@ -357,6 +426,8 @@ class PrefillNode:
         try:
             if job is not None:
                 await job.queued.wait()    # its engine add is queued before our abort/release
+                if isinstance(job.future.exception(), FabricError):
+                    self._retire_peer(job.key.decode_engine_id)   # before its source pages are freed
             if await self.engine.abort(request_id):
                 logger.info("request %s: stopped its prefill (transfer ended before the prefill did)", request_id)
             freed = await self.engine.call(lambda: self._release_blocks(request_id))
@@ -365,8 +436,29 @@ class PrefillNode:
             logger.warning("request %s: engine gone, blocks not released: %s", request_id, e)
         finally:
             if job is not None and self._active.get(request_id) is job:
+                failed = isinstance(job.future.exception(), FabricError)
+                self._tombstone(job.key, _Tomb(CONNECTION_FAILED if failed else FINISHED, job.epoch))
                 del self._active[request_id]
                 job.released.set()
+
+    def _retire_peer(self, engine_id: str) -> None:
+        """A transfer to this decode peer failed at the fabric: disconnect it (its connection and
+        whatever the provider still queued on it go), so that nothing more is sent from the
+        transfer's source pages; the next Prefill from it connects afresh."""
+        self._epochs[engine_id] = self._epochs.get(engine_id, 0) + 1
+        peer = self._peers.pop(engine_id, None)
+        if peer is None:
+            return
+        try:
+            self.transport.disconnect(peer)
+        except FabricError as e:
+            logger.warning("decode peer %s: disconnect after a failed transfer: %s", engine_id[:8], e)
+
+    def _tombstone(self, key: TransferKey, tomb: _Tomb) -> None:
+        self._finished[key] = tomb
+        self._finished.move_to_end(key)
+        while len(self._finished) > REMEMBERED_FINISHED:
+            self._finished.popitem(last=False)
 
     def _release_blocks(self, request_id: str) -> int:
         """Engine thread: free the blocks the request held (none if the engine never admitted it)."""
@@ -378,24 +470,45 @@ class PrefillNode:
 
     # --- AbortPrefill (loop) -------------------------------------------------------------------
 
-    def _remember_abort(self, request_id: str) -> None:
-        self._aborted[request_id] = None
-        self._aborted.move_to_end(request_id)
+    def _remember_abort(self, key: TransferKey) -> None:
+        self._aborted[key] = None
+        self._aborted.move_to_end(key)
         while len(self._aborted) > REMEMBERED_ABORTS:
             self._aborted.popitem(last=False)
 
-    async def abort(self, request_id: str, timeout: float = ABORT_WAIT_S) -> bool:
-        """Stop a prefill; True once no write for it can land in the decode node's memory (S5)."""
-        if not request_id:
-            raise ValueError("request_id is empty")
-        self._remember_abort(request_id)
-        job = self._active.get(request_id)
-        if job is None:
-            logger.info("abort of %s: not in progress (unknown or finished); remembered", request_id)
-            return True
-        self._abort_job(job)
-        await self._wait_released(job, timeout)
-        return job.future.done()
+    async def abort(self, spec: AbortSpec, timeout: float = ABORT_WAIT_S) -> AbortOutcome:
+        """Stop a transfer; confirmed once this process can vouch that no write of it can land in
+        the decode node's memory (S5; see the module docstring)."""
+        key = spec.key
+        if spec.prefill_engine_id != self.transport.engine_id:
+            logger.info("abort of %s attempt %d names prefill engine %s, this is %s: not confirmed", key.request_id,
+                        key.attempt, spec.prefill_engine_id[:8], self.transport.engine_id[:8])
+            return AbortOutcome(False, WRONG_ENGINE)
+        job = self._active.get(key.engine_request_id)
+        if job is not None:
+            self._abort_job(job)
+            if not await self._wait_released(job, timeout):
+                return AbortOutcome(False, ACTIVE)
+        tomb = self._finished.get(key)
+        if tomb is None:
+            if key in self._aborted:
+                return AbortOutcome(True, REFUSED)
+            self._remember_abort(key)
+            logger.info("abort of %s attempt %d: never seen here; remembered as refused", key.request_id, key.attempt)
+            return AbortOutcome(False, UNKNOWN)
+        if tomb.state != FINISHED or tomb.epoch != self._epochs.get(key.decode_engine_id, 0):
+            return AbortOutcome(False, CONNECTION_FAILED)
+        if not spec.fence_tag or spec.fence_region is None:
+            return AbortOutcome(True, FINISHED)
+        if spec.fence_region.peer.engine_id != key.decode_engine_id:
+            raise ValueError(f"abort of {key.request_id}: the fence region belongs to engine "
+                             f"{spec.fence_region.peer.engine_id[:8]}, not the transfer's {key.decode_engine_id[:8]}")
+        try:
+            self.sender.fence(spec.fence_region, spec.fence_tag)
+        except FabricError as e:
+            logger.warning("abort of %s attempt %d: fence not posted: %s", key.request_id, key.attempt, e)
+            return AbortOutcome(False, FINISHED)
+        return AbortOutcome(True, FINISHED, fence_posted=True)
 
     # --- load (loop, reads on the engine thread) -----------------------------------------------
 
@@ -406,6 +519,7 @@ class PrefillNode:
             raise UnavailableError(f"prefill node {self.node_id}: engine stopped")
         load = self.engine.last_load
         return LoadSnapshot(
+            held_requests=self.engine.engine.num_held_requests,
             outstanding_requests=len(self._active),
             outstanding_tokens=load.prompt_tokens_left,
             waiting_requests=load.num_waiting,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.cache.block_pool import BlockPool, CacheIntegrityError
-from pdserve.engine.cache.groups import attention_groups, max_blocks_per_request
+from pdserve.engine.cache.groups import PADDING_BLOCK, attention_groups, max_blocks_per_request
 from pdserve.engine.cache.kv_cache import KVCacheShape, PagedKVCache
 from pdserve.engine.cache.manager import KVCacheManager
 from pdserve.engine.cache.swap import SwapSpace
@@ -75,6 +75,8 @@ from pdserve.model.loader import (
 from pdserve.model.registry import build_model
 
 logger = logging.getLogger(__name__)
+
+QUARANTINE_PREFIX = "\x00quarantine:"   # cache tables of quarantined pages (no request id starts so)
 
 
 @dataclass
@@ -153,6 +155,11 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._hold_on_finish: set[str] = set()
         self._held: dict[str, Request] = {}  # finished, blocks kept until release_blocks
+        # Pages of abandoned transfers that a write may still land in (S5), by quarantine id:
+        # owned by no request, reused by nobody, until release_quarantine. Their tables live in
+        # the cache under QUARANTINE_PREFIX + id, so the pool's own balance check counts them.
+        self._quarantine: dict[str, int] = {}   # quarantine id -> blocks
+        self.num_quarantined_blocks = 0
         self._ids = itertools.count()
         # The load as of the last scheduled pass (or `load()` call by the driving thread): a frozen
         # snapshot other threads may read at any time (EngineThread.last_load).
@@ -263,10 +270,12 @@ class LLMEngine:
         self.cache_manager.commit(request)
 
     def kv_abandoned(self, request_id: str, prefill_locally: bool, error: str) -> RequestOutput | None:
-        """The remote prefill failed and no write can land any more (S3, S5).
+        """The remote prefill of a request waiting for its KV failed (S3, S5).
 
-        prefill_locally: compute the prompt here in the pages already held; otherwise the request
-        ends with `error` and its pages are freed.
+        prefill_locally: no write can land any more; compute the prompt here in the pages already
+        held. Otherwise the request ends with `error` and its pages stay held (a write may still
+        land in them): the owner frees them with `release_blocks` once none can, or moves them to
+        quarantine (`quarantine_blocks`).
         """
         tracked = self._tracked.get(request_id)
         if tracked is None:
@@ -275,7 +284,61 @@ class LLMEngine:
             logger.warning("request %s: remote prefill abandoned (%s); prefilling locally", request_id, error)
             self.scheduler.prefill_locally(tracked.request)
             return None
-        return self._finish(tracked, FinishReason.ERROR, new_ids=(), delta="", error=error, keep_blocks=False)
+        return self._finish(tracked, FinishReason.ERROR, new_ids=(), delta="", error=error, keep_blocks=True)
+
+    def kv_retry(self, request_id: str, prefill_locally: bool = False) -> bool:
+        """A request waiting for its KV, whose pages were moved to quarantine (or that never had
+        a write in flight), goes back to the head of the waiting queue, to be admitted again into
+        fresh pages: remote (a new KvWait, so a new ticket) or, prefill_locally, computed here.
+        Pages it still holds are freed (the caller vouches that no write can land in them).
+        False if the request is not waiting for KV."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None or tracked.request.status is not RequestStatus.WAITING_FOR_KV:
+            return False
+        r = tracked.request
+        self.scheduler.detach(r)
+        self.cache_manager.free(r)
+        r.num_computed_tokens = 0
+        r.remote_prefill = not prefill_locally
+        r.status = RequestStatus.PENDING
+        self.scheduler.waiting.appendleft(r)
+        return True
+
+    def quarantine_blocks(self, request_id: str, quarantine_id: str) -> int:
+        """Move the pages of `request_id` (waiting for KV, or finished and held) out of it into
+        quarantine under `quarantine_id`: nobody owns or reuses them until `release_quarantine`.
+        The request keeps running without pages (`kv_retry`) or is forgotten (held). Returns the
+        number of blocks moved."""
+        if quarantine_id in self._quarantine:
+            raise ValueError(f"quarantine id {quarantine_id!r} is in use")
+        held = self._held.pop(request_id, None)
+        tracked = self._tracked.get(request_id)
+        if held is None and (tracked is None or tracked.request.status is not RequestStatus.WAITING_FOR_KV):
+            raise KeyError(f"request {request_id!r} neither waits for KV nor holds blocks")
+        qkey = QUARANTINE_PREFIX + quarantine_id
+        n = 0
+        for g in self.cache_manager.groups:
+            table = g.tables.pop(request_id, [])
+            n += sum(1 for b in table if b != PADDING_BLOCK)
+            g.replace(qkey, table)
+        self._quarantine[quarantine_id] = n
+        self.num_quarantined_blocks += n
+        return n
+
+    def release_quarantine(self, quarantine_id: str) -> int:
+        """No write can land in the quarantined pages any more: free them. Returns how many."""
+        n = self._quarantine.pop(quarantine_id, None)
+        if n is None:
+            raise KeyError(f"no quarantine {quarantine_id!r}")
+        qkey = QUARANTINE_PREFIX + quarantine_id
+        for g in self.cache_manager.groups:
+            self.pool.free(g.pop(qkey))
+        self.num_quarantined_blocks -= n
+        return n
+
+    @property
+    def num_quarantines(self) -> int:
+        return len(self._quarantine)
 
     def release_blocks(self, request_id: str) -> int:
         """Free the blocks a finished request kept (hold_blocks, or aborted while waiting for KV)."""
@@ -467,7 +530,7 @@ class LLMEngine:
     def _stalled(self) -> list[RequestOutput]:
         """Nothing could be scheduled. If requests wait that can never fit, fail them explicitly."""
         s = self.scheduler
-        if s.running or s.waiting_for_kv or s.offloaded or self._held or not s.waiting:
+        if s.running or s.waiting_for_kv or s.offloaded or self._held or self._quarantine or not s.waiting:
             return []
         # Nothing runs or holds pages, so the whole pool is free: a head that cannot start never will.
         head = self.scheduler.waiting[0]
@@ -530,14 +593,16 @@ class LLMEngine:
         )
 
     def check_integrity(self) -> None:
-        """The pool balances (empty + used + cached == total), every block's reference count
-        matches the tables that hold it, the swap pool balances, and exactly the requests that
-        may hold blocks do (running, waiting for KV, finished but held)."""
+        """The pool balances (empty + used + cached == total; quarantined pages count as used),
+        every block's reference count matches the tables that hold it, the swap pool balances, and
+        exactly the requests that may hold blocks do (running, waiting for KV, finished but held,
+        and the quarantines)."""
         self.cache_manager.check_integrity()
         if self.swap is not None:
             self.swap.check_integrity()
         s = self.scheduler
-        may_hold = {r.request_id for r in s.running} | set(s.waiting_for_kv) | set(self._held)
+        may_hold = ({r.request_id for r in s.running} | set(s.waiting_for_kv) | set(self._held)
+                    | {QUARANTINE_PREFIX + q for q in self._quarantine})
         holders = {rid for g in self.cache_manager.groups for rid in g.tables}
         if not holders <= may_hold:
             raise CacheIntegrityError(f"requests hold blocks but are not running, waiting for KV or held: "

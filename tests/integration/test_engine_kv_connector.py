@@ -133,9 +133,43 @@ def test_abandoned_remote_prefill_falls_back_to_local_or_fails_cleanly():
     assert eng.kv_abandoned("local", prefill_locally=True, error="prefill node unreachable") is None
     out = eng.kv_abandoned("fail", prefill_locally=False, error="prefill node unreachable")
     assert out.finished and out.finish_reason == "error" and out.error == "prefill node unreachable"
+    # S5: a failed remote prefill keeps its pages (a write may still land) until its owner says
+    # none can; freeing them here was the bug of issue 15.
+    assert eng.is_held("fail")
     done = {}
     while eng.has_unfinished_requests():
         done.update({o.request_id: o.completion for o in eng.step() if o.finished})
     assert done["local"].token_ids == expected.token_ids
     eng.check_integrity()
+    held = len(eng.block_table("fail"))
+    assert held > 0 and eng.pool.num_used_blocks == held
+    assert eng.release_blocks("fail") == held
+    eng.check_integrity()
     assert eng.pool.num_used_blocks == 0
+
+
+def test_quarantined_pages_are_reused_by_nobody_until_released():
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = "The capital of France is"
+    expected = LLM(num_blocks=64).generate([prompt], params)[0]
+    eng = LLM(num_blocks=64).engine
+    total = eng.pool.num_usable_blocks
+    eng.add_request(prompt, params, request_id="r", remote_prefill=True)
+    eng.step()
+    first = eng.block_table("r")
+    assert first
+    # attempt 0 may still be written: its pages go to quarantine, the request is admitted again
+    assert eng.quarantine_blocks("r", "r#0") == len(first)
+    assert eng.num_quarantined_blocks == len(first) and eng.block_table("r") == []
+    assert eng.kv_retry("r", prefill_locally=True)
+    eng.check_integrity()
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o.completion for o in eng.step() if o.finished})
+        assert not set(eng.block_table("r")) & set(first)   # never the quarantined pages
+    assert done["r"].token_ids == expected.token_ids
+    eng.check_integrity()
+    assert eng.pool.num_empty_blocks + eng.pool.num_cached_blocks + eng.num_quarantined_blocks == total
+    assert eng.release_quarantine("r#0") == len(first)
+    eng.check_integrity()
+    assert eng.num_quarantined_blocks == 0 and eng.pool.num_used_blocks == 0

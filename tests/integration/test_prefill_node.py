@@ -3,8 +3,11 @@
 The test process plays the decode node: a remote-prefill engine, a fabric endpoint and a
 KvReceiver; it asks a `python -m prefill_node` subprocess to prefill, counts the writes, decodes,
 and checks the greedy output equals a plain generate (shm and tcp;ofi_rxm). Also: node info and
-load, aborts before the call (ABORTED, S5) and during it, bad input (INVALID_ARGUMENT, the node
-keeps serving, S6), a decode process killed mid-transfer (the node frees everything, S4), SIGTERM.
+load, aborts before the call (ABORTED, S5) and during it, bound to the prefill process (a wrong
+engine id never confirms) and fenced (the fence write lands), transfer identity (the same request
+id from two decode engines, and a second attempt, are both served: D20), bad input
+(INVALID_ARGUMENT, the node keeps serving, S6), a decode process killed mid-transfer (the node
+frees everything, S4), SIGTERM.
 Every wait has a timeout.
 """
 
@@ -27,6 +30,7 @@ from support.wait import wait_until
 
 from fabric import FabricConfig, TransferEngine
 from kv_messenger import KvReceiver, ReceiverEvents, TransferTicket
+from kv_messenger.ticket import peer_from_bytes, remote_to_bytes
 from pdserve import LLM, SamplingParams
 from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -180,8 +184,26 @@ class DecodeSide(ReceiverEvents):
     def abandon(self, rid: str) -> None:
         """No write can land any more (the prefill node confirmed): free the request's pages."""
         self.receiver.abandon(rid)
-        self.engine.kv_abandoned(rid, prefill_locally=False, error="test: prefill abandoned")
+        self.engine.kv_abandoned(rid, prefill_locally=False, error="test: prefill abandoned")  # pages kept
+        self.engine.release_blocks(rid)
         self.engine.check_integrity()
+
+    def abort(self, node: NodeProcess, rid: str, attempt: int = 0, engine_id: str | None = None
+              ) -> tuple[prefill_pb2.AbortPrefillResponse, threading.Event]:
+        """AbortPrefill of (this decode engine, rid, attempt) on the node's process (or on the
+        process `engine_id`), with a fence; the event is set when the fence lands here."""
+        landed = threading.Event()
+        tag, region = self.receiver.expect_fence(landed.set)
+        if engine_id is None:
+            engine_id = peer_from_bytes(node.info().fabric_peer).engine_id
+        req = prefill_pb2.AbortPrefillRequest(request_id=rid, decode_engine_id=self.fab.engine_id, attempt=attempt,
+                                              prefill_engine_id=engine_id, fence_tag=tag,
+                                              fence_region=remote_to_bytes(region))
+        try:
+            return node.prefill.AbortPrefill(req, timeout=30), landed
+        finally:
+            if not landed.wait(5):   # a fence, if one was posted, lands well within this
+                self.receiver.retire_fence(tag)
 
     def close(self) -> None:
         self.fab.close()
@@ -230,21 +252,65 @@ def test_prefill_over_shm_equals_colocated_generate(shm_node, shm_side):
 
 
 def test_abort_before_prefill_is_remembered(shm_node, shm_side):
-    assert shm_node.prefill.AbortPrefill(prefill_pb2.AbortPrefillRequest(request_id="ab0"), timeout=10).confirmed
+    # an unknown transfer is not a confirmation; it is remembered as refused, and confirmed from then on
+    resp, _ = shm_side.abort(shm_node, "ab0")
+    assert not resp.confirmed and resp.state == prefill_pb2.TRANSFER_STATE_UNKNOWN
     call = shm_side.admit({"ab0": PROMPTS[0]})["ab0"]
     with pytest.raises(grpc.RpcError) as e:
         shm_node.prefill.Prefill(call, timeout=CALL_TIMEOUT_S)
     assert e.value.code() == grpc.StatusCode.ABORTED, e.value.details()
     assert shm_side.receiver.landed("ab0") == 0
+    resp, fenced = shm_side.abort(shm_node, "ab0")
+    assert resp.confirmed and resp.state == prefill_pb2.TRANSFER_STATE_REFUSED and not resp.fence_posted
     shm_side.abandon("ab0")
-    # finished requests are confirmed too: one finished here (aborting another test's id, before that
-    # test ran, would make the node refuse it there)
+    # finished requests are confirmed too, with a delivery fence that lands here (aborting another
+    # test's id, before that test ran, would make the node refuse it there)
     call = shm_side.admit({"ab0-done": PROMPTS[0]})["ab0-done"]
     fut = shm_node.prefill.Prefill.future(call, timeout=CALL_TIMEOUT_S)
     shm_side.decode({"ab0-done"})
     assert fut.result(timeout=CALL_TIMEOUT_S).num_writes == call.expected_writes
-    assert shm_node.prefill.AbortPrefill(prefill_pb2.AbortPrefillRequest(request_id="ab0-done"), timeout=10).confirmed
+    resp, fenced = shm_side.abort(shm_node, "ab0-done")
+    assert resp.confirmed and resp.state == prefill_pb2.TRANSFER_STATE_FINISHED and resp.fence_posted
+    assert fenced.is_set()
+    # bound to the process: the same abort naming another prefill engine (a restart) never confirms
+    resp, fenced = shm_side.abort(shm_node, "ab0-done", engine_id="0" * 32)
+    assert not resp.confirmed and resp.state == prefill_pb2.TRANSFER_STATE_WRONG_ENGINE and not fenced.is_set()
+    assert shm_side.receiver.stale_writes == 0
     shm_node.wait_idle(timeout=5)
+
+
+def test_same_request_id_from_two_decode_engines_and_a_second_attempt(shm_node, shm_side):
+    """D20, the 'already has a prefill in progress here' regression of issue 15: work is keyed by
+    (decode engine, request, attempt), so the same id from two decode engines at once, and a new
+    attempt after an aborted one, are all served."""
+    other = DecodeSide("shm")
+    try:
+        a = shm_side.admit({"dup": PROMPTS[1]})["dup"]
+        b = other.admit({"dup": PROMPTS[1]})["dup"]
+        assert a.attempt == b.attempt == 0
+        fa = shm_node.prefill.Prefill.future(a, timeout=CALL_TIMEOUT_S)
+        fb = shm_node.prefill.Prefill.future(b, timeout=CALL_TIMEOUT_S)
+        assert shm_side.decode({"dup"})["dup"] == other.decode({"dup"})["dup"] == shm_side.expected()["p1"]
+        assert fa.result(timeout=CALL_TIMEOUT_S).num_writes == fb.result(timeout=CALL_TIMEOUT_S).num_writes
+        # attempt 0 of "again" is aborted before it arrives; attempt 1 (fresh tag and pages) is served
+        first = shm_side.admit({"again": PROMPTS[0]})["again"]
+        assert not shm_side.abort(shm_node, "again", attempt=0)[0].confirmed
+        with pytest.raises(grpc.RpcError) as e:
+            shm_node.prefill.Prefill(first, timeout=CALL_TIMEOUT_S)
+        assert e.value.code() == grpc.StatusCode.ABORTED, e.value.details()
+        shm_side.receiver.abandon("again")
+        assert shm_side.engine.kv_retry("again")
+        shm_side.engine.step()
+        ticket = shm_side.tickets.pop("again")
+        assert ticket.attempt == 1 and ticket.imm_tag != first.imm_tag
+        second = ticket.to_pb(shm_side.prompt_ids["again"][:-1], shm_side.fab.peer_descriptor)
+        fut = shm_node.prefill.Prefill.future(second, timeout=CALL_TIMEOUT_S)
+        assert shm_side.decode({"again"})["again"] == shm_side.expected()["p0"]
+        assert fut.result(timeout=CALL_TIMEOUT_S).num_writes == second.expected_writes
+        assert shm_side.receiver.stale_writes == other.receiver.stale_writes == 0
+        shm_node.wait_idle(timeout=5)
+    finally:
+        other.close()
 
 
 def test_abort_during_prefill(shm_node, shm_side):
@@ -252,8 +318,8 @@ def test_abort_during_prefill(shm_node, shm_side):
     fut = shm_node.prefill.Prefill.future(call, timeout=CALL_TIMEOUT_S)
     # the abort goes out once the node has the call (or has already answered it)
     wait_until(lambda: fut.done() or shm_node.info().load.outstanding_requests, 30, "the node to take ab1")
-    resp = shm_node.prefill.AbortPrefill(prefill_pb2.AbortPrefillRequest(request_id="ab1"), timeout=30)
-    assert resp.confirmed
+    resp, fenced = shm_side.abort(shm_node, "ab1")
+    assert resp.confirmed and resp.fence_posted and fenced.is_set()
     try:
         fut.result(timeout=CALL_TIMEOUT_S)
         finished = True               # it won the race: the KV is complete

@@ -57,6 +57,7 @@ class NodeMetrics:
     queue_time: Histogram         # pdserve:request_queue_time_seconds{model_name}: received -> admitted
     kv_transfer_bytes: Counter    # pdserve:kv_transfer_bytes_total{model_name, side}
     kv_transfer_seconds: Histogram  # pdserve:kv_transfer_seconds{model_name, side}
+    kv_stale_writes: Counter      # pdserve:kv_stale_writes_total: writes landed for no live transfer (S5)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,10 @@ def node_metrics(registry: CollectorRegistry) -> NodeMetrics:
                                       "dispatch to the last write landed; side=prefill: from its first "
                                       "write posted to its last completed.", ["model_name", "side"],
                                       buckets=KV_TRANSFER_BUCKETS, registry=registry),
+        kv_stale_writes=Counter("pdserve:kv_stale_writes",
+                                "KV writes that landed on this decode node for a tag no transfer expects "
+                                "(unknown, finished, or released after an abort): must stay 0 (S5).",
+                                registry=registry),
     )
 
 

@@ -23,7 +23,7 @@ class GetNodeInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "role", "model", "sharding", "load", "num_layers", "max_context_length", "fabric_peer")
+    __slots__ = ("node_id", "role", "model", "sharding", "load", "num_layers", "max_context_length", "fabric_peer", "transfers")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class NodeInfo(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FABRIC_PEER_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: NodeRole
     model: str
@@ -40,4 +41,23 @@ class NodeInfo(_message.Message):
     num_layers: int
     max_context_length: int
     fabric_peer: bytes
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., model: _Optional[str] = ..., sharding: _Optional[_Union[_common_pb2.ShardingScheme, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., num_layers: _Optional[int] = ..., max_context_length: _Optional[int] = ..., fabric_peer: _Optional[bytes] = ...) -> None: ...
+    transfers: TransferInfo
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., model: _Optional[str] = ..., sharding: _Optional[_Union[_common_pb2.ShardingScheme, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., num_layers: _Optional[int] = ..., max_context_length: _Optional[int] = ..., fabric_peer: _Optional[bytes] = ..., transfers: _Optional[_Union[TransferInfo, _Mapping]] = ...) -> None: ...
+
+class TransferInfo(_message.Message):
+    __slots__ = ("quarantined_kv_blocks", "quarantined_transfers", "tags_in_use", "context_slots_in_use", "stale_writes", "held_requests", "active_transfers")
+    QUARANTINED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    TAGS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    STALE_WRITES_FIELD_NUMBER: _ClassVar[int]
+    HELD_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    quarantined_kv_blocks: int
+    quarantined_transfers: int
+    tags_in_use: int
+    context_slots_in_use: int
+    stale_writes: int
+    held_requests: int
+    active_transfers: int
+    def __init__(self, quarantined_kv_blocks: _Optional[int] = ..., quarantined_transfers: _Optional[int] = ..., tags_in_use: _Optional[int] = ..., context_slots_in_use: _Optional[int] = ..., stale_writes: _Optional[int] = ..., held_requests: _Optional[int] = ..., active_transfers: _Optional[int] = ...) -> None: ...

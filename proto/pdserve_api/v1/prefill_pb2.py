@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from pdserve_api.v1 import common_pb2 as pdserve__api_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve_api/v1/prefill.proto\x12\x0epdserve.api.v1\x1a\x1bpdserve_api/v1/common.proto\"2\n\nFabricPeer\x12\x10\n\x08provider\x18\x01 \x01(\t\x12\x12\n\ndescriptor\x18\x02 \x01(\x0c\"\x8b\x02\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x11\n\tnum_pages\x18\x02 \x01(\r\x12\x10\n\x08kv_heads\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0c\x65lement_size\x18\x07 \x01(\r\x12\x13\n\x0b\x62\x61se_offset\x18\x08 \x01(\x04\x12\x14\n\x0clayer_stride\x18\t \x01(\x04\x12\x11\n\tkv_stride\x18\n \x01(\x04\x12\x13\n\x0bpage_stride\x18\x0b \x01(\x04\x12\x13\n\x0bhead_stride\x18\x0c \x01(\x04\x12\x14\n\x0ctoken_stride\x18\r \x01(\x04\"Y\n\x08KvMemory\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x12\n\ndescriptor\x18\x02 \x01(\x0c\x12(\n\x06layout\x18\x03 \x01(\x0b\x32\x18.pdserve.api.v1.KvLayout\"Y\n\x0b\x43ontextSlot\x12\x12\n\ndescriptor\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x04\x12\x14\n\x0clogits_top_k\x18\x04 \x01(\r\"\x90\x03\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12(\n\x04peer\x18\x03 \x01(\x0b\x32\x1a.pdserve.api.v1.FabricPeer\x12+\n\tkv_memory\x18\x04 \x03(\x0b\x32\x18.pdserve.api.v1.KvMemory\x12\x10\n\x08page_ids\x18\x05 \x03(\r\x12,\n\x07\x63ontext\x18\x06 \x01(\x0b\x32\x1b.pdserve.api.v1.ContextSlot\x12\x30\n\x08sharding\x18\x07 \x01(\x0b\x32\x1e.pdserve.api.v1.ShardingScheme\x12\x0f\n\x07imm_tag\x18\x08 \x01(\r\x12\x17\n\x0f\x65xpected_writes\x18\t \x01(\r\x12\x15\n\rcached_tokens\x18\n \x01(\r\x12\r\n\x05model\x18\x0b \x01(\t\x12\x17\n\ndeadline_s\x18\x0c \x01(\x01H\x00\x88\x01\x01\x12\x16\n\x0e\x64\x65\x63ode_node_id\x18\r \x01(\tB\r\n\x0b_deadline_s\"b\n\x0ePrefillTimings\x12\x14\n\x0cqueue_time_s\x18\x01 \x01(\x01\x12\x16\n\x0e\x63ompute_time_s\x18\x02 \x01(\x01\x12\"\n\x1alast_layer_to_completion_s\x18\x03 \x01(\x01\"\xa0\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_writes\x18\x02 \x01(\r\x12\x15\n\rbytes_written\x18\x03 \x01(\x04\x12\x1d\n\x15prefill_cached_tokens\x18\x04 \x01(\r\x12/\n\x07timings\x18\x05 \x01(\x0b\x32\x1e.pdserve.api.v1.PrefillTimings\")\n\x13\x41\x62ortPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\")\n\x14\x41\x62ortPrefillResponse\x12\x11\n\tconfirmed\x18\x01 \x01(\x08\x32\xb7\x01\n\x0ePrefillService\x12J\n\x07Prefill\x12\x1e.pdserve.api.v1.PrefillRequest\x1a\x1f.pdserve.api.v1.PrefillResponse\x12Y\n\x0c\x41\x62ortPrefill\x12#.pdserve.api.v1.AbortPrefillRequest\x1a$.pdserve.api.v1.AbortPrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve_api/v1/prefill.proto\x12\x0epdserve.api.v1\x1a\x1bpdserve_api/v1/common.proto\"2\n\nFabricPeer\x12\x10\n\x08provider\x18\x01 \x01(\t\x12\x12\n\ndescriptor\x18\x02 \x01(\x0c\"\x8b\x02\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x11\n\tnum_pages\x18\x02 \x01(\r\x12\x10\n\x08kv_heads\x18\x03 \x01(\r\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0c\x65lement_size\x18\x07 \x01(\r\x12\x13\n\x0b\x62\x61se_offset\x18\x08 \x01(\x04\x12\x14\n\x0clayer_stride\x18\t \x01(\x04\x12\x11\n\tkv_stride\x18\n \x01(\x04\x12\x13\n\x0bpage_stride\x18\x0b \x01(\x04\x12\x13\n\x0bhead_stride\x18\x0c \x01(\x04\x12\x14\n\x0ctoken_stride\x18\r \x01(\x04\"Y\n\x08KvMemory\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x12\n\ndescriptor\x18\x02 \x01(\x0c\x12(\n\x06layout\x18\x03 \x01(\x0b\x32\x18.pdserve.api.v1.KvLayout\"Y\n\x0b\x43ontextSlot\x12\x12\n\ndescriptor\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x04\x12\x14\n\x0clogits_top_k\x18\x04 \x01(\r\"\xa1\x03\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12(\n\x04peer\x18\x03 \x01(\x0b\x32\x1a.pdserve.api.v1.FabricPeer\x12+\n\tkv_memory\x18\x04 \x03(\x0b\x32\x18.pdserve.api.v1.KvMemory\x12\x10\n\x08page_ids\x18\x05 \x03(\r\x12,\n\x07\x63ontext\x18\x06 \x01(\x0b\x32\x1b.pdserve.api.v1.ContextSlot\x12\x30\n\x08sharding\x18\x07 \x01(\x0b\x32\x1e.pdserve.api.v1.ShardingScheme\x12\x0f\n\x07imm_tag\x18\x08 \x01(\r\x12\x17\n\x0f\x65xpected_writes\x18\t \x01(\r\x12\x15\n\rcached_tokens\x18\n \x01(\r\x12\r\n\x05model\x18\x0b \x01(\t\x12\x17\n\ndeadline_s\x18\x0c \x01(\x01H\x00\x88\x01\x01\x12\x16\n\x0e\x64\x65\x63ode_node_id\x18\r \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x0e \x01(\rB\r\n\x0b_deadline_s\"b\n\x0ePrefillTimings\x12\x14\n\x0cqueue_time_s\x18\x01 \x01(\x01\x12\x16\n\x0e\x63ompute_time_s\x18\x02 \x01(\x01\x12\"\n\x1alast_layer_to_completion_s\x18\x03 \x01(\x01\"\xa0\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_writes\x18\x02 \x01(\r\x12\x15\n\rbytes_written\x18\x03 \x01(\x04\x12\x1d\n\x15prefill_cached_tokens\x18\x04 \x01(\r\x12/\n\x07timings\x18\x05 \x01(\x0b\x32\x1e.pdserve.api.v1.PrefillTimings\"\x98\x01\n\x13\x41\x62ortPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_engine_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\x19\n\x11prefill_engine_id\x18\x04 \x01(\t\x12\x11\n\tfence_tag\x18\x05 \x01(\r\x12\x14\n\x0c\x66\x65nce_region\x18\x06 \x01(\x0c\"\x88\x01\n\x14\x41\x62ortPrefillResponse\x12\x11\n\tconfirmed\x18\x01 \x01(\x08\x12\x19\n\x11prefill_engine_id\x18\x02 \x01(\t\x12,\n\x05state\x18\x03 \x01(\x0e\x32\x1d.pdserve.api.v1.TransferState\x12\x14\n\x0c\x66\x65nce_posted\x18\x04 \x01(\x08*\xe6\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_STATE_UNKNOWN\x10\x01\x12\x19\n\x15TRANSFER_STATE_ACTIVE\x10\x02\x12\x1b\n\x17TRANSFER_STATE_FINISHED\x10\x03\x12\x1a\n\x16TRANSFER_STATE_REFUSED\x10\x04\x12$\n TRANSFER_STATE_CONNECTION_FAILED\x10\x05\x12\x1f\n\x1bTRANSFER_STATE_WRONG_ENGINE\x10\x06\x32\xb7\x01\n\x0ePrefillService\x12J\n\x07Prefill\x12\x1e.pdserve.api.v1.PrefillRequest\x1a\x1f.pdserve.api.v1.PrefillResponse\x12Y\n\x0c\x41\x62ortPrefill\x12#.pdserve.api.v1.AbortPrefillRequest\x1a$.pdserve.api.v1.AbortPrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve_api.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TRANSFERSTATE']._serialized_start=1559
+  _globals['_TRANSFERSTATE']._serialized_end=1789
   _globals['_FABRICPEER']._serialized_start=77
   _globals['_FABRICPEER']._serialized_end=127
   _globals['_KVLAYOUT']._serialized_start=130
@@ -41,15 +43,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONTEXTSLOT']._serialized_start=490
   _globals['_CONTEXTSLOT']._serialized_end=579
   _globals['_PREFILLREQUEST']._serialized_start=582
-  _globals['_PREFILLREQUEST']._serialized_end=982
-  _globals['_PREFILLTIMINGS']._serialized_start=984
-  _globals['_PREFILLTIMINGS']._serialized_end=1082
-  _globals['_PREFILLRESPONSE']._serialized_start=1085
-  _globals['_PREFILLRESPONSE']._serialized_end=1245
-  _globals['_ABORTPREFILLREQUEST']._serialized_start=1247
-  _globals['_ABORTPREFILLREQUEST']._serialized_end=1288
-  _globals['_ABORTPREFILLRESPONSE']._serialized_start=1290
-  _globals['_ABORTPREFILLRESPONSE']._serialized_end=1331
-  _globals['_PREFILLSERVICE']._serialized_start=1334
-  _globals['_PREFILLSERVICE']._serialized_end=1517
+  _globals['_PREFILLREQUEST']._serialized_end=999
+  _globals['_PREFILLTIMINGS']._serialized_start=1001
+  _globals['_PREFILLTIMINGS']._serialized_end=1099
+  _globals['_PREFILLRESPONSE']._serialized_start=1102
+  _globals['_PREFILLRESPONSE']._serialized_end=1262
+  _globals['_ABORTPREFILLREQUEST']._serialized_start=1265
+  _globals['_ABORTPREFILLREQUEST']._serialized_end=1417
+  _globals['_ABORTPREFILLRESPONSE']._serialized_start=1420
+  _globals['_ABORTPREFILLRESPONSE']._serialized_end=1556
+  _globals['_PREFILLSERVICE']._serialized_start=1792
+  _globals['_PREFILLSERVICE']._serialized_end=1975
 # @@protoc_insertion_point(module_scope)

@@ -1,11 +1,29 @@
 from pdserve_api.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSFER_STATE_UNSPECIFIED: _ClassVar[TransferState]
+    TRANSFER_STATE_UNKNOWN: _ClassVar[TransferState]
+    TRANSFER_STATE_ACTIVE: _ClassVar[TransferState]
+    TRANSFER_STATE_FINISHED: _ClassVar[TransferState]
+    TRANSFER_STATE_REFUSED: _ClassVar[TransferState]
+    TRANSFER_STATE_CONNECTION_FAILED: _ClassVar[TransferState]
+    TRANSFER_STATE_WRONG_ENGINE: _ClassVar[TransferState]
+TRANSFER_STATE_UNSPECIFIED: TransferState
+TRANSFER_STATE_UNKNOWN: TransferState
+TRANSFER_STATE_ACTIVE: TransferState
+TRANSFER_STATE_FINISHED: TransferState
+TRANSFER_STATE_REFUSED: TransferState
+TRANSFER_STATE_CONNECTION_FAILED: TransferState
+TRANSFER_STATE_WRONG_ENGINE: TransferState
 
 class FabricPeer(_message.Message):
     __slots__ = ("provider", "descriptor")
@@ -68,7 +86,7 @@ class ContextSlot(_message.Message):
     def __init__(self, descriptor: _Optional[bytes] = ..., offset: _Optional[int] = ..., capacity: _Optional[int] = ..., logits_top_k: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "peer", "kv_memory", "page_ids", "context", "sharding", "imm_tag", "expected_writes", "cached_tokens", "model", "deadline_s", "decode_node_id")
+    __slots__ = ("request_id", "token_ids", "peer", "kv_memory", "page_ids", "context", "sharding", "imm_tag", "expected_writes", "cached_tokens", "model", "deadline_s", "decode_node_id", "attempt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +100,7 @@ class PrefillRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     peer: FabricPeer
@@ -95,7 +114,8 @@ class PrefillRequest(_message.Message):
     model: str
     deadline_s: float
     decode_node_id: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., peer: _Optional[_Union[FabricPeer, _Mapping]] = ..., kv_memory: _Optional[_Iterable[_Union[KvMemory, _Mapping]]] = ..., page_ids: _Optional[_Iterable[int]] = ..., context: _Optional[_Union[ContextSlot, _Mapping]] = ..., sharding: _Optional[_Union[_common_pb2.ShardingScheme, _Mapping]] = ..., imm_tag: _Optional[int] = ..., expected_writes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., model: _Optional[str] = ..., deadline_s: _Optional[float] = ..., decode_node_id: _Optional[str] = ...) -> None: ...
+    attempt: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., peer: _Optional[_Union[FabricPeer, _Mapping]] = ..., kv_memory: _Optional[_Iterable[_Union[KvMemory, _Mapping]]] = ..., page_ids: _Optional[_Iterable[int]] = ..., context: _Optional[_Union[ContextSlot, _Mapping]] = ..., sharding: _Optional[_Union[_common_pb2.ShardingScheme, _Mapping]] = ..., imm_tag: _Optional[int] = ..., expected_writes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., model: _Optional[str] = ..., deadline_s: _Optional[float] = ..., decode_node_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class PrefillTimings(_message.Message):
     __slots__ = ("queue_time_s", "compute_time_s", "last_layer_to_completion_s")
@@ -122,13 +142,29 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_writes: _Optional[int] = ..., bytes_written: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ...) -> None: ...
 
 class AbortPrefillRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "decode_engine_id", "attempt", "prefill_engine_id", "fence_tag", "fence_region")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCE_TAG_FIELD_NUMBER: _ClassVar[int]
+    FENCE_REGION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    decode_engine_id: str
+    attempt: int
+    prefill_engine_id: str
+    fence_tag: int
+    fence_region: bytes
+    def __init__(self, request_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., attempt: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., fence_tag: _Optional[int] = ..., fence_region: _Optional[bytes] = ...) -> None: ...
 
 class AbortPrefillResponse(_message.Message):
-    __slots__ = ("confirmed",)
+    __slots__ = ("confirmed", "prefill_engine_id", "state", "fence_posted")
     CONFIRMED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FENCE_POSTED_FIELD_NUMBER: _ClassVar[int]
     confirmed: bool
-    def __init__(self, confirmed: _Optional[bool] = ...) -> None: ...
+    prefill_engine_id: str
+    state: TransferState
+    fence_posted: bool
+    def __init__(self, confirmed: _Optional[bool] = ..., prefill_engine_id: _Optional[str] = ..., state: _Optional[_Union[TransferState, str]] = ..., fence_posted: _Optional[bool] = ...) -> None: ...

@@ -66,8 +66,9 @@ class PrefillServiceServicer:
         """Stops a Prefill: nothing more is posted for the request, the pending Prefill call fails with
         ABORTED, and the source pages are freed once the posted writes have completed or failed (the
         call waits for that within its deadline). Answers whether a write could still land in the
-        decode node's memory (S3, S5). Idempotent. An id not seen yet is confirmed and remembered,
-        so a Prefill that arrives after its abort is refused with ABORTED and never writes.
+        decode node's memory (S3, S5), bound to the prefill process that answers. Idempotent. A
+        transfer not seen yet is remembered as refused (a Prefill that arrives after its abort is
+        refused with ABORTED and never writes); it is confirmed from the next AbortPrefill on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
