@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which prefill node gets a prompt: least outstanding prompt tokens, or the one sent "
                         "its prefix before (its prefix cache can skip it) while under a load cap "
                         "(default: least-loaded)")
+    g.add_argument("--max-waiting-requests", type=int, default=DecodeNodeConfig.max_waiting_requests, metavar="N",
+                   help="requests held that have not produced their first token (queued or prefilling); one more "
+                        "is refused with RESOURCE_EXHAUSTED and the router tries another node "
+                        f"(default {DecodeNodeConfig.max_waiting_requests})")
     add_engine_args(p)
     return p
 
@@ -42,7 +46,8 @@ def make(args: argparse.Namespace) -> NodeServer:
         engine=engine_config(args), node_id=args.node_id or f"decode-{args.port}", colocated=args.colocated,
         prefill_addresses=tuple(a.strip() for a in (args.prefill or "").split(",") if a.strip()),
         provider=args.provider, fabric_node=args.fabric_node, prefill_timeout_s=args.prefill_timeout,
-        local_prefill_fallback=args.local_prefill_fallback, prefill_routing=args.prefill_routing)
+        local_prefill_fallback=args.local_prefill_fallback, prefill_routing=args.prefill_routing,
+        max_waiting_requests=args.max_waiting_requests)
     return node_server(config, ServeOptions(host=args.host, port=args.port, metrics_port=args.metrics_port))
 
 

@@ -26,6 +26,7 @@ import uuid
 import grpc
 
 from decode_node.service import DecodeNode, DecodeNodeConfig
+from pdserve.serving.admission import AdmissionGate, ResourceExhaustedError
 from pdserve.serving.convert import output_to_pb
 from pdserve.serving.logs import bind_request_id
 from pdserve.serving.metrics import RequestTimer, request_metrics
@@ -46,8 +47,9 @@ def msg_reason(msg: generate_pb2.GenerateResponse) -> str:
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, holder: NodeHolder[DecodeNode]) -> None:
+    def __init__(self, holder: NodeHolder[DecodeNode], gate: AdmissionGate | None = None) -> None:
         self._holder = holder
+        self._gate = gate or AdmissionGate("this decode node", max_waiting=DecodeNodeConfig.max_waiting_requests)
 
     async def Generate(self, request, context):
         node = self._holder.require()
@@ -66,7 +68,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         first = None
         gen = prepared.outputs(node.engine.generate(prompt, params, rid, remote_prefill=not node.colocated))
         try:
+            ticket = self._gate.enter()  # S8: RESOURCE_EXHAUSTED past --max-waiting-requests (serving.admission)
+        except ResourceExhaustedError:
+            node.end(state)
+            raise
+        try:
             async for out in gen:
+                if out.new_token_ids:
+                    ticket.started()  # no longer waiting
                 msg = output_to_pb(out, node.tokenizer)
                 if out.first_scheduled_time is not None and not state.admitted:
                     state.admitted = out.first_scheduled_time
@@ -93,6 +102,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             timer.finish("abort")  # the client went away (a no-op once finished)
             raise
         finally:
+            ticket.close()
             if state.admitted:
                 node.metrics.queue_time.labels(model_name=node.model_name).observe(state.admitted - t0)
             await gen.aclose()
@@ -119,7 +129,8 @@ def node_server(config: DecodeNodeConfig, options: ServeOptions) -> NodeServer[D
     """The decode node's process, for serve_node."""
 
     def add_servicers(server: grpc.aio.Server, holder: NodeHolder[DecodeNode]) -> None:
-        generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(holder), server)
+        gate = AdmissionGate(f"decode node {config.node_id}", max_waiting=config.max_waiting_requests)
+        generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateServicer(holder, gate), server)
         node_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(holder), server)
 
     def describe(node: DecodeNode, port: int) -> str:

@@ -97,6 +97,7 @@ class PrefillOutcome:
 class Transfer:
     """One request's prompt KV on its way here (loop-owned)."""
     channel_security: ChannelSecurity = PLAINTEXT   # of the channels to prefill nodes (mTLS, token)
+    max_waiting_requests: int = 2048          # requests held before their first token; more: RESOURCE_EXHAUSTED (S8)
 
     token_ids: tuple[int, ...]                # prompt minus its last token
     task: asyncio.Task | None = None

@@ -34,6 +34,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between health and load polls of each node")
     p.add_argument("--health-timeout", type=float, default=1.0, metavar="S", help="deadline of one health Check")
     p.add_argument("--load-timeout", type=float, default=5.0, metavar="S", help="deadline of one GetNodeInfo call")
+    p.add_argument("--request-timeout-s", type=float, default=RouterConfig.request_timeout_s, metavar="S",
+                   help="end-to-end deadline of a Generate call (HTTP or gRPC; a shorter gRPC client deadline "
+                        f"wins; default {RouterConfig.request_timeout_s:g})")
+    p.add_argument("--max-inflight-requests", type=int, default=RouterConfig.max_inflight_requests, metavar="N",
+                   help="Generate calls served at once; more are refused with RESOURCE_EXHAUSTED / HTTP 429 "
+                        f"(default {RouterConfig.max_inflight_requests})")
+    p.add_argument("--max-migrations", type=int, default=RouterConfig.max_migrations, metavar="N",
+                   help="times a request may move to another decode node after its node failed mid-stream "
+                        f"(default {RouterConfig.max_migrations})")
+    p.add_argument("--http-idle-timeout-s", type=float, default=HttpConfig.idle_timeout_s, metavar="S",
+                   help="close an HTTP connection that sends no complete request for S seconds "
+                        f"(default {HttpConfig.idle_timeout_s:g})")
+    p.add_argument("--http-body-timeout-s", type=float, default=HttpConfig.body_timeout_s, metavar="S",
+                   help="answer 408 to a request body not read within S seconds "
+                        f"(default {HttpConfig.body_timeout_s:g})")
     add_routing_args(p)
     add_log_args(p)
     return p
@@ -45,8 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup_logging(args.log_level, args.log_format)
         config = RouterConfig(host=args.host, port=args.port, decode_nodes=args.decode,
                               health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
-                              load_timeout_s=args.load_timeout, routing=routing_from_args(args))
-        http = HttpConfig(host=args.host, port=args.http_port) if args.http_port is not None else None
+                              load_timeout_s=args.load_timeout, routing=routing_from_args(args),
+                              request_timeout_s=args.request_timeout_s,
+                              max_inflight_requests=args.max_inflight_requests, max_migrations=args.max_migrations)
+        http = HttpConfig(host=args.host, port=args.http_port, idle_timeout_s=args.http_idle_timeout_s,
+                          body_timeout_s=args.http_body_timeout_s) if args.http_port is not None else None
         limits = RequestLimits(max_prompt_bytes=args.max_prompt_bytes)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

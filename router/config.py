@@ -28,6 +28,13 @@ class RouterConfig:
     default_max_tokens: the max_tokens the router assumes, when weighing a request's work, for a
         request that leaves it unset (SamplingParams' default).
     shutdown_grace_s: how long in-flight calls may run on after SIGTERM.
+    request_timeout_s: the end-to-end deadline of a Generate call (HTTP or gRPC) from its arrival,
+        migrations included; a gRPC client's own deadline wins when it is shorter (S8).
+    max_inflight_requests: Generate calls (HTTP and gRPC together) the router serves at once; one
+        more is refused with RESOURCE_EXHAUSTED / HTTP 429 and Retry-After (S8).
+    retry_after_s: the retry hint of such a refusal (HTTP Retry-After, whole seconds).
+    max_migrations: how many times one request may move to another decode node after the one
+        serving it failed mid-stream (S10); 0 ends such a request with an error.
     routing: the decode-node selection policy and its knobs (least-loaded or prefix-aware).
     """
 
@@ -39,7 +46,12 @@ class RouterConfig:
     load_timeout_s: float = 5.0
     default_max_tokens: int = 16
     shutdown_grace_s: float = 5.0
+    request_timeout_s: float = 300.0
+    max_inflight_requests: int = 4096
+    retry_after_s: float = 1.0
+    max_migrations: int = 2
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    security: ChannelSecurity = PLAINTEXT  # its gRPC port and its channels to the nodes (mTLS, token; S9)
 
     def __post_init__(self) -> None:
         if isinstance(self.decode_nodes, str):
@@ -51,15 +63,20 @@ class RouterConfig:
             parse_address(address)
         if len(set(self.decode_nodes)) != len(self.decode_nodes):
             raise ValueError(f"decode node addresses must be distinct, got {list(self.decode_nodes)}")
-    security: ChannelSecurity = PLAINTEXT  # its gRPC port and its channels to the nodes (mTLS, token; S9)
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        for name in ("health_interval_s", "health_timeout_s", "load_timeout_s", "shutdown_grace_s"):
+        for name in ("health_interval_s", "health_timeout_s", "load_timeout_s", "shutdown_grace_s",
+                     "request_timeout_s", "retry_after_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if isinstance(self.max_inflight_requests, bool) or not isinstance(self.max_inflight_requests, int) \
+                or self.max_inflight_requests < 1:
+            raise ValueError(f"max_inflight_requests must be an integer >= 1, got {self.max_inflight_requests!r}")
+        if isinstance(self.max_migrations, bool) or not isinstance(self.max_migrations, int) or self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be an integer >= 0, got {self.max_migrations!r}")
 
     @property
     def listen_address(self) -> str:

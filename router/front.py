@@ -6,9 +6,11 @@
 
 What it adds to forwarding (router.service): every Generate request is checked first
 (router.limits.check_request: INVALID_ARGUMENT for malformed requests, before any node is
-bothered), and Health answers with every decode node's state. Generate, Abort and ListModels are
-otherwise the forwarder's, unchanged, for gRPC and HTTP alike: an HTTP request is one more
-Generate call, whose cancellation reaches the nodes the same way (R4).
+bothered), then admitted through one AdmissionGate for gRPC and HTTP together (S8: more than
+RouterConfig.max_inflight_requests at once are refused with RESOURCE_EXHAUSTED, HTTP 429 with
+Retry-After; pdserve.serving.admission), and Health answers with every decode node's state.
+Generate, Abort and ListModels are otherwise the forwarder's, unchanged, for gRPC and HTTP alike:
+an HTTP request is one more Generate call, whose cancellation reaches the nodes the same way (R4).
 
 Runs on the router's asyncio loop, like everything in the router.
 """
@@ -20,6 +22,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from pdserve.serving.admission import AdmissionGate
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
 from router.limits import RequestLimits, check_request
 from router.nodes import NodePool
@@ -28,7 +31,7 @@ from router.service import RouterGenerateService
 
 class _NoDeadline:
     """The part of grpc.aio.ServicerContext that the forwarder reads, for calls that come over HTTP
-    (an HTTP request has no deadline: it lives until it finishes or its client goes away)."""
+    (an HTTP request brings no deadline of its own: the router's request_timeout_s bounds it)."""
 
     def time_remaining(self) -> float | None:
         return None
@@ -37,10 +40,12 @@ class _NoDeadline:
 class RouterFront(generate_pb2_grpc.GenerateServiceServicer):
     """GenerateService as clients see it; also the HTTP API's backend (router.http_api.Backend)."""
 
-    def __init__(self, forward: RouterGenerateService, pool: NodePool, limits: RequestLimits) -> None:
+    def __init__(self, forward: RouterGenerateService, pool: NodePool, limits: RequestLimits,
+                 gate: AdmissionGate | None = None) -> None:
         self.forward = forward
         self.pool = pool
         self.limits = limits
+        self.gate = gate or AdmissionGate("the router", max_inflight=4096)
 
     # --- gRPC -------------------------------------------------------------------------------------
 
@@ -48,9 +53,11 @@ class RouterFront(generate_pb2_grpc.GenerateServiceServicer):
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         check_request(request, self.limits, self.context_length())
-        async with contextlib.aclosing(self.forward.Generate(request, context)) as stream:
-            async for response in stream:
-                yield response
+        with self.gate.enter() as ticket:  # ResourceExhaustedError when full
+            ticket.started()
+            async with contextlib.aclosing(self.forward.Generate(request, context)) as stream:
+                async for response in stream:
+                    yield response
 
     async def Abort(  # gRPC method name
         self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -72,9 +79,11 @@ class RouterFront(generate_pb2_grpc.GenerateServiceServicer):
     async def stream(self, request: generate_pb2.GenerateRequest) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """Generate for an HTTP request; errors surface at the first `anext`, closing cancels it."""
         check_request(request, self.limits, self.context_length())
-        async with contextlib.aclosing(self.forward.Generate(request, _NoDeadline())) as stream:  # type: ignore[arg-type]
-            async for response in stream:
-                yield response
+        with self.gate.enter() as ticket:  # ResourceExhaustedError when full
+            ticket.started()
+            async with contextlib.aclosing(self.forward.Generate(request, _NoDeadline())) as stream:  # type: ignore[arg-type]
+                async for response in stream:
+                    yield response
 
     async def list_models(self) -> generate_pb2.ListModelsResponse:
         return await self.forward.ListModels(generate_pb2.ListModelsRequest(), _NoDeadline())  # type: ignore[arg-type]

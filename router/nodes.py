@@ -13,7 +13,8 @@ grpc.health.v1 Check of the whole server (""), then NodeService.GetNodeInfo for 
 whose Check fails or answers anything but SERVING, or whose GetNodeInfo answers an error other than
 a missed deadline, leaves the rotation; it comes back at the first poll that succeeds. A call that
 finds a node unreachable takes it out at once (`mark_failed`). A node that leaves the rotation is
-forgotten by the routing policy (a restarted node has lost its prefix cache).
+forgotten by the routing policy (a restarted node has lost its prefix cache), and every stream on it
+is told (`DecodeNode.watchers`), so that router.service moves those requests to another node (S10).
 
 Load: a node's outstanding work is the larger of the router's own count (prompt + max tokens of the
 requests it has in flight there, estimated without a tokenizer) and the node's last reported
@@ -79,6 +80,8 @@ class DecodeNode:
     reason: str = "not polled yet"  # why it is out of rotation (empty when healthy)
     info: node_pb2.NodeInfo | None = None  # the last GetNodeInfo answer
     inflight: dict[str, int] = field(default_factory=dict)  # request id -> estimated tokens
+    # Called (once each) when the node leaves the rotation: the streams on it move elsewhere (S10).
+    watchers: set[Callable[[], None]] = field(default_factory=set)
     channel: grpc.aio.Channel | None = None
     generate: generate_pb2_grpc.GenerateServiceStub | None = None
     node: node_pb2_grpc.NodeServiceStub | None = None
@@ -254,3 +257,6 @@ class NodePool:
             self.policy.forget(node.address)
         node.healthy = healthy
         node.reason = reason
+        if not healthy:
+            for watcher in list(node.watchers):  # each removes itself when its stream ends
+                watcher()

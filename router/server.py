@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from pdserve.serving.channels import add_server_port, aio_server
+from pdserve.serving.admission import AdmissionGate
 from pdserve_api.servers import AioExceptionToStatusInterceptor, add_standard_services_aio
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
 from router.config import RouterConfig
@@ -51,7 +52,9 @@ class RouterServer:
         self.limits = limits or RequestLimits()
         self.pool = NodePool(config, on_health_change=self._on_health_change)
         self.service = RouterGenerateService(config, self.pool)
-        self.front = RouterFront(self.service, self.pool, self.limits)
+        self.gate = AdmissionGate("the router", max_inflight=config.max_inflight_requests,
+                                  retry_after_s=config.retry_after_s)
+        self.front = RouterFront(self.service, self.pool, self.limits, self.gate)
         self.http = HttpApi(self.front, http, self.limits, config.shutdown_grace_s) if http is not None else None
         self._server: grpc.aio.Server | None = None
         self._health = None

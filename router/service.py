@@ -1,23 +1,40 @@
-"""GenerateService as the router serves it: forward each call to a decode node (R1, R3, R4, D2).
+"""GenerateService as the router serves it: forward each call to a decode node (R1, R3, R4, D2, S8, S10).
 
 Runs on the router's asyncio event loop; each Generate call is one grpc.aio handler task.
 
 - Generate: assigns `router-<uuid>` when request_id is empty, asks the pool's routing policy for a
   healthy node (least-loaded or prefix-aware, router/policy.py), forwards the request and streams
-  every response back unchanged. A node found unreachable before
-  it answered anything (UNAVAILABLE) is taken out and the request goes to the next node. Any other
-  downstream status is re-raised and keeps its code (the server's AioExceptionToStatusInterceptor
-  maps a grpc.RpcError to its own code). A failure after the stream started ends the stream with a
-  final FINISH_REASON_ERROR message naming the node (S1). A cancelled client call cancels the
-  downstream call, so the decode node aborts the request and frees its pages (R4).
+  every response back. A node found unreachable before it answered anything (UNAVAILABLE) is taken
+  out and the request goes to the next node; a node whose queue is full (RESOURCE_EXHAUSTED) is
+  skipped for this request (RESOURCE_EXHAUSTED once every node refused). Any other downstream
+  status is re-raised and keeps its code (the server's AioExceptionToStatusInterceptor maps a
+  grpc.RpcError to its own code).
+- Migration (S10): when the node serving a request fails mid-stream (its stream breaks with
+  UNAVAILABLE, or the pool marks it down: a failed health check or call), the request is re-sent
+  to another healthy node with `resume` = the tokens already streamed (and how much text), its
+  max_tokens lowered by them; that node continues exactly after them (pdserve.serving.node_request:
+  greedy output equals an uninterrupted run; text held back by the failed node, and stop strings
+  across the seam, come right), and the client's stream goes on unbroken. A seeded sampled request
+  continues reseeded: deterministic, but not the sample an uninterrupted run draws. At most
+  `RouterConfig.max_migrations` per request; past that, or with no other node, or past the
+  deadline, the stream ends with a final FINISH_REASON_ERROR message naming the node (S1).
+- Deadline (S8): every Generate call ends by its deadline, `RouterConfig.request_timeout_s` from its
+  arrival or the gRPC client's own deadline when shorter (HTTP calls have none of their own),
+  migrations included: DEADLINE_EXCEEDED before the first message, a final ERROR message after.
+- A cancelled client call cancels the downstream call, so the decode node aborts the request and
+  frees its pages (R4).
 - Abort: forwarded to the node that holds the request; an id the router does not know is sent to
   every healthy node (it may have come through another router).
 - ListModels: the first healthy node that answers.
 
+Blocking waits, each bounded: a downstream Generate stream (the call's deadline, above; a node
+that stops answering is also cut off when the pool marks it down, within about
+health_interval_s + health_timeout_s); Abort and ListModels calls (5 x health_timeout_s each).
+
 Metrics (pdserve.serving.metrics, R5): TTFT, inter-token gaps and E2E latency as the client sees them
-through the router (from the call's arrival, retries included), request_success_total by finish
-reason, labelled with the serving node's model; router_request_errors_total by status code for
-calls that failed before streaming.
+through the router (from the call's arrival, retries and migrations included),
+request_success_total by finish reason, labelled with the serving node's model;
+router_request_errors_total by status code for calls that failed before streaming.
 
 Logs carry request ids (on every line of a call), nodes and sizes, never prompt text.
 """
@@ -30,9 +47,11 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.serving.admission import ResourceExhaustedError
 from pdserve.serving.logs import bind_request_id
 from pdserve.serving.metrics import RequestTimer, request_metrics, router_metrics
 from pdserve_api.servers import UnavailableError
@@ -51,6 +70,55 @@ def new_request_id() -> str:
     return f"router-{uuid.uuid4().hex}"
 
 
+@dataclass
+class Progress:
+    """What one request's client has received so far, over every attempt (a migration resumes from it)."""
+
+    messages: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text_chars: int = 0
+    migrations: int = 0
+    finished: bool = False
+
+    def add(self, response: generate_pb2.GenerateResponse) -> None:
+        self.messages += 1
+        self.token_ids.extend(response.token_ids)
+        self.text_chars += len(response.text)
+        if response.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
+            self.finished = True
+
+
+@dataclass
+class Attempt:
+    """One try of a request on one node, and how it ended (the forwarder's verdict)."""
+
+    node: DecodeNode
+    outcome: str = "done"       # "done" | "next" (try another node now) | "migrate" (resume on another)
+    node_down: bool = False     # the pool marked the node down while this attempt streamed
+    reason: str = ""            # why it ended, for logs and a final error message
+    full: str | None = None     # the node refused it with RESOURCE_EXHAUSTED (this message)
+
+
+def resume_request(request: generate_pb2.GenerateRequest, progress: Progress,
+                   default_max_tokens: int) -> generate_pb2.GenerateRequest | None:
+    """`request` continued after what the client already has (S10), or None when nothing is left
+    to generate (max_tokens already streamed)."""
+    if not progress.token_ids:
+        return request
+    resumed = generate_pb2.GenerateRequest()
+    resumed.CopyFrom(request)
+    prior = request.resume if request.HasField("resume") else generate_pb2.ResumeFrom()
+    resumed.resume.token_ids[:] = [*prior.token_ids, *progress.token_ids]
+    resumed.resume.text_chars = prior.text_chars + progress.text_chars
+    sampling = request.sampling
+    max_tokens = sampling.max_tokens if sampling.HasField("max_tokens") else default_max_tokens
+    left = max_tokens - len(progress.token_ids)
+    if left < 1:
+        return None
+    resumed.sampling.max_tokens = left
+    return resumed
+
+
 class RouterGenerateService(generate_pb2_grpc.GenerateServiceServicer):
     """Forwards GenerateService calls to the decode nodes of a NodePool."""
 
@@ -63,10 +131,20 @@ class RouterGenerateService(generate_pb2_grpc.GenerateServiceServicer):
     def running(self) -> dict[str, DecodeNode]:
         return dict(self._running)
 
+    def deadline(self, context: grpc.aio.ServicerContext) -> float:
+        """The monotonic time by which a call arriving now must end: the router's request timeout, or
+        the client's own deadline when shorter."""
+        budget = self._config.request_timeout_s
+        remaining = context.time_remaining()
+        if remaining is not None:
+            budget = min(budget, max(remaining, 0.0))
+        return time.monotonic() + budget
+
     async def Generate(  # gRPC method name
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         timer = RequestTimer(request_metrics())
+        deadline = self.deadline(context)
         if not request.request_id:
             request.request_id = new_request_id()
         rid = request.request_id
@@ -75,53 +153,99 @@ class RouterGenerateService(generate_pb2_grpc.GenerateServiceServicer):
             raise ValueError(f"request_id {rid!r} is already running (on {self._running[rid].address}); "
                              "ids must be unique among running requests")
         work = estimate_work(request, self._config.default_max_tokens)
-        tried: list[DecodeNode] = []
+        progress = Progress()
+        tried: list[DecodeNode] = []   # nodes this request will not go to again
+        full: list[str] = []           # the nodes that refused it as full, and what they said
         failed = False
         try:
-            while True:
-                node, route = self._pool.route(request, exclude=tried)
+            attempt_request: generate_pb2.GenerateRequest | None = request
+            while attempt_request is not None:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"request {rid} passed its deadline of {self._config.request_timeout_s:g} s "
+                                       "(or the client's) before a decode node could take it")
+                try:
+                    node, route = self._pool.route(attempt_request, exclude=tried)
+                except UnavailableError:
+                    if full:  # every node left was full: back-pressure, not an outage
+                        raise ResourceExhaustedError(f"every decode node is full ({'; '.join(full)})",
+                                                     self._config.retry_after_s) from None
+                    raise
                 tried.append(node)
                 timer.model_name = node.info.model if node.info is not None else ""
-                retry = False
-                async with contextlib.aclosing(self._forward(node, request, work, context, route.reason,
-                                                             timer)) as stream:
+                attempt = Attempt(node)
+                async with contextlib.aclosing(self._forward(attempt, attempt_request, work, deadline, route.reason,
+                                                             timer, progress)) as stream:
                     async for item in stream:
-                        if item is None:  # unreachable before answering: try the next node
-                            retry = True
-                            break
                         yield item
-                if not retry:
+                if attempt.outcome == "done":
                     return
+                if attempt.full is not None:
+                    full.append(attempt.full)
+                if attempt.outcome == "migrate":
+                    progress.migrations += 1
+                    attempt_request = resume_request(request, progress, self._config.default_max_tokens)
+                    logger.warning("request_id=%s migrating from node=%s after %d tokens (migration %d of %d): %s",
+                                   rid, node.address, len(progress.token_ids), progress.migrations,
+                                   self._config.max_migrations, attempt.reason)
+            # Every token max_tokens allowed was streamed before the node failed: the request is done.
+            timer.finish("length")
+            yield generate_pb2.GenerateResponse(
+                request_id=rid, finish_reason=generate_pb2.FINISH_REASON_LENGTH,
+                usage=generate_pb2.Usage(completion_tokens=len(progress.token_ids)))
         except grpc.aio.AioRpcError as e:
             failed = True
             router_metrics().rejected.labels(code=e.code().name).inc()
             raise
-        except UnavailableError:
+        except (UnavailableError, ResourceExhaustedError, TimeoutError) as e:
             failed = True
-            router_metrics().rejected.labels(code=grpc.StatusCode.UNAVAILABLE.name).inc()
+            if progress.messages:  # the client's stream has begun: end it with a message, not a status
+                yield self._error(rid, str(e), timer)
+                return
+            code = e.code if not isinstance(e, TimeoutError) else grpc.StatusCode.DEADLINE_EXCEEDED
+            router_metrics().rejected.labels(code=code.name).inc()
             raise
         finally:
             if not failed:
                 timer.finish("abort")  # cut short (the client went away); a no-op once finished
 
+    def _error(self, rid: str, error: str, timer: RequestTimer) -> generate_pb2.GenerateResponse:
+        timer.finish("error")
+        return generate_pb2.GenerateResponse(request_id=rid, finish_reason=generate_pb2.FINISH_REASON_ERROR,
+                                             error=error)
+
+    def _can_move(self, attempt: Attempt, progress: Progress, deadline: float) -> bool:
+        """Another node may take the rest of this request now (S10's bounds)."""
+        others = [n for n in self._pool.healthy() if n is not attempt.node]
+        return bool(others) and time.monotonic() < deadline and (
+            not progress.token_ids or progress.migrations < self._config.max_migrations)
+
     async def _forward(
-        self, node: DecodeNode, request: generate_pb2.GenerateRequest, work: int,
-        context: grpc.aio.ServicerContext, reason: str, timer: RequestTimer,
-    ) -> AsyncIterator[generate_pb2.GenerateResponse | None]:
-        """Stream one attempt on `node`; yields a lone None when the node was unreachable up front."""
+        self, attempt: Attempt, request: generate_pb2.GenerateRequest, work: int, deadline: float,
+        reason: str, timer: RequestTimer, progress: Progress,
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """Stream one attempt on `attempt.node`; sets attempt.outcome when another node should go on."""
+        node = attempt.node
         rid = request.request_id
         assert node.generate is not None
-        logger.info("generate request_id=%s node=%s route=%s prompt=%s est_tokens=%d inflight=%d",
-                    rid, node.address, reason, request.WhichOneof("prompt"), work, len(node.inflight))
+        logger.info("generate request_id=%s node=%s route=%s prompt=%s est_tokens=%d inflight=%d resumed=%d",
+                    rid, node.address, reason, request.WhichOneof("prompt"), work, len(node.inflight),
+                    len(request.resume.token_ids))
         self._running[rid] = node
         node.begin(rid, work)
         start = time.monotonic()
-        call = node.generate.Generate(request, timeout=context.time_remaining())
+        call = node.generate.Generate(request, timeout=max(deadline - start, 1e-3))
+
+        def node_down() -> None:  # the pool marked the node down: stop waiting on it, move the request
+            attempt.node_down = True
+            call.cancel()
+
+        node.watchers.add(node_down)
         sent = 0
         finish = "cancelled"
         try:
             async for response in call:
                 sent += 1
+                progress.add(response)
                 timer.tokens(len(response.token_ids))
                 if response.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
                     finish = generate_pb2.FinishReason.Name(response.finish_reason)
@@ -129,35 +253,76 @@ class RouterGenerateService(generate_pb2_grpc.GenerateServiceServicer):
                 yield response
             if sent == 0:
                 finish = "empty stream"
-            timer.finish("error")  # a no-op after a final message; the node ended without one otherwise
+            if not progress.finished:  # the node ended without a final message
+                yield self._error(rid, f"decode node {node.address} ended the stream without a finish_reason", timer)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not attempt.node_down or (task is not None and task.cancelling()):
+                raise  # the client went away (or the server stops): not the node's failure
+            finish = "node down"
+            attempt.reason = f"decode node {node.address} failed mid-stream: marked down ({node.reason})"
+            self._failed_mid_stream(attempt, progress, deadline)
+            if attempt.outcome == "done":
+                yield self._error(rid, attempt.reason, timer)
         except grpc.aio.AioRpcError as e:
             code, details = e.code(), e.details()
-            if sent == 0 and code == grpc.StatusCode.UNAVAILABLE:
+            finish = code.name
+            attempt.reason = f"{code.name}: {details}"
+            if code == grpc.StatusCode.CANCELLED and attempt.node_down:
+                attempt.reason = f"decode node {node.address} failed mid-stream: marked down ({node.reason})"
+                self._failed_mid_stream(attempt, progress, deadline)
+                if attempt.outcome == "done":
+                    yield self._error(rid, attempt.reason, timer)
+                return
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= deadline - 0.05:
+                message = (f"request {rid} passed its deadline of {self._config.request_timeout_s:g} s "
+                           "(router --request-timeout-s) or the client's")
+                if not progress.messages:
+                    raise TimeoutError(message) from e
+                yield self._error(rid, message, timer)
+                return
+            if sent == 0 and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                logger.info("request_id=%s node=%s is full (%s); trying another node", rid, node.address, details)
+                attempt.outcome, attempt.full = "next", f"{node.address}: {details}"
+                return
+            if code == grpc.StatusCode.UNAVAILABLE:
                 self._pool.mark_failed(node, f"Generate failed: {code.name}: {details}")
-                others = [n for n in self._pool.healthy() if n is not node]
-                if others:
-                    logger.warning("request_id=%s node=%s unavailable (%s); retrying on another node",
-                                   rid, node.address, details)
-                    finish = "retried"
-                    yield None
-                    return
-            if sent == 0:
-                finish = code.name
+                if sent == 0 and not progress.token_ids:
+                    if self._can_move(attempt, progress, deadline):
+                        logger.warning("request_id=%s node=%s unavailable (%s); retrying on another node",
+                                       rid, node.address, details)
+                        finish = "retried"
+                        attempt.outcome = "next"
+                        return
+                else:
+                    self._failed_mid_stream(attempt, progress, deadline)
+                    if attempt.outcome != "done":
+                        finish = "migrated"
+                        return
+            if not progress.messages:
                 raise
-            finish = f"ERROR ({code.name})"
             logger.warning("request_id=%s node=%s failed after %d messages: %s: %s",
                            rid, node.address, sent, code.name, details)
-            timer.finish("error")
-            yield generate_pb2.GenerateResponse(
-                request_id=rid, finish_reason=generate_pb2.FINISH_REASON_ERROR,
-                error=f"decode node {node.address} failed mid-stream: {code.name}: {details}")
+            yield self._error(rid, f"decode node {node.address} failed mid-stream: {code.name}: {details}", timer)
         finally:
+            node.watchers.discard(node_down)
             call.cancel()  # no-op when finished; aborts the request downstream otherwise (R4)
             node.end(rid)
             if self._running.get(rid) is node:
                 del self._running[rid]
             logger.info("done request_id=%s node=%s finish=%s messages=%d elapsed_s=%.3f",
                         rid, node.address, finish, sent, time.monotonic() - start)
+
+    def _failed_mid_stream(self, attempt: Attempt, progress: Progress, deadline: float) -> None:
+        """The node failed after streaming part of the answer: migrate if S10's bounds allow."""
+        if progress.finished:
+            return
+        if self._can_move(attempt, progress, deadline):
+            attempt.outcome = "migrate" if progress.token_ids else "next"
+        else:
+            logger.warning("cannot move the request off node=%s (migrations %d of %d, %d healthy nodes)",
+                           attempt.node.address, progress.migrations, self._config.max_migrations,
+                           len(self._pool.healthy()))
 
     async def Abort(  # gRPC method name
         self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext

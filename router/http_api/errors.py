@@ -5,7 +5,9 @@
 An exception becomes a status through the same table the gRPC servers use
 (`pdserve_api.servers.status_for`), then the gRPC code becomes an HTTP status: INVALID_ARGUMENT 400,
 NOT_FOUND 404, ALREADY_EXISTS 409, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504,
-UNIMPLEMENTED 501, anything else 500 (logged with its traceback).
+UNIMPLEMENTED 501, anything else 500 (logged with its traceback). A 429 (a full queue,
+pdserve.serving.admission.ResourceExhaustedError, or a downstream RESOURCE_EXHAUSTED) carries a
+`Retry-After` header in whole seconds.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import grpc
 from aiohttp import web
 
+from pdserve.serving.admission import ResourceExhaustedError
 from pdserve_api.servers import status_details, status_for
 
 logger = logging.getLogger(__name__)
@@ -34,6 +37,7 @@ _HTTP_STATUS = {
 }
 
 _TYPE = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+         408: "timeout",
          409: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
          429: "rate_limit_error", 499: "cancelled", 501: "not_implemented", 503: "service_unavailable",
          504: "timeout"}
@@ -42,12 +46,14 @@ _TYPE = {400: "invalid_request_error", 404: "invalid_request_error", 405: "inval
 class ApiError(Exception):
     """An HTTP error to answer: status, message, and OpenAI's `param` (the offending field) and `code`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     @property
     def type(self) -> str:
@@ -57,7 +63,8 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.Response(status=self.status, text=json.dumps(self.body()), content_type="application/json")
+        return web.Response(status=self.status, text=json.dumps(self.body()), content_type="application/json",
+                            headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
@@ -75,4 +82,7 @@ def from_exception(exc: BaseException) -> ApiError:
         logger.error("request failed: %s: %s", code.name, message, exc_info=exc)
     if status == 404 and "model" in message:
         return ApiError(404, message, param="model", code="model_not_found")
+    if status == 429:
+        retry = exc.retry_after_header if isinstance(exc, ResourceExhaustedError) else "1"
+        return ApiError(429, message, headers={"Retry-After": retry})
     return ApiError(status, message)

@@ -27,6 +27,7 @@ request, its prefill included. aiohttp sets TCP_NODELAY on every accepted connec
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -88,14 +89,23 @@ class Backend(Protocol):
 
 @dataclass(frozen=True)
 class HttpConfig:
-    """Where the HTTP API listens. port 0: any free port (`HttpApi.start` returns it)."""
+    """Where the HTTP API listens (port 0: any free port, `HttpApi.start` returns it) and its
+    connection timeouts (S8). idle_timeout_s: a connection that sends no complete request head for
+    this long, from its opening or its previous response, is closed (aiohttp's keep-alive timer).
+    body_timeout_s: a request body not read completely within this long is answered 408."""
 
     host: str = "127.0.0.1"
     port: int = 8000
+    idle_timeout_s: float = 75.0
+    body_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"http port must be in 0..65535, got {self.port!r}")
+        for name in ("idle_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"http {name} must be > 0, got {value!r}")
 
 
 @web.middleware
@@ -135,7 +145,8 @@ class HttpApi:
         self.port: int | None = None
 
     async def start(self) -> int:
-        runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=self.shutdown_grace_s)
+        runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=self.shutdown_grace_s,
+                               keepalive_timeout=self.config.idle_timeout_s)
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, self.config.port)
         try:
@@ -165,7 +176,11 @@ class HttpApi:
 
     async def _read_json(self, request: web.Request) -> dict[str, Any]:
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.config.body_timeout_s):
+                raw = await request.read()
+        except TimeoutError as e:
+            raise ApiError(408, f"the request body was not received within {self.config.body_timeout_s:g} s "
+                                "(router --http-body-timeout-s)") from e
         except web.HTTPRequestEntityTooLarge as e:
             raise ApiError(413, f"request body is larger than {self.limits.max_message_bytes} bytes "
                            f"(prompts may have at most {self.limits.max_prompt_bytes} bytes)") from e

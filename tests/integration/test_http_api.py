@@ -336,6 +336,33 @@ def test_streaming_connections_have_nagle_off():
     assert flags and all(flags), flags
 
 
+def test_slow_bodies_get_408_and_idle_connections_are_closed():
+    """S8: a body that does not arrive within body_timeout_s is answered 408; a connection that sends
+    no request within idle_timeout_s is closed by the server."""
+    backend = FakeBackend([_msg("a", (1,), generate_pb2.FINISH_REASON_STOP)])
+
+    async def go():
+        api = HttpApi(backend, HttpConfig(port=0, idle_timeout_s=0.5, body_timeout_s=0.5), RequestLimits())
+        port = await api.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"prompt\": ")   # 11 of the 100 bytes, then nothing
+            await writer.drain()
+            slow = await asyncio.wait_for(reader.read(4096), WAIT)
+            writer.close()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            idle = await asyncio.wait_for(reader.read(4096), WAIT)    # b"": closed by the server
+            writer.close()
+            return slow, idle
+        finally:
+            await api.stop()
+
+    slow, idle = run(go())
+    assert slow.startswith(b"HTTP/1.1 408") and b"not received within 0.5 s" in slow, slow[:300]
+    assert idle == b"" and not backend.requests
+
+
 def test_router_without_a_decode_node_answers_503():
     async def go():
         dead, = free_ports(1)

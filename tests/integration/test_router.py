@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 
+import aiohttp
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -27,6 +28,7 @@ from pdserve.tools.client import AsyncClient, Client, ClientError, build_request
 from pdserve_api.servers import AioExceptionToStatusInterceptor, add_standard_services_aio
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc
 from router.config import RouterConfig
+from router.http_api import HttpConfig
 from router.policy import RoutingConfig, make_policy, prompt_hashes
 from router.server import GENERATE_SERVICE, RouterServer
 
@@ -45,16 +47,22 @@ class FakeDecode(generate_pb2_grpc.GenerateServiceServicer, node_pb2_grpc.NodeSe
         self.running: dict[str, asyncio.Event] = {}
         self.progress: dict[str, int] = {}  # request id -> tokens sent
         self.info_error: str | None = None  # GetNodeInfo raises RuntimeError(info_error) when set
+        self.requests: dict[str, generate_pb2.GenerateRequest] = {}  # request id -> the request as received
+        self.full: str | None = None  # Generate answers RESOURCE_EXHAUSTED(full) when set
 
     async def Generate(self, request, context):
         rid = request.request_id or "node-assigned"
         if request.text == "bad":
             raise ValueError("prompt 'bad' is invalid here")
+        if self.full:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.full)
         self.seen.append(rid)
+        self.requests[rid] = request
         abort = self.running[rid] = asyncio.Event()
         n = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 4
+        first = len(request.resume.token_ids)  # a resumed request continues the numbering (S10)
         try:
-            for t in range(n):
+            for t in range(first, first + n):
                 if self.delay_s:
                     try:
                         await asyncio.wait_for(abort.wait(), self.delay_s)
@@ -97,7 +105,7 @@ async def start_fake(fake: FakeDecode, port: int) -> grpc.aio.Server:
     server = grpc.aio.server(interceptors=[AioExceptionToStatusInterceptor()])
     generate_pb2_grpc.add_GenerateServiceServicer_to_server(fake, server)
     node_pb2_grpc.add_NodeServiceServicer_to_server(fake, server)
-    await add_standard_services_aio(server, [GENERATE_SERVICE])
+    fake.health = await add_standard_services_aio(server, [GENERATE_SERVICE])
     assert server.add_insecure_port(f"127.0.0.1:{port}") == port
     await server.start()
     return server
@@ -111,8 +119,11 @@ def until(predicate, what: str):
 class Rig:
     """Two fake decode nodes behind an in-process router, and an AsyncClient to the router."""
 
-    def __init__(self, delay_s: float = 0.0, routing: RoutingConfig | None = None) -> None:
+    def __init__(self, delay_s: float = 0.0, routing: RoutingConfig | None = None, http: bool = False,
+                 **config) -> None:
         self.routing = routing
+        self.http = HttpConfig(port=0) if http else None
+        self.config = config
         self.ports = free_ports(2)
         self.fakes = [FakeDecode(f"fake-{i}", delay_s) for i in range(2)]
         self.servers: list[grpc.aio.Server | None] = [None, None]
@@ -121,8 +132,8 @@ class Rig:
         for i in range(2):
             self.servers[i] = await start_fake(self.fakes[i], self.ports[i])
         config = RouterConfig(port=0, decode_nodes=tuple(f"127.0.0.1:{p}" for p in self.ports),
-                              health_interval_s=0.2, health_timeout_s=0.5)
-        self.router = RouterServer(config)
+                              health_interval_s=0.2, health_timeout_s=0.5, **self.config)
+        self.router = RouterServer(config, self.http)
         if self.routing is not None:
             self.router.pool.policy = make_policy(self.routing)
         port = await self.router.start()
@@ -297,16 +308,25 @@ def test_node_whose_get_node_info_fails_leaves_rotation():
     run(go())
 
 
-def test_node_dying_mid_stream_ends_the_stream_with_an_error_message():
+def test_node_dying_mid_stream_moves_the_request_or_ends_it_with_an_error_message_when_none_is_left():
+    # S10 (this test asserted an error ending before migration existed): the stream goes on, on the
+    # other node, resumed after the tokens already streamed, with max_tokens lowered by them.
     async def go():
         async with Rig(delay_s=0.2) as rig:
-            stream = rig.client.generate([1], SamplingParams(max_tokens=100), request_id="orphan")
-            await stream.__anext__()
+            stream = rig.client.generate([1], SamplingParams(max_tokens=8), request_id="orphan")
+            got = [await stream.__anext__()]
             holder = next(i for i, f in enumerate(rig.fakes) if "orphan" in f.running)
             await rig.servers[holder].stop(0)
             rig.servers[holder] = None
-            rest = [c async for c in stream]
-            assert rest[-1].finish_reason == "error" and "failed mid-stream" in rest[-1].error
+            got += [c async for c in stream]
+            assert got[-1].finish_reason == "length" and not got[-1].error
+            tokens = [t for c in got for t in c.token_ids]
+            assert tokens == [1000 + t for t in range(8)]          # nothing lost, nothing repeated
+            resumed = rig.fakes[1 - holder].requests["orphan"]
+            streamed = list(resumed.resume.token_ids)
+            assert streamed == tokens[:len(streamed)] and streamed
+            assert resumed.resume.text_chars == sum(len(f"t{t} ") for t in range(len(streamed)))
+            assert resumed.sampling.max_tokens == 8 - len(streamed) and list(resumed.token_ids.ids) == [1]
             # complete() turns an error ending into ClientError
             other = 1 - holder
             task = asyncio.create_task(rig.client.complete([1], SamplingParams(max_tokens=100), request_id="o2"))
@@ -315,6 +335,81 @@ def test_node_dying_mid_stream_ends_the_stream_with_an_error_message():
             rig.servers[other] = None
             with pytest.raises(ClientError, match="failed mid-stream"):
                 await asyncio.wait_for(task, WAIT)
+
+    run(go())
+
+
+# ---- back-pressure, deadlines, migration on a node marked down (S8, S10) ------------------------
+
+
+def test_the_router_caps_requests_in_flight_with_resource_exhausted_and_http_429():
+    async def go():
+        async with Rig(delay_s=0.3, http=True, max_inflight_requests=1, retry_after_s=2.0) as rig:
+            stream = rig.client.generate([1], SamplingParams(max_tokens=3), request_id="first")
+            await stream.__anext__()
+            with pytest.raises(ClientError) as err:
+                await rig.client.complete([1], SamplingParams(max_tokens=1))
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "1 requests in flight, its cap (max 1)" in str(err.value)
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{rig.router.http_port}") as session:
+                async with session.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}) as r:
+                    assert r.status == 429 and r.headers["Retry-After"] == "2"
+                    assert (await r.json())["error"]["type"] == "rate_limit_error"
+            rest = [c async for c in stream]
+            assert rest[-1].finish_reason == "length"
+            assert (await rig.client.complete([1], SamplingParams(max_tokens=1))).finish_reason == "length"
+            assert rig.router.gate.inflight == 0 and rig.router.gate.refused == 2
+
+    run(go())
+
+
+def test_a_full_node_is_skipped_and_every_node_full_is_resource_exhausted():
+    async def go():
+        async with Rig() as rig:
+            rig.fakes[0].full = "fake-0 has 9 requests waiting, its cap (max 9)"
+            for i in range(4):  # round-robin would reach fake-0 twice
+                assert (await rig.client.complete([1], SamplingParams(max_tokens=1),
+                                                  request_id=f"r{i}")).finish_reason == "length"
+            assert len(rig.fakes[1].seen) == 4 and not rig.fakes[0].seen
+            rig.fakes[1].full = "fake-1 is full too"
+            with pytest.raises(ClientError) as err:
+                await rig.client.complete([1], SamplingParams(max_tokens=1))
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "every decode node is full" in str(err.value)
+            assert all(n.healthy for n in rig.router.pool.nodes)  # full is not down
+
+    run(go())
+
+
+def test_the_router_deadline_bounds_every_call():
+    async def go():
+        async with Rig(delay_s=0.4, request_timeout_s=1.0) as rig:
+            with pytest.raises(ClientError) as err:  # the fake needs ~2 s for 5 tokens
+                await rig.client.complete([1], SamplingParams(max_tokens=5))
+            # the deadline hit after the stream began: it ends with an error message naming it
+            assert "deadline of 1 s" in str(err.value)
+            rig.fakes[0].delay_s = rig.fakes[1].delay_s = 2.0
+            with pytest.raises(ClientError) as err:   # before the first message: DEADLINE_EXCEEDED
+                await rig.client.complete([1], SamplingParams(max_tokens=5))
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            await until(lambda: not any(f.running for f in rig.fakes), "both nodes to see their calls end")
+
+    run(go())
+
+
+def test_a_node_marked_down_mid_stream_hands_its_streams_to_another_node():
+    # A node that stops answering (SIGSTOP, a partition) is marked down by the health poll; its
+    # streams move at once instead of hanging until their deadline (S10).
+    async def go():
+        async with Rig(delay_s=0.3) as rig:
+            stream = rig.client.generate([1], SamplingParams(max_tokens=6), request_id="moved")
+            got = [await stream.__anext__()]
+            holder = next(i for i, f in enumerate(rig.fakes) if "moved" in f.running)
+            await rig.fakes[holder].health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            got += [c async for c in stream]
+            assert [t for c in got for t in c.token_ids] == [1000 + t for t in range(6)]
+            assert got[-1].finish_reason == "length" and "moved" in rig.fakes[1 - holder].requests
+            await until(lambda: "moved" in rig.fakes[holder].cancelled, "the down node's call to be cancelled")
 
     run(go())
 
