@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kv_messenger import checksum  # noqa: E402  (after the path set-up above)
+from kv_messenger import checksum
 
 MIB = 1 << 20
 
