@@ -66,7 +66,8 @@ class Endpoint:
     """An open native endpoint: handle, identity, attributes and the progress thread.
 
     Attributes (set once at open): provider, domain, mr_mode, tx_credits, max_msg_size,
-    wait_mode ("fd", "bell" or "sleep"), delivery_complete (granted, see FabricConfig),
+    wait_mode ("fd", "bell" or "sleep"), delivery_complete (granted, see FabricConfig), source_addr
+    (FI_SOURCE granted: receive completions name their sender),
     engine_id, me (this endpoint's PeerDescriptor), max_write (the largest single write).
     """
 
@@ -112,6 +113,8 @@ class Endpoint:
         self.max_msg_size: int = int(info.max_msg_size)
         self.wait_mode: str = _WAIT_MODES.get(int(info.wait_mode), str(int(info.wait_mode)))
         self.delivery_complete: bool = bool(info.delivery_complete)
+        # FI_SOURCE granted: a received control message names its sender's AV address (fabric.protocol)
+        self.source_addr: bool = bool(info.source_addr)
         self.me = PeerDescriptor(
             provider=self.provider,
             address=bytes(ffi.buffer(info.addr, info.addrlen)),

@@ -1,10 +1,11 @@
 """PeerTable: the engines this one talks to, their addresses, and whether they are still there.
 
 A peer enters the address vector (AV) on first use (``resolve``): a write to it, a message
-from it, or ``connect``, whose handshake (HELLO answered by PONG) also brings the regions the
-peer had deregistered. The table knows which peers failed at the transport (PEER_FAILED
-events: they stay failed until ``connect`` resets them), which said goodbye or were judged
-gone, and which regions of theirs are revoked.
+from it, or ``connect``, once its endpoint name passed ``check_address`` (a name from the network
+never reaches fi_av_insert unless its length fits the provider's format), whose handshake
+(HELLO answered by PONG) also brings the regions the peer had deregistered. The table knows
+which peers failed at the transport (PEER_FAILED events: they stay failed until ``connect``
+resets them), which said goodbye or were judged gone, and which regions of theirs are revoked.
 
 Liveness (``wait_peer_gone``): a peer is gone when it said goodbye, when its process ended
 (same host: pid and start time, fabric.liveness), or when a probe (PING) to it fails at the
@@ -14,7 +15,9 @@ the progress thread (``_quiesce``) before the answer is True.
 Threads: every method may be called from any thread; ``on_*`` run on the progress thread.
 Blocking waits, each bounded:
 - ``connect``: the handshake's answer, at most ``timeout`` (default 5 s); from the progress
-  thread it only sends HELLO and does not wait.
+  thread it only sends HELLO and does not wait. ``send_control`` of a USER message to a peer not
+  handshaken yet runs it first (the receiver drops messages from an address it has not inserted
+  yet, fabric.protocol).
 - ``wait_peer_gone``: at most ``timeout`` overall, in probes of at most 0.5 s each, with
   pauses of at most 50 ms between answered probes.
 - ``_quiesce``: 50 ms for a dead peer's bytes to surface, then at most 1 s for two full
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 
 from fabric import control, stale
 from fabric._libfabric import ffi, lib
-from fabric.descriptors import PeerDescriptor
+from fabric.descriptors import PeerDescriptor, check_address
 from fabric.endpoint import Endpoint, bell_name
 from fabric.errors import FabricError
 from fabric.liveness import process_alive
@@ -82,6 +85,21 @@ class PeerTable:
     def handshaken(self, engine_id: str) -> bool:
         return engine_id in self._handshaken
 
+    def peer_at(self, fi_addr: int) -> PeerDescriptor | None:
+        """The peer inserted at AV address ``fi_addr`` (None: none, or PDF_ADDR_UNKNOWN)."""
+        with self._ep.lock:
+            return self._peers.get(fi_addr)
+
+    def rebind(self, fi_addr: int, peer: PeerDescriptor) -> None:
+        """A new engine now owns the endpoint name at ``fi_addr`` (a process restarted at the same
+        address said HELLO from it): messages from there are its from now on."""
+        with self._ep.lock:
+            old = self._peers.get(fi_addr)
+            if old is None or old.address != peer.address:
+                return
+            self._peers[fi_addr] = peer
+        logger.info("endpoint %s now belongs to %r (was %r)", peer.address.hex()[:16], peer, old)
+
     def known_peers(self) -> list[PeerDescriptor]:
         """Peers that may still listen (a closed peer must never be sent to:
         shm dereferences the peer's region, which is gone in this process)."""
@@ -112,9 +130,13 @@ class PeerTable:
             fi_addr = self._fi_addr.get(peer.address)
             if fi_addr is not None and not (reset and fi_addr in self._failed):
                 return fi_addr  # a failed peer stays failed until connect()
+        try:
+            check_address(ep.provider, peer.address, len(ep.me.address))
+        except ValueError as e:
+            raise FabricError(lib.FI_EINVAL, f"peer {peer!r}: {e}") from None
         addr = ffi.new("uint8_t[]", peer.address)
         out = ffi.new("uint64_t *")
-        rc = lib.pdf_av_insert(ep.h, addr, out)
+        rc = lib.pdf_av_insert(ep.h, addr, len(peer.address), out)
         if rc:
             raise FabricError(rc, f"fi_av_insert({peer!r})")
         fi_addr = int(out[0])
@@ -141,6 +163,8 @@ class PeerTable:
         data = self._channel.encode(kind, value, payload)
         if stale.engine_closed(peer.engine_id) or peer.engine_id in self._gone:
             raise FabricError(lib.FI_ESHUTDOWN, f"send {control.KINDS[kind]}: {peer!r} is closed")
+        if kind == control.USER and not self.handshaken(peer.engine_id) and not self._ep.on_progress_thread():
+            self.connect(peer)   # it knows our address before our first message arrives
         fi_addr = self.resolve(peer)
         self._channel.post(peer, fi_addr, kind, data, on_result)
 

@@ -174,6 +174,7 @@ struct pdf_engine {
     uint64_t sleep_max_ns;
     uint64_t last_activity_ns;
     int delivery_complete;
+    int source_addr; /* FI_SOURCE granted: a receive completion names its sender's fi_addr */
     int per_peer_tx; /* writes go through one endpoint per peer (shm) */
     uint64_t locked_since; /* when the engine lock was taken (atomic), 0 if free */
     pthread_t watchdog;
@@ -753,12 +754,20 @@ static void complete_op(pdf_engine *e, pdf_op *op, int err, evbuf *out, uint64_t
 static int poll_cq(pdf_engine *e, evbuf *out)
 {
     struct fi_cq_data_entry ent[PDF_CQ_BATCH];
+    fi_addr_t src[PDF_CQ_BATCH];
     int total = 0;
     for (;;) {
         /* keep room: one CQ read can produce a few events per entry */
         if (out->cap - out->n < PDF_CQ_BATCH * 3 + 8)
             return total;
-        ssize_t r = fi_cq_read(e->cq, ent, PDF_CQ_BATCH);
+        ssize_t r;
+        if (e->source_addr) {
+            r = fi_cq_readfrom(e->cq, ent, PDF_CQ_BATCH, src);
+        } else {
+            r = fi_cq_read(e->cq, ent, PDF_CQ_BATCH);
+            for (int k = 0; k < PDF_CQ_BATCH; k++)
+                src[k] = FI_ADDR_NOTAVAIL;
+        }
         if (r == -FI_EAGAIN)
             return total;
         uint64_t t = now_ns();
@@ -792,7 +801,7 @@ static int poll_cq(pdf_engine *e, evbuf *out)
             if (!op)
                 continue;
             if (op->kind == OP_RECV) {
-                ev_push(out, PDF_EV_RECV, 0, op->slot, c->len, 0);
+                ev_push(out, PDF_EV_RECV, 0, op->slot, c->len, (uint64_t)src[i]);
                 continue;
             }
             complete_op(e, op, 0, out, t);
@@ -849,12 +858,16 @@ static void ring_peers(pdf_engine *e)
 
 /* ------------------------------------------------------------ public API */
 
-static struct fi_info *make_hints(const char *prov, int delivery_complete)
+static struct fi_info *make_hints(const char *prov, int delivery_complete, int source)
 {
     struct fi_info *hints = fi_allocinfo();
     if (!hints)
         return NULL;
     hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+    /* FI_SOURCE: receive completions carry the sender's address (fi_cq_readfrom), so a control
+     * message is attributed to the endpoint it came from, never to what its payload claims */
+    if (source)
+        hints->caps |= FI_SOURCE;
     hints->ep_attr->type = FI_EP_RDM;
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
     hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
@@ -905,8 +918,13 @@ static int open_info(pdf_engine *e, const char *prov, const char *node, int deli
 {
     const char *n = (node && node[0]) ? node : NULL;
     int ret = -FI_ENODATA;
-    for (int dc = delivery_complete ? 1 : 0; dc >= 0; dc--) {
-        struct fi_info *hints = make_hints(prov, dc);
+    /* the most wanted first: delivery complete (if asked) with FI_SOURCE, then without each */
+    for (int attempt = 0; attempt < 4 && ret; attempt++) {
+        int dc = delivery_complete && attempt < 2;
+        int src = attempt % 2 == 0;
+        if (!delivery_complete && attempt >= 2)
+            break;
+        struct fi_info *hints = make_hints(prov, dc, src);
         if (!hints) {
             snprintf(what, wlen, "fi_allocinfo");
             return -FI_ENOMEM;
@@ -915,7 +933,11 @@ static int open_info(pdf_engine *e, const char *prov, const char *node, int deli
         fi_freeinfo(hints);
         if (ret == 0) {
             e->delivery_complete = dc && (e->info->tx_attr->op_flags & FI_DELIVERY_COMPLETE);
-            break;
+            e->source_addr = src && (e->info->caps & FI_SOURCE);
+            /* shm (libfabric 1.17) names a sender by the sender's own AV index for us, not by
+             * ours for it, which is only right by coincidence: never trusted (fabric.protocol) */
+            if (strcmp(e->info->fabric_attr->prov_name, "shm") == 0)
+                e->source_addr = 0;
         }
     }
     if (ret) {
@@ -1126,6 +1148,7 @@ int pdf_get_info(pdf_engine *e, pdf_info *out)
     out->cq_data_size = e->info->domain_attr->cq_data_size;
     out->wait_mode = (uint32_t)e->waiter.mode;
     out->delivery_complete = (uint32_t)e->delivery_complete;
+    out->source_addr = (uint32_t)e->source_addr;
     size_t len = PDF_ADDR_MAX;
     ext_lock(e);
     int ret = fi_getname(&e->ep->fid, out->addr, &len);
@@ -1160,9 +1183,18 @@ int pdf_mr_close(pdf_engine *e, uint64_t mr)
     return ret;
 }
 
-int pdf_av_insert(pdf_engine *e, const uint8_t *addr, uint64_t *fi_addr_out)
+int pdf_av_insert(pdf_engine *e, const uint8_t *addr, uint32_t addrlen, uint64_t *fi_addr_out)
 {
     fi_addr_t fa = FI_ADDR_NOTAVAIL;
+    /* the provider reads as many bytes as its address format says (shm: up to the NUL); a name
+     * from the network must hold them (fabric.descriptors.check_address checks the format) */
+    if (addrlen < 1 || addrlen > PDF_ADDR_MAX)
+        return -FI_EINVAL;
+    if (strcmp(e->info->fabric_attr->prov_name, "shm") == 0 && memchr(addr, 0, addrlen) == NULL)
+        return -FI_EINVAL;
+    if (strcmp(e->info->fabric_attr->prov_name, "shm") != 0 && e->info->src_addrlen &&
+        addrlen < e->info->src_addrlen)
+        return -FI_EINVAL;
     ext_lock(e);
     int ret = fi_av_insert(e->av, addr, 1, &fa, 0, NULL);
     if (ret == 1) {

@@ -23,7 +23,10 @@ typedef struct pdf_engine pdf_engine;
 #define PDF_EV_BATCH_DONE 1   /* id: batch */
 #define PDF_EV_BATCH_FAILED 2 /* id: batch, code, count: writes not completed, aux: writes */
 #define PDF_EV_IMM 3          /* id: tag, count: units landed (immediate data received) */
-#define PDF_EV_RECV 4         /* id: receive slot, count: bytes (pdf_recv_buf, then pdf_recv_release) */
+#define PDF_EV_RECV 4         /* id: receive slot, count: bytes (pdf_recv_buf, then pdf_recv_release),
+                                 aux: the sender's fi_addr (PDF_ADDR_UNKNOWN: not in the AV, or no
+                                 FI_SOURCE) */
+#define PDF_ADDR_UNKNOWN 18446744073709551615u /* FI_ADDR_NOTAVAIL */
 #define PDF_EV_SEND_DONE 5    /* id: send */
 #define PDF_EV_SEND_FAILED 6  /* id: send, code, aux: peer */
 #define PDF_EV_PEER_FAILED 7  /* id: peer (fi_addr), code */
@@ -70,6 +73,7 @@ typedef struct pdf_info {
     uint64_t cq_data_size;
     uint32_t wait_mode; /* PDF_WAIT_* (pdf_wait.h) */
     uint32_t delivery_complete;
+    uint32_t source_addr; /* FI_SOURCE: PDF_EV_RECV names the sender (aux) */
     uint32_t addrlen;
     uint8_t addr[PDF_ADDR_MAX];
 } pdf_info;
@@ -109,8 +113,9 @@ int pdf_mr_reg(pdf_engine *e, uint64_t addr, uint64_t len, uint64_t *key_out,
                uint64_t *desc_out, uint64_t *mr_out);
 int pdf_mr_close(pdf_engine *e, uint64_t mr);
 
-/* Insert a peer's endpoint name into the AV (its fi_addr is the peer's id here), or remove it. */
-int pdf_av_insert(pdf_engine *e, const uint8_t *addr, uint64_t *fi_addr_out);
+/* Insert a peer's endpoint name (addrlen bytes) into the AV (its fi_addr is the peer's id here),
+ * or remove it.  -FI_EINVAL for a name too short or long for the provider's format. */
+int pdf_av_insert(pdf_engine *e, const uint8_t *addr, uint32_t addrlen, uint64_t *fi_addr_out);
 int pdf_av_remove(pdf_engine *e, uint64_t fi_addr);
 
 /* Queue a batch of n writes (src/dst offsets and lengths) to `peer`; the progress thread posts
