@@ -595,6 +595,12 @@ class Cluster:
             child.proc.send_signal(sig)
             child.proc.wait(timeout=self.config.stop_timeout_s)
 
+    def send_signal(self, name: str, sig: int) -> None:
+        """Send `sig` to one running child without waiting for it (SIGSTOP / SIGCONT in fault tests)."""
+        child = self._children[name]
+        if child.proc is not None and child.proc.poll() is None:
+            child.proc.send_signal(sig)
+
     def restart(self, name: str) -> None:
         """Start a stopped child again with the same command line and wait until it serves."""
         self.kill(name, signal.SIGTERM)
