@@ -112,7 +112,8 @@ def shard_kv_heads(num_kv_heads: int, tp_size: int) -> tuple[tuple[int, ...], ..
     """The global KV heads each of `tp_size` ranks holds (ascending, contiguous), by the rule in the
     module docstring; ValueError naming both counts when no split exists."""
     k, n = num_kv_heads, tp_size
-    if not isinstance(k, int) or not isinstance(n, int) or k < 1 or n < 1:
+    if isinstance(k, bool) or isinstance(n, bool) or not isinstance(k, int) or not isinstance(n, int) \
+            or k < 1 or n < 1:
         raise ValueError(f"cannot split {k!r} KV heads over tensor-parallel size {n!r}: both must be integers >= 1")
     if n > k:
         if n % k:
@@ -133,10 +134,11 @@ def shard_kv_heads(num_kv_heads: int, tp_size: int) -> tuple[tuple[int, ...], ..
 def shard_query_heads(num_q_heads: int, num_kv_heads: int, tp_size: int) -> tuple[tuple[int, ...], ...]:
     """The global query heads each rank holds: those of its KV heads' GQA groups; under replication
     a group's query heads split evenly over its replica set. ValueError naming the counts otherwise."""
-    if num_q_heads < 1 or num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads are not whole GQA groups of {num_kv_heads} KV heads")
+    kv = shard_kv_heads(num_kv_heads, tp_size)    # validates both counts first (no division by 0)
+    if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads < 1 \
+            or num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads!r} query heads are not whole GQA groups of {num_kv_heads} KV heads")
     g = num_q_heads // num_kv_heads
-    kv = shard_kv_heads(num_kv_heads, tp_size)
     if tp_size <= num_kv_heads:
         return tuple(tuple(q for h in heads for q in range(h * g, (h + 1) * g)) for heads in kv)
     r = tp_size // num_kv_heads
