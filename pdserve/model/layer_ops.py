@@ -15,7 +15,8 @@ ops object chosen per pass:
 
 Both run the same kernels in the same order with the same arguments: for a pass of at most
 `pdserve.kernels.ops.linear.MAX_ROWS` tokens the module path's `linear` takes the same C kernel,
-so tokens and logprobs are bit-identical on the two (tested). `CLayerOps.bind` returns None, and
+so tokens and logprobs are bit-identical on the two (tested); o_proj and down_proj take the
+blocked kernel with the layers' fold blocks on both (pdserve/model/tp.py). `CLayerOps.bind` returns None, and
 every pass takes the module ops, for weights that are not float32 on the CPU, q/k norms and
 tensor-parallel splits.
 
@@ -98,6 +99,8 @@ class _Layer:
     gu_w: int                          # [2 I, H]
     gu_b: int
     down_w: int                        # [H, I]
+    o_kb: int                          # o_proj's fold block (pdserve/model/tp.py)
+    down_kb: int                       # down_proj's fold block
     down_b: int
 
 
@@ -135,7 +138,8 @@ class CLayerOps:
             addrs = {name: 0 if t is None else _weight(t, shape, f"layer {i} {name}")
                      for name, (t, shape) in parts.items()}
             tensors = tuple(t for t, _ in parts.values() if t is not None)
-            bound.append(_Layer(tensors=tensors, **addrs))
+            bound.append(_Layer(tensors=tensors, o_kb=attn.o_proj.fold_block, down_kb=mlp.down_proj.fold_block,
+                                **addrs))
         self.layers = tuple(bound)
         self._addrs = tuple(t.data_ptr() for layer in self.layers for t in layer.tensors)
 
@@ -152,9 +156,9 @@ class CLayerOps:
             return None
         for layer in layers:
             attn = layer.self_attn
-            if attn.q_norm is not None or attn.qkv_proj.tp_size != 1 or attn.o_proj.tp_size != 1:
+            if attn.q_norm is not None or attn.qkv_proj.tp_split or attn.o_proj.tp_split:
                 return None
-            if layer.mlp.gate_up_proj.tp_size != 1 or layer.mlp.down_proj.tp_size != 1:
+            if layer.mlp.gate_up_proj.tp_split or layer.mlp.down_proj.tp_split:
                 return None
             for p in layer.parameters():
                 if p.dtype != _F32 or p.device.type != "cpu":
@@ -220,6 +224,7 @@ def _c_pass(bound: CLayerOps, h: torch.Tensor, x: torch.Tensor, cos: torch.Tenso
     cosp, sinp = cos.data_ptr(), sin.data_ptr()
     nt = torch.get_num_threads()
     linear, norm, rope = _lib.sl_linear_addr, _lib.op_add_rms_norm_addr, _lib.op_rope_qk_addr
+    blocked = _lib.sl_linear_blocked_addr  # the row-parallel layers' TP-invariant fold
     silu = _lib.op_silu_mul_addr
     q_shape = q.shape
 
@@ -234,14 +239,14 @@ def _c_pass(bound: CLayerOps, h: torch.Tensor, x: torch.Tensor, cos: torch.Tenso
             raise ValueError(f"C layer ops: attention output {tuple(a.shape)}/{a.dtype} is not "
                              f"contiguous float32 {tuple(q_shape)}")
         w = layers[i]
-        _ok(linear(op, a.data_ptr(), w.o_w, w.o_b, T, H, attn_n, attn_n, H, nt), "o_proj", i)
+        _ok(blocked(op, a.data_ptr(), w.o_w, w.o_b, T, H, attn_n, attn_n, H, w.o_kb, 0, nt), "o_proj", i)
 
     def mlp(i: int) -> None:
         w = layers[i]
         _ok(norm(xp, hp, op, w.ln2, T, H, H, H, H, eps), "post_attention_layernorm", i)  # h += o; x = norm(h)
         _ok(linear(gup, xp, w.gu_w, w.gu_b, T, 2 * I, H, H, 2 * I, nt), "gate_up_proj", i)
         _ok(silu(actp, gup, T, I, I, 2 * I, nt), "silu_mul", i)
-        _ok(linear(mp, actp, w.down_w, w.down_b, T, H, I, I, H, nt), "down_proj", i)
+        _ok(blocked(mp, actp, w.down_w, w.down_b, T, H, I, I, H, w.down_kb, 0, nt), "down_proj", i)
         if i + 1 < n_layers:  # h += m; x = the next layer's input_layernorm(h)
             _ok(norm(xp, hp, mp, layers[i + 1].ln1, T, H, H, H, H, eps), "input_layernorm", i + 1)
         else:

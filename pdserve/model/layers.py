@@ -1,10 +1,11 @@
 """Building blocks of decoder models, laid out for tensor parallelism.
 
-Linear layers come in the two Megatron flavours so that a later TP split is a matter of
-`tp_rank`/`tp_size`: `MergedColumnLinear` (several logical outputs stacked, e.g. q|k|v or
-gate|up, each split by output rows) and `RowLinear` (split by input columns; its partial outputs
-are summed across ranks). With tp_size == 1 both are plain linear layers. Weights are loaded one
-logical part at a time with `load_part`, which slices the rank's share.
+Linear layers come in the two Megatron flavours: `MergedColumnLinear` (several logical outputs
+stacked, e.g. q|k|v or gate|up, a tensor-parallel rank holding a row range of each) and
+`RowLinear` (a rank holds a range of input columns; the ranks' partial sums are folded in rank
+order, TP-invariantly: pdserve/model/tp.py). Unsplit, both are plain linear layers (RowLinear's
+sum in fold blocks). Weights are loaded one logical part at a time with `load_part`, which
+slices the rank's share.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels.ops.linear import linear
+from pdserve.kernels.ops.linear import linear, linear_block_parts, linear_blocked
 from pdserve.kernels.ops.norm_act import add_rms_norm, rms_norm_reference
 from pdserve.kernels.ops.rope_kv import rope
 from pdserve.model.weights import CheckpointReader
 
 
 class MergedColumnLinear(nn.Module):
-    """y = x W^T (+ b) with W = [W_0; W_1; ...] stacked by output rows, each part split across ranks."""
+    """y = x W^T (+ b) with W = [W_0; W_1; ...] stacked by output rows; a tensor-parallel rank holds
+    the rows [start, end) of each part (`part_rows`; None: every row)."""
 
     def __init__(
         self,
@@ -30,15 +32,19 @@ class MergedColumnLinear(nn.Module):
         part_sizes: Sequence[int],
         bias: bool,
         dtype: torch.dtype,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        part_rows: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         super().__init__()
-        for size in part_sizes:
-            if size % tp_size:
-                raise ValueError(f"output part of size {size} does not split over tp_size={tp_size}")
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.shard_sizes = [s // tp_size for s in part_sizes]
+        rows = [(0, s) for s in part_sizes] if part_rows is None else [tuple(r) for r in part_rows]
+        if len(rows) != len(part_sizes):
+            raise ValueError(f"{len(rows)} row ranges for {len(part_sizes)} parts")
+        for size, (a, b) in zip(part_sizes, rows, strict=True):
+            if not 0 <= a <= b <= size:
+                raise ValueError(f"row range [{a}, {b}) is not inside an output part of size {size}")
+        self.part_sizes = tuple(part_sizes)
+        self.part_rows = tuple(rows)
+        self.tp_split = part_rows is not None and any(r != (0, s) for r, s in zip(rows, part_sizes, strict=True))
+        self.shard_sizes = [b - a for a, b in rows]
         self.offsets = [sum(self.shard_sizes[:i]) for i in range(len(self.shard_sizes))]
         out = sum(self.shard_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)  # [out, in]
@@ -46,15 +52,15 @@ class MergedColumnLinear(nn.Module):
 
     def load_part(self, index: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         size, off = self.shard_sizes[index], self.offsets[index]
-        full = size * self.tp_size
+        full = self.part_sizes[index]
+        a, b = self.part_rows[index]
         if weight.shape != (full, self.weight.shape[1]):
             raise ValueError(f"part {index}: expected weight {(full, self.weight.shape[1])}, got {tuple(weight.shape)}")
-        shard = weight[self.tp_rank * size : (self.tp_rank + 1) * size]
-        self.weight.data[off : off + size].copy_(shard)
+        self.weight.data[off : off + size].copy_(weight[a:b])
         if bias is not None:
             if self.bias is None:
                 raise ValueError(f"part {index}: checkpoint has a bias but the layer was built without one")
-            self.bias.data[off : off + size].copy_(bias[self.tp_rank * size : (self.tp_rank + 1) * size])
+            self.bias.data[off : off + size].copy_(bias[a:b])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
         return linear(x, self.weight, self.bias)
@@ -64,32 +70,59 @@ class MergedColumnLinear(nn.Module):
 
 
 class RowLinear(nn.Module):
-    """y = x W^T (+ b) with W split by input columns across ranks (partial sums reduced by the caller)."""
+    """y = x W^T (+ b), summed over the input axis in fold blocks of `fold_block` columns (None:
+    one block), left to right, then the bias (pdserve/model/tp.py). A tensor-parallel rank holds
+    the input columns [start, end) (`in_cols`, whole fold blocks) and continues the fold of the rank
+    before it through `comm` (set by the rank's runtime; None: this layer holds every column)."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+        in_cols: tuple[int, int] | None = None, fold_block: int | None = None,
     ) -> None:
         super().__init__()
-        if in_features % tp_size:
-            raise ValueError(f"input size {in_features} does not split over tp_size={tp_size}")
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.in_shard = in_features // tp_size
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_shard, dtype=dtype), requires_grad=False)
+        a, b = (0, in_features) if in_cols is None else in_cols
+        if not 0 <= a < b <= in_features:
+            raise ValueError(f"input columns [{a}, {b}) are not inside an input of size {in_features}")
+        if fold_block is not None and (fold_block < 1 or a % fold_block):
+            raise ValueError(f"input columns [{a}, {b}) do not start on a fold block of {fold_block}")
+        self.in_features, self.in_cols = in_features, (a, b)
+        self.tp_split = (a, b) != (0, in_features)
+        self.fold_block = b - a if fold_block is None else fold_block
+        self.comm: object | None = None  # a pdserve.model.tp.TPComm when tp_split
+        self.weight = nn.Parameter(torch.empty(out_features, b - a, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        expected = (self.weight.shape[0], self.in_shard * self.tp_size)
+        expected = (self.weight.shape[0], self.in_features)
         if weight.shape != expected:
             raise ValueError(f"expected weight {expected}, got {tuple(weight.shape)}")
-        self.weight.data.copy_(weight[:, self.tp_rank * self.in_shard : (self.tp_rank + 1) * self.in_shard])
+        a, b = self.in_cols
+        self.weight.data.copy_(weight[:, a:b])
         if bias is not None:
             if self.bias is None:
                 raise ValueError("checkpoint has a bias but the layer was built without one")
-            # The bias is added once, by rank 0, so the sum across ranks counts it once.
-            self.bias.data.copy_(bias if self.tp_rank == 0 else torch.zeros_like(bias))
+            self.bias.data.copy_(bias)  # every rank holds it; the fold's last rank adds it, once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_shard] -> [T, out]
-        return linear(x, self.weight, self.bias)
+        comm = self.comm
+        if comm is None or comm.size == 1:
+            return linear_blocked(x, self.weight, self.bias, self.fold_block)
+        r, n = comm.rank, comm.size
+        if r == 0:      # the fold's prefix: rank 0's blocks, folded
+            y = linear_blocked(x, self.weight, None, self.fold_block)          # [T, out]
+            comm.send(y, 1)
+        else:           # continue the fold of ranks 0 .. r-1 with this rank's blocks, in order
+            parts = linear_block_parts(x, self.weight, self.fold_block)        # [nb, T, out]
+            y = torch.empty_like(parts[0])                                     # [T, out]
+            comm.recv(y, r - 1)
+            for p in parts:
+                y += p
+            if r + 1 < n:
+                comm.send(y, r + 1)
+            elif self.bias is not None:
+                y += self.bias
+        comm.broadcast(y, n - 1)
+        return y
 
 
 def embedding_and_head(vocab_size: int, hidden_size: int, tied: bool,

@@ -3,7 +3,13 @@
 The forward pass takes the flat token axis of a whole batch ([T] ids and positions): token-wise
 work (norms, projections, MLP) runs over all tokens of all sequences at once, attention runs per
 sequence through the attention backend (E2). After each layer's attention output projection the
-layer hook is called (D7: the KV messenger learns that layer L's KV is in the pool).
+layer hook is called (D7: the KV messenger learns that layer L's KV is in the pool); under
+tensor parallelism that is after the o_proj fold has reached every rank, so every rank has written
+layer L's KV (the hook runs on the leader only).
+
+Tensor parallelism (pdserve/model/tp.py): a rank's model holds its shard (`shard`); its row-parallel
+layers continue the ranks' TP-invariant fold through `set_tp_comm`. Float32 models sum o_proj and
+down_proj in fixed fold blocks at every TP size, TP 1 included.
 
 The decoder layers run in one loop (`_run_layers`) over the ops object of the pass
 (pdserve/model/layer_ops.py): the modules' own ops, or for passes of at most
@@ -31,18 +37,30 @@ from pdserve.model.layers import (
     embedding_and_head,
     load_embedding_and_head,
 )
+from pdserve.model.tp import RankShard, TPComm, single_rank
 from pdserve.model.weights import CheckpointReader
 
 LayerHook = Callable[[int], None]
 
 
+def _fold(block: int, dtype: torch.dtype) -> int | None:
+    """A row-parallel layer's fold block: TP-invariant blocks for float32 (pdserve/model/tp.py)."""
+    return block if dtype == torch.float32 else None
+
+
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, shard: RankShard) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedColumnLinear(arch.hidden_size, [q_size, kv_size, kv_size], arch.attention_bias, dtype)
-        self.o_proj = RowLinear(q_size, arch.hidden_size, False, dtype)
+        D = arch.head_dim
+        q0, q1 = shard.q_heads
+        kv0, kv1 = shard.kv_heads[0], shard.kv_heads[-1] + 1
+        # this rank's heads (all of them at TP 1)
+        self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, kv1 - kv0, D
+        q_size, kv_size = arch.num_heads * D, arch.num_kv_heads * D
+        self.qkv_proj = MergedColumnLinear(arch.hidden_size, [q_size, kv_size, kv_size], arch.attention_bias, dtype,
+                                           part_rows=[(q0 * D, q1 * D), (kv0 * D, kv1 * D), (kv0 * D, kv1 * D)])
+        self.o_proj = RowLinear(q_size, arch.hidden_size, False, dtype, in_cols=(q0 * D, q1 * D),
+                                fold_block=_fold(D, dtype))
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -67,36 +85,41 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, shard: RankShard) -> None:
         super().__init__()
         inter = arch.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(arch.hidden_size, [inter, inter], arch.mlp_bias, dtype)
-        self.down_proj = RowLinear(inter, arch.hidden_size, arch.mlp_bias, dtype)
+        rows = shard.mlp_rows
+        self.gate_up_proj = MergedColumnLinear(arch.hidden_size, [inter, inter], arch.mlp_bias, dtype,
+                                               part_rows=[rows, rows])
+        self.down_proj = RowLinear(inter, arch.hidden_size, arch.mlp_bias, dtype, in_cols=rows,
+                                   fold_block=_fold(shard.mlp_block, dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
         return self.down_proj.forward(silu_mul(self.gate_up_proj.forward(x)))  # [T, 2 inter] -> [T, inter]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, shard: RankShard) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = Attention(arch, dtype)
+        self.self_attn = Attention(arch, dtype, shard)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = MLP(arch, dtype)
+        self.mlp = MLP(arch, dtype, shard)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch, hf_config: object, dtype: torch.dtype, max_positions: int,
-                 small_batch_max_tokens: int = MAX_ROWS) -> None:
+                 small_batch_max_tokens: int = MAX_ROWS, shard: RankShard | None = None) -> None:
+        """shard: what this tensor-parallel rank holds (pdserve/model/tp.py); None: TP 1."""
         super().__init__()
         if not 0 <= small_batch_max_tokens <= MAX_ROWS:
             raise ValueError(f"small_batch_max_tokens must be in [0, {MAX_ROWS}], got {small_batch_max_tokens}")
         self.arch = arch
+        self.shard = shard or single_rank(arch.num_heads, arch.num_kv_heads, arch.intermediate_size)
         self.small_batch_max_tokens = small_batch_max_tokens
         self.embed_tokens, self.lm_head_weight = embedding_and_head(   # lm_head_weight: [V, hidden]
             arch.vocab_size, arch.hidden_size, arch.tie_word_embeddings, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, self.shard) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         inv_freq, scaling = rope_inv_freq(hf_config, arch.head_dim)
         self.rope = RotaryEmbedding(inv_freq, scaling, max_positions, dtype)
@@ -116,6 +139,24 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,   # [S] rows whose next-token logits are wanted
         layer_hook: LayerHook | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [S, V] float32, final hidden [S, hidden]
+        h = self.forward_layers(input_ids, positions, k_pools, v_pools, backend, plan, layer_hook)  # [T, hidden]
+        last = self.norm.forward(h[logits_indices])                                    # [S, hidden]
+        logits = linear(last, self.lm_head_weight).float()                   # [S, V]
+        return logits, last
+
+    @torch.inference_mode()
+    def forward_layers(
+        self,
+        input_ids: torch.Tensor,        # [T]
+        positions: torch.Tensor,        # [T]
+        k_pools: list[torch.Tensor],    # per layer [N, Hkv, P, D] (this rank's KV heads)
+        v_pools: list[torch.Tensor],
+        backend: AttentionBackend,
+        plan: object,
+        layer_hook: LayerHook | None = None,
+    ) -> torch.Tensor:                  # h [T, hidden]: the residual stream after the last layer
+        """The embedding and the decoder layers (what a tensor-parallel worker rank runs: the
+        leader alone applies the final norm and lm_head)."""
         h = self.embed_tokens(input_ids)                                       # [T, hidden]
         cos_sin = self.rope.tables(positions)
         x = self.layers[0].input_layernorm.forward(h)                           # [T, hidden]
@@ -123,9 +164,13 @@ class LlamaForCausalLM(nn.Module):
         # few tokens, float32 on CPU: the same ops, called by address; else the modules' ops
         ops = c_ops.begin_pass(h, x, cos_sin) if c_ops is not None else ModuleLayerOps(self.layers, h, x, cos_sin)
         self._run_layers(ops, k_pools, v_pools, backend, plan, layer_hook)   # h updated in place
-        last = self.norm.forward(h[logits_indices])                                    # [S, hidden]
-        logits = linear(last, self.lm_head_weight).float()                   # [S, V]
-        return logits, last
+        return h
+
+    def set_tp_comm(self, comm: TPComm) -> None:
+        """Connect every row-parallel layer to this rank's group (pdserve/parallel)."""
+        for layer in self.layers:
+            layer.self_attn.o_proj.comm = comm
+            layer.mlp.down_proj.comm = comm
 
     def _run_layers(
         self,

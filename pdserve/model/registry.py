@@ -15,6 +15,7 @@ from pdserve.kernels.ops.linear import MAX_ROWS
 from pdserve.model.arch import ModelArch
 from pdserve.model.gemma3 import Gemma3ForCausalLM
 from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.tp import RankShard
 
 _CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -50,11 +51,18 @@ def model_class(arch: ModelArch, hf_config: object) -> type[nn.Module]:
 
 
 def build_model(arch: ModelArch, hf_config: object, dtype: torch.dtype, max_model_len: int,
-                small_batch_max_tokens: int = MAX_ROWS) -> nn.Module:
+                small_batch_max_tokens: int = MAX_ROWS, shard: RankShard | None = None) -> nn.Module:
     """An empty model (weights not loaded) for `arch`, with rotary tables for max_model_len positions;
     passes of at most small_batch_max_tokens float32 tokens run the C-op layer ops where the
-    model has them (EngineConfig.small_batch_max_tokens; 0: never)."""
+    model has them (EngineConfig.small_batch_max_tokens; 0: never). shard: a tensor-parallel
+    rank's share (pdserve/model/tp.py; Llama-family models only); None: the whole model."""
     if max_model_len < 1:
         raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-    return model_class(arch, hf_config)(arch, hf_config, dtype, max_model_len,
-                                        small_batch_max_tokens=small_batch_max_tokens)
+    cls = model_class(arch, hf_config)
+    if shard is not None and shard.tp_size > 1:
+        if cls is not LlamaForCausalLM:
+            raise ValueError(f"tensor_parallel_size {shard.tp_size}: tensor parallelism runs Llama-family models "
+                             f"only, not model_type {arch.model_type!r}")
+        return cls(arch, hf_config, dtype, max_model_len, small_batch_max_tokens=small_batch_max_tokens,
+                   shard=shard)
+    return cls(arch, hf_config, dtype, max_model_len, small_batch_max_tokens=small_batch_max_tokens)

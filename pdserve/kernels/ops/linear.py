@@ -13,6 +13,12 @@ each weight row once per call and reuses it for every input row. It is used when
 Numerics: every output element is summed in one fixed order regardless of M, so a sequence's
 logits do not depend on which other sequences share its decode step; the order differs from
 MKL's, so results differ from F.linear by float32 rounding (a few ulp of the dot product).
+`linear_blocked(x, weight, bias, block)` sums the K axis in blocks of `block` columns folded left to
+right ((b0 + b1) + b2 ...; then the bias) and `linear_block_parts` returns the blocks' partial
+products unfolded: the TP-invariant reductions of row-parallel layers (pdserve/model/tp.py). Each
+block's product is the C kernel's (same rule as `linear`: at most MAX_ROWS float32 rows) or
+torch's F.linear over that block's columns; a rank holding some of the blocks computes each one
+the same way, bit for bit (tests/unit/test_tensor_parallel.py).
 The C layer loop (pdserve/model/layer_ops.py, EngineConfig.small_batch_max_tokens) calls the
 same kernel for passes of at most MAX_ROWS tokens, which is why its results match this path's.
 """
@@ -24,7 +30,8 @@ import torch.nn.functional as F
 
 from pdserve.kernels.ops.native import available, lib as _lib, unavailable_reason
 
-__all__ = ["MAX_ROWS", "available", "linear", "max_rows", "small_linear", "unavailable_reason"]
+__all__ = ["MAX_ROWS", "available", "linear", "linear_block_parts", "linear_blocked", "max_rows", "small_linear",
+           "unavailable_reason"]
 
 # Up to this many rows the kernel beats or matches MKL (bench/linear_kernels.py; 1 thread:
 # bench/results/linear_kernels.md, 2 threads: bench/results/linear_kernels-2threads.md, where MKL
@@ -103,3 +110,63 @@ def linear(
     ):
         return _run(x, weight, bias, torch.get_num_threads())
     return F.linear(x, weight, bias)
+
+
+def _c_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.dtype is _F32 and weight.dtype is _F32 and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+            and _lib is not None and x.is_cpu and weight.is_cpu and weight.dim() == 2
+            and weight.shape[1] == x.shape[1] and x.stride(1) == 1 and weight.is_contiguous())
+
+
+def linear_blocked(
+    x: torch.Tensor,                 # [M, K]
+    weight: torch.Tensor,            # [N, K]
+    bias: torch.Tensor | None,       # [N]
+    block: int,                      # fold block width along K (block >= K: plain linear)
+) -> torch.Tensor:                   # [M, N]
+    """x weight^T summed over K in blocks of `block`, folded left to right, then + bias."""
+    K = x.shape[1]
+    if block >= K:
+        return linear(x, weight, bias)
+    if _c_takes(x, weight) and (bias is None or (bias.dtype is _F32 and bias.is_contiguous())):
+        m, n = x.shape[0], weight.shape[0]
+        ldx = x.stride(0) if m > 1 else K
+        if ldx < K:
+            x, ldx = x.contiguous(), K
+        y = torch.empty(m, n, dtype=_F32)                                  # [M, N]
+        rc = _lib.sl_linear_blocked_addr(y.data_ptr(), x.data_ptr(), weight.data_ptr(),
+                                         0 if bias is None else bias.data_ptr(), m, n, K, ldx, n, block, 0,
+                                         torch.get_num_threads())
+        if rc:
+            raise ValueError(f"linear_blocked: kernel refused x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                             f"block {block} (code {rc})")
+        return y
+    y = F.linear(x[:, :block], weight[:, :block])                         # [M, N]
+    for k0 in range(block, K, block):
+        y += F.linear(x[:, k0 : k0 + block], weight[:, k0 : k0 + block])
+    if bias is not None:
+        y += bias
+    return y
+
+
+def linear_block_parts(
+    x: torch.Tensor,                 # [M, K]
+    weight: torch.Tensor,            # [N, K]
+    block: int,                      # block width along K
+) -> torch.Tensor:                   # [nblocks, M, N]: block j's partial product x[:, blk j] weight[:, blk j]^T
+    """The unfolded block partials of linear_blocked (no bias), for a rank that continues a fold."""
+    M, K = x.shape
+    N = weight.shape[0]
+    nb = -(-K // block)
+    if _c_takes(x, weight):
+        ldx = x.stride(0) if M > 1 else K
+        if ldx < K:
+            x, ldx = x.contiguous(), K
+        parts = torch.empty(nb, M, N, dtype=_F32)                         # [nb, M, N]
+        rc = _lib.sl_linear_blocked_addr(parts.data_ptr(), x.data_ptr(), weight.data_ptr(), 0, M, N, K, ldx, N,
+                                         block, M * N, torch.get_num_threads())
+        if rc:
+            raise ValueError(f"linear_block_parts: kernel refused x {tuple(x.shape)}, weight "
+                             f"{tuple(weight.shape)}, block {block} (code {rc})")
+        return parts
+    return torch.stack([F.linear(x[:, k0 : k0 + block], weight[:, k0 : k0 + block]) for k0 in range(0, K, block)])

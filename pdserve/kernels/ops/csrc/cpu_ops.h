@@ -21,6 +21,10 @@
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) . w [N, K]^T (+ bias [N]; 0 = none). */
 int sl_linear_addr(uintptr_t y, uintptr_t x, uintptr_t w, uintptr_t bias, int M, int N, int K, int64_t ldx,
                    int64_t ldy, int num_threads);
+/* The same, K summed in blocks of kb folded left to right (pstride 0), or block j's partial
+ * dot products written to y + j * pstride (pstride > 0, bias 0): small_linear.c. */
+int sl_linear_blocked_addr(uintptr_t y, uintptr_t x, uintptr_t w, uintptr_t bias, int M, int N, int K,
+                           int64_t ldx, int64_t ldy, int kb, int64_t pstride, int num_threads);
 /* 1 when compiled with OpenMP, else 0 (every op then runs on one thread). */
 int sl_has_openmp(void);
 
@@ -47,6 +51,8 @@ int op_write_kv_addr(uintptr_t k_pool, uintptr_t v_pool, uintptr_t k, uintptr_t 
 
 int sl_linear(float *y, const float *x, const float *w, const float *bias, int M, int N, int K,
               int64_t ldx, int64_t ldy, int num_threads);
+int sl_linear_blocked(float *y, const float *x, const float *w, const float *bias, int M, int N, int K,
+                      int64_t ldx, int64_t ldy, int kb, int64_t pstride, int num_threads);
 int op_add_rms_norm(float *out, float *h, const float *delta, const float *w, int rows, int H,
                     int64_t ld_out, int64_t ld_h, int64_t ld_delta, float eps);
 int op_silu_mul(float *out, const float *gate_up, int rows, int I, int64_t ld_out, int64_t ld_in,

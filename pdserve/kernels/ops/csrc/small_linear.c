@@ -66,44 +66,62 @@ ALWAYS_INLINE float fma1(float a, float b, float acc) { return acc + a * b; }
  * registers). Only the first m-tile of a W tile prefetches (later ones find W in L1).
  */
 ALWAYS_INLINE void tile(float *y, int64_t ldy, const float *x, int64_t ldx, const float *w,
-                        const float *bias, int K, int n0, int m0, const int nb, const int mb) {
+                        const float *bias, int K, int kb, int64_t pstride, int n0, int m0, const int nb,
+                        const int mb) {
     v8f acc[NB][MB];
-    for (int i = 0; i < nb; i++)
-        for (int j = 0; j < mb; j++) acc[i][j] = splat8(0.0f);
+    float s[NB][MB];
     const float *wr[NB];
     const float *xr[MB];
     for (int i = 0; i < nb; i++) wr[i] = w + (int64_t)(n0 + i) * K;
     for (int j = 0; j < mb; j++) xr[j] = x + (int64_t)(m0 + j) * ldx;
-    const int k8 = K & ~7;
-    for (int k = 0; k < k8; k += 8) {
-        v8f wv[NB];
-        if (SL_PREFETCH > 0 && m0 == 0 && (k & 15) == 0)
-            for (int i = 0; i < nb; i++) __builtin_prefetch(wr[i] + k + SL_PREFETCH, 0, 0);
-        for (int i = 0; i < nb; i++) wv[i] = load8(wr[i] + k);
-        for (int j = 0; j < mb; j++) {
-            const v8f xv = load8(xr[j] + k);
-            for (int i = 0; i < nb; i++) acc[i][j] = fma8(wv[i], xv, acc[i][j]);
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) s[i][j] = 0.0f; /* K == 0: y = bias */
+    /* One K block at a time (kb == K: the whole row, the unblocked kernel); see sl_linear_blocked. */
+    for (int b0 = 0, blk = 0; b0 < K; b0 += kb, blk++) {
+        const int kend = K - b0 > kb ? b0 + kb : K;
+        for (int i = 0; i < nb; i++)
+            for (int j = 0; j < mb; j++) acc[i][j] = splat8(0.0f);
+        const int k8 = b0 + ((kend - b0) & ~7);
+        for (int k = b0; k < k8; k += 8) {
+            v8f wv[NB];
+            if (SL_PREFETCH > 0 && m0 == 0 && (k & 15) == 0)
+                for (int i = 0; i < nb; i++) __builtin_prefetch(wr[i] + k + SL_PREFETCH, 0, 0);
+            for (int i = 0; i < nb; i++) wv[i] = load8(wr[i] + k);
+            for (int j = 0; j < mb; j++) {
+                const v8f xv = load8(xr[j] + k);
+                for (int i = 0; i < nb; i++) acc[i][j] = fma8(wv[i], xv, acc[i][j]);
+            }
+        }
+        for (int i = 0; i < nb; i++) {
+            for (int j = 0; j < mb; j++) {
+                float t = hsum8_fold(acc[i][j]);
+                for (int k = k8; k < kend; k++) t = fma1(wr[i][k], xr[j][k], t);
+                if (pstride) /* block partials: block blk's dot products at y + blk * pstride */
+                    y[blk * pstride + (int64_t)(m0 + j) * ldy + n0 + i] = t;
+                else /* the left fold: block 0's dot, then + block 1's, + block 2's, ... */
+                    s[i][j] = b0 == 0 ? t : s[i][j] + t;
+            }
         }
     }
+    if (pstride) return;
     for (int i = 0; i < nb; i++) {
         for (int j = 0; j < mb; j++) {
-            float s = hsum8_fold(acc[i][j]);
-            for (int k = k8; k < K; k++) s = fma1(wr[i][k], xr[j][k], s);
-            if (bias) s += bias[n0 + i];
-            y[(int64_t)(m0 + j) * ldy + n0 + i] = s;
+            float t = s[i][j];
+            if (bias) t += bias[n0 + i];
+            y[(int64_t)(m0 + j) * ldy + n0 + i] = t;
         }
     }
 }
 
 /* Every row of x (M >= 3: tiles of 4 rows, then the rest) against W rows n0 .. n0+nb-1. */
 ALWAYS_INLINE void column(float *y, int64_t ldy, const float *x, int64_t ldx, const float *w,
-                          const float *bias, int M, int K, int n0, const int nb) {
+                          const float *bias, int M, int K, int kb, int64_t ps, int n0, const int nb) {
     int m0 = 0;
-    for (; m0 + MB <= M; m0 += MB) tile(y, ldy, x, ldx, w, bias, K, n0, m0, nb, MB);
+    for (; m0 + MB <= M; m0 += MB) tile(y, ldy, x, ldx, w, bias, K, kb, ps, n0, m0, nb, MB);
     switch (M - m0) {
-    case 3: tile(y, ldy, x, ldx, w, bias, K, n0, m0, nb, 3); break;
-    case 2: tile(y, ldy, x, ldx, w, bias, K, n0, m0, nb, 2); break;
-    case 1: tile(y, ldy, x, ldx, w, bias, K, n0, m0, nb, 1); break;
+    case 3: tile(y, ldy, x, ldx, w, bias, K, kb, ps, n0, m0, nb, 3); break;
+    case 2: tile(y, ldy, x, ldx, w, bias, K, kb, ps, n0, m0, nb, 2); break;
+    case 1: tile(y, ldy, x, ldx, w, bias, K, kb, ps, n0, m0, nb, 1); break;
     default: break;
     }
 }
@@ -115,33 +133,43 @@ ALWAYS_INLINE void column(float *y, int64_t ldy, const float *x, int64_t ldx, co
  * with smaller tiles.
  */
 static void rows(float *y, int64_t ldy, const float *x, int64_t ldx, const float *w,
-                 const float *bias, int M, int K, int n0, int n1) {
+                 const float *bias, int M, int K, int kb, int64_t ps, int n0, int n1) {
     int n = n0;
     if (M == 1) {
-        for (; n + 8 <= n1; n += 8) tile(y, ldy, x, ldx, w, bias, K, n, 0, 8, 1);
+        for (; n + 8 <= n1; n += 8) tile(y, ldy, x, ldx, w, bias, K, kb, ps, n, 0, 8, 1);
     } else if (M == 2) {
-        for (; n + 6 <= n1; n += 6) tile(y, ldy, x, ldx, w, bias, K, n, 0, 6, 2);
+        for (; n + 6 <= n1; n += 6) tile(y, ldy, x, ldx, w, bias, K, kb, ps, n, 0, 6, 2);
     }
-    for (; n + 3 <= n1; n += 3) column(y, ldy, x, ldx, w, bias, M, K, n, 3);
+    for (; n + 3 <= n1; n += 3) column(y, ldy, x, ldx, w, bias, M, K, kb, ps, n, 3);
     switch (n1 - n) {
-    case 2: column(y, ldy, x, ldx, w, bias, M, K, n, 2); break;
-    case 1: column(y, ldy, x, ldx, w, bias, M, K, n, 1); break;
+    case 2: column(y, ldy, x, ldx, w, bias, M, K, kb, ps, n, 2); break;
+    case 1: column(y, ldy, x, ldx, w, bias, M, K, kb, ps, n, 1); break;
     default: break;
     }
 }
 
 static void bands(float *y, int64_t ldy, const float *x, int64_t ldx, const float *w,
-                  const float *bias, int M, int N, int K, int64_t b0, int64_t b1) {
+                  const float *bias, int M, int N, int K, int kb, int64_t ps, int64_t b0, int64_t b1) {
     const int n0 = (int)(b0 * BAND);
     const int n1 = b1 * BAND < N ? (int)(b1 * BAND) : N;
-    rows(y, ldy, x, ldx, w, bias, M, K, n0, n1);
+    rows(y, ldy, x, ldx, w, bias, M, K, kb, ps, n0, n1);
 }
 
-int sl_linear(float *y, const float *x, const float *w, const float *bias, int M, int N, int K,
-              int64_t ldx, int64_t ldy, int num_threads) {
-    if (M < 0 || N < 0 || K < 0) return SL_ERR_SHAPE;
-    if (ldx < K || ldy < N) return SL_ERR_STRIDE;
+/*
+ * The blocked form (tensor-parallel invariance, pdserve/model/tp.py): K splits into blocks of kb
+ * (the last may be shorter); each output's dot product over a block is summed as the unblocked
+ * kernel sums a whole row (8 lane partials, the fixed lane fold, the block's k tail). Then
+ *   pstride == 0: y = ((block 0 + block 1) + block 2) + ... , then + bias;
+ *   pstride > 0:  block j's dot products go to y + j * pstride (no fold; bias must be NULL),
+ * for a tensor-parallel rank whose running sum arrives from the rank before it. kb >= K is the
+ * unblocked kernel, bit for bit.
+ */
+int sl_linear_blocked(float *y, const float *x, const float *w, const float *bias, int M, int N, int K,
+                      int64_t ldx, int64_t ldy, int kb, int64_t pstride, int num_threads) {
+    if (M < 0 || N < 0 || K < 0 || kb <= 0 || pstride < 0 || (pstride && bias)) return SL_ERR_SHAPE;
+    if (ldx < K || ldy < N || (pstride && pstride < ldy * M)) return SL_ERR_STRIDE;
     if (M == 0 || N == 0) return SL_OK;
+    if (kb > K) kb = K > 0 ? K : 1;
     const int64_t nbands = ((int64_t)N + BAND - 1) / BAND;
     /* Below ~8 bands (192 W rows) per thread the fork/join costs more than the split saves. */
     int64_t nt = num_threads;
@@ -149,12 +177,23 @@ int sl_linear(float *y, const float *x, const float *w, const float *bias, int M
 #ifdef _OPENMP
     if (nt > 1) {
 #pragma omp parallel for num_threads((int)nt) schedule(dynamic, CHUNK_BANDS)
-        for (int64_t b = 0; b < nbands; b++) bands(y, ldy, x, ldx, w, bias, M, N, K, b, b + 1);
+        for (int64_t b = 0; b < nbands; b++) bands(y, ldy, x, ldx, w, bias, M, N, K, kb, pstride, b, b + 1);
         return SL_OK;
     }
 #endif
-    bands(y, ldy, x, ldx, w, bias, M, N, K, 0, nbands);
+    bands(y, ldy, x, ldx, w, bias, M, N, K, kb, pstride, 0, nbands);
     return SL_OK;
+}
+
+int sl_linear(float *y, const float *x, const float *w, const float *bias, int M, int N, int K,
+              int64_t ldx, int64_t ldy, int num_threads) {
+    return sl_linear_blocked(y, x, w, bias, M, N, K, ldx, ldy, K > 0 ? K : 1, 0, num_threads);
+}
+
+int sl_linear_blocked_addr(uintptr_t y, uintptr_t x, uintptr_t w, uintptr_t bias, int M, int N, int K,
+                           int64_t ldx, int64_t ldy, int kb, int64_t pstride, int num_threads) {
+    return sl_linear_blocked((float *)y, (const float *)x, (const float *)w, (const float *)bias, M, N, K, ldx,
+                             ldy, kb, pstride, num_threads);
 }
 
 int sl_linear_addr(uintptr_t y, uintptr_t x, uintptr_t w, uintptr_t bias, int M, int N, int K, int64_t ldx,

@@ -1,0 +1,155 @@
+"""Tensor parallelism of a Llama-family model: which heads and MLP rows each rank holds, and the
+TP-invariant fold of the row-parallel sums (E22, issue 16).
+
+Head assignment (`shard_kv_heads`, `shard_query_heads`), K KV heads over N ranks:
+
+- N <= K: contiguous whole GQA groups; when K % N != 0 the earlier ranks get the extra group
+  (K=3, N=2: rank 0 holds KV heads {0, 1}, rank 1 holds {2}); each rank holds the query heads of
+  its groups.
+- N > K with N % K == 0: replica sets; rank r holds KV head r // (N / K), and that head's G query
+  heads split evenly over its N / K replicas (refused unless G % (N / K) == 0).
+- anything else is refused with a ValueError naming the counts.
+
+kv_messenger/shard_plan.py states the same rule for the transfer plan (the engine room may not
+import it; a cross-check test keeps the two equal).
+
+The MLP splits by whole fold blocks of the intermediate axis (below), contiguous, the earlier
+ranks getting the extra block; a tensor-parallel size above the number of blocks is refused.
+
+TP-invariant reductions. A row-parallel layer (o_proj, down_proj) sums over its input axis, which
+the ranks split; float addition is not associative, so summing each rank's share and then the
+shares would round differently at every TP size. Instead the input axis is cut into fixed fold
+blocks whatever the TP size, each output is the left fold ((b0 + b1) + b2) + ... of its blocks'
+dot products (each block's dot summed by the one kernel of the pass: the C few-row kernel or
+torch's matmul), and bias is added last. A rank's blocks are contiguous and in order, so the
+ranks continue one left fold in rank order (`RowLinear.forward`: rank 0 folds its prefix and
+sends it on; rank r adds its blocks' partials to what arrives from rank r - 1; the last rank adds
+the bias and broadcasts). TP 1 runs the same blocked fold, so TP 1 and TP N give the same bits.
+Fold blocks: o_proj one query head (head_dim columns: the finest split any TP size makes);
+down_proj `MLP_FOLD_BLOCKS` blocks of the intermediate axis (a multiple of 8 wide). Only float32
+models fold in blocks; other dtypes fold the ranks' whole shares in rank order (deterministic,
+not TP-invariant).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+# down_proj's input axis is folded in this many blocks (at most): the largest TP size an MLP splits to.
+MLP_FOLD_BLOCKS = 8
+
+
+class TPComm(Protocol):
+    """Point-to-point and broadcast between the ranks of one engine (pdserve.parallel.comm)."""
+
+    rank: int
+    size: int
+
+    def send(self, t: torch.Tensor, dst: int) -> None: ...
+
+    def recv(self, t: torch.Tensor, src: int) -> None: ...
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None: ...
+
+
+def shard_kv_heads(num_kv_heads: int, tp_size: int) -> tuple[tuple[int, ...], ...]:
+    """The global KV heads each of `tp_size` ranks holds, by the module docstring's rule: contiguous
+    whole groups, earlier ranks get the extra group (K=3, N=2 -> rank 0 {0, 1}, rank 1 {2});
+    replicas (N > K, N % K == 0): rank r holds KV head r // (N / K). ValueError naming the counts."""
+    k, n = num_kv_heads, tp_size
+    if isinstance(k, bool) or isinstance(n, bool) or not isinstance(k, int) or not isinstance(n, int) \
+            or k < 1 or n < 1:
+        raise ValueError(f"cannot split {k!r} KV heads over tensor_parallel_size {n!r}: both must be integers >= 1")
+    if n > k:
+        if n % k:
+            raise ValueError(f"cannot split {k} KV heads over tensor_parallel_size {n}: with more ranks than KV "
+                             f"heads the size must be a multiple of the KV head count (replica sets)")
+        return tuple((rank // (n // k),) for rank in range(n))
+    base, extra = divmod(k, n)
+    out, start = [], 0
+    for rank in range(n):
+        count = base + (1 if rank < extra else 0)
+        out.append(tuple(range(start, start + count)))
+        start += count
+    return tuple(out)
+
+
+def shard_query_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[tuple[int, int], ...]:
+    """[start, end) of the global query heads each rank holds: its groups' heads, or under
+    replication its share of its KV head's group. ValueError naming the counts."""
+    if num_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not whole GQA groups of {num_kv_heads} KV heads")
+    g = num_heads // num_kv_heads
+    kv = shard_kv_heads(num_kv_heads, tp_size)
+    if tp_size <= num_kv_heads:
+        return tuple((heads[0] * g, (heads[-1] + 1) * g) for heads in kv)
+    r = tp_size // num_kv_heads
+    if g % r:
+        raise ValueError(f"cannot split {num_heads} query heads ({g} per KV head, {num_kv_heads} KV heads) over "
+                         f"tensor_parallel_size {tp_size}: each KV head's {r} replicas need {g} % {r} == 0")
+    per = g // r
+    return tuple((heads[0] * g + (rank % r) * per, heads[0] * g + (rank % r + 1) * per)
+                 for rank, heads in enumerate(kv))
+
+
+def mlp_fold_block(intermediate_size: int) -> int:
+    """Width of down_proj's fold blocks: intermediate / MLP_FOLD_BLOCKS rounded up to a multiple of 8."""
+    per = -(-intermediate_size // MLP_FOLD_BLOCKS)
+    return -(-per // 8) * 8
+
+
+@dataclass(frozen=True)
+class RankShard:
+    """What one rank of a TP group holds of each layer (global indices, [start, end) ranges)."""
+
+    rank: int
+    tp_size: int
+    kv_heads: tuple[int, ...]       # global KV heads, ascending, contiguous
+    q_heads: tuple[int, int]        # [start, end) global query heads
+    mlp_rows: tuple[int, int]       # [start, end) of the intermediate axis (whole fold blocks)
+    mlp_block: int                  # down_proj fold block width (the intermediate axis)
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """The split of one model over `tp_size` ranks (module docstring); `ranks[r]` is rank r's shard."""
+
+    tp_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    ranks: tuple[RankShard, ...]
+
+    @property
+    def kv_head_assignment(self) -> tuple[tuple[int, ...], ...]:
+        """Per rank, the global KV heads it holds (what a transfer plan shards by)."""
+        return tuple(r.kv_heads for r in self.ranks)
+
+
+def plan_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: int,
+                         tp_size: int) -> TensorParallelPlan:
+    """The shards of a model with these counts over tp_size ranks; ValueError naming the counts
+    when the split cannot be made (heads, or more ranks than MLP fold blocks)."""
+    kv = shard_kv_heads(num_kv_heads, tp_size)
+    q = shard_query_heads(num_heads, num_kv_heads, tp_size)
+    block = mlp_fold_block(intermediate_size)
+    nblocks = -(-intermediate_size // block)
+    if tp_size > nblocks:
+        raise ValueError(f"cannot split intermediate_size {intermediate_size} ({nblocks} fold blocks of {block}) over "
+                         f"tensor_parallel_size {tp_size}: at most {nblocks} ranks")
+    base, extra = divmod(nblocks, tp_size)
+    ranks, start = [], 0
+    for r in range(tp_size):
+        n = base + (1 if r < extra else 0)
+        rows = (start * block, min((start + n) * block, intermediate_size))
+        ranks.append(RankShard(r, tp_size, kv[r], q[r], rows, block))
+        start += n
+    return TensorParallelPlan(tp_size, num_heads, num_kv_heads, intermediate_size, tuple(ranks))
+
+
+def single_rank(num_heads: int, num_kv_heads: int, intermediate_size: int) -> RankShard:
+    """The one shard of TP 1 (every head, the whole MLP, the same fold blocks as any TP size)."""
+    return plan_tensor_parallel(num_heads, num_kv_heads, intermediate_size, 1).ranks[0]
