@@ -160,6 +160,10 @@ class EngineConfig:
     small_batch_max_tokens: passes of at most this many float32 tokens run the decoder layers on the
         C ops bound to the weights (pdserve/model/layer_ops.py), bit-identical to the module ops and
         faster for decode steps; 0 disables; at most 32, the small linear kernel's row limit.
+    tensor_parallel_size: rank processes of this engine (E22, pdserve/parallel): the leader (this
+        process) and N - 1 workers, each holding a shard of every layer (KV heads split as
+        pdserve/model/tp.py says; a split that cannot be made is refused at start). Float32 greedy
+        outputs are bit-identical at every size (TP-invariant reductions).
     """
 
     model: str | None = None
@@ -172,10 +176,14 @@ class EngineConfig:
     small_batch_max_tokens: int = field(default=_SMALL_LINEAR_MAX_ROWS, metadata={
         "help": f"passes of at most N float32 tokens (decode steps) run the decoder layers on the C ops bound to "
                 f"the weights, bit-identical to the module ops and faster; 0: never; at most {_SMALL_LINEAR_MAX_ROWS}"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "rank processes of this engine, each holding a shard of every layer (KV heads split evenly, by "
+                "whole GQA groups, or replicated when N > KV heads); float32 outputs are bit-identical at every N"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.num_threads is not None:

@@ -52,8 +52,20 @@ class AttentionGroupSpec:
 
 
 @dataclass(frozen=True)
+class KvShardPool:
+    """One tensor-parallel rank's KV pool, mapped in the leader's address space (D15)."""
+
+    rank: int
+    # buffer: [num_layers, 2, num_pages, len(kv_heads), page_size, head_dim]  (HND pages of this rank's heads)
+    buffer: torch.Tensor
+    kv_heads: tuple[int, ...]       # the global KV heads this rank holds (pdserve/model/tp.py)
+
+
+@dataclass(frozen=True)
 class KvCacheSpec:
-    """The engine's KV pool as a connector sees it, given once the pool exists."""
+    """The engine's KV pool as a connector sees it, given once the pool exists. Under tensor
+    parallelism `buffer` / `shape` are rank 0's pool (its KV heads only) and `shards` lists every
+    rank's pool, rank 0's first; at TP 1 `shards` is empty."""
 
     # buffer: [num_layers, 2, num_pages, kv_heads, page_size, head_dim]  (2 = K, V; HND pages)
     buffer: torch.Tensor
@@ -62,6 +74,11 @@ class KvCacheSpec:
     groups: tuple[AttentionGroupSpec, ...]
     hidden_size: int                # width of the hidden state a prefill hands over (D12)
     model_name: str
+    shards: tuple[KvShardPool, ...] = ()   # every TP rank's pool, in rank order; () at TP 1
+
+    @property
+    def tp_size(self) -> int:
+        return max(1, len(self.shards))
 
     @property
     def nbytes(self) -> int:

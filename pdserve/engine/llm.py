@@ -17,12 +17,23 @@ class LLM:
     model: a local Hugging Face checkpoint directory or .gguf file; None = the default model
     (SmolLM2-135M-Instruct). engine_options: any EngineConfig / CacheConfig / SchedulerConfig field
     (dtype, num_threads, page_size, num_blocks, max_batch_tokens, max_requests_per_batch,
-    scheduler_type, safety_margin, max_memory_percent, max_model_len, ...).
+    scheduler_type, safety_margin, max_memory_percent, max_model_len, tensor_parallel_size, ...).
+    `close()` (or a with block) stops tensor-parallel worker ranks; they also stop at exit.
     """
 
     def __init__(self, model: str | None = None, kv_connector: KvConnector | None = None,
                  **engine_options: object) -> None:
         self.engine = LLMEngine(EngineConfig.from_options(model=model, **engine_options), kv_connector)
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel worker ranks (nothing at TP 1; also done at exit)."""
+        self.engine.runner.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self):  # a transformers tokenizer

@@ -47,7 +47,13 @@ from pdserve.engine.kv_connector import (
 )
 from pdserve.engine.outputs import CompletionOutput, RequestOutput
 from pdserve.engine.request import FinishReason, Request, RequestStatus
-from pdserve.engine.runner import ModelOutput, ModelRunner
+from pdserve.engine.runner import (
+    ModelOutput,
+    ModelRunner,
+    start_tensor_parallel,
+    tensor_parallel_plan,
+    tp_shard_pools,
+)
 from pdserve.engine.sampling.detokenizer import IncrementalDetokenizer
 from pdserve.engine.sampling.sampler import SampleLogprobs, Sampler
 from pdserve.engine.sampling_params import SamplingParams
@@ -110,8 +116,11 @@ class LLMEngine:
         dtype = config.torch_dtype
         device = torch.device("cpu")
         available = available_memory_bytes(device) if config.cache.num_blocks is None else None
+        # Tensor parallelism (E22): the split, refused here when it cannot be made; rank 0's shard is ours.
+        self.tp_plan = tensor_parallel_plan(config.tensor_parallel_size, self.arch)
         self.model = build_model(self.arch, hf_config, dtype, self.max_model_len,
-                                 small_batch_max_tokens=config.small_batch_max_tokens)
+                                 small_batch_max_tokens=config.small_batch_max_tokens,
+                                 shard=self.tp_plan.ranks[0] if self.tp_plan else None)
         logger.info("layer loop: C ops bound to the weights for passes of at most %d float32 tokens "
                     "(small_batch_max_tokens; 0: never), where the model has them", config.small_batch_max_tokens)
         self.model.load_weights(iter_weights(self.source))
@@ -132,11 +141,16 @@ class LLMEngine:
                                                self.max_model_len, config.max_model_len is not None,
                                                sched.max_batch_tokens)
         sharing = config.cache.allow_block_sharing and all(g.sliding_window is None for g in groups)
-        self.kv_cache = PagedKVCache(KVCacheShape(self.arch.num_layers, size.num_blocks, self.arch.num_kv_heads, P,
+        kv_heads = len(self.tp_plan.ranks[0].kv_heads) if self.tp_plan else self.arch.num_kv_heads
+        self.kv_cache = PagedKVCache(KVCacheShape(self.arch.num_layers, size.num_blocks, kv_heads, P,
                                                   self.arch.head_dim), kv_dtype, prefault=config.cache.kv_prefault)
+        self.tp = None if self.tp_plan is None else start_tensor_parallel(
+            self.tp_plan, self.model, self.kv_cache, str(self.source.path), config.dtype, self.max_model_len,
+            config.small_batch_max_tokens, config.attention_backend, config.cache.kv_prefault)
         self.pool = BlockPool(size.num_blocks, config.cache.num_padding_blocks)
         self.cache_manager = KVCacheManager(self.pool, P, groups, enable_prefix_caching=sharing)
-        swap_slots = config.cache.swap_slots(size.num_blocks, block_nbytes)
+        # no CPU swap under TP (it would move rank 0's shard only): stalled requests are recomputed
+        swap_slots = config.cache.swap_slots(size.num_blocks, block_nbytes) if self.tp is None else 0
         self.swap = SwapSpace(self.kv_cache, self.cache_manager, swap_slots) if swap_slots > 0 else None
         logger.info("KV cache: %d blocks of %d tokens (%s, %.2f MiB each, %.2f GiB total; %s), groups %s, "
                     "prefix cache %s%s, swap pool %d blocks (%.2f GiB), max_model_len %d",
@@ -149,7 +163,8 @@ class LLMEngine:
         if kv_connector is not None:
             kv_connector.register_kv_cache(self._kv_cache_spec(groups))
         self.preemptor = Preemptor(self.scheduler, self.cache_manager, self.swap)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.cache_manager, get_backend(config.attention_backend))
+        self.runner = ModelRunner(self.model, self.kv_cache, self.cache_manager, get_backend(config.attention_backend),
+                                  tp=self.tp)
         self.sampler = Sampler()
         self._default_generator = torch.Generator().manual_seed(config.seed)
         self._tracked: dict[str, _Tracked] = {}
@@ -177,7 +192,8 @@ class LLMEngine:
             specs.append(AttentionGroupSpec(g.name, tuple(i for i, t in enumerate(layer_types) if t == kind),
                                             g.sliding_window))
         return KvCacheSpec(buffer=self.kv_cache.buffer, shape=self.kv_cache.shape, dtype=self.kv_cache.dtype,
-                           groups=tuple(specs), hidden_size=self.arch.hidden_size, model_name=self.source.name)
+                           groups=tuple(specs), hidden_size=self.arch.hidden_size, model_name=self.source.name,
+                           shards=tp_shard_pools(self.tp, self.kv_cache))
 
     def _activation_bytes(self, dtype: torch.dtype) -> int:
         a, s = self.arch, self.config.scheduler

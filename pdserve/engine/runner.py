@@ -11,6 +11,12 @@ the window, so its queries see only the last `sliding_window` positions. When ev
 the same batch (all models but hybrids like Gemma 3), the model gets that batch's plan itself;
 otherwise it gets a `LayerPlans` with one plan per layer. The new K/V of every token is written
 to the page of its own group's table.
+
+Tensor parallelism (E22): with a `TensorParallelGroup` the runner sends each pass's inputs (a
+StepMessage: token ids, positions, the attention batches) to the worker ranks before running the
+leader's own shard; the layers' row-parallel folds are the collectives. Any failure inside a TP
+pass fails the group for good (the ranks can no longer be in step): TensorParallelError.
+`tensor_parallel_plan` / `start_tensor_parallel` are what the engine calls to set it up.
 """
 
 from __future__ import annotations
@@ -22,10 +28,14 @@ from torch import nn
 
 from pdserve.engine.cache.kv_cache import PagedKVCache
 from pdserve.engine.cache.manager import KVCacheManager
+from pdserve.engine.kv_connector import KvShardPool
 from pdserve.engine.scheduler.output import ScheduledChunk, SchedulerOutput
 from pdserve.kernels.attention.base import AttentionBackend, AttentionBatch, LayerPlans
 from pdserve.model.arch import SLIDING_ATTENTION, ModelArch
 from pdserve.model.llama import LayerHook
+from pdserve.model.tp import TensorParallelPlan, plan_tensor_parallel
+from pdserve.parallel.group import GroupSpec, TensorParallelError, TensorParallelGroup
+from pdserve.parallel.messages import StepMessage
 
 FULL_GROUP = "full"
 SLIDING_GROUP = "sliding"
@@ -85,8 +95,10 @@ class ModelRunner:
         cache_manager: KVCacheManager,
         backend: AttentionBackend,
         padding_block: int = 0,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         self.model = model
+        self.tp = tp
         self.kv = kv_cache
         self.cache_manager = cache_manager
         self.backend = backend
@@ -98,6 +110,11 @@ class ModelRunner:
         # layer i reads batch_keys[self.layer_batch[i]]
         self.layer_batch: tuple[int, ...] = tuple(self.batch_keys.index(k) for k in per_layer)
         self._head_ids = torch.arange(kv_cache.shape.kv_heads)                # [H]
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing at TP 1)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def build_batches(self, chunks: tuple[ScheduledChunk, ...]) -> StepInputs:
         """The step's token ids and positions, and one attention batch per BatchKey."""
@@ -180,16 +197,24 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput, layer_hook: LayerHook | None = None) -> ModelOutput:
         step = self.build_batches(sched.chunks)
-        logits, hidden = self.model(
-            step.input_ids,
-            step.positions,
-            self.kv.k,
-            self.kv.v,
-            self.backend,
-            self.plan(step.batches),
-            torch.tensor(step.out_rows, dtype=torch.int64),
-            layer_hook,
-        )
+        tp = self.tp
+        if tp is not None:
+            tp.send_step(StepMessage(step.input_ids, step.positions, step.batches))
+        try:
+            logits, hidden = self.model(
+                step.input_ids,
+                step.positions,
+                self.kv.k,
+                self.kv.v,
+                self.backend,
+                self.plan(step.batches),
+                torch.tensor(step.out_rows, dtype=torch.int64),
+                layer_hook,
+            )
+        except (RuntimeError, ValueError) as exc:
+            if tp is None or isinstance(exc, TensorParallelError):
+                raise
+            tp.fail(f"a pass failed on the leader: {type(exc).__name__}: {exc}")
         rows: dict[str, int] = {}
         i = 0
         for c in sched.chunks:
@@ -198,3 +223,40 @@ class ModelRunner:
                 rows[r.request_id] = i
                 i += 1
         return ModelOutput(logits=logits, hidden=hidden, chunk_rows=rows)
+
+
+def tensor_parallel_plan(tensor_parallel_size: int, arch: ModelArch) -> TensorParallelPlan | None:
+    """The model's split over the engine's ranks (None at TP 1); ValueError naming the counts when it
+    cannot be made, or for models tensor parallelism does not run (hybrid attention, Gemma 3)."""
+    if tensor_parallel_size == 1:
+        return None
+    if arch.is_hybrid or arch.family != "llama":
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size}: tensor parallelism runs Llama-family "
+                         f"models with one attention kind, not model_type {arch.model_type!r}")
+    return plan_tensor_parallel(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, tensor_parallel_size)
+
+
+def start_tensor_parallel(plan: TensorParallelPlan, model: nn.Module, kv_cache: PagedKVCache, model_path: str,
+                          dtype: str, max_model_len: int, small_batch_max_tokens: int, attention_backend: str,
+                          kv_prefault: bool) -> TensorParallelGroup:
+    """Start ranks 1..N-1 for an engine whose leader holds `model` (rank 0's shard) and `kv_cache`
+    (rank 0's pool), and connect the leader's row-parallel layers to the group."""
+    s = kv_cache.shape
+    kv_dtype = str(kv_cache.dtype).removeprefix("torch.")
+    group = TensorParallelGroup.start(plan, GroupSpec(
+        model_path=model_path, dtype=dtype, kv_dtype=kv_dtype, max_model_len=max_model_len,
+        small_batch_max_tokens=small_batch_max_tokens, attention_backend=attention_backend,
+        num_blocks=s.num_pages, page_size=s.page_size, num_layers=s.num_layers, head_dim=s.head_dim,
+        kv_element_size=kv_cache.buffer.element_size(), kv_populate=kv_prefault))
+    model.set_tp_comm(group.comm)
+    return group
+
+
+def tp_shard_pools(tp: TensorParallelGroup | None, kv_cache: PagedKVCache) -> tuple[KvShardPool, ...]:
+    """Every rank's KV pool as the leader maps it (KvCacheSpec.shards): rank 0's is `kv_cache`'s
+    buffer, the others' the shared-memory mappings (D15); () at TP 1."""
+    if tp is None:
+        return ()
+    heads = tp.plan.kv_head_assignment
+    pools = (kv_cache.buffer, *tp.pool_tensors())
+    return tuple(KvShardPool(rank=r, buffer=b, kv_heads=heads[r]) for r, b in enumerate(pools))

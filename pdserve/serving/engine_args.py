@@ -43,6 +43,7 @@ class _Flag:
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     negatable: bool = False                       # a bool that defaults on: --x / --no-x
+    aliases: tuple[str, ...] = ()                 # more option strings for the same flag (e.g. -tp)
 
     @property
     def option(self) -> str:
@@ -68,6 +69,7 @@ _FLAGS = (
     _Flag(EngineConfig, "small_batch_max_tokens", metavar="N"),
     _Flag(CacheConfig, "kv_prefault"),
     _Flag(CacheConfig, "cpu_offload_space", type=_offload_space, metavar="FRACTION|BYTES"),
+    _Flag(EngineConfig, "tensor_parallel_size", metavar="N", aliases=("-tp",)),
 )
 
 
@@ -101,7 +103,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                 kw["choices"] = f.choices
             if f.metavar is not None:
                 kw["metavar"] = f.metavar
-        g.add_argument(f.option, help=text, **kw)
+        g.add_argument(f.option, *f.aliases, help=text, **kw)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:

@@ -22,6 +22,7 @@ ROOMS: dict[str, tuple[str, ...]] = {
     "engine": ("pdserve.engine",),
     "model": ("pdserve.model",),
     "kernels": ("pdserve.kernels",),
+    "parallel": ("pdserve.parallel",),
     "serving": ("pdserve.serving",),
     "tools": ("pdserve.tools",),
     "fabric": ("fabric",),
@@ -36,7 +37,8 @@ ROOMS: dict[str, tuple[str, ...]] = {
 ALLOWED: dict[str, frozenset[str]] = {
     "kernels": frozenset(),
     "model": frozenset({"kernels"}),
-    "engine": frozenset({"model", "kernels"}),             # never fabric, kv_messenger, the wire, nodes
+    "parallel": frozenset({"model", "kernels"}),           # tensor-parallel ranks: never the engine
+    "engine": frozenset({"model", "kernels", "parallel"}),  # never fabric, kv_messenger, the wire, nodes
     "api": frozenset({"engine"}),
     "serving": frozenset({"engine", "model", "wire"}),
     "fabric": frozenset(),                                 # knows nothing of ours

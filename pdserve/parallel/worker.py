@@ -1,0 +1,138 @@
+"""A tensor-parallel worker rank (ranks 1..N-1 of an engine): `python -m pdserve.parallel.worker SPEC_JSON`.
+
+Started by the leader (pdserve/parallel/group.py) with two inherited pipe ends: `ctrl_fd` (the
+leader's messages: one StepMessage per forward pass, or stop) and `status_fd` (this rank writes
+one byte once its shard is loaded and its pool mapped, just before joining the gloo group).
+It loads its shard of the model, maps its KV pool from the leader's shared-memory file, joins the
+group, then for each step message runs the embedding and the decoder layers on its shard (the
+row-parallel folds are collectives with the other ranks); the leader alone samples.
+
+It dies with the leader: the control pipe reads end-of-file when the leader's end closes (exit,
+crash or SIGKILL), and a watchdog thread exits the process when its parent pid changes (a rank
+blocked in a collective whose peer vanished also fails that collective: gloo's timeout).
+Bounds: the control pipe read has none (EOF is the leader's death); the watchdog polls every
+`WATCHDOG_S`; collectives are bounded by the spec's `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pdserve.kernels.attention import get_backend
+from pdserve.model.arch import ModelArch
+from pdserve.model.loader import iter_weights, load_config, resolve_model
+from pdserve.model.registry import build_model
+from pdserve.model.tp import plan_tensor_parallel
+from pdserve.parallel.comm import GlooComm
+from pdserve.parallel.messages import KIND_STOP, StepMessage, payload_kind, read_message
+from pdserve.parallel.shm import PoolFile, SharedPool
+
+logger = logging.getLogger(__name__)
+
+WATCHDOG_S = 0.5
+EXIT_LEADER_GONE = 3
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker rank needs, given on its command line as JSON."""
+
+    rank: int
+    tp_size: int
+    port: int                   # the leader's rendezvous store
+    timeout_s: float            # every collective's bound
+    leader_pid: int
+    model_path: str             # the resolved checkpoint directory
+    dtype: str                  # "float32" | "bfloat16"
+    kv_dtype: str
+    max_model_len: int
+    small_batch_max_tokens: int
+    attention_backend: str
+    num_blocks: int
+    page_size: int
+    pool_name: str              # the shared-memory file of this rank's pool (pdserve/parallel/shm.py)
+    pool_nbytes: int
+    cpus: tuple[int, ...]       # cores to pin to; () = not pinned
+    num_threads: int
+    ctrl_fd: int
+    status_fd: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> WorkerSpec:
+        d = json.loads(text)
+        d["cpus"] = tuple(d["cpus"])
+        return WorkerSpec(**d)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _watchdog(leader_pid: int) -> None:
+    while True:
+        time.sleep(WATCHDOG_S)
+        if os.getppid() != leader_pid:
+            os._exit(EXIT_LEADER_GONE)
+
+
+def run(spec: WorkerSpec) -> int:
+    threading.Thread(target=_watchdog, args=(spec.leader_pid,), name="tp-watchdog", daemon=True).start()
+    if spec.cpus:
+        os.sched_setaffinity(0, spec.cpus)
+    torch.set_num_threads(spec.num_threads)
+    source = resolve_model(spec.model_path)
+    hf_config = load_config(source)
+    arch = ModelArch.from_hf_config(hf_config)
+    plan = plan_tensor_parallel(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, spec.tp_size)
+    shard = plan.ranks[spec.rank]
+    model = build_model(arch, hf_config, _DTYPES[spec.dtype], spec.max_model_len,
+                        small_batch_max_tokens=spec.small_batch_max_tokens, shard=shard)
+    model.load_weights(iter_weights(source))
+    model.eval()
+    kv_heads = len(shard.kv_heads)
+    dims = (arch.num_layers, 2, spec.num_blocks, kv_heads, spec.page_size, arch.head_dim)
+    pool = SharedPool(PoolFile(spec.pool_name, spec.pool_nbytes), create=False)
+    buffer = pool.tensor(_DTYPES[spec.kv_dtype], dims)      # [layers, 2, pages, kv_heads, page_size, head_dim]
+    k_pools = [buffer[i, 0] for i in range(arch.num_layers)]
+    v_pools = [buffer[i, 1] for i in range(arch.num_layers)]
+    backend = get_backend(spec.attention_backend)
+    os.write(spec.status_fd, b"R")
+    comm = GlooComm(spec.rank, spec.tp_size, spec.port, spec.timeout_s)
+    model.set_tp_comm(comm)
+    try:
+        while True:
+            payload = read_message(spec.ctrl_fd)
+            if payload is None:
+                return EXIT_LEADER_GONE
+            if payload_kind(payload) == KIND_STOP:
+                return 0
+            msg = StepMessage.decode(payload, kv_heads)
+            if len(msg.batches) != 1:
+                raise ValueError(f"tensor-parallel worker: {len(msg.batches)} attention batches in one pass "
+                                 f"(hybrid models do not run under tensor parallelism)")
+            model.forward_layers(msg.input_ids, msg.positions, k_pools, v_pools, backend,
+                                 backend.plan(msg.batches[0]))
+    finally:
+        comm.close()
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s tp-rank %(process)d %(levelname)s %(message)s")
+    if len(argv) != 2:
+        print("usage: python -m pdserve.parallel.worker SPEC_JSON", file=sys.stderr)
+        return 2
+    return run(WorkerSpec.from_json(argv[1]))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,106 @@
+"""Tensor parallelism, in process (E22, issue 16): the head and MLP split rule, the refusal of
+splits that cannot be made, the TP-invariant blocked fold of the row-parallel kernels (a rank
+holding some of the blocks reproduces the TP 1 sum bit for bit when it continues the fold), and
+the step message's round trip. The rank processes themselves: tests/integration/test_tensor_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels.attention.base import AttentionBatch
+from pdserve.kernels.ops.linear import MAX_ROWS, linear_block_parts, linear_blocked
+from pdserve.kernels.ops.native import available
+from pdserve.model.tp import mlp_fold_block, plan_tensor_parallel, shard_kv_heads, shard_query_heads
+from pdserve.parallel.messages import StepMessage
+
+
+def test_uneven_groups_earlier_ranks_get_the_extra_group():
+    assert shard_kv_heads(3, 2) == ((0, 1), (2,))
+    assert shard_query_heads(9, 3, 2) == ((0, 6), (6, 9))     # the default model at TP 2: 6 and 3 heads
+    assert shard_kv_heads(5, 3) == ((0, 1), (2, 3), (4,))
+    assert shard_kv_heads(4, 2) == ((0, 1), (2, 3))
+
+
+def test_replica_sets_split_their_groups_query_heads():
+    assert shard_kv_heads(2, 4) == ((0,), (0,), (1,), (1,))
+    assert shard_query_heads(4, 2, 4) == ((0, 1), (1, 2), (2, 3), (3, 4))
+    assert shard_kv_heads(3, 9) == tuple((r // 3,) for r in range(9))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "tp", "words"), [
+    (9, 3, 4, ["3 KV heads", "tensor_parallel_size 4"]),              # 4 > 3, 4 % 3 != 0
+    (9, 3, 6, ["9 query heads", "3 per KV head", "3 % 2"]),            # replica sets of 2 over 3-head groups
+])
+def test_impossible_splits_are_refused_naming_the_counts(heads, kv_heads, tp, words):
+    with pytest.raises(ValueError) as info:
+        plan_tensor_parallel(heads, kv_heads, 1536, tp)
+    for w in words:
+        assert w in str(info.value)
+
+
+def test_more_ranks_than_mlp_blocks_is_refused():
+    with pytest.raises(ValueError, match=r"intermediate_size 64 \(8 fold blocks of 8\).*tensor_parallel_size 16"):
+        plan_tensor_parallel(16, 16, 64, 16)
+
+
+def test_mlp_rows_are_contiguous_whole_blocks():
+    plan = plan_tensor_parallel(9, 3, 1536, 3)
+    assert mlp_fold_block(1536) == 192
+    assert [r.mlp_rows for r in plan.ranks] == [(0, 576), (576, 1152), (1152, 1536)]  # 3, 3, 2 blocks
+    assert plan.kv_head_assignment == ((0,), (1,), (2,))
+
+
+def _rank_fold(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, block: int, cuts: list[int]) -> torch.Tensor:
+    """What RowLinear's ranks compute, in one process: rank 0 folds its prefix, every later rank adds
+    its blocks' partials to the running sum, the last adds the bias."""
+    y = linear_blocked(x[:, : cuts[1]], w[:, : cuts[1]].contiguous(), None, block)
+    for a, b in zip(cuts[1:-1], cuts[2:], strict=True):
+        for p in linear_block_parts(x[:, a:b].contiguous(), w[:, a:b].contiguous(), block):
+            y += p
+    return y + bias
+
+
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS, 33, 100])   # the C kernel up to 32 rows, torch's matmul above
+@pytest.mark.parametrize(("K", "block", "cuts"), [
+    (576, 64, [0, 384, 576]),            # o_proj of the default model at TP 2 (6 and 3 heads)
+    (1536, 192, [0, 768, 1536]),         # down_proj at TP 2
+    (1536, 192, [0, 576, 1152, 1536]),   # down_proj at TP 3 (3, 3, 2 blocks)
+    (100, 24, [0, 48, 96, 100]),         # a short last block and a k tail inside blocks
+])
+def test_ranks_continuing_the_fold_give_the_tp1_bits(rows, K, block, cuts, one_thread):
+    if rows <= MAX_ROWS and not available():
+        pytest.skip("C ops not built")
+    g = torch.Generator().manual_seed(rows * 7 + K)
+    x, w = torch.randn(rows, K, generator=g), torch.randn(96, K, generator=g)
+    bias = torch.randn(96, generator=g)
+    tp1 = linear_blocked(x, w, bias, block)
+    assert torch.equal(_rank_fold(x, w, bias, block, cuts), tp1)
+    assert torch.allclose(tp1, F.linear(x, w, bias), rtol=1e-4, atol=1e-3)   # the same product
+
+
+def test_one_block_is_the_plain_kernel(one_thread):
+    x, w = torch.randn(4, 200), torch.randn(48, 200)
+    assert torch.equal(linear_blocked(x, w, None, 200), linear_blocked(x, w, None, 10_000))
+    assert torch.allclose(linear_blocked(x, w, None, 8), x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_step_message_round_trip_rebuilds_kv_rows_for_the_rank():
+    P, H = 4, 2
+    pages, offs = torch.tensor([3, 3, 5], dtype=torch.int64), torch.tensor([0, 1, 2], dtype=torch.int64)
+    batch = AttentionBatch(query_start=torch.tensor([0, 1, 3], dtype=torch.int32),
+                           context_lens=torch.tensor([1, 11], dtype=torch.int32),
+                           block_tables=torch.tensor([[3, 0, 0], [1, 2, 5]], dtype=torch.int32),
+                           slot_pages=pages, slot_offsets=offs, kv_rows=torch.zeros(0, dtype=torch.int64),
+                           num_decode=1, q_lens=(1, 2), ctx_lens=(1, 11), page_size=P, window=7)
+    msg = StepMessage(torch.tensor([5, 6, 7]), torch.tensor([0, 9, 10]), (batch,))
+    back = StepMessage.decode(msg.encode(), kv_heads=H)
+    assert torch.equal(back.input_ids, msg.input_ids) and torch.equal(back.positions, msg.positions)
+    b = back.batches[0]
+    for name in ("query_start", "context_lens", "block_tables", "slot_pages", "slot_offsets"):
+        assert torch.equal(getattr(b, name), getattr(batch, name)), name
+        assert getattr(b, name).dtype == getattr(batch, name).dtype, name
+    assert (b.num_decode, b.q_lens, b.ctx_lens, b.page_size, b.window) == (1, (1, 2), (1, 11), P, 7)
+    expected = ((pages[:, None] * H + torch.arange(H)[None, :]) * P + offs[:, None]).reshape(-1)
+    assert torch.equal(b.kv_rows, expected)
