@@ -24,6 +24,7 @@ import logging
 import grpc
 
 from kv_messenger.ticket import TransferKey, TransferTicket, peer_from_bytes, peer_to_bytes, remote_from_bytes
+from pdserve.serving.admission import AdmissionGate
 from pdserve.serving.logs import bind_request_id
 from pdserve.serving.metrics import node_metrics, prefill_metrics
 from pdserve.serving.node_server import NodeHolder, NodeServer, ServeOptions, service_names
@@ -39,6 +40,8 @@ from prefill_node.service import (
 )
 
 logger = logging.getLogger(__name__)
+
+MAX_INFLIGHT_PREFILLS = 1024  # Prefill calls a node holds at once (queued or running); more: RESOURCE_EXHAUSTED
 
 SERVICE_NAMES = service_names((prefill_pb2.DESCRIPTOR, "PrefillService"), (node_pb2.DESCRIPTOR, "NodeService"))
 
@@ -130,6 +133,8 @@ def observe(model_name: str, out: PrefillOutcome) -> None:
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, holder: NodeHolder[PrefillNode]) -> None:
         self._holder = holder
+        # S8: Prefill calls served at once; one more is RESOURCE_EXHAUSTED (the decode node tries another)
+        self._gate = AdmissionGate("this prefill node", max_inflight=MAX_INFLIGHT_PREFILLS)
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> prefill_pb2.PrefillResponse:
@@ -139,7 +144,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             spec = spec_from_pb(request)
             logger.debug("request %s: prefill of %d tokens into %d pages", spec.request_id, len(spec.token_ids),
                          len(spec.target.dst_pages))
-            out = await node.prefill(spec)
+            with self._gate.enter():
+                out = await node.prefill(spec)
         except Exception as e:  # counted by kind, then raised on to the interceptor unchanged
             prefill_metrics().requests.labels(model_name=node.model_name, outcome=outcome_of(e)).inc()
             raise

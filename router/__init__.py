@@ -12,6 +12,27 @@ policies), nodes (NodePool: health and load polling, selection through the polic
 forwarding GenerateService), front (the service clients call: checks, forwarding, Health),
 http_api (the OpenAI-compatible HTTP server), server (RouterServer: grpc.aio + HTTP servers,
 health, reflection).
+
+Failure handling (S8, S10): every Generate call has a deadline (RouterConfig.request_timeout_s, or
+the gRPC client's when shorter); at most RouterConfig.max_inflight_requests run at once, one more is
+refused with RESOURCE_EXHAUSTED / HTTP 429 + Retry-After (pdserve.serving.admission); a node that
+answers RESOURCE_EXHAUSTED (its waiting queue is full) is skipped for that request; a request whose
+decode node fails mid-stream is resumed on another node after the tokens already streamed
+(router.service), at most RouterConfig.max_migrations times.
+
+Every blocking wait of the router, with its bound:
+- a downstream Generate stream: the call's deadline (request_timeout_s from arrival, or the
+  client's); a node that stops answering is cut off sooner, when the poll marks it down (about
+  health_interval_s + health_timeout_s);
+- a health Check: health_timeout_s; a GetNodeInfo: load_timeout_s (router.nodes, every
+  health_interval_s);
+- Abort and ListModels forwarded to a node: 5 x health_timeout_s each;
+- an HTTP request body: HttpConfig.body_timeout_s (then 408); an HTTP connection that sends no
+  request: HttpConfig.idle_timeout_s (then closed);
+- any call on a connection that died silently: the channels' keepalive (pdserve.serving.channels)
+  fails it UNAVAILABLE (a Generate stream then migrates);
+- stopping: in-flight calls get shutdown_grace_s, then are cancelled.
+Nothing else waits: admission never queues (a full gate refuses at once).
 """
 
 from router.config import RouterConfig
