@@ -12,6 +12,13 @@ the request's blocks are freed on the engine thread. If a step raises, every in-
 ends with an explicit error output (nothing is dropped silently, S1) and the engine keeps serving.
 When idle, the engine thread checks the cache invariant (free + used == total).
 
+A dead engine thread (an error escaped its loop: a BaseException from a step, a failed
+invariant, a failure while failing the requests) or a stopped one fails everything at once with
+EngineDeadError instead of leaving callers waiting: the `call`s / `abort`s queued and not run,
+every stream still open (it ends with an error output), and every later `call`, `abort`,
+`generate` and `submit`. Blocking waits: none without a bound on a dead thread; `shutdown` joins
+the thread for at most its `timeout`.
+
 Metrics: after every step, and at every idle tick (at least once a second), the engine thread
 stores `engine.metrics()` in `last_metrics` and refreshes `last_load` (which the engine also takes
 when it schedules each pass, so the pages of the pass running now count): frozen snapshots that any
@@ -41,6 +48,9 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
 
 
+_Command = Callable[[], None]
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -51,10 +61,15 @@ class EngineThread:
     def __init__(self, engine: LLMEngine) -> None:
         """Start the thread that owns `engine` from now on (no other thread may touch it)."""
         self.engine = engine
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        # Why the thread no longer serves (None while it does); set under _state, after which
+        # nothing is queued any more and every call still pending is failed (_die).
+        self._dead: str | None = None
+        self._state = threading.Lock()
+        self._pending: dict[_Command, concurrent.futures.Future] = {}   # call()s queued, not run yet
         self.last_metrics: EngineMetrics | None = None  # written by the engine thread only
         engine.last_load = engine.load()
         self._metrics_failed = False
@@ -98,6 +113,8 @@ class EngineThread:
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
+            with self._state:
+                self._pending.pop(run, None)
             if not fut.set_running_or_notify_cancel():
                 return  # the caller was cancelled while the command was queued
             try:
@@ -107,13 +124,20 @@ class EngineThread:
             else:
                 fut.set_result(result)
 
-        self.submit(run)
+        self._queue(run, fut)
         return await asyncio.wrap_future(fut)
 
     def submit(self, fn: Callable[[], None]) -> None:
-        if not self._thread.is_alive():
-            raise EngineDeadError("the engine thread is not running")
-        self._commands.put(fn)
+        """Queue fn for the engine thread; EngineDeadError if it no longer serves."""
+        self._queue(fn, None)
+
+    def _queue(self, fn: _Command, fut: concurrent.futures.Future | None) -> None:
+        with self._state:
+            if self._dead is not None or not self._thread.is_alive():
+                raise EngineDeadError(f"the engine thread is not running ({self._dead or 'stopped'})")
+            if fut is not None:
+                self._pending[fn] = fut
+            self._commands.put(fn)
         self._wake.set()
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -130,7 +154,7 @@ class EngineThread:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive()
+        return self._dead is None and self._thread.is_alive()
 
     # --- engine thread ---------------------------------------------------------------------------
 
@@ -161,10 +185,32 @@ class EngineThread:
     def _loop(self) -> None:
         try:
             self._serve()
-        except BaseException:
+        except BaseException as e:
             logger.critical("the engine thread died; failing every in-flight request", exc_info=True)
-            self._fail_all("the engine thread died")
+            self._die(f"the engine thread died: {type(e).__name__}: {e}")
             raise
+        self._die("the engine was shut down")
+
+    def _die(self, reason: str) -> None:
+        """Engine thread, last: refuse new commands, fail the queued calls and every open stream."""
+        with self._state:
+            self._dead = reason
+            pending, self._pending = list(self._pending.values()), {}
+        for fut in pending:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineDeadError(reason))
+        try:
+            self._fail_all(reason)
+        except BaseException:   # the engine is broken: end the streams without it
+            logger.exception("failing the in-flight requests through the engine failed; ending their streams")
+        for rid, stream in list(self._streams.items()):
+            del self._streams[rid]
+            out = RequestOutput(request_id=rid, new_token_ids=(), delta_text="", finished=True,
+                                num_prompt_tokens=0, num_output_tokens=0, error=reason)
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+                logger.debug("dropping output for %s: its event loop is closed", rid)
 
     def _serve(self) -> None:
         while not self._stop.is_set():
