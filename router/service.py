@@ -34,7 +34,8 @@ health_interval_s + health_timeout_s); Abort and ListModels calls (5 x health_ti
 Metrics (pdserve.serving.metrics, R5): TTFT, inter-token gaps and E2E latency as the client sees them
 through the router (from the call's arrival, retries and migrations included),
 request_success_total by finish reason, labelled with the serving node's model;
-router_request_errors_total by status code for calls that failed before streaming.
+router_request_errors_total by status code for calls that failed before streaming;
+router_request_migrations_total by the node a request moved off.
 
 Logs carry request ids (on every line of a call), nodes and sizes, never prompt text.
 """
@@ -183,6 +184,7 @@ class RouterGenerateService(generate_pb2_grpc.GenerateServiceServicer):
                     full.append(attempt.full)
                 if attempt.outcome == "migrate":
                     progress.migrations += 1
+                    router_metrics().migrations.labels(node=node.node_id).inc()
                     attempt_request = resume_request(request, progress, self._config.default_max_tokens)
                     logger.warning("request_id=%s migrating from node=%s after %d tokens (migration %d of %d): %s",
                                    rid, node.address, len(progress.token_ids), progress.migrations,

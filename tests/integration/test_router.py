@@ -316,6 +316,7 @@ def test_node_dying_mid_stream_moves_the_request_or_ends_it_with_an_error_messag
             stream = rig.client.generate([1], SamplingParams(max_tokens=8), request_id="orphan")
             got = [await stream.__anext__()]
             holder = next(i for i, f in enumerate(rig.fakes) if "orphan" in f.running)
+            moved = sample("pdserve:router_request_migrations_total", node=f"fake-{holder}")
             await rig.servers[holder].stop(0)
             rig.servers[holder] = None
             got += [c async for c in stream]
@@ -327,6 +328,7 @@ def test_node_dying_mid_stream_moves_the_request_or_ends_it_with_an_error_messag
             assert streamed == tokens[:len(streamed)] and streamed
             assert resumed.resume.text_chars == sum(len(f"t{t} ") for t in range(len(streamed)))
             assert resumed.sampling.max_tokens == 8 - len(streamed) and list(resumed.token_ids.ids) == [1]
+            assert sample("pdserve:router_request_migrations_total", node=f"fake-{holder}") == moved + 1
             # complete() turns an error ending into ClientError
             other = 1 - holder
             task = asyncio.create_task(rig.client.complete([1], SamplingParams(max_tokens=100), request_id="o2"))

@@ -48,6 +48,7 @@ class RequestMetrics:
 class RouterMetrics:
     routed: Counter      # pdserve:router_requests_routed_total{node, reason}: the policy's choices
     rejected: Counter    # pdserve:router_request_errors_total{code}: calls that ended with a gRPC error
+    migrations: Counter  # pdserve:router_request_migrations_total{node}: requests resumed off a failed node (S10)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,9 @@ def router_metrics(registry: CollectorRegistry) -> RouterMetrics:
         rejected=Counter("pdserve:router_request_errors_total",
                          "Generate calls that ended with a gRPC error status before streaming, by status code.",
                          ["code"], registry=registry),
+        migrations=Counter("pdserve:router_request_migrations_total",
+                           "Requests resumed on another decode node after the node serving them failed mid-stream, "
+                           "by the node that failed.", ["node"], registry=registry),
     )
 
 
