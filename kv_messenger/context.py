@@ -2,18 +2,24 @@
 prefilled position and the top-k of its next-token distribution, in a fixed-size slot.
 
 slot: [hidden_size float32][k int32 token ids][k float32 logprobs]
+
+The sender's staging slots are a bounded pool (`SlotPool`): a prefill that finds it full fails on
+its own with StagingFullError (RESOURCE_EXHAUSTED), never the engine step that finished it (S8).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import grpc
 import numpy as np
 import torch
 
 from fabric import MemoryRegion
 from pdserve.engine.cache.hostmem import HostBuffer, alloc_buffer
+from pdserve_api.servers import StatusError
 
 if TYPE_CHECKING:  # the engine class needs the compiled extension; this module does not
     from fabric import TransferEngine
@@ -24,6 +30,39 @@ class Context:
     hidden: torch.Tensor          # [hidden_size] float32
     top_ids: torch.Tensor         # [k] int32
     top_logprobs: torch.Tensor    # [k] float32
+
+
+class StagingFullError(StatusError):
+    """Every context staging slot holds a context whose write has not completed: this prefill
+    fails (RESOURCE_EXHAUSTED: the caller may retry elsewhere or later), the others go on."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class SlotPool:
+    """`capacity` context slots, handed out and back (not thread-safe: the owner's lock guards it)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a context slot pool needs at least one slot, got {capacity}")
+        self.capacity = capacity
+        self._free: deque[int] = deque(range(capacity))
+
+    def take(self, request_id: str) -> int:
+        """A free slot; StagingFullError naming the request and the capacity when none is."""
+        if not self._free:
+            raise StagingFullError(f"request {request_id}: all {self.capacity} context staging slots hold "
+                                   f"contexts still being written; retry later")
+        return self._free.popleft()
+
+    def give(self, slot: int) -> None:
+        if not 0 <= slot < self.capacity:
+            raise ValueError(f"slot {slot} outside 0..{self.capacity - 1}")
+        self._free.append(slot)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
 
 
 @dataclass

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fabric import FabricError, MemoryRegion, RemoteDescriptor, TransferEngine
-from kv_messenger.context import ContextCodec
+from kv_messenger.context import ContextCodec, SlotPool, StagingFullError
 from kv_messenger.plan import KvLayout, completed_pages
 from kv_messenger.pool import register_pool
 from kv_messenger.ticket import TransferTicket
@@ -81,7 +81,7 @@ class _Transfer:
     posted_bytes: int = 0
     outstanding: int = 0       # write batches not yet completed
     all_posted: bool = False
-    error: FabricError | None = None
+    error: FabricError | StagingFullError | None = None
     aborted: bool = False
     first_post: float = 0.0
     last_layer: float = 0.0
@@ -117,7 +117,7 @@ class KvSender(PrefillConnector):
         self.layout: KvLayout | None = None
         self.codec: ContextCodec | None = None
         self._staging = None
-        self._free_staging: deque[int] = deque(range(staging_slots))
+        self.staging_slots = SlotPool(staging_slots)   # full: that prefill fails alone (S8)
         self._lock = threading.Condition()
         self._transfers: dict[str, _Transfer] = {}
         self._passes: deque[_Pass] = deque()
@@ -220,10 +220,13 @@ class KvSender(PrefillConnector):
             t = self._transfers.get(done.request_id)
             if t is None or t.aborted:
                 return
-            if not self._free_staging:
-                raise RuntimeError(f"context staging slots exhausted (more than {self._staging_slots} prefills "
-                                   f"in flight)")
-            slot = self._free_staging.popleft()
+            try:
+                slot = self.staging_slots.take(t.key)
+            except StagingFullError as e:   # this transfer fails once its posted writes settled
+                logger.warning("%s", e)
+                t.error = e
+                self._maybe_finish(t)
+                return
         self.codec.encode_into(self._staging, slot, done.hidden, done.logits)
         with self._lock:
             self._contexts.append((t, slot))
@@ -287,7 +290,7 @@ class KvSender(PrefillConnector):
 
         def free_slot() -> None:
             with self._lock:
-                self._free_staging.append(slot)
+                self.staging_slots.give(slot)
 
         self._post(t, off, t.target.context, dst, lengths, self._staging.region, after=free_slot)
         with self._lock:

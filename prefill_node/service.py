@@ -359,6 +359,8 @@ class PrefillNode:
         if isinstance(exc, FabricError):
             raise UnavailableError(f"request {rid}: KV transfer to decode node peer {spec.peer.engine_id[:8]} "
                                    f"failed: {exc}")
+        if isinstance(exc, StatusError):   # e.g. StagingFullError (RESOURCE_EXHAUSTED): this request only
+            raise exc
         if job.engine_error is not None:
             raise job.engine_error
         if self._closing:
