@@ -25,11 +25,13 @@ import grpc
 
 from kv_messenger.ticket import TransferKey, TransferTicket, peer_from_bytes, peer_to_bytes, remote_from_bytes
 from pdserve.serving.admission import AdmissionGate
+from pdserve.serving.channels import caller_identity
 from pdserve.serving.logs import bind_request_id
 from pdserve.serving.metrics import node_metrics, prefill_metrics
 from pdserve.serving.node_server import NodeHolder, NodeServer, ServeOptions, service_names
 from pdserve_api.servers import UnavailableError
 from pdserve_api.v1 import common_pb2, node_pb2, node_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from prefill_node.authz import authorize_prefill
 from prefill_node.service import (
     AbortedError,
     AbortSpec,
@@ -142,6 +144,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         bind_request_id(request.request_id)  # this handler task serves one request
         try:
             spec = spec_from_pb(request)
+            # S9: writes only into the memory of the (authenticated) decode node that asks
+            authorize_prefill(caller_identity(context), request.decode_node_id, spec, node.peer)
             logger.debug("request %s: prefill of %d tokens into %d pages", spec.request_id, len(spec.token_ids),
                          len(spec.target.dst_pages))
             with self._gate.enter():

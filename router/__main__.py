@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from pdserve.serving.channels import add_security_args, security_from_args
 from pdserve.serving.logs import add_log_args, setup_logging
 from router.config import RouterConfig
 from router.http_api import HttpConfig
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer 408 to a request body not read within S seconds "
                         f"(default {HttpConfig.body_timeout_s:g})")
     add_routing_args(p)
+    add_security_args(p)
     add_log_args(p)
     return p
 
@@ -62,7 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                               health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
                               load_timeout_s=args.load_timeout, routing=routing_from_args(args),
                               request_timeout_s=args.request_timeout_s,
-                              max_inflight_requests=args.max_inflight_requests, max_migrations=args.max_migrations)
+                              max_inflight_requests=args.max_inflight_requests, max_migrations=args.max_migrations,
+                              security=security_from_args(args))
         http = HttpConfig(host=args.host, port=args.http_port, idle_timeout_s=args.http_idle_timeout_s,
                           body_timeout_s=args.http_body_timeout_s) if args.http_port is not None else None
         limits = RequestLimits(max_prompt_bytes=args.max_prompt_bytes)
