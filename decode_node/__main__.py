@@ -27,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="prefill locally in mixed batches (no prefill nodes, no fabric; D18)")
     g.add_argument("--prefill-timeout", type=float, default=60.0, help="deadline of one Prefill call, seconds "
                                                                          "(default 60)")
+    g.add_argument("--prefill-stall", type=float, default=3.0,
+                   help="a Prefill call with no write landed and no GetNodeInfo answer from its prefill node for "
+                        "this many seconds has stalled: its pages are quarantined and the request is retried "
+                        "elsewhere at once (default 3)")
     g.add_argument("--local-prefill-fallback", action="store_true",
                    help="when no prefill node can serve a request, prefill it here instead of failing it")
     g.add_argument("--prefill-routing", default="least-loaded", choices=PREFILL_ROUTING,
@@ -46,8 +50,8 @@ def make(args: argparse.Namespace) -> NodeServer:
         engine=engine_config(args), node_id=args.node_id or f"decode-{args.port}", colocated=args.colocated,
         prefill_addresses=tuple(a.strip() for a in (args.prefill or "").split(",") if a.strip()),
         provider=args.provider, fabric_node=args.fabric_node, prefill_timeout_s=args.prefill_timeout,
-        local_prefill_fallback=args.local_prefill_fallback, prefill_routing=args.prefill_routing,
-        max_waiting_requests=args.max_waiting_requests)
+        stall_s=args.prefill_stall, local_prefill_fallback=args.local_prefill_fallback,
+        prefill_routing=args.prefill_routing, max_waiting_requests=args.max_waiting_requests)
     return node_server(config, ServeOptions(host=args.host, port=args.port, metrics_port=args.metrics_port))
 
 

@@ -14,6 +14,7 @@ Runs on the decode node's asyncio loop; not thread-safe.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -22,9 +23,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from kv_messenger.ticket import peer_from_bytes
+from pdserve.serving.channels import PLAINTEXT, ChannelSecurity, open_channel
 from pdserve.serving.discovery import Membership
 from pdserve.serving.prefix_index import Candidate, LoadCap, PrefixIndex, chain_hashes, choose, token_blocks
-from pdserve.serving.channels import PLAINTEXT, ChannelSecurity, open_channel
 from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class PrefillNode:
     sent_tokens: int = 0                  # tokens this decode node has in flight there
     down_since: float | None = None
     down_reason: str = ""
+    last_answer: float = 0.0              # time.monotonic() of its last GetNodeInfo answer (stall detection)
     node_id: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -88,21 +90,30 @@ class PrefillPool:
         self.nodes.extend(connect(addr) for addr in self.members.static)
 
     async def refresh(self, timeout: float = 2.0) -> None:
-        """Poll every node's NodeInfo (load and fabric peer); failures mark a node down."""
+        """Poll every node's NodeInfo (load and fabric peer) at once, so that a stalled node does
+        not delay the others' answers (stall detection reads them); failures mark a node down."""
         await self._discover()
-        for n in self.nodes:
-            try:
-                info = await n.info.GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=timeout)
-            except grpc.aio.AioRpcError as e:
-                self.mark_down(n, f"GetNodeInfo: {e.code().name}")
-                continue
-            n.node_id = info.node_id
-            n.reported_tokens = int(info.load.outstanding_tokens)
-            if info.fabric_peer:
-                n.peer = peer_from_bytes(info.fabric_peer)
-            if n.down_since is not None:
-                logger.info("prefill node %s is back", n.address)
-            n.down_since = None
+        await asyncio.gather(*(self.refresh_node(n, timeout) for n in self.nodes))
+
+    async def refresh_node(self, n: PrefillNode, timeout: float = 2.0) -> None:
+        """Poll one node's NodeInfo; a failure marks it down."""
+        try:
+            info = await n.info.GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            self.mark_down(n, f"GetNodeInfo: {e.code().name}")
+            return
+        n.last_answer = time.monotonic()
+        n.node_id = info.node_id
+        n.reported_tokens = int(info.load.outstanding_tokens)
+        if info.fabric_peer:
+            peer = peer_from_bytes(info.fabric_peer)
+            if n.peer is not None and peer.engine_id != n.peer.engine_id:
+                logger.info("prefill node %s restarted (fabric engine %s, was %s)", n.address, peer.engine_id[:8],
+                            n.peer.engine_id[:8])
+            n.peer = peer
+        if n.down_since is not None:
+            logger.info("prefill node %s is back", n.address)
+        n.down_since = None
 
     async def _discover(self) -> None:
         """dns: entries resolved again: new prefill nodes join (chosen once a refresh read their
@@ -138,8 +149,11 @@ class PrefillPool:
         outstanding prompt tokens, or with prefix affinity the node sent its prefix before (under the
         load cap), which is then recorded as sent it. None when every node is excluded or down."""
         now = time.monotonic()
-        candidates = [n for n in self.nodes if n.address not in exclude
-                      and (n.down_since is None or now - n.down_since > RETRY_DOWN_AFTER_S)]
+        # Only nodes whose fabric engine we know (an abort must name it, S5); up ones first, and a
+        # down one only once RETRY_DOWN_AFTER_S passed and no up one is left.
+        known = [n for n in self.nodes if n.address not in exclude and n.peer is not None]
+        candidates = [n for n in known if n.down_since is None] or [
+            n for n in known if n.down_since is not None and now - n.down_since > RETRY_DOWN_AFTER_S]
         if not candidates:
             return None
         if self.affinity is None or self.index is None:

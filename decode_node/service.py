@@ -11,17 +11,36 @@ Threads and tasks:
 - the fabric progress thread reports the completed immediate-data count (`kv_landed`), handed to
   the engine thread, which makes the request schedulable (D4: never before).
 
-Abandonment (S3, S5): when a Prefill call fails, times out, or the client goes away, the pages
-are released only once no write can land any more: the prefill node confirmed AbortPrefill, or
-its fabric endpoint is gone, or the call never reached a node that was never reachable.
+Transfer identity (D20): every attempt at a request has its own number (the receiver counts
+them per request id), tag and context slot; a prefill node keys the work by (this node's fabric
+engine id, request id, attempt), so a retry is never refused or confused with the old attempt.
+
+Failure (S1, S3, S5): an attempt fails when its Prefill call fails, passes its deadline, or
+stalls: no write of it landed and the prefill node answered no GetNodeInfo for
+`DecodeNodeConfig.stall_s` (default 3 s). Its pages may still be written, so they are never
+reused: the engine moves them to a quarantine (LLMEngine.quarantine_blocks; the receiver keeps
+their tag and context slot) and the request is admitted again at once into fresh pages for a new
+attempt on a prefill node it has not tried (or prefilled here with `local_prefill_fallback`).
+The quarantine is held, on the loop, until the prefill side has provably stopped: the process
+the attempt was sent to (its fabric engine id) confirms AbortPrefill and the delivery fence it
+posts on the same fabric connection lands here (on tcp;ofi_rxm a write "completed locally" is
+not delivered; the connection delivers in order, FI_ORDER_WAW), or its endpoint is gone (it said
+goodbye or, same host, its process ended; what it sent before is drained first). AbortPrefill is
+re-sent with backoff until then; a restarted process at the same address never confirms. Only
+nodes whose fabric engine is known (from GetNodeInfo) are sent work. A client that goes away
+mid-transfer quarantines the attempt the same way.
 
 Per request, one `RequestState` (while its Generate handler runs) holds when it was admitted, its
 transfer, where it was prefilled and how that went.
 
-Blocking waits, with their bounds: a Prefill call (`DecodeNodeConfig.prefill_timeout_s`); the
-write count after a successful Prefill (KV_LANDED_WAIT_S); AbortPrefill (ABORT_RPC_TIMEOUT_S);
-the peer's endpoint going away (PEER_GONE_WAIT_S per probe round); a finished request's wait for
-its Prefill response (PREFILL_RESPONSE_WAIT_S).
+Blocking waits, with their bounds (all on the loop; no executor thread is parked): a Prefill
+call (`DecodeNodeConfig.prefill_timeout_s`, cut short by a stall after `stall_s`, polled every
+STALL_POLL_S); the write count after a successful Prefill (KV_LANDED_WAIT_S); one AbortPrefill
+(ABORT_RPC_TIMEOUT_S) and its fence (FENCE_WAIT_S); a quarantine's hold: unbounded by design
+(S5: pages no write may land in are never reused), in rounds HOLD_BACKOFF_S doubling to
+HOLD_BACKOFF_MAX_S, the endpoint's death looked at every HOLD_POLL_S, then its arrivals drained
+(DRAIN_GRACE_S + at most DRAIN_WAIT_S); a finished request's wait for its Prefill response
+(PREFILL_RESPONSE_WAIT_S).
 """
 
 from __future__ import annotations
@@ -36,11 +55,12 @@ import grpc
 from decode_node.prefill_pool import PREFILL_ROUTING, PrefillNode, PrefillPool, PrefixAffinity
 from fabric import FabricConfig, TransferEngine
 from kv_messenger import KvReceiver, ReceiverEvents, TransferTicket
-from kv_messenger.ticket import peer_to_bytes
+from kv_messenger.ticket import peer_to_bytes, remote_to_bytes
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_thread import EngineThread
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import RequestStatus
+from pdserve.serving.channels import PLAINTEXT, ChannelSecurity
 from pdserve.serving.logs import bind_request_id
 from pdserve.serving.metrics import node_metrics, request_metrics
 from pdserve_api.v1 import common_pb2, node_pb2, prefill_pb2
@@ -51,16 +71,20 @@ logger = logging.getLogger(__name__)
 # answer): its final message waits this long at most for the response's timings and cached count.
 PREFILL_RESPONSE_WAIT_S = 10.0
 KV_LANDED_WAIT_S = 10.0      # after a successful Prefill: the write count completes within this
-ABORT_RPC_TIMEOUT_S = 10.0   # deadline of one AbortPrefill call
-PEER_GONE_WAIT_S = 10.0      # how long one check for a prefill endpoint's death waits
-HOLD_PROBE_S = 30.0          # pages held after an unconfirmed abort: re-check the endpoint this often
+ABORT_RPC_TIMEOUT_S = 12.0   # deadline of one AbortPrefill call (the prefill side waits up to 10 s for its writes)
+FENCE_WAIT_S = 5.0           # a confirmed abort's fence lands within this, or the abort is re-sent
+STALL_POLL_S = 0.25          # a Prefill call's progress is looked at this often
+HOLD_BACKOFF_S = 0.25        # a quarantine's first pause before AbortPrefill is re-sent ...
+HOLD_BACKOFF_MAX_S = 5.0     # ... doubling up to this
+HOLD_POLL_S = 0.1            # while held: whether the prefill endpoint is gone, this often
+DRAIN_GRACE_S = 0.05         # a gone peer's bytes in our socket buffers become readable
+DRAIN_WAIT_S = 1.0           # then at most this for two progress rounds to handle them
 POOL_REFRESH_S = 1.0         # GetNodeInfo of every prefill node, this often
 
 
 @dataclass(frozen=True)
 class DecodeNodeConfig:
     """One decode (or colocated) node."""
-from pdserve.serving.channels import PLAINTEXT, ChannelSecurity
 
     engine: EngineConfig
     node_id: str
@@ -69,8 +93,11 @@ from pdserve.serving.channels import PLAINTEXT, ChannelSecurity
     provider: str | None = "shm"              # libfabric provider; None: $FI_PROVIDER or the default
     fabric_node: str | None = None            # local address the fabric endpoint binds (not for shm)
     prefill_timeout_s: float = 60.0           # deadline of one Prefill call
+    stall_s: float = 3.0                      # no write landed and no health answer this long: stalled
     local_prefill_fallback: bool = False      # no prefill node can serve: prefill here instead of failing
     prefill_routing: str = "least-loaded"
+    channel_security: ChannelSecurity = PLAINTEXT   # of the channels to prefill nodes (mTLS, token)
+    max_waiting_requests: int = 2048          # requests held before their first token; more: RESOURCE_EXHAUSTED (S8)
 
     def __post_init__(self) -> None:
         if self.prefill_routing not in PREFILL_ROUTING:
@@ -79,6 +106,8 @@ from pdserve.serving.channels import PLAINTEXT, ChannelSecurity
             raise ValueError("node_id is empty")
         if not self.prefill_timeout_s > 0:
             raise ValueError(f"prefill_timeout_s must be > 0, got {self.prefill_timeout_s!r}")
+        if not self.stall_s > 0:
+            raise ValueError(f"stall_s must be > 0, got {self.stall_s!r}")
         if self.colocated and self.prefill_addresses:
             raise ValueError(f"a colocated node uses no prefill nodes, got {list(self.prefill_addresses)}")
 
@@ -96,14 +125,32 @@ class PrefillOutcome:
 @dataclass
 class Transfer:
     """One request's prompt KV on its way here (loop-owned)."""
-    channel_security: ChannelSecurity = PLAINTEXT   # of the channels to prefill nodes (mTLS, token)
-    max_waiting_requests: int = 2048          # requests held before their first token; more: RESOURCE_EXHAUSTED (S8)
 
     token_ids: tuple[int, ...]                # prompt minus its last token
+    attempt: int = 0
     task: asyncio.Task | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     node: PrefillNode | None = None
+    prefill_engine_id: str = ""               # the fabric engine of the process it was sent to
     ready_time: float = 0.0
+
+
+@dataclass
+class Quarantine:
+    """An abandoned attempt whose writes may still land: its pages and tag, held until the
+    prefill side provably stopped (loop-owned; `tag` and `blocks` set on the engine thread)."""
+
+    request_id: str
+    attempt: int
+    quarantine_id: str                        # LLMEngine.quarantine_blocks's id
+    node: PrefillNode
+    decode_engine_id: str
+    prefill_engine_id: str
+    peer: object | None                       # the prefill node's fabric PeerDescriptor
+    since: float
+    tag: int | None = None
+    blocks: int = 0                           # pages quarantined; -1: none (the request had ended)
+    rounds: int = 0
 
 
 @dataclass
@@ -116,6 +163,8 @@ class RequestState:
     prefilled_on: str = ""                    # address of the prefill node last asked
     outcome: PrefillOutcome | None = None     # its successful remote prefill
     handler_done: bool = False                # kept only until its transfer task ends
+    tried: set[str] = field(default_factory=set)     # prefill nodes its attempts went to
+    errors: list[str] = field(default_factory=list)  # why each failed
 
 
 class DecodeNode(ReceiverEvents):
@@ -133,7 +182,8 @@ class DecodeNode(ReceiverEvents):
         self.transport: TransferEngine | None = None
         self.receiver: KvReceiver | None = None
         self.pool: PrefillPool | None = None
-        self._refresher: asyncio.Task | None = None
+        self._refreshers: list[asyncio.Task] = []
+        self._holds: dict[str, asyncio.Task] = {}   # quarantine id -> its hold
         self.closing = False
         if config.colocated:
             self.engine = EngineThread(LLMEngine(config.engine))
@@ -164,13 +214,15 @@ class DecodeNode(ReceiverEvents):
             affinity = PrefixAffinity(block_tokens=self._page_size) if cfg.prefill_routing == "prefix" else None
             self.pool = PrefillPool(list(cfg.prefill_addresses), affinity, cfg.channel_security)
             await self.pool.refresh()
-            self._refresher = asyncio.create_task(self._refresh_loop())
+            # one loop per node: a stalled node's timeouts never delay another's answers, which
+            # stall detection reads (PrefillNode.last_answer)
+            self._refreshers = [asyncio.create_task(self._refresh_loop(n)) for n in self.pool.nodes]
 
-    async def _refresh_loop(self) -> None:
+    async def _refresh_loop(self, node: PrefillNode) -> None:
         assert self.pool is not None
         while True:
             await asyncio.sleep(POOL_REFRESH_S)
-            await self.pool.refresh()
+            await self.pool.refresh_node(node)
 
     async def drain(self) -> None:
         """Refuse new requests (UNAVAILABLE); the in-flight ones go on until the server stops."""
@@ -181,9 +233,11 @@ class DecodeNode(ReceiverEvents):
         for state in list(self.requests.values()):
             if state.transfer is not None and state.transfer.task is not None:
                 state.transfer.task.cancel()
+        for task in list(self._holds.values()):
+            task.cancel()
         self.engine.shutdown()
-        if self._refresher is not None:
-            self._refresher.cancel()
+        for task in self._refreshers:
+            task.cancel()
         if self.pool is not None:
             await self.pool.close()
         if self.transport is not None:
@@ -231,7 +285,7 @@ class DecodeNode(ReceiverEvents):
     # --- receiver events (engine thread / fabric progress thread) -----------------------------------
 
     def ticket_ready(self, ticket: TransferTicket, token_ids: tuple[int, ...]) -> None:
-        """Engine thread: pages allocated (D3); hand the transfer to the loop."""
+        """Engine thread: pages allocated (D3); hand the transfer (one attempt) to the loop."""
         rid = ticket.request_id
         state = self.requests.get(rid)
         if state is not None and not state.admitted:
@@ -243,13 +297,26 @@ class DecodeNode(ReceiverEvents):
         self.engine.submit(lambda: self._fail_waiting(request_id, error))
 
     def kv_landed(self, request_id: str) -> None:
-        """Fabric progress thread: every write has landed."""
-        self.engine.submit(lambda: self._kv_ready(request_id))
+        """(The receiver calls kv_landed_tag; this names the request's current attempt.)"""
+        assert self.receiver is not None
+        tag = self.receiver.tag_of(request_id)
+        if tag is not None:
+            self.kv_landed_tag(request_id, tag)
+
+    def kv_landed_tag(self, request_id: str, tag: int) -> None:
+        """Fabric progress thread: every write of the attempt with `tag` has landed."""
+        self.engine.submit(lambda: self._kv_ready(request_id, tag))
+
+    def kv_stale_write(self, tag: int, count: int) -> None:
+        """Fabric progress thread: writes landed for a tag nothing holds (S5; must stay 0)."""
+        self.metrics.kv_stale_writes.inc(count)
 
     # --- engine thread ----------------------------------------------------------------------------
 
-    def _kv_ready(self, rid: str) -> None:
+    def _kv_ready(self, rid: str, tag: int) -> None:
         assert self.receiver is not None and self.loop is not None
+        if self.receiver.tag_of(rid) != tag:
+            return   # an attempt quarantined meanwhile: its pages are released by its hold
         self.receiver.finish(rid)
         r = self.llm.get_request(rid)
         if r is not None and r.status is RequestStatus.WAITING_FOR_KV:
@@ -259,7 +326,10 @@ class DecodeNode(ReceiverEvents):
         self.loop.call_soon_threadsafe(self._mark_ready, rid)
 
     def _fail_waiting(self, rid: str, error: str) -> None:
-        """Engine thread: end a waiting request with an error and free its pages (abandonment is safe)."""
+        """Engine thread: end a waiting request with an error and free its pages (no write of it
+        can land: it was never sent, or its sender provably stopped)."""
+        assert self.receiver is not None
+        self.receiver.abandon(rid)
         out = self.llm.kv_abandoned(rid, prefill_locally=False, error=error)
         if out is not None:
             self.engine.deliver(out)
@@ -267,49 +337,51 @@ class DecodeNode(ReceiverEvents):
             self.llm.release_blocks(rid)
 
     def _abandoned(self, rid: str, error: str, locally: bool) -> None:
-        """Engine thread: the transfer can no longer write; fall back to local prefill or fail."""
+        """Engine thread: no prefill node is left for this attempt, which was sent nowhere (its
+        pages are safe): prefill here, or fail."""
         assert self.receiver is not None
-        self.receiver.abandon(rid)
         r = self.llm.get_request(rid)
         if r is not None and r.status is RequestStatus.WAITING_FOR_KV and locally:
+            self.receiver.abandon(rid)
             self.llm.kv_abandoned(rid, prefill_locally=True, error=error)
             return
         self._fail_waiting(rid, error)
 
-    def _reprepare(self, rid: str) -> TransferTicket | None:
-        """Engine thread: a fresh tag for a retry on another prefill node (same pages)."""
-        assert self.receiver is not None
-        self.receiver.abandon(rid)
+    def _quarantine_attempt(self, q: Quarantine, retry: bool, error: str) -> None:
+        """Engine thread: an attempt whose writes may still land. Its tag and pages go to
+        quarantine (S5); the request is admitted again into fresh pages for a new attempt
+        (retry) or ends with `error`; the hold runs on the loop."""
+        assert self.receiver is not None and self.loop is not None
+        rid = q.request_id
+        q.tag = self.receiver.quarantine(rid)
         r = self.llm.get_request(rid)
-        if r is None or r.status is not RequestStatus.WAITING_FOR_KV:
-            self._release_if_held(rid)
-            return None
-        return self.receiver.prepare(rid, r.num_prompt_tokens, self.llm.block_table(rid))
+        waiting = r is not None and r.status is RequestStatus.WAITING_FOR_KV
+        if waiting and not retry:
+            out = self.llm.kv_abandoned(rid, prefill_locally=False, error=error)   # keeps the pages held
+            if out is not None:
+                self.engine.deliver(out)
+        try:
+            q.blocks = self.llm.quarantine_blocks(rid, q.quarantine_id)
+        except KeyError:   # the request ended and its pages were released (its KV had landed)
+            q.blocks = -1
+        if waiting and retry:
+            self.llm.kv_retry(rid)   # fresh pages, a new KvWait -> ticket_ready -> a new attempt
+        if q.tag is None and q.blocks < 0:
+            return
+        self.loop.call_soon_threadsafe(self._start_hold, q)
 
-    def _release_if_held(self, rid: str) -> None:
+    def _release_quarantine(self, q: Quarantine) -> None:
+        """Engine thread: the prefill side has provably stopped writing into q's pages."""
         assert self.receiver is not None
-        self.receiver.abandon(rid)
-        if self.llm.is_held(rid):
-            self.llm.release_blocks(rid)
-
-    def _hold_until_gone(self, rid: str, node: PrefillNode, msg: str) -> None:
-        assert self.transport is not None and self.loop is not None
-        out = self.llm.kv_abandoned(rid, prefill_locally=False, error=msg)  # keeps the pages held
-        if out is not None:
-            self.engine.deliver(out)
-        transport = self.transport
-
-        async def wait_gone() -> None:
-            while not await asyncio.to_thread(transport.wait_peer_gone, node.peer, HOLD_PROBE_S):
-                logger.warning("request %s: pages held until prefill node %s's endpoint is gone", rid, node.address)
-            self.engine.submit(lambda: self._release_if_held(rid))
-
-        self.loop.call_soon_threadsafe(lambda: asyncio.create_task(wait_gone()))
+        if q.blocks >= 0:
+            self.llm.release_quarantine(q.quarantine_id)
+        if q.tag is not None:
+            self.receiver.release_quarantined(q.tag)
 
     # --- the loop: transfers ---------------------------------------------------------------------
 
     def _start_transfer(self, rid: str, tokens: tuple[int, ...], ticket: TransferTicket) -> None:
-        t = Transfer(tokens)
+        t = Transfer(tokens, attempt=ticket.attempt)
         state = self.requests.get(rid)
         if state is None:   # its handler is gone already: the transfer still runs, to end safely
             state = self.requests[rid] = RequestState(rid, handler_done=True)
@@ -323,55 +395,80 @@ class DecodeNode(ReceiverEvents):
             t.ready_time = time.monotonic()
             t.ready.set()
 
-    async def _run_transfer(self, state: RequestState, ticket: TransferTicket | None) -> None:
+    async def _run_transfer(self, state: RequestState, ticket: TransferTicket) -> None:
+        """One attempt: choose a prefill node the request has not tried, prefill there; on failure
+        quarantine the attempt and let the request be admitted again (a new attempt)."""
         bind_request_id(state.request_id)  # this task serves one request's transfer
         assert self.pool is not None and state.transfer is not None
         t, rid = state.transfer, state.request_id
-        tried: set[str] = set()
-        errors: list[str] = []
         try:
-            while ticket is not None:
-                node = self.pool.choose(exclude=tried, token_ids=list(t.token_ids))
-                if node is None:
-                    why = "; ".join(errors) or self.pool.describe_down() or "no prefill node configured"
-                    msg = f"no prefill node could prefill request {rid}: {why}"
-                    logger.warning(msg)
-                    self.engine.submit(lambda msg=msg: self._abandoned(rid, msg, self.config.local_prefill_fallback))
-                    return
-                tried.add(node.address)
-                t.node = node
-                state.prefilled_on = node.address
-                ok, err = await self._prefill_on(node, state, ticket)
-                if ok:
-                    return
-                errors.append(f"{node.address}: {err}")
-                if not await self._abandon_on(node, rid):
-                    # Writes may still land: the pages stay reserved until the endpoint is gone.
-                    msg = f"prefill on {node.address} failed ({err}); its writes may still land"
-                    self.engine.submit(lambda node=node, msg=msg: self._hold_until_gone(rid, node, msg))
-                    return
-                ticket = await self.engine.call(lambda: self._reprepare(rid))
-            # None: the request ended meanwhile (its pages were released)
+            node = self.pool.choose(exclude=state.tried, token_ids=list(t.token_ids))
+            if node is None:
+                why = "; ".join(state.errors) or self.pool.describe_down() or "no prefill node configured"
+                msg = f"no prefill node could prefill request {rid}: {why}"
+                logger.warning(msg)
+                self.engine.submit(lambda: self._abandoned(rid, msg, self.config.local_prefill_fallback))
+                return
+            assert node.peer is not None   # choose() offers only nodes whose fabric engine we know
+            state.tried.add(node.address)
+            t.node, t.prefill_engine_id = node, node.peer.engine_id
+            state.prefilled_on = node.address
+            ok, err = await self._prefill_on(node, state, ticket)
+            if ok:
+                return
+            state.errors.append(f"{node.address}: {err}")
+            msg = f"prefill on {node.address} failed ({err})"
+            logger.warning("request %s attempt %d: %s; its pages are quarantined%s", rid, ticket.attempt, msg,
+                           "" if state.handler_done else ", retrying in fresh pages")
+            self._quarantine(state, t, ticket, node, retry=not state.handler_done, error=msg)
         except asyncio.CancelledError:
-            # The client went away: make sure nothing can still land before the pages are reused.
+            # The client went away: the attempt's pages stay quarantined until nothing can land.
             if t.node is not None and not t.ready.is_set():
-                safe = await asyncio.shield(self._abandon_on(t.node, rid))
-                if safe:
-                    self.engine.submit(lambda: self._release_if_held(rid))
+                self._quarantine(state, t, ticket, t.node, retry=False, error=f"request {rid} cancelled")
+            elif t.node is None:   # cancelled before it was sent anywhere: nothing can land
+                self.engine.submit(lambda: self._fail_waiting(rid, f"request {rid} cancelled"))
             raise
         finally:
-            if state.handler_done:
+            if state.handler_done and state.transfer is t:
                 self._forget(state)
 
+    def _quarantine(self, state: RequestState, t: Transfer, ticket: TransferTicket, node: PrefillNode,
+                    retry: bool, error: str) -> None:
+        assert self.transport is not None
+        q = Quarantine(request_id=state.request_id, attempt=ticket.attempt,
+                       quarantine_id=f"{state.request_id}#{ticket.attempt}", node=node,
+                       decode_engine_id=self.transport.engine_id, prefill_engine_id=t.prefill_engine_id,
+                       peer=node.peer, since=time.monotonic())
+        self.engine.submit(lambda: self._quarantine_attempt(q, retry, error))
+
     async def _prefill_on(self, node: PrefillNode, state: RequestState, ticket: TransferTicket) -> tuple[bool, str]:
-        assert self.transport is not None and state.transfer is not None
+        """One Prefill call, watched for progress: True once the KV landed; False with the reason
+        when it failed, its deadline passed, or it stalled (no write landed and the node answered no
+        GetNodeInfo for `stall_s`)."""
+        assert self.transport is not None and self.receiver is not None and state.transfer is not None
         t = state.transfer
         timeout = self.config.prefill_timeout_s
         req = ticket.to_pb(list(t.token_ids), self.transport.peer_descriptor, "", timeout)
+        req.decode_node_id = self.config.node_id   # under mTLS, checked against our certificate (S9)
         node.sent_tokens += len(t.token_ids)
         call_start = time.monotonic()
+        call = asyncio.ensure_future(node.prefill.Prefill(req, timeout=timeout))
         try:
-            resp = await node.prefill.Prefill(req, timeout=timeout)
+            landed, progress = 0, call_start
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=STALL_POLL_S)
+                if done:
+                    break
+                now = time.monotonic()
+                n = self.receiver.landed(state.request_id)
+                if n != landed or t.ready.is_set():
+                    landed, progress = n, now
+                if now - max(progress, node.last_answer) > self.config.stall_s:
+                    call.cancel()
+                    self.pool.mark_down(node, f"stalled: no write landed and no GetNodeInfo answer for "
+                                              f"{self.config.stall_s:g} s")
+                    return False, f"stalled for {self.config.stall_s:g} s (no write landed, no health answer)"
+            resp = call.result()
             await asyncio.wait_for(t.ready.wait(), timeout=KV_LANDED_WAIT_S)  # writes delivered: the count follows
             # Prefill-side time from receipt to the last layer done; the rest until the count
             # completed here is the transfer tail (loopback RPC latency included).
@@ -392,23 +489,124 @@ class DecodeNode(ReceiverEvents):
         except asyncio.TimeoutError:
             return False, f"Prefill returned but the write count did not complete within {KV_LANDED_WAIT_S:.0f} s"
         finally:
+            if not call.done():
+                call.cancel()
             node.sent_tokens -= len(t.token_ids)
 
-    async def _abandon_on(self, node: PrefillNode, rid: str) -> bool:
-        """True once no write for the request can land any more (S5)."""
-        assert self.transport is not None
+    # --- the loop: quarantine holds ----------------------------------------------------------------
+
+    def _start_hold(self, q: Quarantine) -> None:
+        task = asyncio.create_task(self._hold(q), name=f"hold-{q.quarantine_id}")
+        self._holds[q.quarantine_id] = task
+        task.add_done_callback(lambda _t, qid=q.quarantine_id: self._holds.pop(qid, None))
+
+    async def _hold(self, q: Quarantine) -> None:
+        """Keep q's pages in quarantine until the prefill side has provably stopped: its process
+        confirmed the abort and the fence landed, or its endpoint is gone. AbortPrefill is re-sent
+        with backoff (HOLD_BACKOFF_S doubling to HOLD_BACKOFF_MAX_S); no thread is parked."""
+        bind_request_id(q.request_id)
+        delay = HOLD_BACKOFF_S
         try:
-            resp = await node.prefill.AbortPrefill(prefill_pb2.AbortPrefillRequest(request_id=rid),
-                                                   timeout=ABORT_RPC_TIMEOUT_S)
-            if resp.confirmed:
+            while True:
+                if await self._abort_confirmed(q):
+                    how = "abort confirmed"
+                    break
+                if q.peer is not None and self.transport is not None and self.transport.peer_gone(q.peer):
+                    await self._drain_arrivals()
+                    how = "prefill endpoint gone"
+                    break
+                q.rounds += 1
+                if q.rounds in (1, 10) or q.rounds % 50 == 0:
+                    logger.warning("request %s attempt %d: %d pages quarantined for %.1f s; prefill node %s has not "
+                                   "confirmed its abort (round %d)", q.request_id, q.attempt, max(q.blocks, 0),
+                                   time.monotonic() - q.since, q.node.address, q.rounds)
+                if await self._peer_gone_within(q, delay):
+                    await self._drain_arrivals()
+                    how = "prefill endpoint gone"
+                    break
+                delay = min(2 * delay, HOLD_BACKOFF_MAX_S)
+        except asyncio.CancelledError:
+            logger.info("request %s attempt %d: hold cancelled (node closing); %d pages stay quarantined",
+                        q.request_id, q.attempt, max(q.blocks, 0))
+            raise
+        logger.info("request %s attempt %d: %s after %.2f s; %d quarantined pages released", q.request_id,
+                    q.attempt, how, time.monotonic() - q.since, max(q.blocks, 0))
+        self.engine.submit(lambda: self._release_quarantine(q))
+
+    async def _peer_gone_within(self, q: Quarantine, seconds: float) -> bool:
+        """Sleep `seconds`, looking every HOLD_POLL_S whether the prefill endpoint is gone."""
+        assert self.transport is not None
+        end = time.monotonic() + seconds
+        while True:
+            if q.peer is not None and self.transport.peer_gone(q.peer):
                 return True
-        except grpc.aio.AioRpcError as e:
-            logger.info("AbortPrefill of %s on %s failed: %s", rid, node.address, e.code().name)
-        if node.peer is None:
-            # We never learned this node's fabric endpoint, so it never answered us: it never got
-            # our memory descriptors through a live Prefill either.
-            return True
-        return await asyncio.to_thread(self.transport.wait_peer_gone, node.peer, PEER_GONE_WAIT_S)
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            await asyncio.sleep(min(HOLD_POLL_S, left))
+
+    async def _drain_arrivals(self) -> None:
+        """After a peer is judged gone: let the progress thread handle what it had already sent
+        (a short grace for bytes in our socket buffers, then two full progress rounds, at most
+        DRAIN_WAIT_S), polled on the loop."""
+        assert self.transport is not None
+        await asyncio.sleep(DRAIN_GRACE_S)
+        mark = self.transport.progress_mark()
+        end = time.monotonic() + DRAIN_WAIT_S
+        while not self.transport.progressed(mark) and time.monotonic() < end:
+            await asyncio.sleep(0.002)
+
+    async def _abort_confirmed(self, q: Quarantine) -> bool:
+        """One AbortPrefill, bound to the prefill engine the attempt was sent to, with a delivery
+        fence: True once that process confirmed and (when it posted one) the fence landed here."""
+        assert self.receiver is not None and self.loop is not None
+        loop = self.loop
+        fenced = asyncio.Event()
+        tag, region = self.receiver.expect_fence(lambda: loop.call_soon_threadsafe(fenced.set))
+        try:
+            req = prefill_pb2.AbortPrefillRequest(
+                request_id=q.request_id, decode_engine_id=q.decode_engine_id, attempt=q.attempt,
+                prefill_engine_id=q.prefill_engine_id, fence_tag=tag, fence_region=remote_to_bytes(region))
+            call = asyncio.ensure_future(q.node.prefill.AbortPrefill(req, timeout=ABORT_RPC_TIMEOUT_S))
+            while not call.done():   # a dead endpoint ends the wait at once
+                await asyncio.wait({call}, timeout=HOLD_POLL_S)
+                if not call.done() and q.peer is not None and self.transport is not None \
+                        and self.transport.peer_gone(q.peer):
+                    call.cancel()
+                    return False
+            try:
+                resp = call.result()
+            except grpc.aio.AioRpcError as e:
+                logger.info("AbortPrefill of %s attempt %d on %s failed: %s", q.request_id, q.attempt,
+                            q.node.address, e.code().name)
+                return False
+            if not resp.confirmed or resp.prefill_engine_id != q.prefill_engine_id:
+                logger.info("AbortPrefill of %s attempt %d on %s: not confirmed (state %s, engine %s)", q.request_id,
+                            q.attempt, q.node.address, prefill_pb2.TransferState.Name(resp.state),
+                            resp.prefill_engine_id[:8])
+                return False
+            if not resp.fence_posted:
+                return True
+            try:
+                await asyncio.wait_for(fenced.wait(), FENCE_WAIT_S)
+                return True
+            except TimeoutError:
+                logger.warning("AbortPrefill of %s attempt %d: confirmed, but its fence did not land within %.0f s",
+                               q.request_id, q.attempt, FENCE_WAIT_S)
+                return False
+        except asyncio.CancelledError:
+            raise
+        finally:
+            self.receiver.retire_fence(tag)
+
+    def transfer_info(self) -> node_pb2.TransferInfo:
+        """What this node still tracks of its transfers (any thread: counts read as they are)."""
+        if self.receiver is None:
+            return node_pb2.TransferInfo(held_requests=self.llm.num_held_requests)
+        return node_pb2.TransferInfo(
+            quarantined_kv_blocks=self.llm.num_quarantined_blocks, quarantined_transfers=self.llm.num_quarantines,
+            tags_in_use=self.receiver.num_tags_in_use, context_slots_in_use=self.receiver.num_slots_in_use,
+            stale_writes=self.receiver.stale_writes, held_requests=self.llm.num_held_requests)
 
     # --- load ---------------------------------------------------------------------------------
 
@@ -428,5 +626,5 @@ class DecodeNode(ReceiverEvents):
                 page_size=info.page_size),
             num_layers=info.num_layers, max_context_length=info.max_model_len,
             fabric_peer=peer_to_bytes(self.transport.peer_descriptor) if self.transport is not None else b"",
+            transfers=self.transfer_info(),
         )
-        req.decode_node_id = self.config.node_id   # under mTLS, checked against our certificate (S9)

@@ -26,6 +26,7 @@ stop: fabric.endpoint).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Callable
 
@@ -47,6 +48,11 @@ logger = logging.getLogger(__name__)
 
 _DRAIN_POLL_S = 0.002  # close(): how often it looks whether outstanding work finished
 _BYE_TIMEOUT_S = 1.0  # close(): the longest wait for the goodbyes to leave
+
+# ``disconnect`` must end a peer's connection: ofi_rxm closes the connection of an address removed
+# from the AV (dropping the operations still queued on it, so nothing more is read from their
+# source buffers) only with this set; libfabric reads it when it first initializes (fi_getinfo).
+os.environ.setdefault("FI_AV_REMOVE_CLEANUP", "1")
 
 
 class TransferEngine(TransferBackend):
@@ -162,8 +168,27 @@ class TransferEngine(TransferBackend):
         self._peers.connect(peer, timeout)
 
     def disconnect(self, peer: PeerDescriptor) -> None:
-        """Remove ``peer`` from the AV; its outstanding work is failed."""
+        """Remove ``peer`` from the AV; its outstanding work is failed, and (rxm) its connection
+        is closed with what the provider still queued on it: after this returns nothing more is
+        sent to it from our buffers. shm has no connection: its per-peer transmit endpoint went
+        when the peer failed (csrc/pdf_core.c peer_fail)."""
         self._peers.disconnect(peer)
+
+    def progress_mark(self) -> int:
+        """The progress thread's round counter now (for ``progressed``), after waking it."""
+        self._ep.poke()
+        return self._ep.generation
+
+    def progressed(self, mark: int, rounds: int = 2) -> bool:
+        """True once the progress thread ran ``rounds`` full rounds since ``mark`` (so what had
+        arrived by then was handled), or it has stopped. Never blocks: for callers that poll, as
+        an asyncio loop does after ``peer_gone`` (the blocking ``wait_peer_gone`` does it itself)."""
+        if not self._ep.progress_alive():
+            return True
+        if self._ep.generation >= mark + rounds:
+            return True
+        self._ep.poke()
+        return False
 
     def peer_gone(self, peer: PeerDescriptor) -> bool:
         """True if ``peer`` said goodbye, or (same host) its process has ended."""

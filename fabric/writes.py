@@ -13,6 +13,14 @@ calling thread polls the completion queue itself for up to config.sync_spin_us w
 released, then sleeps while the progress thread finishes: for lone latency-bound writes, it
 saves the two thread wake-ups of progress thread -> callback -> waiter).
 
+A failed batch (``on_error``) means its peer failed (csrc/pdf_core.c peer_fail fails every batch
+of that peer at once), not that the provider let go of its writes: with a shared endpoint
+(tcp;ofi_rxm, verbs;ofi_rxm) the operations may still sit in the provider's queue of that peer's
+connection and be sent later, reading the source region. So the source memory of a failed batch
+may be reused only after ``TransferEngine.disconnect(peer)``, which closes that connection and
+drops what it queued (FI_AV_REMOVE_CLEANUP, set by fabric.engine); shm closes the peer's own
+transmit endpoint at peer_fail already. The prefill node does so before freeing its pages.
+
 Threads: write_pages / write_pages_sync from any thread but the progress thread's callbacks
 (write_pages_sync refuses it: it may wait for that thread); ``on_batch_*`` on the progress
 thread. Blocking waits: write_pages never waits (the first write to a peer waits for its

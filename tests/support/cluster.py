@@ -100,3 +100,44 @@ def assert_all_free(cluster: Cluster, since: float, within: float = FREE_WITHIN_
                f"every node's pages free within {within} s of the cancel "
                "(address: free, total, outstanding requests)")
     return time.monotonic() - since
+
+
+# --- transfer faults (tests/integration/test_transfer_faults.py) ----------------------------------
+
+
+def node_info(address: str, timeout: float = 5.0, security: ChannelSecurity = PLAINTEXT) -> node_pb2.NodeInfo:
+    with open_sync_channel(address, security) as channel:
+        return node_pb2_grpc.NodeServiceStub(channel).GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=timeout)
+
+
+@dataclass(frozen=True)
+class TransferLeftovers:
+    """What nodes still track after a fault: address -> the non-zero counts among free != total
+    blocks, outstanding requests and NodeInfo.transfers (quarantined pages and transfers, tags,
+    context slots, held requests, active transfers, stale writes). True when there is none."""
+
+    left: dict[str, dict[str, int]]
+
+    def __bool__(self) -> bool:
+        return not self.left
+
+
+def transfer_leftovers(addresses: list[str]) -> TransferLeftovers:
+    left: dict[str, dict[str, int]] = {}
+    for a in addresses:
+        info = node_info(a)
+        t, load = info.transfers, info.load
+        counts = {"used_blocks": load.total_kv_blocks - load.free_kv_blocks,
+                  "outstanding": load.outstanding_requests,
+                  **{f.name: int(v) for f, v in t.ListFields()}}
+        counts = {k: v for k, v in counts.items() if v}
+        if counts:
+            left[a] = counts
+    return TransferLeftovers(left)
+
+
+def process_pid(cluster: Cluster, name: str) -> int:
+    """The pid of a running child (SIGSTOP / SIGCONT fault tests: Cluster.kill waits for an exit)."""
+    proc = cluster._children[name].proc   # the launcher keeps its children private
+    assert proc is not None and proc.poll() is None, f"{name} is not running"
+    return proc.pid

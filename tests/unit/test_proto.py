@@ -157,6 +157,7 @@ def _full_prefill_request() -> prefill_pb2.PrefillRequest:
         model="smollm2-135m",
         deadline_s=2.5,
         decode_node_id="decode-3",
+        attempt=2,
     )
 
 

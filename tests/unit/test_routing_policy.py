@@ -216,6 +216,8 @@ def test_prefill_pool_prefers_the_node_sent_the_prefix_under_the_load_cap():
         plain = PrefillPool(["127.0.0.1:1", "127.0.0.1:2"])
         try:
             a, b = pool.nodes
+            for n in pool.nodes + plain.nodes:   # choose() offers only nodes whose fabric engine is known
+                n.peer = object()
             fam_x, fam_y = list(range(100, 112)), list(range(200, 212))  # 3 blocks each
             assert pool.choose(token_ids=fam_x + [1]) is a          # nothing known: least loaded (tie: first)
             b.reported_tokens = 0
