@@ -5,10 +5,10 @@ The engine never imports the wire format and the wire package imports nothing of
 Prefill call's ticket converts itself: kv_messenger.ticket.TransferTicket.)
 
 Input limits (S6) live here too, so that the router (router.limits.check_request) and every node
-(decode_node.server, through `sampling_from_pb` and `fit_context`) refuse the same things with the
-same words: the caps on stop strings, stop token ids and logprobs (`InputLimits`), and a
-max_tokens larger than the context left after the prompt (`fit_context`). Each refusal is a
-ValueError naming the value and the cap (INVALID_ARGUMENT over gRPC, 400 over HTTP).
+(decode_node.server) refuse the same things with the same words: the caps on stop strings, stop
+token ids and logprobs (`InputLimits`), and a max_tokens larger than the context left after the
+prompt (`fit_context`; the nodes tokenize and call it in pdserve.serving.node_request). Each
+refusal is a ValueError naming the value and the cap (INVALID_ARGUMENT over gRPC, 400 over HTTP).
 """
 
 from __future__ import annotations

@@ -82,6 +82,8 @@ def from_exception(exc: BaseException) -> ApiError:
         logger.error("request failed: %s: %s", code.name, message, exc_info=exc)
     if status == 404 and "model" in message:
         return ApiError(404, message, param="model", code="model_not_found")
+    if status == 400 and "plus max_tokens=" in message:  # a node's context check (serving.convert.context_error)
+        return ApiError(400, message, param="max_tokens")
     if status == 429:
         retry = exc.retry_after_header if isinstance(exc, ResourceExhaustedError) else "1"
         return ApiError(429, message, headers={"Retry-After": retry})

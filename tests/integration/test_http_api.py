@@ -591,11 +591,13 @@ def test_bad_input_gets_4xx_and_the_server_keeps_serving(cluster, openai_client,
                 path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
                 data = body if isinstance(body, bytes) else json.dumps(body).encode()
                 async with session.post(path, data=data, headers={"Content-Type": "application/json"}) as r:
-                    out.append((r.status, (await r.json())["error"]["message"]))
+                    error = (await r.json())["error"]
+                    out.append((r.status, error["message"], error["param"]))
         return out
 
     (bad_json, wrong_type, bad_id, too_long, too_many, huge) = run(go())
     assert too_many[0] == 400 and "plus max_tokens=1000000000 for the completion" in too_many[1]
+    assert too_many[2] == "max_tokens"  # the node's refusal names the field
     assert bad_json[0] == 400 and "not valid JSON" in bad_json[1]
     assert wrong_type[0] == 400 and "temperature must be a finite number" in wrong_type[1]
     assert bad_id[0] == 400 and "token ids must be integers in [0, " in bad_id[1]
