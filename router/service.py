@@ -49,6 +49,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import grpc
 
@@ -94,7 +95,7 @@ class Attempt:
     """One try of a request on one node, and how it ended (the forwarder's verdict)."""
 
     node: DecodeNode
-    outcome: str = "done"       # "done" | "next" (try another node now) | "migrate" (resume on another)
+    outcome: Literal["done", "next", "migrate"] = "done"  # next: try another node now; migrate: resume on one
     node_down: bool = False     # the pool marked the node down while this attempt streamed
     reason: str = ""            # why it ended, for logs and a final error message
     full: str | None = None     # the node refused it with RESOURCE_EXHAUSTED (this message)
@@ -117,6 +118,8 @@ def resume_request(request: generate_pb2.GenerateRequest, progress: Progress,
     if left < 1:
         return None
     resumed.sampling.max_tokens = left
+    if not sampling.HasField("max_tokens"):  # the server's default, which a node lowers to fit: still so
+        resumed.sampling.clamp_max_tokens = True
     return resumed
 
 

@@ -195,3 +195,22 @@ def test_the_seam_gives_the_text_of_an_uninterrupted_run_at_every_cut(tokenizer,
         else:
             assert last.finish_reason == "length" and last.num_output_tokens == len(ids)
             assert [t for o in outs for t in o.new_token_ids] == ids[cut:]
+
+
+def test_the_routers_resumed_request_carries_the_streamed_tokens_and_what_is_left():
+    from router.service import Progress, resume_request
+
+    request = generate_pb2.GenerateRequest(request_id="r", text="hi", sampling=generate_pb2.SamplingOptions(
+        max_tokens=10, seed=3))
+    progress = Progress()
+    for ids, text in (([5, 6], "ab"), ([7], "ç")):
+        progress.add(generate_pb2.GenerateResponse(token_ids=ids, text=text))
+    resumed = resume_request(request, progress, default_max_tokens=16)
+    assert list(resumed.resume.token_ids) == [5, 6, 7] and resumed.resume.text_chars == 3
+    assert resumed.sampling.max_tokens == 7 and resumed.text == "hi" and resumed.sampling.seed == 3
+    assert not resumed.sampling.clamp_max_tokens
+    unset = generate_pb2.GenerateRequest(text="hi")   # the server's default max_tokens: still lowered to fit
+    resumed = resume_request(unset, progress, default_max_tokens=16)
+    assert resumed.sampling.max_tokens == 13 and resumed.sampling.clamp_max_tokens
+    request.sampling.max_tokens = 3                    # everything was streamed: nothing to resume
+    assert resume_request(request, progress, default_max_tokens=16) is None
