@@ -9,8 +9,10 @@
 
 One `DeploySpec` (two `RoleSpec`s, prefill and decode) is rendered by `render(spec)` into plain
 dicts: the router Deployment and Service (gRPC 50051, HTTP 8000), one workload per role (a
-Deployment, or a LeaderWorkerSet of TP pods per group when the role's TP size is above 1: leader =
-rank 0), a headless Service per role (the router resolves the decode Service's records, decode
+Deployment; a tensor-parallel node is one pod holding all its ranks, as the engine runs them today:
+ranks 1..N-1 are processes the leader starts and whose KV pools it maps in shared memory, D15; or,
+with `tp_layout="lws"`, a LeaderWorkerSet of one pod per rank, leader = rank 0, for when ranks can
+join across pods), a headless Service per role (the router resolves the decode Service's records, decode
 nodes the prefill Service's: `--decode dns:NAME:PORT`, `--prefill dns:NAME:PORT`, see
 pdserve.serving.discovery), a ConfigMap of engine flags (each container arg `--flag=$(VAR)` reads
 one key), PodDisruptionBudgets, a ServiceMonitor, autoscaling per role on queue depth (KEDA
@@ -57,6 +59,7 @@ READINESS_SERVICES = {"prefill": "pdserve.api.v1.PrefillService", "decode": "pds
                       "router": "pdserve.api.v1.GenerateService"}
 PROVIDERS = ("verbs;ofi_rxm", "tcp;ofi_rxm", "efa")
 AUTOSCALERS = ("keda", "hpa", "none")
+TP_LAYOUTS = ("pod", "lws")
 PYTHON = "python"            # the image's venv python is first on PATH (deploy/Containerfile)
 MODEL_CACHE = "/var/cache/pdserve"   # PDSERVE_CACHE_DIR in the pods: the converted model lives here
 LWS_API = "leaderworkerset.x-k8s.io/v1"
@@ -76,8 +79,9 @@ def drain_seconds() -> int:
 
 @dataclass(frozen=True)
 class RoleSpec:
-    """One role's pods. replicas: node count (TP groups when tp > 1); tp: ranks per node (a
-    LeaderWorkerSet of `tp` pods per group above 1); cpu / memory: per rank (requests = limits, so
+    """One role's pods. replicas: node count (TP groups when tp > 1); tp: ranks per node (one pod
+    asking for `tp` ranks' resources, or a LeaderWorkerSet of `tp` pods: DeploySpec.tp_layout);
+    cpu / memory: per rank (requests = limits, so
     the pods are Guaranteed and can pin cores); gpus: nvidia.com/gpu per rank; max_replicas: the
     autoscaler's ceiling; queue_target: waiting requests per replica the autoscaler aims at;
     engine: engine flags of this role (flag without dashes -> value), through the ConfigMap."""
@@ -121,7 +125,9 @@ class DeploySpec:
     NetworkPolicies; model: --model of both roles (None: the image's default model); cache_pvc: a
     PersistentVolumeClaim holding the converted model (None: an emptyDir, converted at each
     start); startup_s: how long a node may take to load before the kubelet restarts it;
-    prometheus: the server KEDA queries; monitoring_namespace: the namespace allowed to scrape."""
+    prometheus: the server KEDA queries; monitoring_namespace: the namespace allowed to scrape;
+    tp_layout: "pod" (a TP node is one pod with every rank: what the engine runs today) or "lws"
+    (a LeaderWorkerSet of one pod per rank; its rank pods need ranks that join across pods)."""
 
     name: str = "pdserve"
     namespace: str = "pdserve"
@@ -140,8 +146,11 @@ class DeploySpec:
     autoscaler: str = "keda"
     prometheus: str = "http://prometheus-operated.monitoring.svc:9090"
     monitoring_namespace: str = "monitoring"
+    tp_layout: str = "pod"
 
     def __post_init__(self) -> None:
+        if self.tp_layout not in TP_LAYOUTS:
+            raise ValueError(f"tp_layout must be one of {TP_LAYOUTS}, got {self.tp_layout!r}")
         if self.provider not in PROVIDERS:
             raise ValueError(f"provider must be one of {PROVIDERS}, got {self.provider!r}")
         if self.autoscaler not in AUTOSCALERS:
@@ -164,6 +173,10 @@ class DeploySpec:
     def role(self, role: str) -> RoleSpec:
         return self.prefill if role == "prefill" else self.decode
 
+    def group_pods(self, role: str) -> bool:
+        """Whether a node of `role` is a LeaderWorkerSet group of one pod per rank."""
+        return self.role(role).tp > 1 and self.tp_layout == "lws"
+
     def service_host(self, role: str) -> str:
         """The headless Service's DNS name of a role (router, prefill or decode)."""
         return f"{self.name}-{role}.{self.namespace}.svc.cluster.local"
@@ -178,6 +191,7 @@ OVERLAYS: dict[str, DeploySpec] = {
     "2p4d": dataclasses.replace(BASE, prefill=dataclasses.replace(BASE.prefill, replicas=2),
                                 decode=dataclasses.replace(BASE.decode, replicas=4)),
     "tp2": dataclasses.replace(BASE, prefill=dataclasses.replace(BASE.prefill, tp=2)),
+    "tp2-lws": dataclasses.replace(BASE, tp_layout="lws", prefill=dataclasses.replace(BASE.prefill, tp=2)),
     "efa": dataclasses.replace(BASE, provider="efa", rdma_resource=None, efa_devices=1, hugepages_2mi="2Gi",
                                decode=dataclasses.replace(BASE.decode, replicas=3)),
     "cpu-tcp": dataclasses.replace(BASE, provider="tcp;ofi_rxm", rdma_resource=None,
@@ -297,11 +311,22 @@ def _node_env(spec: DeploySpec, role: str) -> list[dict[str, Any]]:
     return env
 
 
+def _times(quantity: str, n: int) -> str:
+    """A Kubernetes quantity times n ('4' x 2 = '8', '16Gi' x 2 = '32Gi', '500m' x 3 = '1500m')."""
+    digits = len(quantity) - len(quantity.lstrip("0123456789."))
+    number, unit = quantity[:digits], quantity[digits:]
+    if not number:
+        raise ValueError(f"quantity {quantity!r} does not start with a number")
+    value = float(number) * n
+    return f"{int(value) if value.is_integer() else value}{unit}"
+
+
 def _resources(spec: DeploySpec, role: str) -> dict[str, Any]:
     r = spec.role(role)
-    amounts: dict[str, Any] = {"cpu": r.cpu, "memory": r.memory}
+    ranks = 1 if spec.group_pods(role) else r.tp   # one pod holds every rank of its node
+    amounts: dict[str, Any] = {"cpu": _times(r.cpu, ranks), "memory": _times(r.memory, ranks)}
     if r.gpus:
-        amounts["nvidia.com/gpu"] = r.gpus
+        amounts["nvidia.com/gpu"] = r.gpus * ranks
     if spec.efa_devices:
         amounts["vpc.amazonaws.com/efa"] = spec.efa_devices
     elif spec.rdma_resource:
@@ -366,14 +391,16 @@ def _node_pod(spec: DeploySpec, role: str, *, leader: bool = True) -> dict[str, 
 def _node_workload(spec: DeploySpec, role: str) -> dict[str, Any]:
     r = spec.role(role)
     selector = {"matchLabels": _labels(spec, role)}
-    if r.tp == 1:
+    if not spec.group_pods(role):
         return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(spec, f"{spec.name}-{role}", role),
                 "spec": {"replicas": r.replicas, "selector": selector,
                          # one node at a time: a new pod must be SERVING before an old one drains
                          "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
                          "template": _node_pod(spec, role)}}
-    # A TP group: `tp` pods, the leader (worker index 0) is rank 0 and serves the node's gRPC API; the
-    # other pods are ranks 1..tp-1 (same command: LWS_WORKER_INDEX and LWS_LEADER_ADDRESS say which).
+    # A TP group of `tp` pods: the leader (worker index 0) is rank 0 and serves the node's gRPC API; the
+    # other pods are ranks 1..tp-1, with the same command (LWS_WORKER_INDEX and LWS_LEADER_ADDRESS say
+    # which). The engine does not join ranks across pods yet (its ranks share the leader's memory, D15):
+    # this layout renders and validates, and waits for that.
     return {"apiVersion": LWS_API, "kind": "LeaderWorkerSet",
             "metadata": _meta(spec, f"{spec.name}-{role}-group", role),
             "spec": {"replicas": r.replicas, "startupPolicy": "LeaderReady",
@@ -386,7 +413,7 @@ def _node_workload(spec: DeploySpec, role: str) -> dict[str, Any]:
 
 def _headless_service(spec: DeploySpec, role: str) -> dict[str, Any]:
     selector = dict(_labels(spec, role))
-    if spec.role(role).tp > 1:
+    if spec.group_pods(role):
         selector[LWS_WORKER_INDEX] = "0"   # only a group's leader serves the node's API
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(spec, f"{spec.name}-{role}", role),
             "spec": {"clusterIP": "None", "publishNotReadyAddresses": False, "selector": selector,
@@ -425,7 +452,7 @@ def _router(spec: DeploySpec) -> list[dict[str, Any]]:
 
 def _pdb(spec: DeploySpec, role: str) -> dict[str, Any]:
     selector = dict(_labels(spec, role))
-    if role != "router" and spec.role(role).tp > 1:
+    if role != "router" and spec.group_pods(role):
         selector[LWS_WORKER_INDEX] = "0"
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
             "metadata": _meta(spec, f"{spec.name}-{role}", role),
@@ -457,7 +484,7 @@ def queue_queries(spec: DeploySpec, role: str) -> dict[str, str]:
 
 
 def _scale_target(spec: DeploySpec, role: str) -> dict[str, Any]:
-    if spec.role(role).tp > 1:
+    if spec.group_pods(role):
         return {"apiVersion": LWS_API, "kind": "LeaderWorkerSet", "name": f"{spec.name}-{role}-group"}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{spec.name}-{role}"}
 
@@ -694,7 +721,7 @@ def spec_from_args(args: argparse.Namespace) -> DeploySpec:
         router_replicas=args.routers, provider=provider, rdma_resource=rdma,
         efa_devices=args.efa_devices if provider == "efa" else 0,
         hugepages_2mi=args.hugepages or ("2Gi" if provider == "efa" else None),
-        autoscaler=args.autoscaler, prometheus=args.prometheus)
+        autoscaler=args.autoscaler, prometheus=args.prometheus, tp_layout=args.tp_layout)
 
 
 def add_deploy_parser(sub: argparse._SubParsersAction) -> None:
@@ -706,6 +733,9 @@ def add_deploy_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--decode", type=int, default=1, metavar="M", help="decode nodes (TP groups) (default 1)")
     r.add_argument("--prefill-tp", type=int, default=1, metavar="A", help="ranks per prefill node (default 1)")
     r.add_argument("--decode-tp", type=int, default=1, metavar="B", help="ranks per decode node (default 1)")
+    r.add_argument("--tp-layout", default=BASE.tp_layout, choices=TP_LAYOUTS,
+                   help="a TP node as one pod with every rank (pod, what the engine runs today) or a "
+                        "LeaderWorkerSet of one pod per rank (lws) (default: pod)")
     r.add_argument("--provider", default=None, choices=PROVIDERS,
                    help=f"libfabric provider of every node (default {BASE.provider}; efa with --efa)")
     r.add_argument("--efa", action="store_true", help="AWS EFA: provider efa, EFA devices, IPC_LOCK, huge "

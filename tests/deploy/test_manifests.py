@@ -34,8 +34,8 @@ K8S = ROOT / "deploy" / "k8s"
 SCHEMAS = ROOT / "deploy" / "schemas"
 KUBERNETES_VERSION = "1.32.0"   # the oldest release the manifests target (native gRPC probes: GA in 1.27)
 # Each overlay's prefill:decode ratio, written out here rather than read from the spec it checks.
-RATIOS = {"1p1d": (1, 1), "1p3d": (1, 3), "2p4d": (2, 4), "tp2": (1, 1), "efa": (1, 3), "cpu-tcp": (1, 1),
-          "hpa": (1, 3)}
+RATIOS = {"1p1d": (1, 1), "1p3d": (1, 3), "2p4d": (2, 4), "tp2": (1, 1), "tp2-lws": (1, 1), "efa": (1, 3),
+          "cpu-tcp": (1, 1), "hpa": (1, 3)}
 FIELDS = {"metadata.name": "pod-0", "status.podIP": "127.0.0.1"}
 SERVICES = {"prefill": "pdserve.api.v1.PrefillService", "decode": "pdserve.api.v1.GenerateService",
             "router": "pdserve.api.v1.GenerateService"}
@@ -120,7 +120,7 @@ def test_every_object_validates_strictly(overlay):
     ("ServiceMonitor", ("spec", "endpoints", 0)),
 ])
 def test_strict_validation_refuses_an_unknown_field(kind, where):
-    o = copy.deepcopy(next(o for o in deploy.render(deploy.OVERLAYS["tp2"]) if o["kind"] == kind))
+    o = copy.deepcopy(next(o for o in deploy.render(deploy.OVERLAYS["tp2-lws"]) if o["kind"] == kind))
     node = o
     for step in where:
         node = node[step]
@@ -188,24 +188,32 @@ def test_every_pod_runs_the_same_image_with_grpc_probes_on_the_right_services(ov
     assert len(images) == 1, f"overlays/{overlay}: more than one image: {images}"
 
 
+def _cpus(quantity: str) -> float:
+    return float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
 @pytest.mark.parametrize("overlay", sorted(deploy.OVERLAYS))
-def test_tensor_parallel_groups_request_one_pod_per_rank(overlay):
+def test_tensor_parallel_nodes_request_as_many_ranks_as_their_tp_size(overlay):
     spec = deploy.OVERLAYS[overlay]
     w = workloads(objects_of(overlay))
     for role in deploy.ROLES:
-        tp = spec.role(role).tp
-        leader_args = [a for _, pod in pod_templates([w[role]]) for a in pod["spec"]["containers"][0]["args"]]
-        if tp == 1:
-            assert w[role]["kind"] == "Deployment"
-            assert not any(a.startswith("--tensor-parallel-size") for a in leader_args)
-            continue
-        assert w[role]["kind"] == "LeaderWorkerSet"
-        lwt = w[role]["spec"]["leaderWorkerTemplate"]
-        assert lwt["size"] == tp
-        for template in (lwt["leaderTemplate"], lwt["workerTemplate"]):
-            assert f"--tensor-parallel-size={tp}" in template["spec"]["containers"][0]["args"]
-    if overlay == "tp2":
-        assert w["prefill"]["spec"]["leaderWorkerTemplate"]["size"] == 2 and w["decode"]["kind"] == "Deployment"
+        tp, per_rank = spec.role(role).tp, _cpus(spec.role(role).cpu)
+        pods = [pod for _, pod in pod_templates([w[role]])]
+        for pod in pods:
+            args = pod["spec"]["containers"][0]["args"]
+            assert ("--tensor-parallel-size=%d" % tp in args) == (tp > 1), (overlay, role, args)
+        if w[role]["kind"] == "Deployment":   # one pod holds every rank: it asks for all of them
+            (container,) = pods[0]["spec"]["containers"]
+            assert _cpus(container["resources"]["limits"]["cpu"]) == tp * per_rank
+            assert container["resources"]["requests"] == container["resources"]["limits"]
+        else:   # one pod per rank
+            assert tp > 1 and spec.tp_layout == "lws"
+            assert w[role]["spec"]["leaderWorkerTemplate"]["size"] == tp
+            for pod in pods:
+                assert _cpus(pod["spec"]["containers"][0]["resources"]["limits"]["cpu"]) == per_rank
+    if overlay.startswith("tp2"):
+        assert spec.prefill.tp == 2 and spec.decode.tp == 1
+        assert w["prefill"]["kind"] == ("LeaderWorkerSet" if overlay == "tp2-lws" else "Deployment")
 
 
 def test_efa_overlay_pins_memory_and_keeps_one_node_pod_per_host():
@@ -343,7 +351,7 @@ def test_render_command_makes_any_ratio():
     out = io.StringIO()
     with redirect_stdout(out):
         rc = pdserve_main(["deploy", "render", "--prefill", "3", "--decode", "5", "--decode-tp", "2",
-                           "--namespace", "llm", "--decode-engine", "num-blocks=4096"])
+                           "--tp-layout", "lws", "--namespace", "llm", "--decode-engine", "num-blocks=4096"])
     assert rc == 0
     objects = list(yaml.safe_load_all(out.getvalue()))
     w = workloads(objects)

@@ -38,7 +38,7 @@ from support.wait import wait_until
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.discovery import RESOLVER_FILE_ENV
 from pdserve.tools import deploy
-from pdserve.tools.client import Client
+from pdserve.tools.client import Client, ClientError
 
 BOUND_S = 120.0            # any one pod's start, within its startup budget
 LOOPBACK_BASE = 20         # pods get 127.0.0.20, 127.0.0.21, ...
@@ -184,21 +184,59 @@ class LocalKubelet:
                     pod.proc.wait(10)
 
 
+def _replace_decode_pods(kubelet: LocalKubelet, pods: list[Pod], workload: dict[str, Any], url: str,
+                         params: SamplingParams) -> None:
+    # a decode pod replaced by one at a new address, then the other two deleted: only the new one
+    # is left, and requests still get through, so the router found it without a restart
+    old = [p for p in pods if p.role == "decode"]
+    assert kubelet.delete(old[0]) == 0
+    new = kubelet.new_pod(workload, 3)
+    kubelet.start(new)
+    kubelet.wait_started_and_ready(new)
+    for pod in old[1:]:
+        assert kubelet.delete(pod) == 0
+    assert kubelet.records("decode") == [f"{new.ip}:{deploy.DECODE_PORT}"]
+    with Client(url, timeout=60) as client:
+        out = wait_until(lambda: _complete(client, "Hello again", params), 30,
+                         "a completion once only the new decode pod is left", interval=0.5,
+                         retry_on=(ClientError,))
+        assert len(out.token_ids) == 4
+    metrics = f"http://{new.ip}:{new.port('metrics')}/metrics"
+    served = prometheus.total(prometheus.parse(prometheus.fetch(metrics)[0]), "pdserve:request_success_total")
+    assert served >= 1, "the new decode pod served the request"
+
+
+def _complete(client: Client, prompt: str, params: SamplingParams):
+    """One completion; an error that no retry can cure fails at once (a refused KV layout)."""
+    try:
+        return client.complete(prompt, params)
+    except ClientError as e:
+        if "KV layouts differ" in str(e):
+            raise AssertionError(f"the nodes refuse each other: {e}") from e
+        raise
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
-def test_the_1p3d_manifests_run_serve_and_follow_pods_that_move(tmp_path, tiny_llama):
-    base = deploy.OVERLAYS["1p3d"]
+@pytest.mark.parametrize("overlay", ["1p3d", pytest.param("tp2", marks=pytest.mark.xfail(
+    raises=AssertionError, strict=False,
+    reason="a TP 2 prefill node serving a TP 1 decode node needs the shard-mismatch plan (issue 16); the decode "
+           "node refuses it today: KV layouts differ in kv_heads"))])
+def test_the_manifests_run_serve_and_follow_pods_that_move(overlay, tmp_path, tiny_llama):
+    """1p3d: serve, then replace the decode pods; tp2: a prefill node of 2 ranks in its pod serves a
+    decode node (TP 2 -> TP 1 over the fabric)."""
+    base = deploy.OVERLAYS[overlay]
     small = {"cpu": "1", "memory": "2Gi"}
     spec = dataclasses.replace(
         base, model=str(tiny_llama), router_replicas=1,
         prefill=dataclasses.replace(base.prefill, engine=base.prefill.engine + (("num-blocks", "64"),), **small),
         decode=dataclasses.replace(base.decode, engine=base.decode.engine + (("num-blocks", "64"),), **small))
     objects = deploy.render(spec)
-    assert [(o["kind"], o["spec"].get("replicas")) for o in objects if o["kind"] == "Deployment"] == [
-        ("Deployment", 1), ("Deployment", 3), ("Deployment", 1)]
+    ratio = {"1p3d": 3, "tp2": 1}[overlay]
+    assert [o["spec"]["replicas"] for o in objects if o["kind"] == "Deployment"] == [1, ratio, 1]
     kubelet = LocalKubelet(objects, tmp_path)
     workloads = {o["metadata"]["labels"][deploy.LABEL_ROLE]: o for o in objects if o["kind"] == "Deployment"}
     try:
@@ -207,15 +245,15 @@ def test_the_1p3d_manifests_run_serve_and_follow_pods_that_move(tmp_path, tiny_l
             kubelet.start(pod)
         for pod in pods:
             kubelet.wait_started_and_ready(pod)
-        assert len(kubelet.records("decode")) == 3 and len(kubelet.records("prefill")) == 1
+        assert len(kubelet.records("decode")) == ratio and len(kubelet.records("prefill")) == 1
         (router,) = [p for p in pods if p.role == "router"]
         url = f"{router.ip}:{router.port('grpc')}"
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         with Client(url, timeout=60) as client:
             # the decode nodes resolve the prefill Service and the router the decode Service
             # each poll round: the first request may find a node not yet polled
-            out = wait_until(lambda: client.complete("The capital of France is", params), 30,
-                             "a gRPC completion through the router", interval=0.5, retry_on=(Exception,))
+            out = wait_until(lambda: _complete(client, "The capital of France is", params), 30,
+                             "a gRPC completion through the router", interval=0.5, retry_on=(ClientError,))
             assert len(out.token_ids) == 4
         http = f"http://{router.ip}:{router.port('http')}"
         with urllib.request.urlopen(f"{http}/v1/models", timeout=30) as r:
@@ -228,24 +266,8 @@ def test_the_1p3d_manifests_run_serve_and_follow_pods_that_move(tmp_path, tiny_l
             answer = json.loads(r.read())
         assert answer["usage"]["completion_tokens"] == 3 and answer["choices"][0]["text"]
 
-        # a decode pod replaced by one at a new address, then the other two deleted: only the new one
-        # is left, and requests still get through, so the router found it without a restart
-        old = [p for p in pods if p.role == "decode"]
-        assert kubelet.delete(old[0]) == 0
-        new = kubelet.new_pod(workloads["decode"], 3)
-        kubelet.start(new)
-        kubelet.wait_started_and_ready(new)
-        for pod in old[1:]:
-            assert kubelet.delete(pod) == 0
-        assert kubelet.records("decode") == [f"{new.ip}:{deploy.DECODE_PORT}"]
-        with Client(url, timeout=60) as client:
-            out = wait_until(lambda: client.complete("Hello again", params), 30,
-                             "a completion once only the new decode pod is left", interval=0.5,
-                             retry_on=(Exception,))
-            assert len(out.token_ids) == 4
-        metrics = f"http://{new.ip}:{new.port('metrics')}/metrics"
-        served = prometheus.total(prometheus.parse(prometheus.fetch(metrics)[0]), "pdserve:request_success_total")
-        assert served >= 1, "the new decode pod served the request"
+        if overlay == "1p3d":
+            _replace_decode_pods(kubelet, pods, workloads["decode"], url, params)
         assert router.proc is not None and router.proc.poll() is None, "the router was never restarted"
     finally:
         kubelet.stop_all()
