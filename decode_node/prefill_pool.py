@@ -92,7 +92,7 @@ class PrefillPool:
     async def refresh(self, timeout: float = 2.0) -> None:
         """Poll every node's NodeInfo (load and fabric peer) at once, so that a stalled node does
         not delay the others' answers (stall detection reads them); failures mark a node down."""
-        await self._discover()
+        await self.discover()
         await asyncio.gather(*(self.refresh_node(n, timeout) for n in self.nodes))
 
     async def refresh_node(self, n: PrefillNode, timeout: float = 2.0) -> None:
@@ -115,9 +115,10 @@ class PrefillPool:
             logger.info("prefill node %s is back", n.address)
         n.down_since = None
 
-    async def _discover(self) -> None:
+    async def discover(self) -> list[PrefillNode]:
         """dns: entries resolved again: new prefill nodes join (chosen once a refresh read their
-        NodeInfo), nodes that left are chosen no more."""
+        NodeInfo), nodes that left are chosen no more. Returns the nodes that joined."""
+        added: list[PrefillNode] = []
         change = await self.members.refresh()
         if change is not None:
             gone = set(change.removed)
@@ -127,10 +128,12 @@ class PrefillPool:
                 if self.index is not None:
                     self.index.forget(n.address)
             known = {n.address for n in self.nodes}
-            self.nodes.extend(self._connect(a) for a in change.added if a not in known)
+            added = [self._connect(a) for a in change.added if a not in known]
+            self.nodes.extend(added)
         for n in [n for n in self._retired if n.sent_tokens == 0]:
             self._retired.remove(n)
             await n.channel.close()
+        return added
 
     def mark_down(self, node: PrefillNode, why: str) -> None:
         if node.down_since is None:
