@@ -253,3 +253,77 @@ def test_chunks_without_prefix_hit_send_each_page_once():
                 assert pair.page_bytes(pair.dst, layer, 1, d) == pair.page_bytes(pair.src, layer, 1, s)
     finally:
         pair.close()
+
+
+class _Stale(QueueEvents):
+    """QueueEvents that also records the receiver's stale-write reports."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stale: list[tuple[int, int]] = []
+
+    def kv_stale_write(self, tag: int, count: int) -> None:
+        self.stale.append((tag, count))
+
+
+def test_receiver_tombstones_quarantines_fences_and_counts_stale_writes():
+    """D20, S5: attempts are numbered per request; a write for a quarantined tag is harmless (counted
+    as quarantined), one for a released, finished or unknown tag is stale (counted and reported, the
+    unknown tag not kept); a fence lands through KvSender.fence; a fence landing after its wait is
+    not stale."""
+    pair = _Pair([0, 1])
+    events = _Stale()
+    rx = KvReceiver(pair.fab_d, events)
+    shape = KVCacheShape(SMALL.num_layers, SMALL.num_pages, SMALL.kv_heads, SMALL.page_size, SMALL.head_dim)
+    pool = alloc_tensor((shape.num_layers, 2, shape.num_pages, shape.kv_heads, shape.page_size, shape.head_dim),
+                        torch.float32, huge_pages=False)
+    rx.register_kv_cache(KvCacheSpec(buffer=pool, shape=shape, dtype=torch.float32,
+                                     groups=(AttentionGroupSpec("full", (0, 1, 2), None),), hidden_size=16,
+                                     model_name="test"))
+    one = np.zeros(1, dtype=np.uint64)
+    page = np.full(1, SMALL.page_nbytes, dtype=np.uint64)
+
+    def write(ticket_kv, tag: int) -> None:   # one page from the sender's pool, tagged
+        pair.fab_p.write_pages_sync(pair.sender.kv_region, one, ticket_kv, one, page, tag, imm_mode="every",
+                                    timeout=10)
+
+    def settled(pred, what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not pred():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.005)
+
+    try:
+        t0 = rx.prepare("r", 9, [3, 4])
+        assert t0.attempt == 0 and rx.num_tags_in_use == 1 and rx.num_slots_in_use == 1
+        tag0 = rx.quarantine("r")
+        assert tag0 == t0.imm_tag and rx.num_quarantined == 1
+        t1 = rx.prepare("r", 9, [5, 6])       # a new attempt while attempt 0 is quarantined
+        assert t1.attempt == 1 and t1.imm_tag != tag0 and rx.num_slots_in_use == 2
+        write(t0.kv, tag0)                     # a late write of attempt 0: into quarantined pages
+        settled(lambda: rx.quarantined_writes == 1, "the quarantined write to be counted")
+        assert rx.stale_writes == 0
+        rx.release_quarantined(tag0)
+        write(t0.kv, tag0)                     # after the release: stale
+        settled(lambda: rx.stale_writes == 1, "the write after the release to be counted stale")
+        rx.finish("r")
+        write(t1.kv, t1.imm_tag)               # after the request finished: stale
+        settled(lambda: rx.stale_writes == 2, "the write after finish to be counted stale")
+        unknown = 0x0ABCDE
+        write(t1.kv, unknown)
+        settled(lambda: rx.stale_writes == 3, "the unknown tag to be counted stale")
+        assert pair.fab_d.imm_counter.landed(unknown) == 0            # not kept forever
+        assert [t for t, _ in events.stale] == [tag0, t1.imm_tag, unknown]
+        # a fence: expected, posted by the sender, landed; once retired, a late one is not stale
+        landed = queue.SimpleQueue()
+        tag, region = rx.expect_fence(lambda: landed.put(True))
+        pair.sender.fence(region, tag).result(timeout=10)
+        assert landed.get(timeout=10)
+        rx.retire_fence(tag)
+        pair.sender.fence(region, tag).result(timeout=10)
+        write(t1.kv, unknown + 1)              # behind the late fence on the same endpoint (WAW)
+        settled(lambda: rx.stale_writes == 4, "the write behind the late fence to be counted stale")
+        assert [t for t, _ in events.stale] == [tag0, t1.imm_tag, unknown, unknown + 1]   # not the fence
+        assert rx.num_tags_in_use == rx.num_slots_in_use == rx.num_quarantined == rx.num_waiting == 0
+    finally:
+        pair.close()
