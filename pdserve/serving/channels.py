@@ -23,8 +23,8 @@ certificate, the token is long enough):
   Check/Watch (orchestrator probes send no metadata; a health status is no secret). Without TLS
   the token crosses the network in plaintext: it keeps out callers that cannot read the traffic,
   nothing more.
-- `caller_identity(context)` is what a handler knows about its caller: the names (CN and SANs) of
-  its verified client certificate (empty without mTLS) and the host it called from.
+- `caller_identity(context)` is what a handler knows about its caller: the names (CN and DNS SANs)
+  of its verified client certificate (empty without mTLS) and the host it called from.
 
 Keepalive (every server and channel): a channel pings after KEEPALIVE_TIME_MS without traffic,
 also with no call in flight, and drops the connection (failing its calls with UNAVAILABLE) when a
@@ -364,9 +364,10 @@ def open_sync_channel(address: str, security: ChannelSecurity = PLAINTEXT, optio
 
 @dataclass(frozen=True)
 class CallerIdentity:
-    """A call's caller as the server knows it: `names`, the common name and subject alternative
-    names of its verified client certificate (empty without mTLS), and `host`, the address it
-    called from (None when the transport has none, e.g. a unix socket)."""
+    """A call's caller as the server knows it: `names`, the common name and DNS subject
+    alternative names of its verified client certificate (empty without mTLS; IP SANs are not
+    names: a certificate for a shared host address must not pass for a node), and `host`, the
+    address it called from (None when the transport has none, e.g. a unix socket)."""
 
     names: frozenset[str]
     host: str | None
@@ -392,7 +393,7 @@ def caller_identity(context: grpc.aio.ServicerContext | grpc.ServicerContext) ->
     auth = context.auth_context() or {}
     names: set[str] = set()
     if context.peer_identities():
-        for key in ("x509_common_name", "x509_subject_alternative_name"):
+        for key in ("x509_common_name", "peer_dns"):   # peer_dns: the DNS SANs
             names.update(v.decode("utf-8", "replace") for v in auth.get(key, ()))
     return CallerIdentity(frozenset(names), _peer_host(context.peer() or ""))
 

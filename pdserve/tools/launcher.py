@@ -63,7 +63,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.serving.channels import PLAINTEXT, ChannelSecurity, open_sync_channel, security_argv
+from pdserve.serving.channels import PLAINTEXT, TOKEN_ENV, ChannelSecurity, open_sync_channel, security_argv
 from pdserve.serving.logs import FORMATS
 from pdserve.tools.certs import make_pki
 from router.policy import POLICIES
@@ -329,6 +329,7 @@ def _child_env() -> dict[str, str]:
     prefill_node and decode_node live beside pdserve/ and may postdate an editable install)."""
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
+    env.pop(TOKEN_ENV, None)   # a cluster's token is its own (auth_token), never one inherited by accident
     root = str(Path(__file__).resolve().parents[1])
     if (Path(root) / "router").is_dir():
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
