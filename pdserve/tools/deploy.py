@@ -23,7 +23,8 @@ nodes, only decode nodes reach prefill nodes; the fabric's TCP port range betwee
 kustomization takes the base and JSON patches (RFC 6902) computed from the two renderings, so
 `kubectl kustomize deploy/k8s/overlays/NAME` gives exactly `render(OVERLAYS[NAME])`.
 
-Probes are the kubelet's native gRPC probes on grpc.health.v1: startup and readiness on the
+Probes are the kubelet's native gRPC probes on grpc.health.v1 (exec probes through
+pdserve.tools.probe under mTLS, which the kubelet's gRPC probe cannot speak): startup and readiness on the
 role's serving service (a node answers NOT_SERVING while its model loads and while it drains;
 the router's GenerateService entry is SERVING only while a decode node is healthy), liveness on
 the whole server (""). terminationGracePeriodSeconds covers a node's drain: the gRPC server's
@@ -62,6 +63,8 @@ AUTOSCALERS = ("keda", "hpa", "none")
 TP_LAYOUTS = ("pod", "lws")
 PYTHON = "python"            # the image's venv python is first on PATH (deploy/Containerfile)
 MODEL_CACHE = "/var/cache/pdserve"   # PDSERVE_CACHE_DIR in the pods: the converted model lives here
+TLS_DIR = "/etc/pdserve/tls"         # the TLS Secret: tls.crt, tls.key, ca.crt (kubernetes.io/tls + ca.crt)
+TOKEN_DIR = "/etc/pdserve/token"     # the token Secret: key `token`
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_ROLE = "app.kubernetes.io/component"   # prefill, decode or router
@@ -127,7 +130,11 @@ class DeploySpec:
     start); startup_s: how long a node may take to load before the kubelet restarts it;
     prometheus: the server KEDA queries; monitoring_namespace: the namespace allowed to scrape;
     tp_layout: "pod" (a TP node is one pod with every rank: what the engine runs today) or "lws"
-    (a LeaderWorkerSet of one pod per rank; its rank pods need ranks that join across pods)."""
+    (a LeaderWorkerSet of one pod per rank; its rank pods need ranks that join across pods);
+    tls_secret: a Secret (tls.crt, tls.key, ca.crt) that turns on mTLS between every process
+    (S9): one certificate for all, with serverAuth and clientAuth usage and the DNS name
+    `tls_server_name` (default NAME.NAMESPACE.svc), which every client checks instead of the pod
+    address it dials; token_secret: a Secret whose key `token` every gRPC call carries."""
 
     name: str = "pdserve"
     namespace: str = "pdserve"
@@ -147,6 +154,9 @@ class DeploySpec:
     prometheus: str = "http://prometheus-operated.monitoring.svc:9090"
     monitoring_namespace: str = "monitoring"
     tp_layout: str = "pod"
+    tls_secret: str | None = None
+    token_secret: str | None = None
+    tls_server_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.tp_layout not in TP_LAYOUTS:
@@ -173,6 +183,10 @@ class DeploySpec:
     def role(self, role: str) -> RoleSpec:
         return self.prefill if role == "prefill" else self.decode
 
+    @property
+    def server_name(self) -> str:
+        return self.tls_server_name or f"{self.name}.{self.namespace}.svc"
+
     def group_pods(self, role: str) -> bool:
         """Whether a node of `role` is a LeaderWorkerSet group of one pod per rank."""
         return self.role(role).tp > 1 and self.tp_layout == "lws"
@@ -198,6 +212,7 @@ OVERLAYS: dict[str, DeploySpec] = {
                                    prefill=dataclasses.replace(BASE.prefill, **_CPU_ROLE),
                                    decode=dataclasses.replace(BASE.decode, **_CPU_ROLE)),
     "hpa": dataclasses.replace(BASE, autoscaler="hpa", decode=dataclasses.replace(BASE.decode, replicas=3)),
+    "mtls": dataclasses.replace(BASE, tls_secret="pdserve-tls", token_secret="pdserve-token"),
 }
 
 
@@ -250,9 +265,26 @@ def _config_hash(spec: DeploySpec) -> str:
     return hashlib.sha256(json.dumps(_config_map(spec)["data"], sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _grpc_probe(port: int, service: str, period: int, failures: int, timeout: int = 2) -> dict[str, Any]:
-    return {"grpc": {"port": port, "service": service}, "periodSeconds": period,
-            "failureThreshold": failures, "timeoutSeconds": timeout}
+def security_args(spec: DeploySpec) -> list[str]:
+    """The TLS / token flags every process (and its exec probes) takes (pdserve.serving.channels)."""
+    args: list[str] = []
+    if spec.tls_secret:
+        args += [f"--tls-cert={TLS_DIR}/tls.crt", f"--tls-key={TLS_DIR}/tls.key", f"--tls-ca={TLS_DIR}/ca.crt",
+                 f"--tls-server-name={spec.server_name}"]
+    if spec.token_secret:
+        args.append(f"--auth-token-file={TOKEN_DIR}/token")
+    return args
+
+
+def _grpc_probe(spec: DeploySpec, port: int, service: str, period: int, failures: int,
+                timeout: int = 2) -> dict[str, Any]:
+    if spec.tls_secret:   # the kubelet's gRPC probe speaks plaintext only
+        check: dict[str, Any] = {"exec": {"command": [PYTHON, "-m", "pdserve.tools.probe", f"--port={port}",
+                                                      f"--service={service}", f"--timeout={timeout}",
+                                                      *security_args(spec)]}}
+    else:
+        check = {"grpc": {"port": port, "service": service}}
+    return {**check, "periodSeconds": period, "failureThreshold": failures, "timeoutSeconds": timeout + 1}
 
 
 def _probes(spec: DeploySpec, role: str, port: int) -> dict[str, Any]:
@@ -260,9 +292,9 @@ def _probes(spec: DeploySpec, role: str, port: int) -> dict[str, Any]:
     startup_period = 10
     return {
         # Until it passes, no liveness: the model load may take `startup_s`.
-        "startupProbe": _grpc_probe(port, ready, startup_period, max(1, spec.startup_s // startup_period)),
-        "readinessProbe": _grpc_probe(port, ready, 5, 2),
-        "livenessProbe": _grpc_probe(port, "", 10, 3),
+        "startupProbe": _grpc_probe(spec, port, ready, startup_period, max(1, spec.startup_s // startup_period)),
+        "readinessProbe": _grpc_probe(spec, port, ready, 5, 2),
+        "livenessProbe": _grpc_probe(spec, port, "", 10, 3),
     }
 
 
@@ -288,12 +320,12 @@ def node_args(spec: DeploySpec, role: str) -> list[str]:
     if r.tp > 1:
         args.append(f"--tensor-parallel-size={r.tp}")
     args.extend(f"--{flag}=$({_env_name(flag)})" for flag, _ in _engine_flags(spec, role))
-    return args
+    return args + security_args(spec)
 
 
 def router_args(spec: DeploySpec) -> list[str]:
     return ["--host=0.0.0.0", f"--port={ROUTER_PORT}", f"--http-port={ROUTER_HTTP_PORT}",
-            f"--decode=dns:{spec.service_host('decode')}:{DECODE_PORT}", "--log-format=json"]
+            f"--decode=dns:{spec.service_host('decode')}:{DECODE_PORT}", "--log-format=json", *security_args(spec)]
 
 
 def _node_env(spec: DeploySpec, role: str) -> list[dict[str, Any]]:
@@ -336,6 +368,15 @@ def _resources(spec: DeploySpec, role: str) -> dict[str, Any]:
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
+def _secret_volumes(spec: DeploySpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes, mounts = [], []
+    for name, secret, path in (("tls", spec.tls_secret, TLS_DIR), ("token", spec.token_secret, TOKEN_DIR)):
+        if secret:
+            volumes.append({"name": name, "secret": {"secretName": secret, "defaultMode": 0o440}})
+            mounts.append({"name": name, "mountPath": path, "readOnly": True})
+    return volumes, mounts
+
+
 def _volumes(spec: DeploySpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     cache: dict[str, Any] = ({"persistentVolumeClaim": {"claimName": spec.cache_pvc}} if spec.cache_pvc
                              else {"emptyDir": {"sizeLimit": "4Gi"}})
@@ -347,7 +388,8 @@ def _volumes(spec: DeploySpec) -> tuple[list[dict[str, Any]], list[dict[str, Any
     if spec.hugepages_2mi:
         volumes.append({"name": "hugepages", "emptyDir": {"medium": "HugePages-2Mi"}})
         mounts.append({"name": "hugepages", "mountPath": "/dev/hugepages"})
-    return volumes, mounts
+    secret_volumes, secret_mounts = _secret_volumes(spec)
+    return volumes + secret_volumes, mounts + secret_mounts
 
 
 def _affinity(spec: DeploySpec, role: str) -> dict[str, Any]:
@@ -430,7 +472,8 @@ def _router(spec: DeploySpec) -> list[dict[str, Any]]:
         "ports": [{"name": "grpc", "containerPort": ROUTER_PORT, "protocol": "TCP"},
                   {"name": "http", "containerPort": ROUTER_HTTP_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}},
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}], "securityContext": _security(spec, "router"),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *_secret_volumes(spec)[1]],
+        "securityContext": _security(spec, "router"),
         **_probes(dataclasses.replace(spec, startup_s=60), "router", ROUTER_PORT),
     }
     deployment = {
@@ -440,8 +483,9 @@ def _router(spec: DeploySpec) -> list[dict[str, Any]]:
                  "template": {"metadata": {"labels": labels}, "spec": {
                      "terminationGracePeriodSeconds": drain_seconds(), "automountServiceAccountToken": False,
                      "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
-                                         "seccompProfile": {"type": "RuntimeDefault"}},
-                     "containers": [container], "volumes": [{"name": "tmp", "emptyDir": {}}]}}}}
+                                         "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}},
+                     "containers": [container],
+                     "volumes": [{"name": "tmp", "emptyDir": {}}, *_secret_volumes(spec)[0]]}}}}
     service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(spec, f"{spec.name}-router", "router"),
                "spec": {"type": "ClusterIP", "selector": labels,
                         "ports": [{"name": "grpc", "port": ROUTER_PORT, "targetPort": "grpc", "protocol": "TCP",
@@ -721,7 +765,8 @@ def spec_from_args(args: argparse.Namespace) -> DeploySpec:
         router_replicas=args.routers, provider=provider, rdma_resource=rdma,
         efa_devices=args.efa_devices if provider == "efa" else 0,
         hugepages_2mi=args.hugepages or ("2Gi" if provider == "efa" else None),
-        autoscaler=args.autoscaler, prometheus=args.prometheus, tp_layout=args.tp_layout)
+        autoscaler=args.autoscaler, prometheus=args.prometheus, tp_layout=args.tp_layout,
+        tls_secret=args.tls_secret, tls_server_name=args.tls_server_name, token_secret=args.token_secret)
 
 
 def add_deploy_parser(sub: argparse._SubParsersAction) -> None:
@@ -757,6 +802,12 @@ def add_deploy_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--model", default=None, help="--model of every node (default: the image's default model)")
     r.add_argument("--cache-pvc", default=None, metavar="CLAIM", help="PVC for the converted model (default: "
                                                                       "an emptyDir per pod)")
+    r.add_argument("--tls-secret", default=None, metavar="SECRET",
+                   help="mTLS between every process with this Secret's tls.crt, tls.key and ca.crt")
+    r.add_argument("--tls-server-name", default=None, metavar="NAME",
+                   help="the DNS name in that certificate (default: NAME.NAMESPACE.svc)")
+    r.add_argument("--token-secret", default=None, metavar="SECRET",
+                   help="a shared token (the Secret's key `token`) on every gRPC call")
     r.add_argument("--autoscaler", default=BASE.autoscaler, choices=AUTOSCALERS)
     r.add_argument("--prometheus", default=BASE.prometheus, metavar="URL", help="the Prometheus KEDA queries")
     r.set_defaults(func=_cmd_render)
@@ -784,5 +835,5 @@ def _cmd_tree(args: argparse.Namespace) -> int:
 
 
 __all__ = ["BASE", "OVERLAYS", "DeploySpec", "RoleSpec", "add_deploy_parser", "drain_seconds", "json_patch",
-           "node_args", "object_key", "queue_queries", "render", "router_args", "to_yaml", "tree", "tree_drift",
-           "write_tree"]
+           "node_args", "object_key", "queue_queries", "render", "router_args", "security_args", "to_yaml", "tree",
+           "tree_drift", "write_tree"]

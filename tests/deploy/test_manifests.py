@@ -12,6 +12,7 @@ import io
 import json
 import shutil
 import subprocess
+import sys
 from contextlib import redirect_stdout
 from functools import cache
 from pathlib import Path
@@ -35,7 +36,7 @@ SCHEMAS = ROOT / "deploy" / "schemas"
 KUBERNETES_VERSION = "1.32.0"   # the oldest release the manifests target (native gRPC probes: GA in 1.27)
 # Each overlay's prefill:decode ratio, written out here rather than read from the spec it checks.
 RATIOS = {"1p1d": (1, 1), "1p3d": (1, 3), "2p4d": (2, 4), "tp2": (1, 1), "tp2-lws": (1, 1), "efa": (1, 3),
-          "cpu-tcp": (1, 1), "hpa": (1, 3)}
+          "cpu-tcp": (1, 1), "hpa": (1, 3), "mtls": (1, 1)}
 FIELDS = {"metadata.name": "pod-0", "status.podIP": "127.0.0.1"}
 SERVICES = {"prefill": "pdserve.api.v1.PrefillService", "decode": "pdserve.api.v1.GenerateService",
             "router": "pdserve.api.v1.GenerateService"}
@@ -181,11 +182,32 @@ def test_every_pod_runs_the_same_image_with_grpc_probes_on_the_right_services(ov
         port = {"prefill": PREFILL_PORT, "decode": DECODE_PORT, "router": deploy.ROUTER_PORT}[role]
         for probe, service in (("startupProbe", SERVICES[role]), ("readinessProbe", SERVICES[role]),
                                ("livenessProbe", "")):
-            assert container[probe]["grpc"] == {"port": port, "service": service}, (where, probe)
+            assert probe_target(container[probe]) == (port, service), (where, probe)
         startup = container["startupProbe"]
         if role != "router":   # the model load: 15 minutes by default
             assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, where
     assert len(images) == 1, f"overlays/{overlay}: more than one image: {images}"
+
+
+def probe_target(probe: dict[str, Any]) -> tuple[int, str]:
+    """(port, service) a probe checks: a native gRPC probe, or (under mTLS) an exec probe running
+    pdserve.tools.probe, whose command the real probe parser must accept."""
+    if "grpc" in probe:
+        assert "exec" not in probe
+        return probe["grpc"]["port"], probe["grpc"]["service"]
+    command = probe["exec"]["command"]
+    assert command[:3] == ["python", "-m", "pdserve.tools.probe"], command
+    args = probe_parser().parse_args(command[3:])
+    assert args.tls_cert and args.tls_key and args.tls_ca and args.tls_server_name, command
+    return args.port, args.service
+
+
+def probe_parser():
+    from pdserve.tools.probe import build_parser
+
+    parser = build_parser()
+    parser.exit_on_error = False
+    return parser
 
 
 def _cpus(quantity: str) -> float:
@@ -233,6 +255,25 @@ def test_efa_overlay_pins_memory_and_keeps_one_node_pod_per_host():
         assert term["topologyKey"] == "kubernetes.io/hostname"
         roles = next(e for e in term["labelSelector"]["matchExpressions"] if e["key"] == deploy.LABEL_ROLE)
         assert set(roles["values"]) == {"prefill", "decode"}
+
+
+def test_mtls_overlay_gives_every_process_the_secrets_and_probes_through_tls():
+    spec = deploy.OVERLAYS["mtls"]
+    objects = objects_of("mtls")
+    for where, pod in pod_templates(objects):
+        (container,) = pod["spec"]["containers"]
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert volumes["tls"]["secret"]["secretName"] == spec.tls_secret, where
+        assert volumes["token"]["secret"]["secretName"] == spec.token_secret, where
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["tls"] == deploy.TLS_DIR and mounts["token"] == deploy.TOKEN_DIR, where
+        inv = invocation(container, objects, FIELDS)
+        args = parse(inv)
+        assert args.tls_cert == f"{deploy.TLS_DIR}/tls.crt" and args.tls_ca == f"{deploy.TLS_DIR}/ca.crt", where
+        assert args.tls_server_name == "pdserve.pdserve.svc", where
+        assert args.auth_token_file == f"{deploy.TOKEN_DIR}/token", where
+        assert all("exec" in container[p] for p in ("startupProbe", "readinessProbe", "livenessProbe")), where
+        assert pod["spec"]["securityContext"]["fsGroup"] == 10001, where   # the Secret files are group-readable
 
 
 def test_cpu_tcp_overlay_uses_tcp_and_no_rdma_device():
@@ -373,3 +414,41 @@ def test_spec_refuses_what_cannot_be_deployed():
         deploy.DeploySpec(provider="shm")   # one host only: never across pods
     with pytest.raises(ValueError, match="without dashes"):
         deploy.RoleSpec(engine=(("--num-blocks", "1"),))
+
+
+def test_the_exec_probe_checks_a_real_mtls_server(tmp_path):
+    """pdserve.tools.probe (the mTLS overlay's probe) against a real mTLS server: SERVING with the pod's
+    certificate, refused without it; an unknown service is not SERVING."""
+    from concurrent import futures
+
+    from grpc import server as grpc_server
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from support.net import free_port
+
+    from pdserve.serving.channels import ChannelSecurity, add_server_port
+    from pdserve.tools.certs import make_pki
+
+    pki = make_pki(tmp_path / "pki", ["pdserve.pdserve.svc"], hosts=["127.0.0.1"])
+    pair = pki["pdserve.pdserve.svc"]
+    security = ChannelSecurity.load(cert_file=pair.cert, key_file=pair.key, ca_file=pki.ca)
+    server = grpc_server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set(deploy.READINESS_SERVICES["decode"], health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = add_server_port(server, f"127.0.0.1:{free_port()}", security)
+    server.start()
+    try:
+        tls = [f"--tls-cert={pair.cert}", f"--tls-key={pair.key}", f"--tls-ca={pki.ca}",
+               "--tls-server-name=pdserve.pdserve.svc"]
+
+        def probe(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "pdserve.tools.probe", f"--port={port}", *args],
+                                  capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+        ok = probe(f"--service={deploy.READINESS_SERVICES['decode']}", *tls)
+        assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stdout + ok.stderr
+        assert probe("--service=pdserve.api.v1.Nothing", *tls).returncode == 1
+        plaintext = probe(f"--service={deploy.READINESS_SERVICES['decode']}", "--timeout=2")
+        assert plaintext.returncode == 1 and "UNAVAILABLE" in plaintext.stdout, plaintext.stdout
+    finally:
+        server.stop(0)
