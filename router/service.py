@@ -10,7 +10,8 @@ Runs on the router's asyncio event loop; each Generate call is one grpc.aio hand
   status is re-raised and keeps its code (the server's AioExceptionToStatusInterceptor maps a
   grpc.RpcError to its own code).
 - Migration (S10): when the node serving a request fails mid-stream (its stream breaks with
-  UNAVAILABLE, or the pool marks it down: a failed health check or call), the request is re-sent
+  UNAVAILABLE, or the pool marks it down: a failed health check or call; a node marked down keeps
+  its streams when they could not move anyway), the request is re-sent
   to another healthy node with `resume` = the tokens already streamed (and how much text), its
   max_tokens lowered by them; that node continues exactly after them (pdserve.serving.node_request:
   greedy output equals an uninterrupted run; text held back by the failed node, and stop strings
@@ -241,6 +242,8 @@ class RouterGenerateService(generate_pb2_grpc.GenerateServiceServicer):
         call = node.generate.Generate(request, timeout=max(deadline - start, 1e-3))
 
         def node_down() -> None:  # the pool marked the node down: stop waiting on it, move the request
+            if progress.finished or not self._can_move(attempt, progress, deadline):
+                return  # nowhere to go: a slow node may still finish it, so keep the stream
             attempt.node_down = True
             call.cancel()
 

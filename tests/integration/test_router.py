@@ -416,6 +416,23 @@ def test_a_node_marked_down_mid_stream_hands_its_streams_to_another_node():
     run(go())
 
 
+def test_a_node_marked_down_keeps_the_streams_that_cannot_move():
+    # With no migration left (max_migrations=0 here), a slow node marked down may still finish: its
+    # streams are not cut.
+    async def go():
+        async with Rig(delay_s=0.3, max_migrations=0) as rig:
+            stream = rig.client.generate([1], SamplingParams(max_tokens=5), request_id="stays")
+            got = [await stream.__anext__()]
+            holder = next(i for i, f in enumerate(rig.fakes) if "stays" in f.running)
+            await rig.fakes[holder].health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await until(lambda: not rig.router.pool.nodes[holder].healthy, "the node to be marked down")
+            got += [c async for c in stream]
+            assert [t for c in got for t in c.token_ids] == [1000 + t for t in range(5)]
+            assert got[-1].finish_reason == "length" and "stays" not in rig.fakes[1 - holder].requests
+
+    run(go())
+
+
 # ---- the client alone --------------------------------------------------------------------------
 
 
