@@ -61,7 +61,7 @@ def check_request(request: generate_pb2.GenerateRequest, limits: RequestLimits,
         for i, m in enumerate(prompt.messages):
             if not m.role:
                 raise ValueError(f"messages[{i}].role is empty (e.g. 'system', 'user', 'assistant')")
-    size = prompt.nbytes
+    size = prompt.nbytes + 4 * len(request.resume.token_ids)  # resumed tokens extend the prompt (S10)
     if size > limits.max_prompt_bytes:
         raise ValueError(f"prompt is {size} bytes; this server accepts at most {limits.max_prompt_bytes} "
                          "bytes per prompt (router --max-prompt-bytes)")
