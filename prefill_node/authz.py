@@ -11,6 +11,12 @@ answers PERMISSION_DENIED) unless:
   is on this host (same host id) and the caller called from an address of this host. Other
   providers' addresses (efa, verbs) carry no IP to compare; only the certificate is checked.
 
+`authorize_abort(caller, spec, bindings)` does the same for AbortPrefill, whose delivery fence is
+a write too: the fence region must belong to the transfer's decode engine (always), and under mTLS
+the caller must hold the identity that engine's Prefills were authorized under (`PeerBindings`:
+decode fabric engine id -> decode node id, bound by each authorized Prefill, the last
+REMEMBERED_BINDINGS engines).
+
 Without mTLS there is no identity to check: a network that reaches the prefill node's gRPC port
 can make it write into any decode node it can reach (README, "Security posture").
 """
@@ -18,13 +24,16 @@ can make it write into any decode node it can reach (README, "Security posture")
 from __future__ import annotations
 
 import ipaddress
+from collections import OrderedDict
 
 import grpc
 
 from fabric import PeerDescriptor
 from pdserve.serving.channels import CallerIdentity, is_local_address
 from pdserve_api.servers import StatusError
-from prefill_node.service import PrefillSpec
+from prefill_node.service import AbortSpec, PrefillSpec
+
+REMEMBERED_BINDINGS = 4096   # decode engines whose certificate identity is remembered
 
 
 class PermissionDeniedError(StatusError):
@@ -72,3 +81,37 @@ def authorize_prefill(caller: CallerIdentity, decode_node_id: str, spec: Prefill
         raise PermissionDeniedError(f"request {rid}: decode node {decode_node_id!r} called from {caller.host!r} "
                                     f"but its fabric endpoint is at {ip} (bind it to the address it calls from: "
                                     f"--fabric-node)")
+
+
+class PeerBindings:
+    """Which decode node id (certificate identity) each decode fabric engine's Prefills were
+    authorized under; bounded (the oldest engines are forgotten). The serving loop only."""
+
+    def __init__(self, capacity: int = REMEMBERED_BINDINGS) -> None:
+        self._capacity = capacity
+        self._by_engine: OrderedDict[str, str] = OrderedDict()
+
+    def bind(self, decode_engine_id: str, decode_node_id: str) -> None:
+        self._by_engine[decode_engine_id] = decode_node_id
+        self._by_engine.move_to_end(decode_engine_id)
+        while len(self._by_engine) > self._capacity:
+            self._by_engine.popitem(last=False)
+
+    def node_of(self, decode_engine_id: str) -> str | None:
+        return self._by_engine.get(decode_engine_id)
+
+
+def authorize_abort(caller: CallerIdentity, spec: AbortSpec, bindings: PeerBindings) -> None:
+    """Raise PermissionDeniedError naming the mismatch (see the module docstring)."""
+    key = spec.key
+    if spec.fence_region is not None and spec.fence_region.peer.engine_id != key.decode_engine_id:
+        raise PermissionDeniedError(f"abort of {key.request_id}: the fence region belongs to fabric engine "
+                                    f"{spec.fence_region.peer.engine_id[:8]}, not to the transfer's decode engine "
+                                    f"{key.decode_engine_id[:8]}")
+    if not caller.authenticated:
+        return
+    owner = bindings.node_of(key.decode_engine_id)
+    if owner is not None and owner not in caller.names:
+        raise PermissionDeniedError(f"abort of {key.request_id}: the transfers of decode engine "
+                                    f"{key.decode_engine_id[:8]} belong to decode node {owner!r}, not to the "
+                                    f"caller's certificate identity {sorted(caller.names)}")

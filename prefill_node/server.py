@@ -31,7 +31,7 @@ from pdserve.serving.metrics import node_metrics, prefill_metrics
 from pdserve.serving.node_server import NodeHolder, NodeServer, ServeOptions, service_names
 from pdserve_api.servers import UnavailableError
 from pdserve_api.v1 import common_pb2, node_pb2, node_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from prefill_node.authz import authorize_prefill
+from prefill_node.authz import PeerBindings, authorize_abort, authorize_prefill
 from prefill_node.service import (
     AbortedError,
     AbortSpec,
@@ -135,6 +135,7 @@ def observe(model_name: str, out: PrefillOutcome) -> None:
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, holder: NodeHolder[PrefillNode]) -> None:
         self._holder = holder
+        self._bindings = PeerBindings()   # S9: decode engine -> the certificate identity its Prefills had
         # S8: Prefill calls served at once; one more is RESOURCE_EXHAUSTED (the decode node tries another)
         self._gate = AdmissionGate("this prefill node", max_inflight=MAX_INFLIGHT_PREFILLS)
 
@@ -145,7 +146,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         try:
             spec = spec_from_pb(request)
             # S9: writes only into the memory of the (authenticated) decode node that asks
-            authorize_prefill(caller_identity(context), request.decode_node_id, spec, node.peer)
+            caller = caller_identity(context)
+            authorize_prefill(caller, request.decode_node_id, spec, node.peer)
+            if caller.authenticated:
+                self._bindings.bind(spec.peer.engine_id, request.decode_node_id)
             logger.debug("request %s: prefill of %d tokens into %d pages", spec.request_id, len(spec.token_ids),
                          len(spec.target.dst_pages))
             with self._gate.enter():
@@ -165,7 +169,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     async def AbortPrefill(self, request: prefill_pb2.AbortPrefillRequest, context: grpc.aio.ServicerContext
                            ) -> prefill_pb2.AbortPrefillResponse:
         node = self._holder.require()
-        out = await node.abort(abort_from_pb(request))
+        spec = abort_from_pb(request)
+        authorize_abort(caller_identity(context), spec, self._bindings)   # S9: the fence is a write too
+        out = await node.abort(spec)
         return prefill_pb2.AbortPrefillResponse(confirmed=out.confirmed, prefill_engine_id=node.peer.engine_id,
                                                 state=_STATES[out.state], fence_posted=out.fence_posted)
 

@@ -7,8 +7,9 @@ Evidence: a request through the router answers with the certificates and the tok
 token gets UNAUTHENTICATED; one without a certificate, or plaintext, is refused at the handshake
 (UNAVAILABLE); the prefill node refuses (PERMISSION_DENIED) a Prefill from a caller whose
 certificate names another node than the request's decode_node_id, one whose KV memory belongs to
-another fabric engine than its peer, and one whose shm peer claims another host; every node is
-left with no page held.
+another fabric engine than its peer, and one whose shm peer claims another host, and an
+AbortPrefill of decode-0's transfers from another certificate or with a fence aimed at another
+engine; every node is left with no page held.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from support.cluster import assert_no_page_leak, cluster_fixture
 from fabric import PeerDescriptor, RemoteDescriptor
 from fabric.liveness import host_id
 from kv_messenger import KvLayout, TransferTicket
+from kv_messenger.ticket import peer_from_bytes, remote_to_bytes
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.channels import ChannelSecurity, open_sync_channel
 from pdserve.tools.client import Client, ClientError
@@ -125,4 +127,33 @@ def test_prefill_node_refuses_another_nodes_prefill(cluster, cert, node_id, peer
             prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(req, timeout=30)
     assert rpc.value.code() == grpc.StatusCode.PERMISSION_DENIED, rpc.value
     assert re.search(match, rpc.value.details()), rpc.value.details()
+    assert_no_page_leak(cluster)
+
+
+def test_prefill_node_refuses_another_nodes_abort(cluster):
+    """AbortPrefill's fence is a write too: a certificate other than the one decode-0's Prefills
+    were authorized under cannot abort its transfers, nor aim the fence at another engine."""
+    client = _security(cluster, "client", token=True)
+    with open_sync_channel(cluster.addresses("decode")[0], client) as channel:
+        info = node_pb2_grpc.NodeServiceStub(channel).GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=30)
+    decode_peer = peer_from_bytes(info.fabric_peer)
+    with open_sync_channel(cluster.addresses("prefill")[0], client) as channel:
+        prefill_engine = peer_from_bytes(node_pb2_grpc.NodeServiceStub(channel).GetNodeInfo(
+            node_pb2.GetNodeInfoRequest(), timeout=30).fabric_peer).engine_id
+    with Client(cluster.url, timeout=120, security=cluster.client_security) as c:   # binds decode-0's engine
+        c.complete(PROMPT, SamplingParams(temperature=0, max_tokens=2))
+    other = RemoteDescriptor(_peer("other", host_id()), region_id=1, base=0, key=1, length=8)
+    cases = [
+        ("router", b"", r"belong to decode node 'decode-0', not to the caller's certificate identity \['router'\]"),
+        ("decode-0", remote_to_bytes(other), r"the fence region belongs to fabric engine"),
+    ]
+    for cert, fence, match in cases:
+        req = prefill_pb2.AbortPrefillRequest(request_id="r-1", decode_engine_id=decode_peer.engine_id, attempt=0,
+                                              prefill_engine_id=prefill_engine, fence_tag=5 if fence else 0,
+                                              fence_region=fence)
+        with open_sync_channel(cluster.addresses("prefill")[0], _security(cluster, cert, token=True)) as channel:
+            with pytest.raises(grpc.RpcError) as rpc:
+                prefill_pb2_grpc.PrefillServiceStub(channel).AbortPrefill(req, timeout=30)
+        assert rpc.value.code() == grpc.StatusCode.PERMISSION_DENIED, rpc.value
+        assert re.search(match, rpc.value.details()), rpc.value.details()
     assert_no_page_leak(cluster)
