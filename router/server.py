@@ -26,8 +26,8 @@ import signal
 import grpc
 from grpc_health.v1 import health_pb2
 
-from pdserve.serving.channels import add_server_port, aio_server
 from pdserve.serving.admission import AdmissionGate
+from pdserve.serving.channels import add_server_port, aio_server
 from pdserve_api.servers import AioExceptionToStatusInterceptor, add_standard_services_aio
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
 from router.config import RouterConfig
