@@ -31,6 +31,10 @@ from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2_grpc
 logger = logging.getLogger(__name__)
 
 RETRY_DOWN_AFTER_S = 2.0
+# A restarted prefill node is reconnected within about a second (gRPC's default backoff grows to
+# minutes while it is down, and a node back at its address would stay unused that long).
+RECONNECT = (("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+             ("grpc.max_reconnect_backoff_ms", 1000))
 PREFILL_ROUTING = ("least-loaded", "prefix")
 
 
@@ -83,7 +87,7 @@ class PrefillPool:
         self._retired: list[PrefillNode] = []   # left discovery; channel closed once nothing is in flight there
 
         def connect(addr: str) -> PrefillNode:
-            ch = open_channel(addr, security)   # TLS / token as configured, keepalive
+            ch = open_channel(addr, security, options=RECONNECT)   # TLS / token as configured, keepalive
             return PrefillNode(addr, ch, prefill_pb2_grpc.PrefillServiceStub(ch), node_pb2_grpc.NodeServiceStub(ch))
 
         self._connect = connect
@@ -166,6 +170,15 @@ class PrefillPool:
         picked = choose(ranked, self.index.matches(hashes), self.affinity.cap)
         self.index.record(hashes, picked.key)
         return self.by_address(picked.key)
+
+    def retry_in(self, exclude: set[str] = frozenset()) -> float | None:
+        """When `choose(exclude)` found nothing: seconds until a node marked down (and known, not
+        excluded) may be tried again; None when there is none (a busy node's missed GetNodeInfo
+        also marks it down, and its request should wait for it rather than fail)."""
+        now = time.monotonic()
+        waits = [max(0.0, n.down_since + RETRY_DOWN_AFTER_S - now) for n in self.nodes
+                 if n.address not in exclude and n.peer is not None and n.down_since is not None]
+        return min(waits) if waits else None
 
     def by_address(self, address: str) -> PrefillNode:
         for n in self.nodes:

@@ -39,8 +39,9 @@ STALL_POLL_S); the write count after a successful Prefill (KV_LANDED_WAIT_S); on
 (ABORT_RPC_TIMEOUT_S) and its fence (FENCE_WAIT_S); a quarantine's hold: unbounded by design
 (S5: pages no write may land in are never reused), in rounds HOLD_BACKOFF_S doubling to
 HOLD_BACKOFF_MAX_S, the endpoint's death looked at every HOLD_POLL_S, then its arrivals drained
-(DRAIN_GRACE_S + at most DRAIN_WAIT_S); a finished request's wait for its Prefill response
-(PREFILL_RESPONSE_WAIT_S).
+(DRAIN_GRACE_S + at most DRAIN_WAIT_S); an attempt whose only untried prefill nodes are marked
+down waits for their retry (prefill_pool.RETRY_DOWN_AFTER_S); a finished request's wait for its
+Prefill response (PREFILL_RESPONSE_WAIT_S).
 """
 
 from __future__ import annotations
@@ -403,6 +404,10 @@ class DecodeNode(ReceiverEvents):
         t, rid = state.transfer, state.request_id
         try:
             node = self.pool.choose(exclude=state.tried, token_ids=list(t.token_ids))
+            wait = self.pool.retry_in(exclude=state.tried) if node is None else None
+            if wait is not None:   # only a node marked down is left: wait for its retry (RETRY_DOWN_AFTER_S)
+                await asyncio.sleep(wait + 0.01)
+                node = self.pool.choose(exclude=state.tried, token_ids=list(t.token_ids))
             if node is None:
                 why = "; ".join(state.errors) or self.pool.describe_down() or "no prefill node configured"
                 msg = f"no prefill node could prefill request {rid}: {why}"

@@ -1,4 +1,5 @@
-"""Faults on the KV transfer path, on a real cluster (2 prefill nodes, 1 decode node, shm, issue 15).
+"""Faults on the KV transfer path, on a real cluster (2 prefill nodes, 1 decode node; shm, and
+tcp;ofi_rxm where a confirmation needs the delivery fence; issue 15).
 
 Each fault runs a batch of concurrent long-prompt requests through the router and strikes a prefill
 node while it has transfers in flight. Every test asserts, never assumes:
@@ -32,9 +33,9 @@ import time
 import grpc
 import pytest
 from support.cluster import (
-    cluster_fixture,
     node_info,
     process_pid,
+    running_cluster,
     transfer_leftovers,
     wait_busy,
 )
@@ -56,9 +57,15 @@ VICTIMS = [("The history of the Roman empire begins with " * 6), ("def fibonacci
 BATCH_TIMEOUT_S = 120.0
 CLEAN_WITHIN_S = 30.0
 
-cluster = cluster_fixture("faults", prefill=2, decode=1, port=0, num_blocks=256, threads_per_node=1,
-                          engine_args=("--max-batch-tokens", "32"), startup_timeout_s=150,
-                          router_health_interval_s=0.5)
+CLUSTER = dict(prefill=2, decode=1, port=0, num_blocks=256, threads_per_node=1,
+               engine_args=("--max-batch-tokens", "32"), startup_timeout_s=150, router_health_interval_s=0.5)
+
+
+@pytest.fixture(scope="module", params=["shm", "tcp;ofi_rxm"], ids=["shm", "tcp"])
+def cluster(request, tmp_path_factory):
+    with running_cluster(tmp_path_factory, "faults-" + request.param.split(";")[0], provider=request.param,
+                         **CLUSTER) as c:
+        yield c
 
 
 async def _batch(url: str, prompts: list[str], tag: str) -> dict[str, tuple[int, ...] | str]:
