@@ -73,11 +73,21 @@ LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 HEADER = "# Rendered by `pdserve deploy tree` from pdserve/tools/deploy.py: edit the spec there, not this file.\n"
 
 
+# A deleted pod leaves its Service's DNS records at once, but SIGTERM would make it refuse new work
+# before every caller has resolved again (each poll round, 1 s; CoreDNS answers with a 5 s TTL): the
+# preStop hook keeps it serving this long first, so callers drop it before it drains.
+PRESTOP_S = 5
+
+
 def drain_seconds() -> int:
-    """What a node's SIGTERM path may take (node_server: health NOT_SERVING, drain, server stop with
-    STOP_GRACE_S, node close: engine stop and the fabric's close bound), rounded up, plus a margin
-    for the router to see NOT_SERVING (its next health poll) before the node stops answering."""
-    return int(math.ceil(STOP_GRACE_S + FabricConfig().close_timeout_s)) + 20
+    """What a pod's termination may take: the preStop wait, then the node's SIGTERM path
+    (node_server: health NOT_SERVING, drain, server stop with STOP_GRACE_S, node close: engine stop
+    and the fabric's close bound), rounded up, plus a margin."""
+    return PRESTOP_S + int(math.ceil(STOP_GRACE_S + FabricConfig().close_timeout_s)) + 20
+
+
+def _pre_stop() -> dict[str, Any]:
+    return {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_S)]}}}
 
 
 @dataclass(frozen=True)
@@ -416,6 +426,7 @@ def _node_pod(spec: DeploySpec, role: str, *, leader: bool = True) -> dict[str, 
     }
     if leader:
         container.update(_probes(spec, role, port))
+        container["lifecycle"] = _pre_stop()
     return {
         "metadata": {"labels": _labels(spec, role), "annotations": {"pdserve.dev/engine-config": _config_hash(spec)}},
         "spec": {
@@ -475,6 +486,7 @@ def _router(spec: DeploySpec) -> list[dict[str, Any]]:
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *_secret_volumes(spec)[1]],
         "securityContext": _security(spec, "router"),
         **_probes(dataclasses.replace(spec, startup_s=60), "router", ROUTER_PORT),
+        "lifecycle": _pre_stop(),
     }
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(spec, f"{spec.name}-router", "router"),

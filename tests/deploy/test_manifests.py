@@ -175,6 +175,9 @@ def test_every_pod_runs_the_same_image_with_grpc_probes_on_the_right_services(ov
         images.add(container["image"])
         grace = pod["spec"]["terminationGracePeriodSeconds"]
         assert grace >= deploy.drain_seconds(), f"{where}: grace {grace} s is shorter than the drain"
+        if not where.endswith("worker"):   # a serving pod waits for its callers to drop it, then drains
+            hook = container["lifecycle"]["preStop"]["exec"]["command"]
+            assert hook[0] == "sleep" and int(hook[1]) + 20 <= grace, where
         assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
         if where.endswith("worker"):   # TP ranks 1..N-1 serve no gRPC API of their own
             assert not any(k in container for k in ("readinessProbe", "livenessProbe", "startupProbe"))

@@ -144,17 +144,29 @@ class LocalKubelet:
         pod.ready = True
         self._publish()
 
-    def delete(self, pod: Pod) -> int:
-        """As a pod deletion: out of the records first, then SIGTERM, SIGKILL after the grace period."""
-        pod.ready = False
+    def delete(self, *pods: Pod) -> list[int]:
+        """As pod deletions: out of the records first, the preStop hooks (together), then SIGTERM,
+        SIGKILL after the grace period; the exit codes."""
+        for pod in pods:
+            pod.ready = False
         self._publish()
-        assert pod.proc is not None
-        pod.proc.send_signal(signal.SIGTERM)
-        try:
-            return pod.proc.wait(pod.template["spec"]["terminationGracePeriodSeconds"])
-        except subprocess.TimeoutExpired:
-            pod.proc.kill()
-            return pod.proc.wait(10)
+        hooks = [subprocess.Popen(hook) for pod in pods
+                 if (hook := pod.container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command"))]
+        grace = max(pod.template["spec"]["terminationGracePeriodSeconds"] for pod in pods)
+        for hook in hooks:
+            assert hook.wait(grace) == 0
+        codes = []
+        for pod in pods:
+            assert pod.proc is not None
+            pod.proc.send_signal(signal.SIGTERM)
+        for pod in pods:
+            assert pod.proc is not None
+            try:
+                codes.append(pod.proc.wait(grace))
+            except subprocess.TimeoutExpired:
+                pod.proc.kill()
+                codes.append(pod.proc.wait(10))
+        return codes
 
     def _publish(self) -> None:
         records: dict[str, list[str]] = {}
@@ -189,12 +201,11 @@ def _replace_decode_pods(kubelet: LocalKubelet, pods: list[Pod], workload: dict[
     # a decode pod replaced by one at a new address, then the other two deleted: only the new one
     # is left, and requests still get through, so the router found it without a restart
     old = [p for p in pods if p.role == "decode"]
-    assert kubelet.delete(old[0]) == 0
+    assert kubelet.delete(old[0]) == [0]
     new = kubelet.new_pod(workload, 3)
     kubelet.start(new)
     kubelet.wait_started_and_ready(new)
-    for pod in old[1:]:
-        assert kubelet.delete(pod) == 0
+    assert kubelet.delete(*old[1:]) == [0, 0]
     assert kubelet.records("decode") == [f"{new.ip}:{deploy.DECODE_PORT}"]
     with Client(url, timeout=60) as client:
         out = wait_until(lambda: _complete(client, "Hello again", params), 30,
