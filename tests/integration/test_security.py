@@ -157,3 +157,18 @@ def test_prefill_node_refuses_another_nodes_abort(cluster):
         assert rpc.value.code() == grpc.StatusCode.PERMISSION_DENIED, rpc.value
         assert re.search(match, rpc.value.details()), rpc.value.details()
     assert_no_page_leak(cluster)
+
+
+def test_bench_harness_against_the_secured_cluster(cluster):
+    from pdserve.tools.bench.backends import SendOptions
+    from pdserve.tools.bench.datasets import DatasetSpec, LengthRange
+    from pdserve.tools.bench.runner import RunConfig
+    from pdserve.tools.bench.serve import ServeSettings, run_serve
+
+    data = DatasetSpec("random", 4, LengthRange(8, 16), LengthRange(2, 3), seed=3)
+    settings = ServeSettings("grpc", cluster.url, data, RunConfig(max_concurrency=2, send=SendOptions(timeout_s=120)),
+                             security=cluster.client_security)
+    result = run_serve(settings, progress=False)
+    assert result.metrics.completed == 4 and result.metrics.failed == 0
+    assert cluster.client_security.token not in json.dumps(result.to_json())   # the secret stays out of results
+    assert_no_page_leak(cluster)

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from types import TracebackType
 
+from pdserve.serving.channels import PLAINTEXT, ChannelSecurity
 from pdserve.tools.bench.datasets import BenchRequest
 from pdserve.tools.bench.records import StreamTrace
 
@@ -116,14 +117,15 @@ class Backend(abc.ABC):
 class GrpcBackend(Backend):
     name = "grpc"
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, security: ChannelSecurity = PLAINTEXT) -> None:
         super().__init__(url)
+        self._security = security   # TLS / mTLS and the token of a secured cluster
         self._client = None
 
     async def open(self) -> None:
         from pdserve.tools.client import AsyncClient
 
-        self._client = AsyncClient(self.url)
+        self._client = AsyncClient(self.url, security=self._security)
 
     async def close(self) -> None:
         if self._client is not None:
@@ -234,9 +236,9 @@ class OpenAIBackend(Backend):
             trace.completion_tokens = usage.get("completion_tokens")
 
 
-def make_backend(kind: str, url: str) -> Backend:
+def make_backend(kind: str, url: str, security: ChannelSecurity = PLAINTEXT) -> Backend:
     if kind == "grpc":
-        return GrpcBackend(url)
+        return GrpcBackend(url, security)
     if kind == "openai":
         return OpenAIBackend(url)
     raise ValueError(f"backend must be one of {BACKENDS}, got {kind!r}")

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from pdserve.serving.channels import add_security_args, security_from_args
 from pdserve.tools.bench.backends import BACKENDS, SendOptions
 from pdserve.tools.bench.datasets import DATASETS, DatasetSpec, LengthRange
 from pdserve.tools.bench.metrics import Slo
@@ -88,6 +89,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_URLS['openai']} for openai)")
     p.add_argument("--metrics-url", default=None, metavar="URL",
                    help="a server's Prometheus /metrics: its TTFT/ITL/E2E histograms over the run go into the result")
+    add_security_args(p)   # a cluster with mTLS / a token (gRPC backend)
 
 
 def dataset_from_args(args: argparse.Namespace) -> DatasetSpec:
@@ -110,7 +112,8 @@ def _serve_settings(args: argparse.Namespace):
     from pdserve.tools.bench.serve import ServeSettings
 
     return ServeSettings(args.backend, args.url or DEFAULT_URLS[args.backend], dataset_from_args(args),
-                         run_config_from_args(args), Slo.parse(args.goodput), args.metrics_url)
+                         run_config_from_args(args), Slo.parse(args.goodput), args.metrics_url,
+                         security_from_args(args))
 
 
 def _failures_exit_1(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:

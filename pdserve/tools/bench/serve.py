@@ -15,6 +15,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.serving.channels import PLAINTEXT, ChannelSecurity
 from pdserve.tools.bench import prometheus
 from pdserve.tools.bench.backends import make_backend
 from pdserve.tools.bench.datasets import DatasetSpec
@@ -34,6 +35,7 @@ class ServeSettings:
     run: RunConfig = field(default_factory=RunConfig)
     slo: Slo = field(default_factory=Slo)
     metrics_url: str | None = None
+    security: ChannelSecurity = PLAINTEXT   # the gRPC backend's channel (never in the result JSON)
 
     def to_json(self) -> dict[str, Any]:
         r = self.run
@@ -73,7 +75,7 @@ def _scrape_all(url: str, missing_ok: bool) -> dict[str, prometheus.Histogram]:
 async def serve(settings: ServeSettings, progress: bool = True, label: str = "") -> ServeResult:
     requests = settings.dataset.build()
     before = machine_info()
-    async with make_backend(settings.backend, settings.url) as backend:
+    async with make_backend(settings.backend, settings.url, settings.security) as backend:
         if settings.run.num_warmups:
             await warm_up(backend, settings.dataset.warmup_requests(settings.run.num_warmups), settings.run.send)
         first = await asyncio.to_thread(_scrape_all, settings.metrics_url, True) if settings.metrics_url else None
