@@ -39,6 +39,10 @@ and calls the others with its own certificate; with `auth_token`, a random token
 `<log_dir>/security/token` (owner-only) and every child checks and sends it. `client_security`
 is what a client of the cluster needs (Client(url, security=cluster.client_security)).
 
+Blocking waits: each child's start, until startup_timeout_s in all (health polls of 1 s); a stop,
+stop_timeout_s before SIGKILL; making the certificates, each openssl run at most
+certs.OPENSSL_TIMEOUT_S.
+
 Threads: none of its own. `Cluster` is driven by the caller's thread; `cmd_up` waits in the main
 thread for SIGINT/SIGTERM (or a child's unexpected exit).
 """
