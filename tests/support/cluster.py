@@ -10,10 +10,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import pytest
-from pdserve.serving.channels import PLAINTEXT, ChannelSecurity, open_sync_channel
 
+from pdserve.serving.channels import PLAINTEXT, ChannelSecurity, open_sync_channel
 from pdserve.tools.launcher import Cluster
 from pdserve_api.v1 import common_pb2, node_pb2, node_pb2_grpc
 from support.wait import wait_until
