@@ -10,7 +10,7 @@ from decode_node.prefill_pool import PREFILL_ROUTING
 from decode_node.server import node_server
 from decode_node.service import DecodeNodeConfig
 from pdserve.serving.engine_args import add_engine_args, engine_config
-from pdserve.serving.node_server import DECODE_PORT, NodeServer, ServeOptions, add_node_args, run_main
+from pdserve.serving.node_server import DECODE_PORT, NodeServer, add_node_args, run_main, serve_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,13 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def make(args: argparse.Namespace) -> NodeServer:
-    config = DecodeNodeConfig(
+    options = serve_options(args)   # its channels to prefill nodes are secured as its own port
+    config = DecodeNodeConfig(channel_security=options.security,
         engine=engine_config(args), node_id=args.node_id or f"decode-{args.port}", colocated=args.colocated,
         prefill_addresses=tuple(a.strip() for a in (args.prefill or "").split(",") if a.strip()),
         provider=args.provider, fabric_node=args.fabric_node, prefill_timeout_s=args.prefill_timeout,
         stall_s=args.prefill_stall, local_prefill_fallback=args.local_prefill_fallback,
         prefill_routing=args.prefill_routing, max_waiting_requests=args.max_waiting_requests)
-    return node_server(config, ServeOptions(host=args.host, port=args.port, metrics_port=args.metrics_port))
+    return node_server(config, options)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
