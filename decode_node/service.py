@@ -218,12 +218,24 @@ class DecodeNode(ReceiverEvents):
             # one loop per node: a stalled node's timeouts never delay another's answers, which
             # stall detection reads (PrefillNode.last_answer)
             self._refreshers = [asyncio.create_task(self._refresh_loop(n)) for n in self.pool.nodes]
+            if self.pool.members.dynamic:   # dns: prefill targets, resolved again (pdserve.serving.discovery)
+                self._refreshers.append(asyncio.create_task(self._discover_loop()))
 
     async def _refresh_loop(self, node: PrefillNode) -> None:
         assert self.pool is not None
-        while True:
+        while node in self.pool.nodes:   # a node that left discovery is polled no more
             await asyncio.sleep(POOL_REFRESH_S)
             await self.pool.refresh_node(node)
+
+    async def _discover_loop(self) -> None:
+        """Resolve the dns: prefill targets every POOL_REFRESH_S; a node that joins is polled at once,
+        then by a refresh loop of its own."""
+        assert self.pool is not None
+        while True:
+            await asyncio.sleep(POOL_REFRESH_S)
+            for node in await self.pool.discover():
+                await self.pool.refresh_node(node)
+                self._refreshers.append(asyncio.create_task(self._refresh_loop(node)))
 
     async def drain(self) -> None:
         """Refuse new requests (UNAVAILABLE); the in-flight ones go on until the server stops."""
