@@ -252,9 +252,16 @@ def test_the_manifests_run_serve_and_follow_pods_that_move(overlay, tmp_path, ti
     workloads = {o["metadata"]["labels"][deploy.LABEL_ROLE]: o for o in objects if o["kind"] == "Deployment"}
     try:
         pods = [kubelet.new_pod(w, i) for w in workloads.values() for i in range(w["spec"]["replicas"])]
-        for pod in pods:   # all at once, as a cluster starts them: discovery sorts out who finds whom
+        # The prefill pods last: the decode nodes (ready without them) must find them when they appear.
+        first, last = [p for p in pods if p.role != "prefill"], [p for p in pods if p.role == "prefill"]
+        for pod in first:
             kubelet.start(pod)
-        for pod in pods:
+        for pod in first:
+            kubelet.wait_started_and_ready(pod)
+        assert kubelet.records("prefill") == []
+        for pod in last:
+            kubelet.start(pod)
+        for pod in last:
             kubelet.wait_started_and_ready(pod)
         assert len(kubelet.records("decode")) == ratio and len(kubelet.records("prefill")) == 1
         (router,) = [p for p in pods if p.role == "router"]
