@@ -164,6 +164,11 @@ class EngineConfig:
         process) and N - 1 workers, each holding a shard of every layer (KV heads split as
         pdserve/model/tp.py says; a split that cannot be made is refused at start). Float32 greedy
         outputs are bit-identical at every size (TP-invariant reductions).
+    tp_invariant: sum o_proj and down_proj in fixed fold blocks whatever the TP size (TP 1
+        included), so float32 logits are bit-identical at every tensor_parallel_size (default).
+        False: one block per rank, the plain kernels' sums as before the blocked fold (fewer,
+        larger matmuls in prefill); TP N then differs from TP 1 by float32 rounding (logprobs within
+        1e-3 on the default model: tests/integration/test_tensor_parallel.py).
     """
 
     model: str | None = None
@@ -179,10 +184,16 @@ class EngineConfig:
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "rank processes of this engine, each holding a shard of every layer (KV heads split evenly, by "
                 "whole GQA groups, or replicated when N > KV heads); float32 outputs are bit-identical at every N"})
+    tp_invariant: bool = field(default=True, metadata={
+        "help": "sum the row-parallel layers in fixed blocks whatever the tensor-parallel size, so float32 "
+                "outputs are bit-identical at every -tp (--no-tp-invariant: one block per rank, outputs within "
+                "float32 rounding of TP 1)"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tp_invariant, bool):
+            raise ValueError(f"tp_invariant must be True or False, got {self.tp_invariant!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")

@@ -120,7 +120,8 @@ class LLMEngine:
         self.tp_plan = tensor_parallel_plan(config.tensor_parallel_size, self.arch)
         self.model = build_model(self.arch, hf_config, dtype, self.max_model_len,
                                  small_batch_max_tokens=config.small_batch_max_tokens,
-                                 shard=self.tp_plan.ranks[0] if self.tp_plan else None)
+                                 shard=self.tp_plan.ranks[0] if self.tp_plan else None,
+                                 tp_invariant=config.tp_invariant)
         logger.info("layer loop: C ops bound to the weights for passes of at most %d float32 tokens "
                     "(small_batch_max_tokens; 0: never), where the model has them", config.small_batch_max_tokens)
         self.model.load_weights(iter_weights(self.source))
@@ -146,7 +147,7 @@ class LLMEngine:
                                                   self.arch.head_dim), kv_dtype, prefault=config.cache.kv_prefault)
         self.tp = None if self.tp_plan is None else start_tensor_parallel(
             self.tp_plan, self.model, self.kv_cache, str(self.source.path), config.dtype, self.max_model_len,
-            config.small_batch_max_tokens, config.attention_backend, config.cache.kv_prefault)
+            config.small_batch_max_tokens, config.attention_backend, config.cache.kv_prefault, config.tp_invariant)
         self.pool = BlockPool(size.num_blocks, config.cache.num_padding_blocks)
         self.cache_manager = KVCacheManager(self.pool, P, groups, enable_prefix_caching=sharing)
         # no CPU swap under TP (it would move rank 0's shard only): stalled requests are recomputed

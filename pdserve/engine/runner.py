@@ -238,14 +238,15 @@ def tensor_parallel_plan(tensor_parallel_size: int, arch: ModelArch) -> TensorPa
 
 def start_tensor_parallel(plan: TensorParallelPlan, model: nn.Module, kv_cache: PagedKVCache, model_path: str,
                           dtype: str, max_model_len: int, small_batch_max_tokens: int, attention_backend: str,
-                          kv_prefault: bool) -> TensorParallelGroup:
+                          kv_prefault: bool, tp_invariant: bool = True) -> TensorParallelGroup:
     """Start ranks 1..N-1 for an engine whose leader holds `model` (rank 0's shard) and `kv_cache`
     (rank 0's pool), and connect the leader's row-parallel layers to the group."""
     s = kv_cache.shape
     kv_dtype = str(kv_cache.dtype).removeprefix("torch.")
     group = TensorParallelGroup.start(plan, GroupSpec(
         model_path=model_path, dtype=dtype, kv_dtype=kv_dtype, max_model_len=max_model_len,
-        small_batch_max_tokens=small_batch_max_tokens, attention_backend=attention_backend,
+        small_batch_max_tokens=small_batch_max_tokens, tp_invariant=tp_invariant,
+        attention_backend=attention_backend,
         num_blocks=s.num_pages, page_size=s.page_size, num_layers=s.num_layers, head_dim=s.head_dim,
         kv_element_size=kv_cache.buffer.element_size(), kv_populate=kv_prefault))
     model.set_tp_comm(group.comm)

@@ -18,7 +18,9 @@ Both run the same kernels in the same order with the same arguments: for a pass 
 so tokens and logprobs are bit-identical on the two (tested); o_proj and down_proj take the
 blocked kernel with the layers' fold blocks on both (pdserve/model/tp.py). `CLayerOps.bind` returns None, and
 every pass takes the module ops, for weights that are not float32 on the CPU, q/k norms and
-tensor-parallel splits.
+a shard whose row-parallel layers are not yet connected to its tensor-parallel group. Under tensor
+parallelism both paths continue the ranks' fold of o_proj and down_proj in the same way (rank 0's
+folded prefix, the later ranks' block partials; pdserve/model/tp.py).
 
 An ops object holds the pass's residual stream h and the current norm output x; the loop asks
 it, per layer i: `qkv(i)` (q, k, v of x: projection and rotary), `attn_out(i, a)` (the output
@@ -99,9 +101,11 @@ class _Layer:
     gu_w: int                          # [2 I, H]
     gu_b: int
     down_w: int                        # [H, I]
+    down_b: int
     o_kb: int                          # o_proj's fold block (pdserve/model/tp.py)
     down_kb: int                       # down_proj's fold block
-    down_b: int
+    o_bias: torch.Tensor | None        # the row-parallel biases, added by the fold's last rank under TP
+    down_bias: torch.Tensor | None
 
 
 def _weight(t: torch.Tensor, shape: tuple[int, ...], what: str) -> int:
@@ -139,15 +143,17 @@ class CLayerOps:
                      for name, (t, shape) in parts.items()}
             tensors = tuple(t for t, _ in parts.values() if t is not None)
             bound.append(_Layer(tensors=tensors, o_kb=attn.o_proj.fold_block, down_kb=mlp.down_proj.fold_block,
-                                **addrs))
+                                o_bias=attn.o_proj.bias, down_bias=mlp.down_proj.bias, **addrs))
         self.layers = tuple(bound)
+        # the TP group's comm (pdserve/model/tp.py TPComm) when the layers are a rank's shard, else None
+        self.comm = layers[0].self_attn.o_proj.comm if layers[0].self_attn.o_proj.tp_split else None
         self._addrs = tuple(t.data_ptr() for layer in self.layers for t in layer.tensors)
 
     @staticmethod
     def bind(layers: Sequence[torch.nn.Module], eps: float, max_tokens: int) -> CLayerOps | None:
         """Bound layers, or None where the C ops do not apply (max_tokens 0, C ops not built, q/k
-        norm, TP split, weights that are not float32 on the CPU). Raises ValueError when
-        max_tokens is outside [0, MAX_ROWS] (the module path's linear would not take the C
+        norm, a TP shard not yet connected to its group, weights that are not float32 on the CPU).
+        Raises ValueError when max_tokens is outside [0, MAX_ROWS] (the module path's linear would not take the C
         kernel for such passes, and the two paths would differ)."""
         if not 0 <= max_tokens <= MAX_ROWS:
             raise ValueError(f"C layer ops: max_tokens must be in [0, {MAX_ROWS}] (the small linear kernel's "
@@ -156,9 +162,10 @@ class CLayerOps:
             return None
         for layer in layers:
             attn = layer.self_attn
-            if attn.q_norm is not None or attn.qkv_proj.tp_split or attn.o_proj.tp_split:
+            if attn.q_norm is not None:
                 return None
-            if layer.mlp.gate_up_proj.tp_split or layer.mlp.down_proj.tp_split:
+            rows = (attn.o_proj, layer.mlp.down_proj)
+            if any(r.tp_split and r.comm is None for r in rows):   # a shard not connected to its group yet
                 return None
             for p in layer.parameters():
                 if p.dtype != _F32 or p.device.type != "cpu":
@@ -225,6 +232,11 @@ def _c_pass(bound: CLayerOps, h: torch.Tensor, x: torch.Tensor, cos: torch.Tenso
     nt = torch.get_num_threads()
     linear, norm, rope = _lib.sl_linear_addr, _lib.op_add_rms_norm_addr, _lib.op_rope_qk_addr
     blocked = _lib.sl_linear_blocked_addr  # the row-parallel layers' TP-invariant fold
+    comm = bound.comm
+    if comm is not None:  # a rank's block partials of o_proj / down_proj, continuing the ranks' fold
+        first = layers[0]
+        o_parts = torch.empty(-(-attn_n // first.o_kb), T, H, dtype=_F32)  # [nb_o, T, H]
+        d_parts = torch.empty(-(-I // first.down_kb), T, H, dtype=_F32)    # [nb_down, T, H]
     silu = _lib.op_silu_mul_addr
     q_shape = q.shape
 
@@ -239,20 +251,54 @@ def _c_pass(bound: CLayerOps, h: torch.Tensor, x: torch.Tensor, cos: torch.Tenso
             raise ValueError(f"C layer ops: attention output {tuple(a.shape)}/{a.dtype} is not "
                              f"contiguous float32 {tuple(q_shape)}")
         w = layers[i]
-        _ok(blocked(op, a.data_ptr(), w.o_w, w.o_b, T, H, attn_n, attn_n, H, w.o_kb, 0, nt), "o_proj", i)
+        if comm is None:
+            _ok(blocked(op, a.data_ptr(), w.o_w, w.o_b, T, H, attn_n, attn_n, H, w.o_kb, 0, nt), "o_proj", i)
+        elif comm.rank == 0:
+            _ok(blocked(op, a.data_ptr(), w.o_w, 0, T, H, attn_n, attn_n, H, w.o_kb, 0, nt), "o_proj", i)
+            _tp_fold(comm, o, None, w.o_bias)
+        else:
+            _ok(blocked(o_parts.data_ptr(), a.data_ptr(), w.o_w, 0, T, H, attn_n, attn_n, H, w.o_kb, T * H, nt),
+                "o_proj", i)
+            _tp_fold(comm, o, o_parts, w.o_bias)
 
     def mlp(i: int) -> None:
         w = layers[i]
         _ok(norm(xp, hp, op, w.ln2, T, H, H, H, H, eps), "post_attention_layernorm", i)  # h += o; x = norm(h)
         _ok(linear(gup, xp, w.gu_w, w.gu_b, T, 2 * I, H, H, 2 * I, nt), "gate_up_proj", i)
         _ok(silu(actp, gup, T, I, I, 2 * I, nt), "silu_mul", i)
-        _ok(blocked(mp, actp, w.down_w, w.down_b, T, H, I, I, H, w.down_kb, 0, nt), "down_proj", i)
+        if comm is None:
+            _ok(blocked(mp, actp, w.down_w, w.down_b, T, H, I, I, H, w.down_kb, 0, nt), "down_proj", i)
+        elif comm.rank == 0:
+            _ok(blocked(mp, actp, w.down_w, 0, T, H, I, I, H, w.down_kb, 0, nt), "down_proj", i)
+            _tp_fold(comm, m, None, w.down_bias)
+        else:
+            _ok(blocked(d_parts.data_ptr(), actp, w.down_w, 0, T, H, I, I, H, w.down_kb, T * H, nt), "down_proj", i)
+            _tp_fold(comm, m, d_parts, w.down_bias)
         if i + 1 < n_layers:  # h += m; x = the next layer's input_layernorm(h)
             _ok(norm(xp, hp, mp, layers[i + 1].ln1, T, H, H, H, H, eps), "input_layernorm", i + 1)
         else:
             h.add_(m)
 
     return _CPass(qkv=qkv_rope, attn_out=attn_out, mlp=mlp, buffers=(h, x, qkv, q, k, o, gu, act, m))
+
+
+def _tp_fold(comm: object, y: torch.Tensor, parts: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+    """The ranks' fold of a row-parallel output, as RowLinear.forward does it: rank 0 (parts None)
+    has folded its prefix into y and sends it on; rank r adds its block partials [nb, T, H] to what
+    arrives from rank r - 1 and sends it on, the last rank adds the bias; the last rank's y is
+    broadcast to every rank (y: [T, H], updated in place)."""
+    r, n = comm.rank, comm.size
+    if parts is None:
+        comm.send(y, 1)
+    else:
+        comm.recv(y, r - 1)
+        for p in parts:
+            y += p
+        if r + 1 < n:
+            comm.send(y, r + 1)
+        elif bias is not None:
+            y += bias
+    comm.broadcast(y, n - 1)
 
 
 def _ok(rc: int, op: str, layer: int) -> None:

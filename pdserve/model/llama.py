@@ -43,13 +43,14 @@ from pdserve.model.weights import CheckpointReader
 LayerHook = Callable[[int], None]
 
 
-def _fold(block: int, dtype: torch.dtype) -> int | None:
-    """A row-parallel layer's fold block: TP-invariant blocks for float32 (pdserve/model/tp.py)."""
-    return block if dtype == torch.float32 else None
+def _fold(block: int, dtype: torch.dtype, invariant: bool) -> int | None:
+    """A row-parallel layer's fold block: TP-invariant blocks for float32 (pdserve/model/tp.py),
+    None (one block: each rank's whole share) when tp_invariant is off or for other dtypes."""
+    return block if invariant and dtype == torch.float32 else None
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, shard: RankShard) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, shard: RankShard, invariant: bool = True) -> None:
         super().__init__()
         D = arch.head_dim
         q0, q1 = shard.q_heads
@@ -60,7 +61,7 @@ class Attention(nn.Module):
         self.qkv_proj = MergedColumnLinear(arch.hidden_size, [q_size, kv_size, kv_size], arch.attention_bias, dtype,
                                            part_rows=[(q0 * D, q1 * D), (kv0 * D, kv1 * D), (kv0 * D, kv1 * D)])
         self.o_proj = RowLinear(q_size, arch.hidden_size, False, dtype, in_cols=(q0 * D, q1 * D),
-                                fold_block=_fold(D, dtype))
+                                fold_block=_fold(D, dtype, invariant))
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -85,32 +86,35 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, shard: RankShard) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, shard: RankShard, invariant: bool = True) -> None:
         super().__init__()
         inter = arch.intermediate_size
         rows = shard.mlp_rows
         self.gate_up_proj = MergedColumnLinear(arch.hidden_size, [inter, inter], arch.mlp_bias, dtype,
                                                part_rows=[rows, rows])
         self.down_proj = RowLinear(inter, arch.hidden_size, arch.mlp_bias, dtype, in_cols=rows,
-                                   fold_block=_fold(shard.mlp_block, dtype))
+                                   fold_block=_fold(shard.mlp_block, dtype, invariant))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
         return self.down_proj.forward(silu_mul(self.gate_up_proj.forward(x)))  # [T, 2 inter] -> [T, inter]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, shard: RankShard) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, shard: RankShard, invariant: bool = True) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = Attention(arch, dtype, shard)
+        self.self_attn = Attention(arch, dtype, shard, invariant)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = MLP(arch, dtype, shard)
+        self.mlp = MLP(arch, dtype, shard, invariant)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch, hf_config: object, dtype: torch.dtype, max_positions: int,
-                 small_batch_max_tokens: int = MAX_ROWS, shard: RankShard | None = None) -> None:
-        """shard: what this tensor-parallel rank holds (pdserve/model/tp.py); None: TP 1."""
+                 small_batch_max_tokens: int = MAX_ROWS, shard: RankShard | None = None,
+                 tp_invariant: bool = True) -> None:
+        """shard: what this tensor-parallel rank holds (pdserve/model/tp.py); None: TP 1.
+        tp_invariant: sum o_proj / down_proj in the fixed fold blocks (float32: TP N == TP 1 bit for
+        bit); False: each rank's share in one block (TP N within float32 rounding of TP 1)."""
         super().__init__()
         if not 0 <= small_batch_max_tokens <= MAX_ROWS:
             raise ValueError(f"small_batch_max_tokens must be in [0, {MAX_ROWS}], got {small_batch_max_tokens}")
@@ -119,7 +123,8 @@ class LlamaForCausalLM(nn.Module):
         self.small_batch_max_tokens = small_batch_max_tokens
         self.embed_tokens, self.lm_head_weight = embedding_and_head(   # lm_head_weight: [V, hidden]
             arch.vocab_size, arch.hidden_size, arch.tie_word_embeddings, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, self.shard) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, self.shard, tp_invariant)
+                                    for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         inv_freq, scaling = rope_inv_freq(hf_config, arch.head_dim)
         self.rope = RotaryEmbedding(inv_freq, scaling, max_positions, dtype)
@@ -171,6 +176,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.self_attn.o_proj.comm = comm
             layer.mlp.down_proj.comm = comm
+        self._c_ops = None  # rebind: the C layer ops take the group's comm when they bind
 
     def _run_layers(
         self,

@@ -69,6 +69,7 @@ class GroupSpec:
     kv_dtype: str
     max_model_len: int
     small_batch_max_tokens: int
+    tp_invariant: bool
     attention_backend: str
     num_blocks: int
     page_size: int
@@ -146,6 +147,7 @@ class TensorParallelGroup:
                                 leader_pid=os.getpid(), model_path=spec.model_path, dtype=spec.dtype,
                                 kv_dtype=spec.kv_dtype, max_model_len=spec.max_model_len,
                                 small_batch_max_tokens=spec.small_batch_max_tokens,
+                                tp_invariant=spec.tp_invariant,
                                 attention_backend=spec.attention_backend, num_blocks=spec.num_blocks,
                                 page_size=spec.page_size, pool_name=f.name, pool_nbytes=nbytes, cpus=cpus[r],
                                 num_threads=threads[r], ctrl_fd=ctrl_r, status_fd=stat_w)

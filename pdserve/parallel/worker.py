@@ -55,6 +55,7 @@ class WorkerSpec:
     kv_dtype: str
     max_model_len: int
     small_batch_max_tokens: int
+    tp_invariant: bool
     attention_backend: str
     num_blocks: int
     page_size: int
@@ -96,7 +97,8 @@ def run(spec: WorkerSpec) -> int:
     plan = plan_tensor_parallel(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, spec.tp_size)
     shard = plan.ranks[spec.rank]
     model = build_model(arch, hf_config, _DTYPES[spec.dtype], spec.max_model_len,
-                        small_batch_max_tokens=spec.small_batch_max_tokens, shard=shard)
+                        small_batch_max_tokens=spec.small_batch_max_tokens, shard=shard,
+                        tp_invariant=spec.tp_invariant)
     model.load_weights(iter_weights(source))
     model.eval()
     kv_heads = len(shard.kv_heads)

@@ -104,3 +104,17 @@ def test_step_message_round_trip_rebuilds_kv_rows_for_the_rank():
     assert (b.num_decode, b.q_lens, b.ctx_lens, b.page_size, b.window) == (1, (1, 2), (1, 11), P, 7)
     expected = ((pages[:, None] * H + torch.arange(H)[None, :]) * P + offs[:, None]).reshape(-1)
     assert torch.equal(b.kv_rows, expected)
+
+
+def test_tensor_parallel_flags_are_generated_with_the_tp_alias():
+    import argparse
+
+    from pdserve.serving.engine_args import add_engine_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config(p.parse_args(["-tp", "2"])).tensor_parallel_size == 2
+    assert engine_config(p.parse_args(["--tensor-parallel-size", "4"])).tensor_parallel_size == 4
+    assert engine_config(p.parse_args([])).tensor_parallel_size == 1
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1, got 0"):
+        engine_config(p.parse_args(["-tp", "0"]))

@@ -1,0 +1,133 @@
+"""TP 2 against TP 1 on this machine, paired and alternating in one process (default model, float32).
+
+    .venv/bin/python bench/tp_ab.py [--rounds 6 --prefill-tokens 512 --batch 16 --ctx 128 --steps 5]
+
+Builds two engines in one process: `LLM(tensor_parallel_size=1, num_threads=--threads)` and
+`LLM(tensor_parallel_size=2)` (its worker rank pinned to its own core where there are two).
+Each round, in an order flipped every round, each engine runs
+- prefill: one fresh prompt of --prefill-tokens tokens as one pass (max_tokens=1), timed from
+  add_request to its output;
+- decode: --batch requests of --ctx tokens prefilled untimed, then --steps timed decode steps
+  (median).
+torch's thread count is set per engine before each pass (TP 1: --threads; TP 2's leader: the
+thread count its group chose). For TP 2 it also records the leader's time inside the row-parallel
+folds' collectives (send / recv / broadcast), the all-reduce share of the pass. Prints medians
+and checks that the two engines generate the same greedy tokens (they must: bit-identical).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pdserve import LLM, SamplingParams
+
+
+class _TimedComm:
+    """Wraps the leader's GlooComm and sums the seconds spent in its collectives."""
+
+    def __init__(self, comm: object) -> None:
+        self.inner, self.rank, self.size, self.seconds = comm, comm.rank, comm.size, 0.0
+
+    def _timed(self, name: str, *args: object) -> None:
+        t0 = time.perf_counter()
+        getattr(self.inner, name)(*args)
+        self.seconds += time.perf_counter() - t0
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        self._timed("send", t, dst)
+
+    def recv(self, t: torch.Tensor, src: int) -> None:
+        self._timed("recv", t, src)
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        self._timed("broadcast", t, src)
+
+
+def _prefill(llm: LLM, prompt: list[int], rid: str) -> tuple[float, list[int]]:
+    eng = llm.engine
+    t0 = time.perf_counter()
+    eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), request_id=rid)
+    out = []
+    while eng.has_unfinished_requests():
+        out += [o for o in eng.step() if o.finished]
+    return time.perf_counter() - t0, list(out[0].completion.token_ids)
+
+
+def _decode(llm: LLM, prompts: list[list[int]], steps: int, tag: str,
+            timed: _TimedComm) -> tuple[float, list[list[int]], float]:
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    reqs = [eng.add_request(p, params, request_id=f"{tag}-{j}") for j, p in enumerate(prompts)]
+    while any(not r.output_token_ids for r in reqs):
+        eng.step()
+    timed.seconds = 0.0
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    comm = timed.seconds / steps
+    while eng.has_unfinished_requests():
+        eng.step()
+    return statistics.median(times), [list(r.output_token_ids) for r in reqs], comm
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--ctx", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the TP 1 engine")
+    args = p.parse_args()
+    blocks = args.batch * (args.ctx // 16 + 4) + args.prefill_tokens // 16 + 8
+    opts = dict(num_blocks=blocks, max_batch_tokens=max(args.prefill_tokens, args.batch),
+                max_requests_per_batch=args.batch, max_model_len=2048)
+    tp2 = LLM(tensor_parallel_size=2, **opts)
+    tp2_threads = torch.get_num_threads()
+    timed = _TimedComm(tp2.engine.tp.comm)
+    tp2.engine.model.set_tp_comm(timed)
+    tp1 = LLM(num_threads=args.threads, **opts)
+    engines = {"tp1": (tp1, args.threads), "tp2": (tp2, tp2_threads)}
+    vocab = tp1.engine.arch.vocab_size
+    res: dict[str, list[float]] = {k: [] for k in ("tp1_prefill", "tp2_prefill", "tp1_decode", "tp2_decode",
+                                                   "tp2_prefill_comm", "tp2_decode_comm")}
+    same = True
+    for r in range(args.rounds):
+        prompt = [(7 * i + 101 * r) % (vocab - 100) + 50 for i in range(args.prefill_tokens)]
+        dprompts = [[(13 * i + 31 * j + r) % (vocab - 100) + 50 for i in range(args.ctx)] for j in range(args.batch)]
+        order = ("tp1", "tp2") if r % 2 == 0 else ("tp2", "tp1")
+        toks: dict[str, object] = {}
+        for name in order:
+            llm, threads = engines[name]
+            torch.set_num_threads(threads)
+            timed.seconds = 0.0
+            s, t_pre = _prefill(llm, prompt, f"p{r}")
+            res[f"{name}_prefill"].append(s)
+            if name == "tp2":
+                res["tp2_prefill_comm"].append(timed.seconds)
+            d, t_dec, comm = _decode(llm, dprompts, args.steps, f"d{r}", timed)
+            res[f"{name}_decode"].append(d)
+            if name == "tp2":
+                res["tp2_decode_comm"].append(comm)   # mean per timed step
+            toks[name] = (t_pre, t_dec)
+        same = same and toks["tp1"] == toks["tp2"]
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in res.items()), flush=True)
+    med = {k: statistics.median(v) * 1e3 for k, v in res.items()}
+    print(f"rounds {args.rounds}, prefill {args.prefill_tokens} tokens, decode batch {args.batch} x ctx {args.ctx}, "
+          f"TP 1 threads {args.threads}, TP 2 leader threads {tp2_threads}, cores {tp2.engine.tp.cpus}")
+    for k in ("prefill", "decode"):
+        diffs = [b - a for a, b in zip(res[f"tp1_{k}"], res[f"tp2_{k}"], strict=True)]
+        print(f"{k}: TP1 {med[f'tp1_{k}']:.1f} ms, TP2 {med[f'tp2_{k}']:.1f} ms (paired median TP2 - TP1 "
+              f"{statistics.median(diffs) * 1e3:+.1f} ms), TP2 leader in collectives {med[f'tp2_{k}_comm']:.1f} ms")
+    print(f"greedy tokens identical: {same}")
+    tp2.close()
+
+
+if __name__ == "__main__":
+    main()
