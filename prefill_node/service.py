@@ -455,6 +455,9 @@ class PrefillNode:
             self.transport.disconnect(peer)
         except FabricError as e:
             logger.warning("decode peer %s: disconnect after a failed transfer: %s", engine_id[:8], e)
+            return
+        logger.info("decode peer %s disconnected after a failed transfer (connection %d)", engine_id[:8],
+                    self._epochs[engine_id])
 
     def _tombstone(self, key: TransferKey, tomb: _Tomb) -> None:
         self._finished[key] = tomb
