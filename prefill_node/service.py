@@ -28,8 +28,12 @@ at the same address) is WRONG_ENGINE, never confirmed. An active transfer is abo
 for (ABORT_WAIT_S). A FINISHED key is confirmed with a delivery fence: one write carrying the
 decode node's fence tag, posted on the same connection after every write of the transfer
 completed locally (`KvSender.fence`); the connection delivers writes in order (FI_ORDER_WAW,
-which tcp;ofi_rxm and shm advertise), so once the decode node counted the fence, every write of
-the transfer has landed. A key whose connection failed since cannot be fenced (not confirmed).
+which tcp;ofi_rxm and shm advertise in libfabric 1.17's fi_info; our hints ask only for
+FI_ORDER_SAS), so once the decode node counted the fence, every write of the transfer has
+landed. On RDMA providers (verbs, efa) and shm a local completion already means the target has
+the data (delivery complete), so there the fence only confirms what the completions said; on
+tcp;ofi_rxm, where "completed locally" means handed to the socket, it is what makes the
+confirmation sound. A key whose connection failed since cannot be fenced (not confirmed).
 An unknown key is remembered as refused (a later Prefill for it answers ABORTED and never writes)
 and is not confirmed the first time; from then on it is REFUSED, confirmed (nothing was posted).
 
