@@ -25,21 +25,23 @@ _sym_db = _symbol_database.Default()
 from pdserve_api.v1 import common_pb2 as pdserve__api_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve_api/v1/node.proto\x12\x0epdserve.api.v1\x1a\x1bpdserve_api/v1/common.proto\"\x14\n\x12GetNodeInfoRequest\"\xa2\x02\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.pdserve.api.v1.NodeRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\x30\n\x08sharding\x18\x04 \x01(\x0b\x32\x1e.pdserve.api.v1.ShardingScheme\x12&\n\x04load\x18\x05 \x01(\x0b\x32\x18.pdserve.api.v1.NodeLoad\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x1a\n\x12max_context_length\x18\x07 \x01(\r\x12\x13\n\x0b\x66\x61\x62ric_peer\x18\x08 \x01(\x0c\x12/\n\ttransfers\x18\t \x01(\x0b\x32\x1c.pdserve.api.v1.TransferInfo\"\xc6\x01\n\x0cTransferInfo\x12\x1d\n\x15quarantined_kv_blocks\x18\x01 \x01(\r\x12\x1d\n\x15quarantined_transfers\x18\x02 \x01(\r\x12\x13\n\x0btags_in_use\x18\x03 \x01(\r\x12\x1c\n\x14\x63ontext_slots_in_use\x18\x04 \x01(\r\x12\x14\n\x0cstale_writes\x18\x05 \x01(\x04\x12\x15\n\rheld_requests\x18\x06 \x01(\r\x12\x18\n\x10\x61\x63tive_transfers\x18\x07 \x01(\r*k\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_ROLE_PREFILL\x10\x01\x12\x14\n\x10NODE_ROLE_DECODE\x10\x02\x12\x17\n\x13NODE_ROLE_COLOCATED\x10\x03\x32Z\n\x0bNodeService\x12K\n\x0bGetNodeInfo\x12\".pdserve.api.v1.GetNodeInfoRequest\x1a\x18.pdserve.api.v1.NodeInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve_api/v1/node.proto\x12\x0epdserve.api.v1\x1a\x1bpdserve_api/v1/common.proto\"\x14\n\x12GetNodeInfoRequest\"\xd0\x02\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.pdserve.api.v1.NodeRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\x30\n\x08sharding\x18\x04 \x01(\x0b\x32\x1e.pdserve.api.v1.ShardingScheme\x12&\n\x04load\x18\x05 \x01(\x0b\x32\x18.pdserve.api.v1.NodeLoad\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x1a\n\x12max_context_length\x18\x07 \x01(\r\x12\x13\n\x0b\x66\x61\x62ric_peer\x18\x08 \x01(\x0c\x12/\n\ttransfers\x18\t \x01(\x0b\x32\x1c.pdserve.api.v1.TransferInfo\x12,\n\x05\x62uild\x18\n \x01(\x0b\x32\x1d.pdserve.api.v1.BuildIdentity\"\x85\x01\n\rBuildIdentity\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0e\n\x06\x63ommit\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x19\n\x11model_config_hash\x18\x04 \x01(\t\x12\x16\n\x0ekv_layout_hash\x18\x05 \x01(\t\x12\x11\n\tkv_layout\x18\x06 \x01(\t\"\xc6\x01\n\x0cTransferInfo\x12\x1d\n\x15quarantined_kv_blocks\x18\x01 \x01(\r\x12\x1d\n\x15quarantined_transfers\x18\x02 \x01(\r\x12\x13\n\x0btags_in_use\x18\x03 \x01(\r\x12\x1c\n\x14\x63ontext_slots_in_use\x18\x04 \x01(\r\x12\x14\n\x0cstale_writes\x18\x05 \x01(\x04\x12\x15\n\rheld_requests\x18\x06 \x01(\r\x12\x18\n\x10\x61\x63tive_transfers\x18\x07 \x01(\r*k\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x15\n\x11NODE_ROLE_PREFILL\x10\x01\x12\x14\n\x10NODE_ROLE_DECODE\x10\x02\x12\x17\n\x13NODE_ROLE_COLOCATED\x10\x03\x32Z\n\x0bNodeService\x12K\n\x0bGetNodeInfo\x12\".pdserve.api.v1.GetNodeInfoRequest\x1a\x18.pdserve.api.v1.NodeInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve_api.v1.node_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NODEROLE']._serialized_start=590
-  _globals['_NODEROLE']._serialized_end=697
+  _globals['_NODEROLE']._serialized_start=772
+  _globals['_NODEROLE']._serialized_end=879
   _globals['_GETNODEINFOREQUEST']._serialized_start=74
   _globals['_GETNODEINFOREQUEST']._serialized_end=94
   _globals['_NODEINFO']._serialized_start=97
-  _globals['_NODEINFO']._serialized_end=387
-  _globals['_TRANSFERINFO']._serialized_start=390
-  _globals['_TRANSFERINFO']._serialized_end=588
-  _globals['_NODESERVICE']._serialized_start=699
-  _globals['_NODESERVICE']._serialized_end=789
+  _globals['_NODEINFO']._serialized_end=433
+  _globals['_BUILDIDENTITY']._serialized_start=436
+  _globals['_BUILDIDENTITY']._serialized_end=569
+  _globals['_TRANSFERINFO']._serialized_start=572
+  _globals['_TRANSFERINFO']._serialized_end=770
+  _globals['_NODESERVICE']._serialized_start=881
+  _globals['_NODESERVICE']._serialized_end=971
 # @@protoc_insertion_point(module_scope)

@@ -23,7 +23,7 @@ class GetNodeInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "role", "model", "sharding", "load", "num_layers", "max_context_length", "fabric_peer", "transfers")
+    __slots__ = ("node_id", "role", "model", "sharding", "load", "num_layers", "max_context_length", "fabric_peer", "transfers", "build")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class NodeInfo(_message.Message):
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FABRIC_PEER_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    BUILD_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: NodeRole
     model: str
@@ -42,7 +43,24 @@ class NodeInfo(_message.Message):
     max_context_length: int
     fabric_peer: bytes
     transfers: TransferInfo
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., model: _Optional[str] = ..., sharding: _Optional[_Union[_common_pb2.ShardingScheme, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., num_layers: _Optional[int] = ..., max_context_length: _Optional[int] = ..., fabric_peer: _Optional[bytes] = ..., transfers: _Optional[_Union[TransferInfo, _Mapping]] = ...) -> None: ...
+    build: BuildIdentity
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., model: _Optional[str] = ..., sharding: _Optional[_Union[_common_pb2.ShardingScheme, _Mapping]] = ..., load: _Optional[_Union[_common_pb2.NodeLoad, _Mapping]] = ..., num_layers: _Optional[int] = ..., max_context_length: _Optional[int] = ..., fabric_peer: _Optional[bytes] = ..., transfers: _Optional[_Union[TransferInfo, _Mapping]] = ..., build: _Optional[_Union[BuildIdentity, _Mapping]] = ...) -> None: ...
+
+class BuildIdentity(_message.Message):
+    __slots__ = ("version", "commit", "model", "model_config_hash", "kv_layout_hash", "kv_layout")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    commit: str
+    model: str
+    model_config_hash: str
+    kv_layout_hash: str
+    kv_layout: str
+    def __init__(self, version: _Optional[str] = ..., commit: _Optional[str] = ..., model: _Optional[str] = ..., model_config_hash: _Optional[str] = ..., kv_layout_hash: _Optional[str] = ..., kv_layout: _Optional[str] = ...) -> None: ...
 
 class TransferInfo(_message.Message):
     __slots__ = ("quarantined_kv_blocks", "quarantined_transfers", "tags_in_use", "context_slots_in_use", "stale_writes", "held_requests", "active_transfers")
