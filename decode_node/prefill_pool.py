@@ -9,6 +9,10 @@ leading blocks before (the prefix cache that can skip them is the prefill node's
 node's load is under the cap (pdserve.serving.prefix_index.LoadCap); otherwise, and with no match, least
 loaded. A node marked down is forgotten: it may have restarted with an empty cache.
 
+Version skew (NodeInfo.build, pdserve.serving.build_identity): a node whose model or KV-layout hash
+differs from this decode node's (or that reports none) is never chosen; the skip is logged with both
+identities when it starts and ends, and pdserve:incompatible_peers{peer} is 1 while it lasts.
+
 Runs on the decode node's asyncio loop; not thread-safe.
 """
 
@@ -23,8 +27,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from kv_messenger.ticket import peer_from_bytes
+from pdserve.serving.build_identity import BuildIdentity, incompatibility
 from pdserve.serving.channels import PLAINTEXT, ChannelSecurity, open_channel
 from pdserve.serving.discovery import Membership
+from pdserve.serving.metrics import node_metrics
 from pdserve.serving.prefix_index import Candidate, LoadCap, PrefixIndex, chain_hashes, choose, token_blocks
 from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2_grpc
 
@@ -67,6 +73,7 @@ class PrefillNode:
     down_reason: str = ""
     last_answer: float = 0.0              # time.monotonic() of its last GetNodeInfo answer (stall detection)
     node_id: str = ""
+    incompatible: str = ""                # why its build cannot pair with ours ('' when it can)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -76,11 +83,12 @@ class PrefillNode:
 
 class PrefillPool:
     def __init__(self, addresses: list[str], affinity: PrefixAffinity | None = None,
-                 security: ChannelSecurity = PLAINTEXT) -> None:
+                 security: ChannelSecurity = PLAINTEXT, identity: BuildIdentity | None = None) -> None:
         if not addresses:
             raise ValueError("a decode node needs at least one prefill node address (or --colocated)")
         self.affinity = affinity
         self.index = PrefixIndex(affinity.capacity) if affinity is not None else None
+        self.identity = identity   # this decode node's build: None checks nothing (pool tests)
         self.nodes: list[PrefillNode] = []
         # Static addresses now; dns:NAME:PORT entries resolved at each refresh (pdserve.serving.discovery).
         self.members = Membership(addresses)
@@ -108,6 +116,7 @@ class PrefillPool:
             return
         n.last_answer = time.monotonic()
         n.node_id = info.node_id
+        self._check_build(n, info)
         n.reported_tokens = int(info.load.outstanding_tokens)
         if info.fabric_peer:
             peer = peer_from_bytes(info.fabric_peer)
@@ -129,6 +138,8 @@ class PrefillPool:
             for n in [n for n in self.nodes if n.address in gone]:
                 self.nodes.remove(n)
                 self._retired.append(n)
+                if n.incompatible:   # gone: no longer skipped
+                    node_metrics().incompatible_peers.labels(peer=n.address).set(0)
                 if self.index is not None:
                     self.index.forget(n.address)
             known = {n.address for n in self.nodes}
@@ -138,6 +149,19 @@ class PrefillPool:
             self._retired.remove(n)
             await n.channel.close()
         return added
+
+    def _check_build(self, n: PrefillNode, info: node_pb2.NodeInfo) -> None:
+        """Skip `n` while its model or KV layout differs from ours (logged at each change, and the gauge)."""
+        if self.identity is None:
+            return
+        why = incompatibility(self.identity, BuildIdentity.from_pb(info.build))
+        if why and why != n.incompatible:
+            logger.error("prefill node %s (%s) skipped: %s", n.address, info.node_id or "?", why)
+        elif not why and n.incompatible:
+            logger.info("prefill node %s (%s) is compatible again: %s", n.address, info.node_id or "?",
+                        self.identity.describe())
+        n.incompatible = why
+        node_metrics().incompatible_peers.labels(peer=n.address).set(1 if why else 0)
 
     def mark_down(self, node: PrefillNode, why: str) -> None:
         if node.down_since is None:
@@ -149,7 +173,9 @@ class PrefillPool:
 
     def describe_down(self) -> str:
         """'ADDR (down: why)' for every node currently out of rotation."""
-        return "; ".join(f"{n.address} (down: {n.down_reason})" for n in self.nodes if n.down_since is not None)
+        return "; ".join([f"{n.address} (down: {n.down_reason})" for n in self.nodes if n.down_since is not None]
+                         + [f"{n.address} (incompatible: {n.incompatible})" for n in self.nodes
+                            if n.incompatible and n.down_since is None])
 
     def choose(self, exclude: set[str] = frozenset(), token_ids: Sequence[int] = ()) -> PrefillNode | None:
         """The up node for a prompt of `token_ids` (down nodes are retried after a while): least
@@ -158,7 +184,7 @@ class PrefillPool:
         now = time.monotonic()
         # Only nodes whose fabric engine we know (an abort must name it, S5); up ones first, and a
         # down one only once RETRY_DOWN_AFTER_S passed and no up one is left.
-        known = [n for n in self.nodes if n.address not in exclude and n.peer is not None]
+        known = [n for n in self.nodes if n.address not in exclude and n.peer is not None and not n.incompatible]
         candidates = [n for n in known if n.down_since is None] or [
             n for n in known if n.down_since is not None and now - n.down_since > RETRY_DOWN_AFTER_S]
         if not candidates:
@@ -177,7 +203,8 @@ class PrefillPool:
         also marks it down, and its request should wait for it rather than fail)."""
         now = time.monotonic()
         waits = [max(0.0, n.down_since + RETRY_DOWN_AFTER_S - now) for n in self.nodes
-                 if n.address not in exclude and n.peer is not None and n.down_since is not None]
+                 if n.address not in exclude and n.peer is not None and n.down_since is not None
+                 and not n.incompatible]
         return min(waits) if waits else None
 
     def by_address(self, address: str) -> PrefillNode:

@@ -61,6 +61,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_thread import EngineThread
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import RequestStatus
+from pdserve.serving.build_identity import engine_identity
 from pdserve.serving.channels import PLAINTEXT, ChannelSecurity
 from pdserve.serving.logs import bind_request_id
 from pdserve.serving.metrics import node_metrics, request_metrics
@@ -202,6 +203,8 @@ class DecodeNode(ReceiverEvents):
         self.model_name: str = info.model_name
         self.max_model_len: int = info.max_model_len
         self._page_size = info.page_size
+        # NodeInfo.build; prefill nodes of another model or KV layout are skipped (PrefillPool)
+        self.identity = engine_identity(self.llm, self.receiver.codec.top_k if self.receiver is not None else 0)
 
     @property
     def tokenizer(self):  # a transformers tokenizer
@@ -213,7 +216,7 @@ class DecodeNode(ReceiverEvents):
         if not self.config.colocated:
             cfg = self.config
             affinity = PrefixAffinity(block_tokens=self._page_size) if cfg.prefill_routing == "prefix" else None
-            self.pool = PrefillPool(list(cfg.prefill_addresses), affinity, cfg.channel_security)
+            self.pool = PrefillPool(list(cfg.prefill_addresses), affinity, cfg.channel_security, self.identity)
             await self.pool.refresh()
             # one loop per node: a stalled node's timeouts never delay another's answers, which
             # stall detection reads (PrefillNode.last_answer)
@@ -643,5 +646,5 @@ class DecodeNode(ReceiverEvents):
                 page_size=info.page_size),
             num_layers=info.num_layers, max_context_length=info.max_model_len,
             fabric_peer=peer_to_bytes(self.transport.peer_descriptor) if self.transport is not None else b"",
-            transfers=self.transfer_info(),
+            transfers=self.transfer_info(), build=self.identity.to_pb(),
         )

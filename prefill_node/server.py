@@ -201,6 +201,7 @@ class NodeServicer(node_pb2_grpc.NodeServiceServicer):
             fabric_peer=peer_to_bytes(node.peer),
             transfers=node_pb2.TransferInfo(held_requests=load.held_requests,
                                             active_transfers=load.outstanding_requests),
+            build=node.identity.to_pb(),
         )
 
 

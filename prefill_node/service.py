@@ -66,6 +66,7 @@ from pdserve.engine.engine_thread import EngineDeadError, EngineThread
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.serving.build_identity import engine_identity
 from pdserve_api.servers import StatusError, UnavailableError
 
 logger = logging.getLogger(__name__)
@@ -227,6 +228,7 @@ class PrefillNode:
         self.max_model_len: int = info.max_model_len
         self.page_size: int = info.page_size
         self.provider: str = self.transport.provider
+        self.identity = engine_identity(eng, self.codec.top_k)   # NodeInfo.build (version skew)
         logger.info("prefill node %s: model %s, %d KV blocks of %d tokens, fabric %s",
                     self.node_id, self.model_name, info.num_blocks, self.page_size, self.transport)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Seconds. CPU serving spans milliseconds (a decode step of a small model) to minutes (a long
 # prompt under load), hence the wide ranges.
@@ -59,6 +59,7 @@ class NodeMetrics:
     kv_transfer_bytes: Counter    # pdserve:kv_transfer_bytes_total{model_name, side}
     kv_transfer_seconds: Histogram  # pdserve:kv_transfer_seconds{model_name, side}
     kv_stale_writes: Counter      # pdserve:kv_stale_writes_total: writes landed for no live transfer (S5)
+    incompatible_peers: Gauge     # pdserve:incompatible_peers{peer}: 1 while a prefill node is skipped for skew
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,10 @@ def node_metrics(registry: CollectorRegistry) -> NodeMetrics:
                                 "KV writes that landed on this decode node for a tag no transfer expects "
                                 "(unknown, finished, or released after an abort): must stay 0 (S5).",
                                 registry=registry),
+        incompatible_peers=Gauge("pdserve:incompatible_peers",
+                                 "1 while the prefill node at `peer` is skipped because its model or KV layout "
+                                 "differs from this decode node's (NodeInfo.build), else 0.", ["peer"],
+                                 registry=registry),
     )
 
 
