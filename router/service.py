@@ -16,7 +16,7 @@ Runs on the router's asyncio event loop; each Generate call is one grpc.aio hand
   max_tokens lowered by them; that node continues exactly after them (pdserve.serving.node_request:
   greedy output equals an uninterrupted run; text held back by the failed node, and stop strings
   across the seam, come right), and the client's stream goes on unbroken. A seeded sampled request
-  continues reseeded: deterministic, but not the sample an uninterrupted run draws. At most
+  continues the seed's stream exactly (SamplingParams.rng_skip_tokens): an uninterrupted run's tokens. At most
   `RouterConfig.max_migrations` per request; past that, or with no other node, or past the
   deadline, the stream ends with a final FINISH_REASON_ERROR message naming the node (S1).
 - Deadline (S8): every Generate call ends by its deadline, `RouterConfig.request_timeout_s` from its

@@ -433,7 +433,7 @@ class LLMEngine:
             sampled = self.sampler.sample(
                 logits,
                 [c.request.sampling for c in sampling_chunks],
-                [c.request.generator or self._default_generator for c in sampling_chunks],
+                [c.request.sample_generator() or self._default_generator for c in sampling_chunks],
             )
         results: list[RequestOutput] = []
         k = 0

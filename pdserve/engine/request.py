@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.engine.sampling.sampler import token_seed
 from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -80,6 +81,17 @@ class Request:
     def __post_init__(self) -> None:
         if self.sampling.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.sampling.seed)
+
+    def sample_generator(self) -> torch.Generator | None:
+        """The generator of this request's next sampled token (None: unseeded, the engine's own).
+
+        A seeded request's generator is reseeded for every token from (seed, the token's number in
+        the stream: rng_skip_tokens + tokens output so far), so a token's draw never depends on the
+        draws before it (exact resume, S10; pdserve.engine.sampling.sampler)."""
+        if self.generator is not None and self.sampling.seed is not None:
+            index = self.sampling.rng_skip_tokens + len(self.output_token_ids)
+            self.generator.manual_seed(token_seed(self.sampling.seed, index))
+        return self.generator
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,9 @@ class SamplingParams:
     ignore_eos: keep generating past EOS tokens (benchmarks).
     logprobs: None for none; n >= 0 returns the sampled token's logprob plus the n most likely.
     skip_special_tokens: drop special tokens from the output text.
+    rng_skip_tokens: tokens of the seed's stream already drawn elsewhere (needs a seed): the first
+        token sampled is the stream's token number rng_skip_tokens (a request resumed after that many
+        streamed tokens continues exactly as an uninterrupted run; pdserve.engine.sampling.sampler).
     """
 
     temperature: float = 1.0
@@ -38,6 +41,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    rng_skip_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists and a single string for convenience, store tuples (hashable, immutable).
@@ -72,6 +76,11 @@ class SamplingParams:
         for tid in self.stop_token_ids:
             if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {tid!r}")
+        sk = self.rng_skip_tokens
+        if isinstance(sk, bool) or not isinstance(sk, int) or sk < 0:
+            raise ValueError(f"rng_skip_tokens must be an integer >= 0, got {sk!r}")
+        if sk and self.seed is None:
+            raise ValueError(f"rng_skip_tokens={sk} needs a seed: an unseeded stream cannot be continued")
         lp = self.logprobs
         if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not (0 <= lp <= 20)):
             raise ValueError(f"logprobs must be an integer in [0, 20] or None, got {lp!r}")

@@ -12,11 +12,13 @@ in a worker thread (TOKENIZE_IN_THREAD_CHARS), so that the node's event loop kee
 
 Resume (S10, GenerateRequest.resume): a router moves a request whose decode node failed mid-stream
 to this node with the tokens already streamed. The engine gets prompt + those tokens as its
-prompt, max_tokens as sent (the router lowered it), no stop strings, and a seed reseeded from
-(seed, tokens streamed); `ResumeSeam` rebuilds the failed node's detokenizer by replaying the
-streamed tokens through it, then detokenizes every new token itself: its deltas start exactly after
-the `text_chars` characters the client already has (text the failed node held back is sent now),
-stop strings match across the seam, and usage counts the streamed tokens as completion tokens.
+prompt, max_tokens as sent (the router lowered it), no stop strings, and for a seeded request
+`rng_skip_tokens` = the tokens streamed, so that its draws continue the seed's stream exactly where
+the failed node left it (an uninterrupted run's tokens, pdserve.engine.sampling.sampler).
+`ResumeSeam` rebuilds the failed node's detokenizer by replaying the streamed tokens through it,
+then detokenizes every new token itself: its deltas start exactly after the `text_chars`
+characters the client already has (text the failed node held back is sent now), stop strings
+match across the seam, and usage counts the streamed tokens as completion tokens.
 
 Blocking waits: tokenizing a long text prompt in a worker thread (bounded by the prompt's size,
 which the router caps: router.limits.RequestLimits.max_prompt_bytes).
@@ -38,8 +40,6 @@ from pdserve.serving.convert import Prompt, fit_context, sampling_from_pb
 from pdserve_api.v1 import generate_pb2
 
 TOKENIZE_IN_THREAD_CHARS = 16 * 1024   # text prompts longer than this are tokenized off the event loop
-_SEED_MASK = (1 << 63) - 1
-_GOLDEN = 0x9E3779B97F4A7C15  # an odd 64-bit constant: spreads consecutive streamed-token counts apart
 
 
 def prompt_token_ids(prompt: Prompt, tokenizer: Any) -> list[int]:
@@ -52,19 +52,12 @@ def prompt_token_ids(prompt: Prompt, tokenizer: Any) -> list[int]:
     return list(engine_prompt)
 
 
-def resumed_seed(seed: int | None, streamed: int) -> int | None:
-    """The seed of a request resumed after `streamed` tokens: deterministic in (seed, streamed), not
-    the draw an uninterrupted run would make at that position."""
-    if seed is None:
-        return None
-    return (seed ^ (streamed * _GOLDEN)) & _SEED_MASK
-
-
 @dataclass(frozen=True)
 class PreparedGenerate:
     """What the engine gets for one GenerateRequest. prompt_ids: the prompt's token ids (plus the
     streamed tokens of a resumed request); params: checked, clamped, and for a resumed request
-    without stop strings and reseeded; seam: the resumed request's detokenizer, None otherwise."""
+    without stop strings and, seeded, past the streamed tokens' draws; seam: the resumed request's
+    detokenizer, None otherwise."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -95,7 +88,8 @@ async def prepare_generate(request: generate_pb2.GenerateRequest, tokenizer: Any
     if not resumed:
         return PreparedGenerate(ids, params)
     seam = ResumeSeam(tokenizer, ids, resumed, request.resume.text_chars, params)
-    engine_params = dataclasses.replace(params, stop=(), seed=resumed_seed(params.seed, len(resumed)))
+    skip = params.rng_skip_tokens + len(resumed) if params.seed is not None else 0
+    engine_params = dataclasses.replace(params, stop=(), rng_skip_tokens=skip)
     return PreparedGenerate(ids + resumed, engine_params, seam)
 
 

@@ -3,22 +3,28 @@ two decode nodes and the router (pdserve.tools.launcher.Cluster, shm fabric).
 
 - A decode node SIGKILLed while it streams costs its clients a pause, not an error: the router
   resumes each of its requests on the other decode node with the tokens already streamed
-  (GenerateRequest.resume), and every client gets the greedy tokens and text of a fault-free run.
+  (GenerateRequest.resume), and every client gets the tokens and text of a fault-free run: greedy,
+  and seeded sampled ones too (the seed's stream continues exactly, SamplingParams.rng_skip_tokens).
+  The router's log says which node serves each request: the victim is one serving a seeded request,
+  and the run asserts that one moved.
 - A router SIGKILLed mid-stream: the client gets an error well within its deadline, and every node
-  frees its pages and requests within ~2 s (the decode node sees its Generate stream cancelled).
+  frees its pages and requests within 1 s (the decode node sees its Generate stream cancelled); a
+  new router on the same port serves at once, with the fault-free run's outputs.
 
 - A decode node SIGSTOPped while it streams (hung, partitioned): the router's health poll marks it
   down and its requests move the same way; continued, it frees everything.
 
-One module-scoped cluster, small engines (two cores): the router test runs first (it restarts the
-router), the SIGKILL test last (it leaves one decode node dead).
+One module-scoped cluster, small engines (two cores): the fault-free run first, then the router
+test (it restarts the router), the SIGKILL test last (it leaves one decode node dead).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import time
+from dataclasses import dataclass
 
 import pytest
 from support.cluster import node_load, running_cluster
@@ -34,8 +40,26 @@ CLUSTER = dict(prefill=1, decode=2, port=0, http_port=None, num_blocks=64, threa
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
            "Ünïcödé: café, naïve, 東京, 😀 — and then"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _seeded(seed: int) -> SamplingParams:
+    return SamplingParams(temperature=0.8, top_k=40, seed=seed, max_tokens=24, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request of a run: a prompt and how it samples."""
+
+    prompt: str
+    params: SamplingParams
+    kind: str  # "greedy" or "seeded": part of its request id
+
+
+# Every prompt greedy, two of them also seeded sampled (the last one's text has multi-byte characters).
+JOBS = [Job(p, GREEDY, "greedy") for p in PROMPTS] + [Job(PROMPTS[i], _seeded(100 + i), "seeded") for i in (0, 3)]
 WAIT = 120.0          # every wait of a whole run is bounded by this
-FREE_AFTER_KILL_S = 2.0  # a node frees a request whose Generate stream was cut off within this long
+FREE_AFTER_KILL_S = 1.0  # a node frees a request whose Generate stream was cut off within this long
+_ROUTED = re.compile(r"generate request_id=(\S+) node=(\S+) .* resumed=(\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +80,20 @@ def _held(cluster: Cluster) -> dict[str, tuple[int, int, int]]:
             if x.free_kv_blocks != x.total_kv_blocks or x.outstanding_requests}
 
 
-async def _stream_all(url: str, started: asyncio.Event | None = None, after: int = 3):
-    """Run every prompt at once; `started` is set once each has streamed `after` tokens. Returns, per
-    prompt, (token ids, text, finish reason, error)."""
-    progress = [0] * len(PROMPTS)
+def _routes(cluster: Cluster, tag: str) -> list[tuple[str, str, int]]:
+    """The router log's attempts of run `tag`, in order: (request id, node address, tokens resumed)."""
+    log = (cluster.log_dir / "router.log").read_text(errors="replace")
+    return [(m[1], m[2], int(m[3])) for m in _ROUTED.finditer(log) if m[1].startswith(f"mig-{tag}-")]
+
+
+async def _stream_all(url: str, started: asyncio.Event | None = None, after: int = 3, tag: str = "ref"):
+    """Run every job at once (request ids mig-<tag>-<kind>-<i>); `started` is set once each has
+    streamed `after` tokens. Returns, per job, (token ids, text, finish reason, error)."""
+    progress = [0] * len(JOBS)
     async with AsyncClient(url, timeout=WAIT) as client:
-        async def one(i: int, prompt: str):
+        async def one(i: int, job: Job):
             ids, text, finish, error = [], [], None, ""
-            async for chunk in client.generate(prompt, GREEDY, request_id=f"mig-{i}-{time.monotonic_ns()}"):
+            async for chunk in client.generate(job.prompt, job.params, request_id=f"mig-{tag}-{job.kind}-{i}"):
                 ids.extend(chunk.token_ids)
                 text.append(chunk.text)
                 progress[i] = len(ids)
@@ -73,10 +103,27 @@ async def _stream_all(url: str, started: asyncio.Event | None = None, after: int
                     finish, error = chunk.finish_reason, chunk.error
             return ids, "".join(text), finish, error
 
-        return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+        return await asyncio.gather(*(one(i, j) for i, j in enumerate(JOBS)))
 
 
-def test_a_killed_router_fails_its_clients_fast_and_every_node_frees_within_two_seconds(cluster):
+@pytest.fixture(scope="module")
+def reference(cluster):
+    """The fault-free run's outputs, per job."""
+    outputs = asyncio.run(asyncio.wait_for(_stream_all(cluster.url), WAIT))
+    assert all(finish == "length" and not error for _, _, finish, error in outputs), outputs
+    wait_until(lambda: not _held(cluster), 30, "every node free after the fault-free run", interval=0.1)
+    return outputs
+
+
+def _assert_as_reference(outputs, reference, what: str) -> None:
+    errors = [(i, finish, error) for i, (_, _, finish, error) in enumerate(outputs) if finish != "length" or error]
+    assert not errors, f"client errors {what}: {errors}"
+    for i, ((ids, text, _, _), (ref_ids, ref_text, _, _)) in enumerate(zip(outputs, reference, strict=True)):
+        assert ids == ref_ids, f"job {i} ({JOBS[i].kind}) {what}: tokens differ from the fault-free run"
+        assert text == ref_text, f"job {i} ({JOBS[i].kind}) {what}: text differs from the fault-free run at the seam"
+
+
+def test_a_killed_router_fails_its_clients_fast_and_every_node_frees_within_a_second(cluster, reference):
     async def go():
         async with AsyncClient(cluster.url, timeout=WAIT) as client:
             stream = client.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
@@ -98,54 +145,48 @@ def test_a_killed_router_fails_its_clients_fast_and_every_node_frees_within_two_
     wait_until(lambda: not _held(cluster), max(killed + FREE_AFTER_KILL_S - time.monotonic(), 1e-3),
                f"every node free within {FREE_AFTER_KILL_S} s of the router's death (address: free, total, "
                "outstanding)", interval=0.05)
+    # A new router process on the same port: the first requests it gets, a whole run on the pages the
+    # killed stream used, come out as the fault-free run's.
     cluster.restart("router")
-    with Client(cluster.url, timeout=WAIT) as client:
-        assert client.complete(PROMPTS[1], SamplingParams(temperature=0, max_tokens=3)).finish_reason == "length"
+    outputs = asyncio.run(asyncio.wait_for(_stream_all(cluster.url, tag="new-router"), WAIT))
+    _assert_as_reference(outputs, reference, "from the restarted router")
+    wait_until(lambda: not _held(cluster), 30, "every node free after the restarted router's run", interval=0.1)
 
 
-@pytest.fixture(scope="module")
-def reference(cluster):
-    """The fault-free run's outputs, per prompt."""
-    outputs = asyncio.run(asyncio.wait_for(_stream_all(cluster.url), WAIT))
-    assert all(finish == "length" and not error for _, _, finish, error in outputs), outputs
-    wait_until(lambda: not _held(cluster), 30, "every node free after the fault-free run", interval=0.1)
-    return outputs
-
-
-def _fault_mid_stream(cluster: Cluster, reference, fault) -> str:
-    """Stream every prompt, apply `fault(name)` to the decode node holding the most of them once each
-    has streamed 3 tokens; assert 0 client errors and the fault-free run's tokens and text."""
-    decodes = [s for s in cluster.specs if s.role == "decode" and s.name not in cluster.poll()]
+def _fault_mid_stream(cluster: Cluster, reference, fault, tag: str) -> str:
+    """Stream every job; once each has streamed 3 tokens, apply `fault(name)` to the decode node
+    serving the most seeded jobs (then the most jobs), by the router's log; assert 0 client errors,
+    the fault-free run's tokens and text, and that a seeded job was resumed."""
+    decodes = {s.address: s.name for s in cluster.specs if s.role == "decode" and s.name not in cluster.poll()}
 
     async def faulty():
         started = asyncio.Event()
-        run = asyncio.create_task(_stream_all(cluster.url, started))
+        run = asyncio.create_task(_stream_all(cluster.url, started, tag=tag))
         await asyncio.wait_for(started.wait(), WAIT)
-        loads = {s.name: node_load(s.address).outstanding_requests for s in decodes}
-        victim = max(loads, key=loads.get)
-        assert loads[victim] > 0, loads   # so at least one request has to move
-        fault(victim)
-        return victim, loads, await run
+        serving = {rid: node for rid, node, _ in _routes(cluster, tag)}   # the last attempt of each
+        held = {a: [rid for rid, node in serving.items() if node == a] for a in decodes}
+        victim = max(held, key=lambda a: (sum("-seeded-" in r for r in held[a]), len(held[a])))
+        assert any("-seeded-" in r for r in held[victim]), held   # so a seeded request has to move
+        fault(decodes[victim])
+        return decodes[victim], held, await run
 
-    victim, loads, outputs = asyncio.run(asyncio.wait_for(faulty(), 2 * WAIT))
-    errors = [(i, finish, error) for i, (_, _, finish, error) in enumerate(outputs) if finish != "length" or error]
-    assert not errors, f"client errors after the fault on {victim} (requests per node {loads}): {errors}"
-    for i, ((ids, text, _, _), (ref_ids, ref_text, _, _)) in enumerate(zip(outputs, reference, strict=True)):
-        assert ids == ref_ids, f"prompt {i}: tokens differ from the fault-free run"
-        assert text == ref_text, f"prompt {i}: text differs from the fault-free run at the seam"
+    victim, held, outputs = asyncio.run(asyncio.wait_for(faulty(), 2 * WAIT))
+    _assert_as_reference(outputs, reference, f"after the fault on {victim} (requests per node {held})")
+    resumed = {rid for rid, _, n in _routes(cluster, tag) if n > 0}
+    assert any("-seeded-" in r for r in resumed), f"no seeded request resumed: {resumed}"
     return victim
 
 
 def test_a_stopped_decode_node_is_marked_down_and_its_streams_move(cluster, reference):
     # SIGSTOP (a hung process, a partition): its health checks time out, the router marks it down
     # and moves its streams; once continued, it sees their calls cancelled and frees everything.
-    victim = _fault_mid_stream(cluster, reference, lambda name: cluster.send_signal(name, signal.SIGSTOP))
+    victim = _fault_mid_stream(cluster, reference, lambda name: cluster.send_signal(name, signal.SIGSTOP), "stop")
     cluster.send_signal(victim, signal.SIGCONT)
     wait_until(lambda: not _held(cluster), 30, "every node free once the stopped node runs again", interval=0.1)
 
 
 def test_a_decode_node_killed_mid_stream_costs_a_pause_not_an_error(cluster, reference):
-    _fault_mid_stream(cluster, reference, lambda name: cluster.kill(name, signal.SIGKILL))
+    _fault_mid_stream(cluster, reference, lambda name: cluster.kill(name, signal.SIGKILL), "kill")
     wait_until(lambda: not _held(cluster), 30, "every surviving node free after the migration", interval=0.1)
     with Client(cluster.url, timeout=WAIT) as client:   # the cluster keeps serving on the survivor
         assert client.complete(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3)).finish_reason == "length"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -23,6 +25,26 @@ def test_seeded_sampling_is_reproducible_alone_or_in_a_batch(llm):
     other = llm.generate("Once upon a time", SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99,
                                                             max_tokens=16, ignore_eos=True))[0]
     assert other.token_ids != alone.token_ids
+
+
+def test_a_seeded_stream_resumes_exactly_after_rng_skip_tokens(llm):
+    """S10: a request resumed after k tokens (prompt + those k, rng_skip_tokens=k) samples the tokens an
+    uninterrupted run samples after them, alone or in a batch; without the skip it does not."""
+    p = SamplingParams(temperature=0.9, top_k=50, seed=4321, max_tokens=12, ignore_eos=True)
+    prompt = list(llm.tokenizer("Once upon a time")["input_ids"])
+    full = list(llm.generate([prompt], p)[0].token_ids)
+    for k in (1, 5):
+        resumed = dataclasses.replace(p, max_tokens=12 - k, rng_skip_tokens=k)
+        batch = llm.generate([prompt + full[:k], "Hello there"],
+                             [resumed, SamplingParams(temperature=1.0, max_tokens=9)])
+        assert list(batch[0].token_ids) == full[k:]
+        assert list(llm.generate([prompt + full[:k]], resumed)[0].token_ids) == full[k:]
+    fresh = dataclasses.replace(p, max_tokens=7)  # the seed's stream restarted at the seam
+    assert list(llm.generate([prompt + full[:5]], fresh)[0].token_ids) != full[5:]
+    with pytest.raises(ValueError, match="rng_skip_tokens=3 needs a seed"):
+        SamplingParams(temperature=1.0, rng_skip_tokens=3)
+    with pytest.raises(ValueError, match="rng_skip_tokens must be an integer >= 0, got -1"):
+        SamplingParams(temperature=1.0, seed=1, rng_skip_tokens=-1)
 
 
 def test_stop_string_ends_generation_and_is_cut_from_the_text(llm):

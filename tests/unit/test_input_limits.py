@@ -21,7 +21,7 @@ from pdserve.serving.convert import (
     fit_context,
     sampling_from_pb,
 )
-from pdserve.serving.node_request import prepare_generate, resumed_seed
+from pdserve.serving.node_request import prepare_generate
 from pdserve_api.v1 import generate_pb2
 from router.http_api.server import json_depth
 from router.limits import RequestLimits, check_request
@@ -124,7 +124,7 @@ def test_a_resumed_request_continues_after_the_streamed_tokens(tokenizer):
     request.resume.token_ids.extend([4, 5])
     prepared = asyncio.run(prepare_generate(request, tokenizer, 2048))
     assert prepared.prompt_ids == [1, 2, 3, 4, 5] and prepared.seam is not None
-    assert prepared.params.stop == () and prepared.params.seed == resumed_seed(7, 2) != 7
+    assert prepared.params.stop == () and prepared.params.seed == 7 and prepared.params.rng_skip_tokens == 2
     request.resume.ClearField("token_ids")
     with pytest.raises(ValueError, match="resume.token_ids is empty"):
         asyncio.run(prepare_generate(request, tokenizer, 2048))

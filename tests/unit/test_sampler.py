@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from pdserve.engine.sampling.sampler import SampleLogprobs, Sampler
+from pdserve.engine.request import Request
+from pdserve.engine.sampling.sampler import SampleLogprobs, Sampler, token_seed
 from pdserve.engine.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -201,3 +203,29 @@ def test_shape_mismatch_raises(shape: tuple[int, ...], n_params: int, n_gens: in
     logits = torch.zeros(shape)
     with pytest.raises(ValueError, match="shape"):
         Sampler().sample(logits, [SamplingParams()] * n_params, [None] * n_gens)
+
+
+def test_token_seed_spreads_pairs_and_a_requests_draw_depends_on_its_token_number_only() -> None:
+    """S10: token n of a seeded request draws from token_seed(seed, n), whatever was drawn before."""
+    seeds = {token_seed(s, i) for s in range(50) for i in range(50)}
+    assert len(seeds) == 2500 and all(0 <= x < 2**64 for x in seeds)
+    assert len({x & 0xFFFFFFFF for x in seeds}) == 2500  # the CPU generator's 32 bits stay distinct
+    with pytest.raises(ValueError, match="token index must be an integer >= 0, got -1"):
+        token_seed(1, -1)
+    logits = _logits(1, seed=8)  # [1, vocab]
+    params = SamplingParams(temperature=1.0, seed=9)
+    first = Request(request_id="a", prompt_token_ids=[1], sampling=params, max_total_tokens=64)
+    drawn = []
+    for _ in range(6):
+        tok = Sampler().sample(logits, [params], [first.sample_generator()]).token_ids[0]
+        first.output_token_ids.append(tok)
+        drawn.append(tok)
+    assert len(set(drawn)) > 1  # the same logits, a different draw per token number
+    resumed = Request(request_id="b", prompt_token_ids=[1, *drawn[:4]], max_total_tokens=64,
+                      sampling=dataclasses.replace(params, rng_skip_tokens=4))
+    gen = resumed.sample_generator()
+    assert gen is not None
+    torch.empty(VOCAB).exponential_(generator=gen)  # draws in between change nothing
+    assert Sampler().sample(logits, [params], [resumed.sample_generator()]).token_ids[0] == drawn[4]
+    assert Request(request_id="c", prompt_token_ids=[1], sampling=SamplingParams(temperature=1.0),
+                   max_total_tokens=64).sample_generator() is None

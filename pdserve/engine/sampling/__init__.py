@@ -1,7 +1,7 @@
 """Sampling (E19): the batched token sampler and the incremental detokenizer with stop strings."""
 
 from pdserve.engine.sampling.detokenizer import DetokenizerStep, IncrementalDetokenizer, special_token_ids
-from pdserve.engine.sampling.sampler import SampleLogprobs, Sampler, SamplerOutput, TokenLogprob
+from pdserve.engine.sampling.sampler import SampleLogprobs, Sampler, SamplerOutput, TokenLogprob, token_seed
 
 __all__ = [
     "DetokenizerStep",
@@ -11,4 +11,5 @@ __all__ = [
     "SamplerOutput",
     "TokenLogprob",
     "special_token_ids",
+    "token_seed",
 ]

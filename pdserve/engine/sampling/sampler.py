@@ -4,6 +4,16 @@ One call samples one token for every row of a logits matrix. Each row carries it
 `SamplingParams` and its own `torch.Generator` (seeded by the engine from `params.seed`; `None`
 uses a generator owned by the sampler).
 
+Seeded streams (S10): a seeded request's token number n (0 = its first output token) draws its noise
+from its generator reseeded with `token_seed(seed, n)`, so token n depends on (seed, n) and the
+distribution alone, never on the draws before it or on the batch around it. That makes a stream
+resumable exactly: a request moved to another node after k streamed tokens sets
+`SamplingParams.rng_skip_tokens = k` and its next draw is token k's, what an uninterrupted run
+draws. (Every sampled token does consume a fixed amount of one stream, one Exp(1) per vocabulary
+entry, but the CPU generator (mt19937) has no skip-ahead: advancing it by k tokens means replaying
+k x vocab draws, seconds for a thousand tokens of a 49k vocabulary; a reseed is a few microseconds
+per token, next to a vocabulary-wide draw that is thousands of times longer.)
+
 Order of operations for a sampled row (temperature > 0):
 
 1. temperature: `logits / temperature`;
@@ -40,6 +50,27 @@ logger = logging.getLogger(__name__)
 
 # Temperatures below this are sampled greedily: dividing logits by them overflows float32.
 _GREEDY_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit ints that spreads every input bit over all outputs."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The generator seed of a seeded request's output token number `index` (0 = first), in [0, 2**64).
+
+    Distinct (seed, index) pairs give well-spread seeds; the CPU generator (mt19937) keys on the low
+    32 bits of it, as it does for any seed.
+    """
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"token index must be an integer >= 0, got {index!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    return _mix64((_mix64(seed & _MASK64) + 0x9E3779B97F4A7C15 * (index + 1)) & _MASK64)
 
 
 @dataclass(frozen=True)
