@@ -16,6 +16,11 @@ finds a node unreachable takes it out at once (`mark_failed`). A node that leave
 forgotten by the routing policy (a restarted node has lost its prefix cache), and every stream on it
 is told (`DecodeNode.watchers`), so that router.service moves those requests to another node (S10).
 
+Model skew: a node whose NodeInfo.model is not the model most polled nodes serve (ties: the one of
+the first configured node among them) leaves the rotation, with the reason naming both models (a
+decode node that restarted with another model never gets the others' requests); it comes back once
+it serves the others' model again.
+
 Load: a node's outstanding work is the larger of the router's own count (prompt + max tokens of the
 requests it has in flight there, estimated without a tokenizer) and the node's last reported
 `NodeLoad.outstanding_tokens` (which also counts work other routers sent). The policy sees it as
@@ -52,6 +57,7 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 )
 
+_OTHER_MODEL = "serves model "   # the start of a model-skew reason (DecodeNode.reason)
 _CHARS_PER_TOKEN = 4  # prompt-length estimate for text prompts (the router has no tokenizer)
 _TOKENS_PER_CHAT_TURN = 8  # role markers a chat template adds per message, roughly
 
@@ -169,7 +175,8 @@ class NodePool:
     def _candidates(self, exclude: Sequence[DecodeNode]) -> list[Candidate]:
         """Healthy nodes not in `exclude` as the policy sees them; rank orders fewer requests in flight
         first, then round-robin from this call's turn."""
-        nodes = [n for n in self.healthy() if n not in exclude]
+        major = self._serving_model()   # a node polled healthy this round is checked here before _check_models
+        nodes = [n for n in self.healthy() if n not in exclude and not self._model_skew(n, major)]
         if not nodes:
             raise UnavailableError(self.unavailable_message())
         n = len(self.nodes)
@@ -190,6 +197,7 @@ class NodePool:
     async def poll_all(self) -> None:
         await self._discover()
         await asyncio.gather(*(self._poll(node) for node in self.nodes))
+        self._check_models()
         any_healthy = any(n.healthy for n in self.nodes)
         if any_healthy != self._any_healthy:
             self._any_healthy = any_healthy
@@ -246,7 +254,35 @@ class NodePool:
                 return
             logger.debug("node=%s GetNodeInfo slower than %.1f s; keeping its last load", node.address,
                          self._config.load_timeout_s)
+        if node.reason.startswith(_OTHER_MODEL) and self._model_skew(node):
+            return   # still another model than the others' (_check_models decides after the round)
         self._set_health(node, True, "")
+
+    def _serving_model(self) -> str:
+        """The model most answering nodes serve ('' when none reported one); ties: the first configured."""
+        counts: dict[str, list[int]] = {}
+        for n in self.nodes:
+            if n.info is not None and n.info.model and (n.healthy or n.reason.startswith(_OTHER_MODEL)):
+                counts.setdefault(n.info.model, []).append(n.index)
+        if not counts:
+            return ""
+        return max(counts, key=lambda m: (len(counts[m]), -min(counts[m])))
+
+    def _model_skew(self, node: DecodeNode, major: str | None = None) -> str:
+        """Why `node` must not get requests for serving another model than the others ('' when it may)."""
+        major = self._serving_model() if major is None else major
+        if node.info is None or not node.info.model or not major or node.info.model == major:
+            return ""
+        return f"{_OTHER_MODEL}{node.info.model!r}; the other decode nodes serve {major!r}"
+
+    def _check_models(self) -> None:
+        """After a poll round (every node's latest model known): out with the nodes of another model
+        than the majority, back with the ones left out only for that and now agreeing."""
+        for node in self.nodes:
+            if node.healthy or node.reason.startswith(_OTHER_MODEL):
+                skew = self._model_skew(node)
+                if skew != node.reason:
+                    self._set_health(node, not skew, skew)
 
     def _set_health(self, node: DecodeNode, healthy: bool, reason: str) -> None:
         if healthy and not node.healthy:

@@ -176,3 +176,57 @@ def test_the_prefill_pool_never_chooses_a_node_of_another_kv_layout_or_model(tmp
                 await server.stop(0)
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+class _Decode(node_pb2_grpc.NodeServiceServicer):
+    def __init__(self, node_id: str, model: str) -> None:
+        self.node_id, self.model = node_id, model
+
+    async def GetNodeInfo(self, request, context):
+        return node_pb2.NodeInfo(node_id=self.node_id, role=node_pb2.NODE_ROLE_DECODE, model=self.model)
+
+
+def test_the_router_sends_nothing_to_a_decode_node_of_another_model(caplog):
+    from pdserve_api.servers import add_standard_services_aio
+    from pdserve_api.v1 import generate_pb2
+    from router.config import RouterConfig
+    from router.nodes import NodePool
+
+    async def main() -> None:
+        decoders = [_Decode("d0", "other"), _Decode("d1", "tiny"), _Decode("d2", "tiny")]
+        servers = []
+        for d in decoders:
+            server = grpc.aio.server()
+            node_pb2_grpc.add_NodeServiceServicer_to_server(d, server)
+            await add_standard_services_aio(server, ["pdserve.api.v1.NodeService"], serving=True)
+            address = f"127.0.0.1:{free_port()}"
+            server.add_insecure_port(address)
+            await server.start()
+            servers.append((server, address))
+        addresses = [a for _, a in servers]
+        pool = NodePool(RouterConfig(decode_nodes=tuple(addresses), health_interval_s=60))
+        request = generate_pb2.GenerateRequest(text="hello")
+        try:
+            with caplog.at_level(logging.WARNING, logger="router.nodes"):
+                await pool.start()   # d0 is the first configured, but the others agree on another model
+            assert sorted(n.address for n in pool.healthy()) == addresses[1:]
+            (odd,) = [n for n in pool.nodes if not n.healthy]
+            assert odd.reason == "serves model 'other'; the other decode nodes serve 'tiny'"
+            assert any("out of rotation: serves model 'other'" in r.getMessage() for r in caplog.records)
+            assert {pool.route(request)[0].address for _ in range(6)} == set(addresses[1:])
+            await pool.poll_all()   # still out, nothing flaps
+            assert not odd.healthy
+            decoders[0].model = "tiny"   # restarted with the others' model: back
+            await pool.poll_all()
+            assert odd.healthy and len(pool.healthy()) == 3
+            decoders[2].model = "new"    # two against one again, the other way
+            decoders[0].model = "new"
+            await pool.poll_all()
+            assert sorted(n.address for n in pool.healthy()) == sorted([addresses[0], addresses[2]])
+            assert not [r for r in caplog.records if "'tiny'; the other decode nodes serve 'other'" in r.getMessage()]
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(0)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
