@@ -10,8 +10,9 @@ Runs on the router's asyncio event loop; each Generate call is one grpc.aio hand
   status is re-raised and keeps its code (the server's AioExceptionToStatusInterceptor maps a
   grpc.RpcError to its own code).
 - Migration (S10): when the node serving a request fails mid-stream (its stream breaks with
-  UNAVAILABLE, or the pool marks it down: a failed health check or call; a node marked down keeps
-  its streams when they could not move anyway), the request is re-sent
+  UNAVAILABLE, it ends the stream with an ERROR message of ERROR_CAUSE_NODE: its engine thread died
+  or shut down, never a request's own error; or the pool marks it down: a failed health check or
+  call; a node marked down keeps its streams when they could not move anyway), the request is re-sent
   to another healthy node with `resume` = the tokens already streamed (and how much text), its
   max_tokens lowered by them; that node continues exactly after them (pdserve.serving.node_request:
   greedy output equals an uninterrupted run; text held back by the failed node, and stop strings
@@ -89,6 +90,12 @@ class Progress:
         self.text_chars += len(response.text)
         if response.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
             self.finished = True
+
+
+def _node_error(response: generate_pb2.GenerateResponse) -> bool:
+    """A final ERROR message that the node caused (ERROR_CAUSE_NODE) and that carries no tokens."""
+    return (response.finish_reason == generate_pb2.FINISH_REASON_ERROR and not response.token_ids
+            and response.error_cause == generate_pb2.ERROR_CAUSE_NODE)
 
 
 @dataclass
@@ -252,6 +259,13 @@ class RouterGenerateService(generate_pb2_grpc.GenerateServiceServicer):
         finish = "cancelled"
         try:
             async for response in call:
+                if _node_error(response) and self._can_move(attempt, progress, deadline):
+                    # The node, not the request, failed it (its engine stopped): move it like a broken stream.
+                    finish = "node error"
+                    attempt.reason = f"decode node {node.address} failed mid-stream: {response.error}"
+                    self._pool.mark_failed(node, f"Generate ended with a node error: {response.error}")
+                    self._failed_mid_stream(attempt, progress, deadline)
+                    return
                 sent += 1
                 progress.add(response)
                 timer.tokens(len(response.token_ids))

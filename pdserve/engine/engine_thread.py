@@ -17,7 +17,13 @@ invariant, a failure while failing the requests) or a stopped one fails everythi
 EngineDeadError instead of leaving callers waiting: the `call`s / `abort`s queued and not run,
 every stream still open (it ends with an error output), and every later `call`, `abort`,
 `generate` and `submit`. Blocking waits: none without a bound on a dead thread; `shutdown` joins
-the thread for at most its `timeout`.
+the thread for at most its `timeout`. The error outputs of a dead or stopped engine thread say
+`node_error=True` (the node failed, not the request: a router resumes the request elsewhere, S10);
+a failed step's do not (a request of its batch may be what failed it).
+
+Test-only fault injection: with $PDSERVE_TEST_ONLY_ENGINE_DEATH_FILE set (never in production;
+"{pid}" in it becomes the process id), the engine thread dies as from a BaseException escaping a
+step once that file exists, checked before every step and idle tick; unset, nothing is checked.
 
 Metrics: after every step, and at every idle tick (at least once a second), the engine thread
 stores `engine.metrics()` in `last_metrics` and refreshes `last_load` (which the engine also takes
@@ -31,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -46,6 +53,13 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
+
+
+TEST_DEATH_FILE_ENV = "PDSERVE_TEST_ONLY_ENGINE_DEATH_FILE"
+
+
+class InjectedEngineDeath(BaseException):
+    """The test-only fault of $PDSERVE_TEST_ONLY_ENGINE_DEATH_FILE (a BaseException: it ends the thread)."""
 
 
 _Command = Callable[[], None]
@@ -73,6 +87,8 @@ class EngineThread:
         self.last_metrics: EngineMetrics | None = None  # written by the engine thread only
         engine.last_load = engine.load()
         self._metrics_failed = False
+        death_file = os.environ.get(TEST_DEATH_FILE_ENV)
+        self._test_death_file = death_file.replace("{pid}", str(os.getpid())) if death_file else None
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -200,13 +216,13 @@ class EngineThread:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineDeadError(reason))
         try:
-            self._fail_all(reason)
+            self._fail_all(reason, node_error=True)
         except BaseException:   # the engine is broken: end the streams without it
             logger.exception("failing the in-flight requests through the engine failed; ending their streams")
         for rid, stream in list(self._streams.items()):
             del self._streams[rid]
             out = RequestOutput(request_id=rid, new_token_ids=(), delta_text="", finished=True,
-                                num_prompt_tokens=0, num_output_tokens=0, error=reason)
+                                num_prompt_tokens=0, num_output_tokens=0, error=reason, node_error=True)
             try:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
             except RuntimeError:  # the caller's loop is closed: nobody is listening any more
@@ -214,6 +230,8 @@ class EngineThread:
 
     def _serve(self) -> None:
         while not self._stop.is_set():
+            if self._test_death_file is not None and os.path.exists(self._test_death_file):
+                raise InjectedEngineDeath(f"test-only fault injection: {self._test_death_file} exists")
             while True:
                 try:
                     cmd = self._commands.get_nowait()
@@ -239,7 +257,7 @@ class EngineThread:
                 self._take_metrics()
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
-        self._fail_all("engine shut down")
+        self._fail_all("engine shut down", node_error=True)
 
     def _take_metrics(self) -> None:
         """Engine thread: refresh `last_metrics` and `last_load`; a failing snapshot is logged once and never
@@ -252,12 +270,12 @@ class EngineThread:
                 logger.exception("engine metrics snapshot failed; keeping the last one")
             self._metrics_failed = True
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, node_error: bool = False) -> None:
         for rid in list(self._streams):
             out = self.engine.abort_request(rid)
             if out is not None:
                 self.deliver(RequestOutput(
                     request_id=out.request_id, new_token_ids=(), delta_text="", finished=True,
                     num_prompt_tokens=out.num_prompt_tokens, num_output_tokens=out.num_output_tokens,
-                    completion=out.completion, error=message,
+                    completion=out.completion, error=message, node_error=node_error,
                 ))

@@ -31,6 +31,9 @@ class RequestOutput:
     new_logprobs: tuple[SampleLogprobs, ...] = ()
     completion: CompletionOutput | None = None  # set when finished
     error: str | None = None
+    # The error is the node's, not the request's: its engine thread stopped (died, or shut down), so
+    # another node may serve the request (GenerateResponse.error_cause = ERROR_CAUSE_NODE, S10).
+    node_error: bool = False
     # Prompt tokens this engine took from its prefix cache instead of computing (E12), counted at
     # the request's first admission (Request.num_reused_tokens). 0 for a remote-prefill request
     # (a decode node's): the prefill node reports its own count in PrefillResponse.

@@ -233,6 +233,8 @@ def output_to_pb(out: RequestOutput, tokenizer=None) -> generate_pb2.GenerateRes
         if out.error:
             msg.finish_reason = generate_pb2.FINISH_REASON_ERROR
             msg.error = out.error
+            if out.node_error:
+                msg.error_cause = generate_pb2.ERROR_CAUSE_NODE
         if c is not None and isinstance(c.stop_reason, str):
             msg.stop_string = c.stop_reason
         elif c is not None and isinstance(c.stop_reason, int):

@@ -13,26 +13,35 @@ two decode nodes and the router (pdserve.tools.launcher.Cluster, shm fabric).
 
 - A decode node SIGSTOPped while it streams (hung, partitioned): the router's health poll marks it
   down and its requests move the same way; continued, it frees everything.
+- A decode node whose engine thread dies while it streams (the test-only fault of
+  $PDSERVE_TEST_ONLY_ENGINE_DEATH_FILE, pdserve.engine.engine_thread): its streams end with ERROR
+  messages of ERROR_CAUSE_NODE, and the router moves them the same way (its log says "finish=node
+  error"); the node is restarted for the next test.
 
 One module-scoped cluster, small engines (two cores): the fault-free run first, then the router
 test (it restarts the router), the SIGKILL test last (it leaves one decode node dead).
+Every child inherits $PDSERVE_TEST_ONLY_ENGINE_DEATH_FILE = <tmp>/die-{pid}: a node's engine thread
+dies only when the test creates that file for its process id.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from support.cluster import node_load, running_cluster
 from support.wait import wait_until
 
+from pdserve.engine.engine_thread import TEST_DEATH_FILE_ENV
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tools.client import AsyncClient, Client, ClientError
-from pdserve.tools.launcher import Cluster
+from pdserve.tools.launcher import Cluster, ProcessSpec
 
 CLUSTER = dict(prefill=1, decode=2, port=0, http_port=None, num_blocks=64, threads_per_node=1,
                engine_args=("--max-batch-tokens", "16", "--page-size", "16"), startup_timeout_s=150,
@@ -63,9 +72,32 @@ _ROUTED = re.compile(r"generate request_id=(\S+) node=(\S+) .* resumed=(\d+)")
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with running_cluster(tmp_path_factory, "migration", **CLUSTER) as c:
-        yield c
+def death_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("engine-death")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, death_dir):
+    with pytest.MonkeyPatch.context() as env:   # set while the cluster runs: a restarted child gets it too
+        env.setenv(TEST_DEATH_FILE_ENV, str(death_dir / "die-{pid}"))
+        with running_cluster(tmp_path_factory, "migration", **CLUSTER) as c:
+            yield c
+
+
+def _pid(spec: ProcessSpec) -> int:
+    """A child's process id, from /proc: the one started by this process whose command line ends
+    with the spec's (pdserve.tools.launcher.child_command)."""
+    tail, parent = list(spec.argv[1:]), ["--parent-pid", str(os.getpid())]
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            args = [a.decode(errors="replace") for a in (d / "cmdline").read_bytes().split(b"\0")[:-1]]
+        except OSError:   # it exited meanwhile
+            continue
+        if args[-len(tail):] == tail and any(args[i:i + 2] == parent for i in range(len(args))):
+            return int(d.name)
+    raise AssertionError(f"no process of {spec.name} found in /proc")
 
 
 def _live_nodes(cluster: Cluster) -> list[str]:
@@ -183,6 +215,18 @@ def test_a_stopped_decode_node_is_marked_down_and_its_streams_move(cluster, refe
     victim = _fault_mid_stream(cluster, reference, lambda name: cluster.send_signal(name, signal.SIGSTOP), "stop")
     cluster.send_signal(victim, signal.SIGCONT)
     wait_until(lambda: not _held(cluster), 30, "every node free once the stopped node runs again", interval=0.1)
+
+
+def test_a_decode_node_whose_engine_thread_dies_mid_stream_moves_its_streams(cluster, reference, death_dir):
+    def kill_engine_thread(name: str) -> None:
+        (death_dir / f"die-{_pid(next(s for s in cluster.specs if s.name == name))}").touch()
+
+    victim = _fault_mid_stream(cluster, reference, kill_engine_thread, "engine-death")
+    log = (cluster.log_dir / "router.log").read_text(errors="replace")
+    moved = re.findall(r"done request_id=(mig-engine-death-\S+) node=\S+ finish=node error", log)
+    assert moved, f"no stream on {victim} ended with a node error that the router moved"
+    cluster.restart(victim)   # it runs, but without an engine it cannot serve (NOT_SERVING)
+    wait_until(lambda: not _held(cluster), 30, "every node free once the node is restarted", interval=0.1)
 
 
 def test_a_decode_node_killed_mid_stream_costs_a_pause_not_an_error(cluster, reference):

@@ -25,15 +25,17 @@ _sym_db = _symbol_database.Default()
 from pdserve_api.v1 import common_pb2 as pdserve__api_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpdserve_api/v1/generate.proto\x12\x0epdserve.api.v1\x1a\x1bpdserve_api/v1/common.proto\"\xed\x02\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x04\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0b \x01(\x08H\x05\x88\x01\x01\x12\x18\n\x10\x63lamp_max_tokens\x18\x0c \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"3\n\nResumeFrom\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ntext_chars\x18\x02 \x01(\r\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"=\n\x0c\x43hatMessages\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.pdserve.api.v1.ChatMessage\"\x8e\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x18.pdserve.api.v1.TokenIdsH\x00\x12\x30\n\x08messages\x18\x05 \x01(\x0b\x32\x1c.pdserve.api.v1.ChatMessagesH\x00\x12\x31\n\x08sampling\x18\x06 \x01(\x0b\x32\x1f.pdserve.api.v1.SamplingOptions\x12*\n\x06resume\x18\x07 \x01(\x0b\x32\x1a.pdserve.api.v1.ResumeFromB\x08\n\x06prompt\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"l\n\x10PositionLogprobs\x12-\n\x07sampled\x18\x01 \x01(\x0b\x32\x1c.pdserve.api.v1.TokenLogprob\x12)\n\x03top\x18\x02 \x03(\x0b\x32\x1c.pdserve.api.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xb7\x01\n\rServerTimings\x12\x14\n\x0cqueue_time_s\x18\x01 \x01(\x01\x12\x16\n\x0eprefill_time_s\x18\x02 \x01(\x01\x12\x1a\n\x12kv_transfer_time_s\x18\x03 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x04 \x01(\x01\x12\x12\n\ne2e_time_s\x18\x05 \x01(\x01\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x06 \x01(\t\x12\x14\n\x0cprefill_node\x18\x07 \x01(\t\"\xd4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\x08logprobs\x18\x04 \x03(\x0b\x32 .pdserve.api.v1.PositionLogprobs\x12\x33\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1c.pdserve.api.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12$\n\x05usage\x18\t \x01(\x0b\x32\x15.pdserve.api.v1.Usage\x12.\n\x07timings\x18\n \x01(\x0b\x32\x1d.pdserve.api.v1.ServerTimingsB\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"3\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r\"?\n\x12ListModelsResponse\x12)\n\x06models\x18\x01 \x03(\x0b\x32\x19.pdserve.api.v1.ModelInfo\"\x0f\n\rHealthRequest\"\x90\x01\n\nNodeHealth\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12&\n\x04load\x18\x05 \x01(\x0b\x32\x18.pdserve.api.v1.NodeLoad\x12\x17\n\x0frouter_inflight\x18\x06 \x01(\r\"L\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12)\n\x05nodes\x18\x02 \x03(\x0b\x32\x1a.pdserve.api.v1.NodeHealth*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xc6\x02\n\x0fGenerateService\x12O\n\x08Generate\x12\x1f.pdserve.api.v1.GenerateRequest\x1a .pdserve.api.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.pdserve.api.v1.AbortRequest\x1a\x1d.pdserve.api.v1.AbortResponse\x12S\n\nListModels\x12!.pdserve.api.v1.ListModelsRequest\x1a\".pdserve.api.v1.ListModelsResponse\x12G\n\x06Health\x12\x1d.pdserve.api.v1.HealthRequest\x1a\x1e.pdserve.api.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpdserve_api/v1/generate.proto\x12\x0epdserve.api.v1\x1a\x1bpdserve_api/v1/common.proto\"\xed\x02\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x04\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0b \x01(\x08H\x05\x88\x01\x01\x12\x18\n\x10\x63lamp_max_tokens\x18\x0c \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"3\n\nResumeFrom\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ntext_chars\x18\x02 \x01(\r\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"=\n\x0c\x43hatMessages\x12-\n\x08messages\x18\x01 \x03(\x0b\x32\x1b.pdserve.api.v1.ChatMessage\"\x8e\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x18.pdserve.api.v1.TokenIdsH\x00\x12\x30\n\x08messages\x18\x05 \x01(\x0b\x32\x1c.pdserve.api.v1.ChatMessagesH\x00\x12\x31\n\x08sampling\x18\x06 \x01(\x0b\x32\x1f.pdserve.api.v1.SamplingOptions\x12*\n\x06resume\x18\x07 \x01(\x0b\x32\x1a.pdserve.api.v1.ResumeFromB\x08\n\x06prompt\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"l\n\x10PositionLogprobs\x12-\n\x07sampled\x18\x01 \x01(\x0b\x32\x1c.pdserve.api.v1.TokenLogprob\x12)\n\x03top\x18\x02 \x03(\x0b\x32\x1c.pdserve.api.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xb7\x01\n\rServerTimings\x12\x14\n\x0cqueue_time_s\x18\x01 \x01(\x01\x12\x16\n\x0eprefill_time_s\x18\x02 \x01(\x01\x12\x1a\n\x12kv_transfer_time_s\x18\x03 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x04 \x01(\x01\x12\x12\n\ne2e_time_s\x18\x05 \x01(\x01\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x06 \x01(\t\x12\x14\n\x0cprefill_node\x18\x07 \x01(\t\"\x85\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\x08logprobs\x18\x04 \x03(\x0b\x32 .pdserve.api.v1.PositionLogprobs\x12\x33\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1c.pdserve.api.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12$\n\x05usage\x18\t \x01(\x0b\x32\x15.pdserve.api.v1.Usage\x12.\n\x07timings\x18\n \x01(\x0b\x32\x1d.pdserve.api.v1.ServerTimings\x12/\n\x0b\x65rror_cause\x18\x0b \x01(\x0e\x32\x1a.pdserve.api.v1.ErrorCauseB\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"3\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r\"?\n\x12ListModelsResponse\x12)\n\x06models\x18\x01 \x03(\x0b\x32\x19.pdserve.api.v1.ModelInfo\"\x0f\n\rHealthRequest\"\x90\x01\n\nNodeHealth\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12&\n\x04load\x18\x05 \x01(\x0b\x32\x18.pdserve.api.v1.NodeLoad\x12\x17\n\x0frouter_inflight\x18\x06 \x01(\r\"L\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12)\n\x05nodes\x18\x02 \x03(\x0b\x32\x1a.pdserve.api.v1.NodeHealth*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*?\n\nErrorCause\x12\x1b\n\x17\x45RROR_CAUSE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45RROR_CAUSE_NODE\x10\x01\x32\xc6\x02\n\x0fGenerateService\x12O\n\x08Generate\x12\x1f.pdserve.api.v1.GenerateRequest\x1a .pdserve.api.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.pdserve.api.v1.AbortRequest\x1a\x1d.pdserve.api.v1.AbortResponse\x12S\n\nListModels\x12!.pdserve.api.v1.ListModelsRequest\x1a\".pdserve.api.v1.ListModelsResponse\x12G\n\x06Health\x12\x1d.pdserve.api.v1.HealthRequest\x1a\x1e.pdserve.api.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve_api.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2151
-  _globals['_FINISHREASON']._serialized_end=2296
+  _globals['_FINISHREASON']._serialized_start=2200
+  _globals['_FINISHREASON']._serialized_end=2345
+  _globals['_ERRORCAUSE']._serialized_start=2347
+  _globals['_ERRORCAUSE']._serialized_end=2410
   _globals['_SAMPLINGOPTIONS']._serialized_start=79
   _globals['_SAMPLINGOPTIONS']._serialized_end=444
   _globals['_RESUMEFROM']._serialized_start=446
@@ -55,23 +57,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVERTIMINGS']._serialized_start=1171
   _globals['_SERVERTIMINGS']._serialized_end=1354
   _globals['_GENERATERESPONSE']._serialized_start=1357
-  _globals['_GENERATERESPONSE']._serialized_end=1697
-  _globals['_ABORTREQUEST']._serialized_start=1699
-  _globals['_ABORTREQUEST']._serialized_end=1733
-  _globals['_ABORTRESPONSE']._serialized_start=1735
-  _globals['_ABORTRESPONSE']._serialized_end=1767
-  _globals['_LISTMODELSREQUEST']._serialized_start=1769
-  _globals['_LISTMODELSREQUEST']._serialized_end=1788
-  _globals['_MODELINFO']._serialized_start=1790
-  _globals['_MODELINFO']._serialized_end=1841
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1843
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1906
-  _globals['_HEALTHREQUEST']._serialized_start=1908
-  _globals['_HEALTHREQUEST']._serialized_end=1923
-  _globals['_NODEHEALTH']._serialized_start=1926
-  _globals['_NODEHEALTH']._serialized_end=2070
-  _globals['_HEALTHRESPONSE']._serialized_start=2072
-  _globals['_HEALTHRESPONSE']._serialized_end=2148
-  _globals['_GENERATESERVICE']._serialized_start=2299
-  _globals['_GENERATESERVICE']._serialized_end=2625
+  _globals['_GENERATERESPONSE']._serialized_end=1746
+  _globals['_ABORTREQUEST']._serialized_start=1748
+  _globals['_ABORTREQUEST']._serialized_end=1782
+  _globals['_ABORTRESPONSE']._serialized_start=1784
+  _globals['_ABORTRESPONSE']._serialized_end=1816
+  _globals['_LISTMODELSREQUEST']._serialized_start=1818
+  _globals['_LISTMODELSREQUEST']._serialized_end=1837
+  _globals['_MODELINFO']._serialized_start=1839
+  _globals['_MODELINFO']._serialized_end=1890
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1892
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1955
+  _globals['_HEALTHREQUEST']._serialized_start=1957
+  _globals['_HEALTHREQUEST']._serialized_end=1972
+  _globals['_NODEHEALTH']._serialized_start=1975
+  _globals['_NODEHEALTH']._serialized_end=2119
+  _globals['_HEALTHRESPONSE']._serialized_start=2121
+  _globals['_HEALTHRESPONSE']._serialized_end=2197
+  _globals['_GENERATESERVICE']._serialized_start=2413
+  _globals['_GENERATESERVICE']._serialized_end=2739
 # @@protoc_insertion_point(module_scope)
