@@ -171,6 +171,10 @@ class PrefillPool:
         if self.index is not None:
             self.index.forget(node.address)
 
+    def usable(self) -> bool:
+        """Whether some node can be sent work now: up, its fabric engine known, its build compatible."""
+        return any(n.peer is not None and n.down_since is None and not n.incompatible for n in self.nodes)
+
     def describe_down(self) -> str:
         """'ADDR (down: why)' for every node currently out of rotation."""
         return "; ".join([f"{n.address} (down: {n.down_reason})" for n in self.nodes if n.down_since is not None]

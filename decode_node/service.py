@@ -224,6 +224,17 @@ class DecodeNode(ReceiverEvents):
             if self.pool.members.dynamic:   # dns: prefill targets, resolved again (pdserve.serving.discovery)
                 self._refreshers.append(asyncio.create_task(self._discover_loop()))
 
+    def readiness(self) -> str:
+        """'' when this node can take requests, else why not (pdserve.serving.node_server's readiness:
+        GenerateService NOT_SERVING): no prefill node is reachable and local prefill is not allowed."""
+        if self.colocated or self.config.local_prefill_fallback:
+            return ""
+        if self.pool is None:
+            return "the prefill pool is not started"
+        if self.pool.usable():
+            return ""
+        return f"no prefill node is reachable ({self.pool.describe_down() or 'none answered yet'})"
+
     async def _refresh_loop(self, node: PrefillNode) -> None:
         assert self.pool is not None
         while node in self.pool.nodes:   # a node that left discovery is polled no more

@@ -7,6 +7,12 @@
                                   router sees why) -> health NOT_SERVING -> node.drain() -> stop the
                                   server (STOP_GRACE_S) -> node.close().
 
+Readiness: a node may offer `readiness() -> str` ('' when it can take work, else why not; the
+decode node: no prefill node reachable and no local fallback). The watchdog asks it every
+WATCHDOG_S and sets the node's service names (the readiness probe's, e.g. GenerateService)
+NOT_SERVING while it answers a reason, SERVING again once it answers ''; the whole server ("",
+liveness and the startup probe) stays SERVING, since the process is alive and its NodeInfo answers.
+
 Exit codes: 0 after a clean stop; 1 when a port cannot be bound or the node fails to start; 2 when
 the node refuses its configuration (a ValueError while building: bad options, a model it cannot
 serve). While the node is being built its servicers answer UNAVAILABLE (`NodeHolder.require`).
@@ -179,8 +185,8 @@ async def serve_node(spec: NodeServer[N]) -> int:
     logger.info("%s: gRPC bound on %s:%d (%s), loading the model", name, opts.host, port,
                 opts.security.describe())
 
-    async def set_health(status: int) -> None:
-        for service in ("", *spec.service_names):
+    async def set_health(status: int, services: Sequence[str] = ("", *spec.service_names)) -> None:
+        for service in services:
             await health.set(service, status)
 
     build = asyncio.ensure_future(asyncio.to_thread(spec.build))
@@ -199,16 +205,35 @@ async def serve_node(spec: NodeServer[N]) -> int:
     REGISTRY.register(EngineCollector(lambda: node.engine.last_metrics, node.model_name))
     await node.start()
 
+    readiness: Callable[[], str] = getattr(node, "readiness", None) or (lambda: "")
+    ready: bool | None = None   # whether the service names are SERVING; None before the first check
+
+    async def check_ready() -> None:
+        nonlocal ready
+        why = readiness()
+        if (not why) == ready:
+            return
+        if why:
+            logger.warning("%s: not ready, reporting %s NOT_SERVING: %s", name, ", ".join(spec.service_names), why)
+            await set_health(health_pb2.HealthCheckResponse.NOT_SERVING, spec.service_names)
+        else:
+            if ready is not None:
+                logger.info("%s: ready again, reporting %s SERVING", name, ", ".join(spec.service_names))
+            await set_health(health_pb2.HealthCheckResponse.SERVING, spec.service_names)
+        ready = not why
+
     async def watchdog() -> None:
         # An engine thread that died cannot serve: say so to health checks (the router stops routing here).
         while node.engine.is_running:
             await asyncio.sleep(WATCHDOG_S)
+            await check_ready()
         logger.critical("%s: engine thread is dead; reporting NOT_SERVING", name)
         await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     watch = None
     if not stop.is_set():
-        await set_health(health_pb2.HealthCheckResponse.SERVING)
+        await set_health(health_pb2.HealthCheckResponse.SERVING, ("",))
+        await check_ready()   # the service names: SERVING now, or once the node is ready
         line = spec.describe(node, port)
         logger.info("%s", line)
         print(line, flush=True)

@@ -301,8 +301,10 @@ def _probes(spec: DeploySpec, role: str, port: int) -> dict[str, Any]:
     ready = READINESS_SERVICES[role]
     startup_period = 10
     return {
-        # Until it passes, no liveness: the model load may take `startup_s`.
-        "startupProbe": _grpc_probe(spec, port, ready, startup_period, max(1, spec.startup_s // startup_period)),
+        # Until it passes, no liveness: the model load may take `startup_s`. The whole server (""),
+        # SERVING once the model is loaded: the named service is readiness, which may wait on peers
+        # (a decode node with no prefill node reachable, a router with no decode node ready).
+        "startupProbe": _grpc_probe(spec, port, "", startup_period, max(1, spec.startup_s // startup_period)),
         "readinessProbe": _grpc_probe(spec, port, ready, 5, 2),
         "livenessProbe": _grpc_probe(spec, port, "", 10, 3),
     }

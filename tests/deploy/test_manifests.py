@@ -183,7 +183,7 @@ def test_every_pod_runs_the_same_image_with_grpc_probes_on_the_right_services(ov
             assert not any(k in container for k in ("readinessProbe", "livenessProbe", "startupProbe"))
             continue
         port = {"prefill": PREFILL_PORT, "decode": DECODE_PORT, "router": deploy.ROUTER_PORT}[role]
-        for probe, service in (("startupProbe", SERVICES[role]), ("readinessProbe", SERVICES[role]),
+        for probe, service in (("startupProbe", ""), ("readinessProbe", SERVICES[role]),
                                ("livenessProbe", "")):
             assert probe_target(container[probe]) == (port, service), (where, probe)
         startup = container["startupProbe"]

@@ -123,9 +123,8 @@ class LocalKubelet:
                 return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
-    def wait_started_and_ready(self, pod: Pod) -> None:
-        """startupProbe within its budget (failureThreshold x periodSeconds), then readinessProbe; then
-        the pod joins its Services' records."""
+    def wait_started(self, pod: Pod) -> None:
+        """startupProbe within its budget (failureThreshold x periodSeconds); then liveness holds."""
         startup = pod.container["startupProbe"]
         budget = min(startup["failureThreshold"] * startup["periodSeconds"], BOUND_S)
 
@@ -137,12 +136,23 @@ class LocalKubelet:
 
         try:
             wait_until(started, budget, f"{pod.name}'s startupProbe", interval=0.2)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{pod.name} log:\n{pod.tail()}") from None
+        assert self.check(pod, "livenessProbe"), f"{pod.name}: livenessProbe fails once started"
+
+    def wait_ready(self, pod: Pod) -> None:
+        """readinessProbe (once started); then the pod joins its Services' records."""
+        try:
             wait_until(lambda: self.check(pod, "readinessProbe"), 30, f"{pod.name}'s readinessProbe", interval=0.2)
         except AssertionError as e:
             raise AssertionError(f"{e}\n{pod.name} log:\n{pod.tail()}") from None
         assert self.check(pod, "livenessProbe"), f"{pod.name}: livenessProbe fails while ready"
         pod.ready = True
         self._publish()
+
+    def wait_started_and_ready(self, pod: Pod) -> None:
+        self.wait_started(pod)
+        self.wait_ready(pod)
 
     def delete(self, *pods: Pod) -> list[int]:
         """As pod deletions: out of the records first, the preStop hooks (together), then SIGTERM,
@@ -252,17 +262,23 @@ def test_the_manifests_run_serve_and_follow_pods_that_move(overlay, tmp_path, ti
     workloads = {o["metadata"]["labels"][deploy.LABEL_ROLE]: o for o in objects if o["kind"] == "Deployment"}
     try:
         pods = [kubelet.new_pod(w, i) for w in workloads.values() for i in range(w["spec"]["replicas"])]
-        # The prefill pods last: the decode nodes (ready without them) must find them when they appear.
-        first, last = [p for p in pods if p.role != "prefill"], [p for p in pods if p.role == "prefill"]
+        # The prefill pods last: started decode nodes are not ready without them (GenerateService
+        # NOT_SERVING, so not in the decode records) nor is the router without a decode node; once
+        # the prefill pods are ready, the decode nodes find them through discovery and become ready.
+        first = sorted((p for p in pods if p.role != "prefill"), key=lambda p: p.role == "router")
+        last = [p for p in pods if p.role == "prefill"]
         for pod in first:
             kubelet.start(pod)
         for pod in first:
-            kubelet.wait_started_and_ready(pod)
-        assert kubelet.records("prefill") == []
+            kubelet.wait_started(pod)
+        assert not [p.name for p in first if kubelet.check(p, "readinessProbe")], "ready with no prefill node"
+        assert kubelet.records("prefill") == [] and kubelet.records("decode") == []
         for pod in last:
             kubelet.start(pod)
         for pod in last:
             kubelet.wait_started_and_ready(pod)
+        for pod in first:   # decode pods, then the router
+            kubelet.wait_ready(pod)
         assert len(kubelet.records("decode")) == ratio and len(kubelet.records("prefill")) == 1
         (router,) = [p for p in pods if p.role == "router"]
         url = f"{router.ip}:{router.port('grpc')}"
