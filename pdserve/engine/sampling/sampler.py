@@ -12,7 +12,7 @@ resumable exactly: a request moved to another node after k streamed tokens sets
 draws. (Every sampled token does consume a fixed amount of one stream, one Exp(1) per vocabulary
 entry, but the CPU generator (mt19937) has no skip-ahead: advancing it by k tokens means replaying
 k x vocab draws, seconds for a thousand tokens of a 49k vocabulary; a reseed is a few microseconds
-per token, next to a vocabulary-wide draw that is thousands of times longer.)
+per token, next to a vocabulary-wide draw that takes hundreds of times longer.)
 
 Order of operations for a sampled row (temperature > 0):
 
