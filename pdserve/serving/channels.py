@@ -26,6 +26,10 @@ certificate, the token is long enough):
 - `caller_identity(context)` is what a handler knows about its caller: the names (CN and DNS SANs)
   of its verified client certificate (empty without mTLS) and the host it called from.
 
+Malformed requests (every server from aio_server): bytes that do not parse as the method's request
+message are answered INVALID_ARGUMENT naming the method, the type and the parser's error
+(MalformedRequestInterceptor; grpc.aio alone answers them UNKNOWN).
+
 Keepalive (every server and channel): a channel pings after KEEPALIVE_TIME_MS without traffic,
 also with no call in flight, and drops the connection (failing its calls with UNAVAILABLE) when a
 ping is not answered within KEEPALIVE_TIMEOUT_MS, so a stopped or partitioned peer is noticed in
@@ -38,7 +42,9 @@ Blocking waits: none here; `ChannelSecurity.load` reads small files.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
+import inspect
 import ipaddress
 import os
 import ssl
@@ -48,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 TOKEN_ENV = "PDSERVE_AUTH_TOKEN"      # the token, when no --auth-token-file is given
 TOKEN_HEADER = "authorization"        # metadata key; the value is "Bearer <token>"
@@ -217,6 +224,72 @@ def _refusing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHand
                 response_serializer=handler.response_serializer)
 
 
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Answers a request that does not parse as its method's message with INVALID_ARGUMENT naming
+    the method, the message type and the parser's error. (grpc.aio parses before any handler or
+    interceptor runs, and answers a parse error UNKNOWN "Unexpected DecodeError".) Each handler's
+    request deserializer becomes the identity and the parse moves into the handler, where it can
+    abort with a status; the handler's kind and response serializer stay."""
+
+    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        return _parsing(handler, handler_call_details.method)
+
+
+def _parsing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """`handler` with its request parse inside the handler (see MalformedRequestInterceptor)."""
+    deserialize = handler.request_deserializer
+    what = getattr(getattr(deserialize, "__self__", None), "__name__", "its request message")
+
+    async def parse(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return deserialize(raw)
+        except DecodeError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{method}: {len(raw)} request bytes are not a valid {what}: {e}")
+
+    async def parsed_stream(raws: Any, context: grpc.aio.ServicerContext) -> Any:
+        async for raw in raws:
+            yield await parse(raw, context)
+
+    streaming_out = bool(handler.response_streaming)
+    if handler.request_streaming:
+        behavior = handler.stream_stream if streaming_out else handler.stream_unary
+        make = grpc.stream_stream_rpc_method_handler if streaming_out else grpc.stream_unary_rpc_method_handler
+
+        def requests_of(raw: Any, context: grpc.aio.ServicerContext) -> Any:
+            return parsed_stream(raw, context)
+    else:
+        behavior = handler.unary_stream if streaming_out else handler.unary_unary
+        make = grpc.unary_stream_rpc_method_handler if streaming_out else grpc.unary_unary_rpc_method_handler
+        requests_of = None  # type: ignore[assignment]
+
+    async def request_of(raw: Any, context: grpc.aio.ServicerContext) -> Any:
+        return requests_of(raw, context) if requests_of is not None else await parse(raw, context)
+
+    if inspect.isasyncgenfunction(behavior):
+        async def stream(raw: Any, context: grpc.aio.ServicerContext) -> Any:
+            async for out in behavior(await request_of(raw, context), context):
+                yield out
+        wrapped: Any = stream
+    elif inspect.iscoroutinefunction(behavior):
+        async def call(raw: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await behavior(await request_of(raw, context), context)
+        wrapped = call
+    elif not streaming_out and not handler.request_streaming:
+        async def call_sync(raw: Any, context: grpc.aio.ServicerContext) -> Any:
+            # grpc.aio runs a plain function in its executor; so does this (e.g. the generated
+            # servicer's UNIMPLEMENTED stubs)
+            request = await parse(raw, context)
+            return await asyncio.get_running_loop().run_in_executor(None, behavior, request, context)
+        wrapped = call_sync
+    else:
+        return handler   # a plain (sync) streaming behavior: grpc.aio iterates it; none of ours is one
+    return make(wrapped, request_deserializer=None, response_serializer=handler.response_serializer)
+
+
 def server_options(options: Options = ()) -> list[tuple[str, Any]]:
     """`options` with the servers' keepalive settings added (an option given in `options` wins)."""
     given = {k for k, _ in options}
@@ -225,9 +298,11 @@ def server_options(options: Options = ()) -> list[tuple[str, Any]]:
 
 def aio_server(security: ChannelSecurity, interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                options: Options = ()) -> grpc.aio.Server:
-    """A grpc.aio server with keepalive, and the token check first when `security` has a token."""
+    """A grpc.aio server with keepalive, the token check first when `security` has a token, then
+    malformed requests answered INVALID_ARGUMENT (MalformedRequestInterceptor), then `interceptors`."""
     chain = [TokenAuthInterceptor(security.token)] if security.token else []
-    return grpc.aio.server(interceptors=[*chain, *interceptors], options=server_options(options))
+    return grpc.aio.server(interceptors=[*chain, MalformedRequestInterceptor(), *interceptors],
+                           options=server_options(options))
 
 
 def server_credentials(security: ChannelSecurity) -> grpc.ServerCredentials:

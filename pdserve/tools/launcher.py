@@ -84,7 +84,8 @@ class ClusterConfig:
     (exclusive with prefill/decode). port: the router's gRPC port (0: any free port). http_port: the
     router's OpenAI-compatible HTTP port (0: any free port, the default here so that clusters started
     from Python never collide; `pdserve up` defaults to 8000; None: no HTTP API). engine_args: extra
-    engine flags given to every node (e.g. ("--max-batch-tokens", "32")). log_dir: None makes a temp
+    engine flags given to every node (e.g. ("--max-batch-tokens", "32")); router_args: extra router
+    flags (e.g. ("--max-inflight-requests", "64")). log_dir: None makes a temp
     dir. pin_cores: pin node i to its own threads_per_node cores (needs threads_per_node).
     node_metrics: give every node a free `--metrics-port` (each node serves its own /metrics there;
     `Cluster.metrics_urls` lists them with the router's). routing: the router's decode-node policy,
@@ -104,6 +105,7 @@ class ClusterConfig:
     threads_per_node: int | None = None
     num_blocks: int | None = None
     engine_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
     log_dir: str | None = None
     router_health_interval_s: float = 1.0
     startup_timeout_s: float = 180.0
@@ -117,6 +119,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine_args", tuple(self.engine_args))
+        object.__setattr__(self, "router_args", tuple(self.router_args))
         if self.colocated and (self.prefill or self.decode):
             raise ValueError(f"colocated nodes replace prefill/decode nodes: got colocated={self.colocated} "
                              f"with prefill={self.prefill}, decode={self.decode}")
@@ -317,7 +320,7 @@ def plan(config: ClusterConfig, ports: Sequence[int] | None = None,
     decode_addrs = ",".join(s.address for s in specs if s.role != "prefill")
     argv = [py, "-m", "router", *common, "--port", str(router_port), "--decode", decode_addrs,
             "--health-interval", str(config.router_health_interval_s), "--routing", config.routing,
-            *_security_flags(config, security_dir, "router")]
+            *_security_flags(config, security_dir, "router"), *config.router_args]
     if http_port is not None:
         argv += ["--http-port", str(http_port)]
     specs.append(ProcessSpec("router", "router", config.host, router_port, tuple(argv), http_port))

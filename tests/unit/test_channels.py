@@ -192,3 +192,59 @@ def test_call_to_a_stopped_server_fails_instead_of_hanging():
         os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
         proc.wait(10)
+
+
+def test_malformed_request_bytes_answer_invalid_argument():
+    """grpc.aio alone answers bytes that do not parse UNKNOWN ("Unexpected DecodeError"); through
+    aio_server every kind of method answers INVALID_ARGUMENT naming the method and the message type
+    (unary, server-streaming health Watch, bidirectional reflection), a good request still gets its
+    answer, and the token check still comes first."""
+    identity = lambda b: b  # noqa: E731 - raw bytes on the wire
+    garbage = b"\xff" * 9
+
+    async def run() -> dict[str, tuple[str, str]]:
+        security = ChannelSecurity(token=TOKEN)
+        server = aio_server(security)
+        node_pb2_grpc.add_NodeServiceServicer_to_server(_Names(), server)
+        await add_standard_services_aio(server, [])
+        address = f"127.0.0.1:{add_server_port(server, '127.0.0.1:0', security)}"
+        await server.start()
+        token = [("authorization", f"Bearer {TOKEN}")]
+        out: dict[str, tuple[str, str]] = {}
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                async def status(what: str, make, body: bytes, metadata=token) -> None:
+                    try:
+                        call = make(body, metadata=metadata, timeout=10)
+                        if hasattr(call, "__aiter__"):
+                            async for _ in call:
+                                pass
+                        else:
+                            await call
+                        out[what] = ("OK", "")
+                    except grpc.aio.AioRpcError as e:
+                        out[what] = (e.code().name, e.details() or "")
+
+                info = channel.unary_unary("/pdserve.api.v1.NodeService/GetNodeInfo", request_serializer=identity,
+                                           response_deserializer=identity)
+                await status("unary", info, garbage)
+                await status("unary good", info, b"")
+                await status("unary no token", info, garbage, metadata=None)
+                watch = channel.unary_stream("/grpc.health.v1.Health/Watch", request_serializer=identity,
+                                             response_deserializer=identity)
+                await status("server streaming", watch, garbage)
+                reflect = channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                                                request_serializer=identity, response_deserializer=identity)
+                await status("bidirectional", lambda b, **kw: reflect(iter([b]), **kw), garbage)
+        finally:
+            await server.stop(0)
+        return out
+
+    got = asyncio.run(run())
+    assert got["unary"][0] == "INVALID_ARGUMENT", got
+    assert "/pdserve.api.v1.NodeService/GetNodeInfo: 9 request bytes are not a valid GetNodeInfoRequest" \
+        in got["unary"][1]
+    assert got["unary good"] == ("OK", "")
+    assert got["unary no token"][0] == "UNAUTHENTICATED"
+    assert got["server streaming"][0] == "INVALID_ARGUMENT" and "HealthCheckRequest" in got["server streaming"][1]
+    assert got["bidirectional"][0] == "INVALID_ARGUMENT" and "ServerReflectionRequest" in got["bidirectional"][1]
