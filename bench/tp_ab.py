@@ -87,7 +87,7 @@ def main() -> None:
     args = p.parse_args()
     blocks = args.batch * (args.ctx // 16 + 4) + args.prefill_tokens // 16 + 8
     opts = dict(num_blocks=blocks, max_batch_tokens=max(args.prefill_tokens, args.batch),
-                max_requests_per_batch=args.batch, max_model_len=2048)
+                max_requests_per_batch=args.batch, max_model_len=512)
     tp2 = LLM(tensor_parallel_size=2, **opts)
     tp2_threads = torch.get_num_threads()
     timed = _TimedComm(tp2.engine.tp.comm)

@@ -61,7 +61,7 @@ class Attention(nn.Module):
         self.qkv_proj = MergedColumnLinear(arch.hidden_size, [q_size, kv_size, kv_size], arch.attention_bias, dtype,
                                            part_rows=[(q0 * D, q1 * D), (kv0 * D, kv1 * D), (kv0 * D, kv1 * D)])
         self.o_proj = RowLinear(q_size, arch.hidden_size, False, dtype, in_cols=(q0 * D, q1 * D),
-                                fold_block=_fold(D, dtype, invariant))
+                                fold_block=_fold(shard.o_fold_heads * D, dtype, invariant))
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.scale = self.head_dim**-0.5

@@ -25,14 +25,17 @@ torch's matmul), and bias is added last. A rank's blocks are contiguous and in o
 ranks continue one left fold in rank order (`RowLinear.forward`: rank 0 folds its prefix and
 sends it on; rank r adds its blocks' partials to what arrives from rank r - 1; the last rank adds
 the bias and broadcasts). TP 1 runs the same blocked fold, so TP 1 and TP N give the same bits.
-Fold blocks: o_proj one query head (head_dim columns: the finest split any TP size makes);
-down_proj `MLP_FOLD_BLOCKS` blocks of the intermediate axis (a multiple of 8 wide). Only float32
+Fold blocks: o_proj `o_proj_fold_heads` query heads (the finest split any supported TP size
+makes: a whole GQA group unless replica sets of some TP size <= MAX_TP_SIZE split groups);
+down_proj `MLP_FOLD_BLOCKS` blocks of the intermediate axis (a multiple of 8 wide). Tensor-parallel
+sizes above MAX_TP_SIZE are refused. Only float32
 models fold in blocks; other dtypes fold the ranks' whole shares in rank order (deterministic,
 not TP-invariant).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +43,7 @@ import torch
 
 # down_proj's input axis is folded in this many blocks (at most): the largest TP size an MLP splits to.
 MLP_FOLD_BLOCKS = 8
+MAX_TP_SIZE = MLP_FOLD_BLOCKS
 
 
 class TPComm(Protocol):
@@ -95,6 +99,17 @@ def shard_query_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[
                  for rank, heads in enumerate(kv))
 
 
+def o_proj_fold_heads(num_heads: int, num_kv_heads: int) -> int:
+    """Query heads per o_proj fold block: G / lcm(R) over the replica-set sizes R that split a group
+    of G heads at some TP size K * R <= MAX_TP_SIZE (G when no supported size splits a group)."""
+    g = num_heads // num_kv_heads
+    lcm = 1
+    for r in range(2, g + 1):
+        if g % r == 0 and num_kv_heads * r <= MAX_TP_SIZE:
+            lcm = lcm * r // math.gcd(lcm, r)
+    return g // lcm
+
+
 def mlp_fold_block(intermediate_size: int) -> int:
     """Width of down_proj's fold blocks: intermediate / MLP_FOLD_BLOCKS rounded up to a multiple of 8."""
     per = -(-intermediate_size // MLP_FOLD_BLOCKS)
@@ -111,6 +126,7 @@ class RankShard:
     q_heads: tuple[int, int]        # [start, end) global query heads
     mlp_rows: tuple[int, int]       # [start, end) of the intermediate axis (whole fold blocks)
     mlp_block: int                  # down_proj fold block width (the intermediate axis)
+    o_fold_heads: int               # query heads per o_proj fold block
 
 
 @dataclass(frozen=True)
@@ -133,8 +149,11 @@ def plan_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: i
                          tp_size: int) -> TensorParallelPlan:
     """The shards of a model with these counts over tp_size ranks; ValueError naming the counts
     when the split cannot be made (heads, or more ranks than MLP fold blocks)."""
+    if tp_size > MAX_TP_SIZE:
+        raise ValueError(f"tensor_parallel_size {tp_size} is above the largest supported, {MAX_TP_SIZE}")
     kv = shard_kv_heads(num_kv_heads, tp_size)
     q = shard_query_heads(num_heads, num_kv_heads, tp_size)
+    o_heads = o_proj_fold_heads(num_heads, num_kv_heads)
     block = mlp_fold_block(intermediate_size)
     nblocks = -(-intermediate_size // block)
     if tp_size > nblocks:
@@ -145,7 +164,7 @@ def plan_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: i
     for r in range(tp_size):
         n = base + (1 if r < extra else 0)
         rows = (start * block, min((start + n) * block, intermediate_size))
-        ranks.append(RankShard(r, tp_size, kv[r], q[r], rows, block))
+        ranks.append(RankShard(r, tp_size, kv[r], q[r], rows, block, o_heads))
         start += n
     return TensorParallelPlan(tp_size, num_heads, num_kv_heads, intermediate_size, tuple(ranks))
 

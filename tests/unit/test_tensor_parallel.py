@@ -12,7 +12,13 @@ import torch.nn.functional as F
 from pdserve.kernels.attention.base import AttentionBatch
 from pdserve.kernels.ops.linear import MAX_ROWS, linear_block_parts, linear_blocked
 from pdserve.kernels.ops.native import available
-from pdserve.model.tp import mlp_fold_block, plan_tensor_parallel, shard_kv_heads, shard_query_heads
+from pdserve.model.tp import (
+    mlp_fold_block,
+    o_proj_fold_heads,
+    plan_tensor_parallel,
+    shard_kv_heads,
+    shard_query_heads,
+)
 from pdserve.parallel.messages import StepMessage
 
 
@@ -40,9 +46,26 @@ def test_impossible_splits_are_refused_naming_the_counts(heads, kv_heads, tp, wo
         assert w in str(info.value)
 
 
-def test_more_ranks_than_mlp_blocks_is_refused():
-    with pytest.raises(ValueError, match=r"intermediate_size 64 \(8 fold blocks of 8\).*tensor_parallel_size 16"):
-        plan_tensor_parallel(16, 16, 64, 16)
+def test_more_ranks_than_mlp_blocks_or_the_largest_size_is_refused():
+    with pytest.raises(ValueError, match=r"intermediate_size 24 \(3 fold blocks of 8\).*tensor_parallel_size 4"):
+        plan_tensor_parallel(4, 4, 24, 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size 16 is above the largest supported, 8"):
+        plan_tensor_parallel(16, 16, 1536, 16)
+
+
+def test_o_proj_fold_blocks_are_the_finest_split_a_supported_size_makes():
+    assert o_proj_fold_heads(9, 3) == 3     # default model: no size <= 8 splits a group (9 would)
+    assert o_proj_fold_heads(4, 2) == 1     # TP 4: replica sets of 2 split each 2-head group
+    assert o_proj_fold_heads(12, 2) == 1    # replica sets of 2 and 3 (TP 4, 6): 3-head and 2-head shares
+    assert o_proj_fold_heads(16, 8) == 2    # 2-head groups, no size <= 8 splits them
+    for heads, kv in ((9, 3), (4, 2), (12, 2), (16, 8), (8, 1)):
+        g = o_proj_fold_heads(heads, kv)
+        for tp in range(1, 9):
+            try:
+                q = shard_query_heads(heads, kv, tp)
+            except ValueError:
+                continue
+            assert all(a % g == 0 and b % g == 0 for a, b in q), (heads, kv, tp)
 
 
 def test_mlp_rows_are_contiguous_whole_blocks():
@@ -64,7 +87,8 @@ def _rank_fold(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, block: int,
 
 @pytest.mark.parametrize("rows", [1, 3, MAX_ROWS, 33, 100])   # the C kernel up to 32 rows, torch's matmul above
 @pytest.mark.parametrize(("K", "block", "cuts"), [
-    (576, 64, [0, 384, 576]),            # o_proj of the default model at TP 2 (6 and 3 heads)
+    (576, 192, [0, 384, 576]),           # o_proj of the default model at TP 2 (2 and 1 groups of 3 heads)
+    (64, 16, [0, 16, 32, 48, 64]),       # o_proj of a replica-set split (one 16-wide head per rank)
     (1536, 192, [0, 768, 1536]),         # down_proj at TP 2
     (1536, 192, [0, 576, 1152, 1536]),   # down_proj at TP 3 (3, 3, 2 blocks)
     (100, 24, [0, 48, 96, 100]),         # a short last block and a k tail inside blocks
