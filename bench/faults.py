@@ -116,7 +116,7 @@ def _fmt(x: float | None) -> str:
 def run(rows: list[Row], log_dir: str) -> list[tuple[Row, nf.FaultOutcome | None, str]]:
     out: list[tuple[Row, nf.FaultOutcome | None, str]] = []
     with nf.fault_net() as net, nf.NetCluster(
-            net, prefill=1, decode=1, port=0, num_blocks=96, threads_per_node=1,
+            net, prefill=1, decode=1, port=0, num_blocks=160, threads_per_node=1,
             engine_args=("--max-batch-tokens", "32"), decode_args=("--local-prefill-fallback",),
             log_dir=log_dir, startup_timeout_s=150, router_health_interval_s=0.5) as cluster:
         ref = nf.reference(cluster.url)
@@ -203,8 +203,8 @@ def main() -> int:
         "",
         f"Cluster: 1 prefill node in its own network namespace, 1 decode node (--local-prefill-fallback, default "
         f"--prefill-stall {nf.STALL_S:g} s) + router in the root namespace, tcp;ofi_rxm across a veth wire "
-        "(tests/support/netfault.py); SmolLM2-135M float32, 96 pages, 1 thread per node. Each row: "
-        f"{len(nf.FAULT_PROMPTS)} concurrent ~100-token prompts x {nf.GREEDY.max_tokens} greedy tokens; the fault is "
+        "(tests/support/netfault.py); SmolLM2-135M float32, 160 pages, 1 thread per node. Each row: "
+        f"{len(nf.FAULT_PROMPTS)} concurrent ~230-token prompts x {nf.GREEDY.max_tokens} greedy tokens; the fault is "
         "struck once the prefill node has one in flight (held rows) or is in place for the whole batch. "
         f"Lost = neither tokens nor an explicit error within {nf.REQUEST_TIMEOUT_S:.0f} s. Pages leaked = pages "
         f"still used on any node {nf.CLEAN_WITHIN_S:.0f} s after the batch (of which quarantined). Recovery = from "

@@ -1,7 +1,8 @@
 """Network faults between real nodes (tests/integration/test_network_faults.py, bench/faults.py).
 
-The network. Two network namespaces made per run (names carry the pid: two runs never collide) and
-three veth pairs, all deleted on exit whatever happened:
+The network. Two network namespaces and three veth pairs per `fault_net()` (names carry the pid
+and a count: two runs, or two networks of one run, never collide), all deleted on exit whatever
+happened:
 
     root namespace (decode nodes, router, the test's clients)   near_addr  = 10.253.S.1/30
       | veth near_dev  <->  wire_near_dev
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import re
 import shutil
@@ -54,7 +56,7 @@ import grpc
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tools.client import AsyncClient, Client, ClientError
 from pdserve.tools.launcher import Cluster, ProcessSpec, _child_env, child_command
-from support.cluster import node_load, transfer_leftovers
+from support.cluster import node_info, node_load, transfer_leftovers
 from support.prometheus import fetch, parse, total
 from support.wait import wait_until
 
@@ -128,6 +130,9 @@ class FaultNet:
         return (self.wire_near_dev, self.wire_far_dev)
 
 
+_NETS = itertools.count()
+
+
 def _free_subnet() -> int:
     """An S in 1..250 whose 10.253.S.0/30 and 10.254.S.0/30 no route of the root namespace uses."""
     routes = _run("ip", "-4", "route", "show", "table", "all").stdout
@@ -145,7 +150,7 @@ def fault_net() -> Iterator[FaultNet]:
     reason = unavailable()
     if reason:
         raise NetFaultError(f"the fault network cannot be made here: {reason}")
-    tag = f"{os.getpid() % 100000}"
+    tag = f"{os.getpid() % 100000}{next(_NETS)}"    # unique per network made (interface names: <= 15 chars)
     s = _free_subnet()
     net = FaultNet(tag=tag, wire_ns=f"pdnf-{tag}-wire", far_ns=f"pdnf-{tag}-far",
                    near_dev=f"pdnr{tag}", wire_near_dev=f"pdnw{tag}n", wire_far_dev=f"pdnw{tag}f",
@@ -364,15 +369,17 @@ def fabric_connections(net: FaultNet) -> dict[str, int]:
 # --- one fault against a running NetCluster: what happened to the requests and to the nodes ----------
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-# ~100 tokens each, distinct heads (no prefix-cache hit between them): ~4 prefill chunks of 32 and
-# ~4.6 MB of KV each (SmolLM2-135M, float32) across the wire
-FAULT_PROMPTS = tuple(f"Network fault prompt {i}: " + "the quick brown fox jumps over the lazy dog and runs. " * 8
+# ~230 tokens each, distinct heads (no prefix-cache hit between them): ~8 prefill chunks of 32 and
+# ~11 MB of KV each (SmolLM2-135M, float32) across the wire, so that a fault struck at the first
+# transfer in flight finds the batch mid-transfer (15 pages each: 3 quarantined + 3 retried fit in
+# the tests' 160 pages)
+FAULT_PROMPTS = tuple(f"Network fault prompt {i}: " + "the quick brown fox jumps over the lazy dog and runs. " * 19
                       for i in range(3))
 VICTIMS = ("The history of the Roman empire begins with " * 5, "Photosynthesis converts light into energy; " * 5)
 REQUEST_TIMEOUT_S = 90.0    # a request still open this long after its start is lost (not an explicit error)
 CLEAN_WITHIN_S = 30.0       # S2: after the batch, every node is back to nothing held within this
 RECOVERY_WITHIN_S = 60.0    # a fresh request succeeds within this after the fault ends, or recovery failed
-BUSY_WITHIN_S = 60.0        # the prefill node has a request in flight within this after the batch starts
+BUSY_WITHIN_S = 60.0        # a KV transfer is under way within this after the batch starts
 
 
 @dataclass(frozen=True)
@@ -483,6 +490,16 @@ def node_addresses(cluster: Cluster) -> list[str]:
     return [s.address for s in cluster.specs if s.role != "router"]
 
 
+class LeftoversError(AssertionError):
+    """Nodes still hold pages, transfers or requests after a fault (S2): raised by `assert_clean`, so
+    that an xfail can name this failure and no other."""
+
+
+def assert_clean(out: FaultOutcome) -> None:
+    if out.leftovers:
+        raise LeftoversError(f"nodes still hold {CLEAN_WITHIN_S:.0f} s after the batch: {out.leftovers}")
+
+
 async def _first_success(url: str, expected: tuple[int, ...], since: float,
                          counted: Callable[[], float] | None = None) -> tuple[float | None, bool]:
     """Send the first victim until one succeeds (and, with `counted`, moved that count: it went the
@@ -513,9 +530,16 @@ async def _strike(cluster: NetCluster, name: str, fault: Callable[[], contextlib
         t0 = time.monotonic()
         if hold_s is not None:  # struck once the prefill node has a request in flight
             busy_address = cluster.processes[busy_node].address
+            decodes = [s.address for s in cluster.specs if s.role == "decode"]
+
+            def transferring() -> bool:
+                return bool(node_load(busy_address).outstanding_requests
+                            and any(node_info(a).transfers.tags_in_use for a in decodes))
+
             await asyncio.sleep(0.1)
-            await asyncio.to_thread(wait_until, lambda: node_load(busy_address).outstanding_requests,
-                                    BUSY_WITHIN_S, f"{busy_node} to have a request in flight")
+            await asyncio.to_thread(wait_until, transferring, BUSY_WITHIN_S,
+                                    f"{busy_node} to have a request in flight and a decode node a transfer",
+                                    interval=0.05)
             t0 = time.monotonic()
             hits = stack.enter_context(fault())
             lift_at = t0 + hold_s
@@ -549,7 +573,8 @@ def strike(cluster: NetCluster, name: str, fault: Callable[[], contextlib.Abstra
            hold_s: float | None, ref: dict[str, tuple[int, ...]], prompts: Sequence[str] = FAULT_PROMPTS,
            busy_node: str | None = None, during: Callable[[], object] | None = None) -> FaultOutcome:
     """Run `prompts` through the router under `fault()`: with hold_s, struck once `busy_node`
-    (default: the first far prefill node) has one in flight and lifted hold_s seconds later; with
+    (default: the first far prefill node) has one in flight and a decode node awaits its KV
+    (NodeInfo.transfers.tags_in_use), and lifted hold_s seconds later; with
     None, in place before the batch starts and lifted when it ends. `during` (bounded by its own
     calls) runs once while the fault is in place. Then measure (FaultOutcome).
     Bounded: about 2 * REQUEST_TIMEOUT_S + 2 * RECOVERY_WITHIN_S + CLEAN_WITHIN_S + BUSY_WITHIN_S."""
