@@ -25,6 +25,7 @@ from pdserve.serving.channels import (
     CHANNEL_KEEPALIVE,
     KEEPALIVE_TIME_MS,
     KEEPALIVE_TIMEOUT_MS,
+    SERVER_PENDING_REQUESTS,
     TOKEN_ENV,
     ChannelSecurity,
     add_server_port,
@@ -37,6 +38,7 @@ from pdserve.serving.channels import (
 from pdserve.tools.certs import make_pki
 from pdserve_api.servers import add_standard_services_aio
 from pdserve_api.v1 import node_pb2, node_pb2_grpc
+from router.config import RouterConfig
 
 TOKEN = "t0ken-for-the-unit-tests-123"
 
@@ -85,6 +87,8 @@ def test_keepalive_on_every_server_and_channel():
     assert srv["grpc.http2.min_ping_interval_without_data_ms"] < dict(CHANNEL_KEEPALIVE)["grpc.keepalive_time_ms"]
     assert srv["grpc.http2.max_ping_strikes"] == 0 and srv["grpc.keepalive_time_ms"] == KEEPALIVE_TIME_MS
     assert opts["grpc.http2.ping_timeout_ms"] == srv["grpc.http2.ping_timeout_ms"] == KEEPALIVE_TIMEOUT_MS
+    # calls parked in gRPC core before the application takes them: far above the router's in-flight cap
+    assert srv["grpc.server.max_pending_requests"] == SERVER_PENDING_REQUESTS >= 4 * RouterConfig.max_inflight_requests
 
 
 class _Names(node_pb2_grpc.NodeServiceServicer):
