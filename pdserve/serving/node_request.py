@@ -7,8 +7,9 @@ resumed request (S6, S10).
 Checks (S6), the same words as the router's (pdserve.serving.convert): the input caps
 (`sampling_from_pb`), then max_tokens against the context left after the prompt (`fit_context`), which
 needs the prompt's token count, so text prompts are tokenized here (as LLMEngine.tokenize does:
-the tokenizer's special tokens added) rather than on the engine thread; a long text is tokenized
-in a worker thread (TOKENIZE_IN_THREAD_CHARS), so that the node's event loop keeps streaming.
+the tokenizer's special tokens added) rather than on the engine thread; a long text (or chat) is
+tokenized in a worker thread (TOKENIZE_IN_THREAD_CHARS), so that the node's event loop keeps
+streaming and answering health checks.
 
 Resume (S10, GenerateRequest.resume): a router moves a request whose decode node failed mid-stream
 to this node with the tokens already streamed. The engine gets prompt + those tokens as its
@@ -39,7 +40,8 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.convert import Prompt, fit_context, sampling_from_pb
 from pdserve_api.v1 import generate_pb2
 
-TOKENIZE_IN_THREAD_CHARS = 16 * 1024   # text prompts longer than this are tokenized off the event loop
+TOKENIZE_IN_THREAD_CHARS = 16 * 1024   # text / chat prompts of more bytes are tokenized off the event loop
+MAX_ID_CHARS = 256                     # request_id and model, as router.limits.MAX_ID_CHARS
 
 
 def prompt_token_ids(prompt: Prompt, tokenizer: Any) -> list[int]:
@@ -71,9 +73,13 @@ class PreparedGenerate:
 async def prepare_generate(request: generate_pb2.GenerateRequest, tokenizer: Any,
                            max_model_len: int) -> PreparedGenerate:
     """Check `request` (ValueError naming what is wrong) and build what the engine takes."""
+    for name in ("request_id", "model"):   # as the router's check (router.limits): ids go into logs and labels
+        value = getattr(request, name)
+        if len(value) > MAX_ID_CHARS:
+            raise ValueError(f"{name} is {len(value)} characters long; at most {MAX_ID_CHARS} are allowed")
     params = sampling_from_pb(request.sampling)
     prompt = Prompt.from_pb(request)
-    if prompt.text is not None and len(prompt.text) > TOKENIZE_IN_THREAD_CHARS:
+    if prompt.token_ids is None and prompt.nbytes > TOKENIZE_IN_THREAD_CHARS:   # text, or a chat to render
         ids = await asyncio.to_thread(prompt_token_ids, prompt, tokenizer)
     else:
         ids = prompt_token_ids(prompt, tokenizer)
