@@ -57,7 +57,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             raise UnavailableError(f"decode node {node.node_id} is shutting down")
         rid = request.request_id or f"{node.node_id}-{uuid.uuid4().hex[:12]}"
         if request.model and request.model != node.model_name:
-            raise LookupError(f"unknown model {request.model!r}; this node serves {node.model_name!r}")
+            raise LookupError(f"unknown model {request.model[:100]!r}; this node serves {node.model_name!r}")
         # S6 checks (input caps, max_tokens vs the context left) and S10 resume: pdserve.serving.node_request
         prepared = await prepare_generate(request, node.tokenizer, node.max_model_len)
         params, prompt = prepared.params, prepared.prompt_ids
