@@ -184,6 +184,10 @@ class HttpApi:
         except web.HTTPRequestEntityTooLarge as e:
             raise ApiError(413, f"request body is larger than {self.limits.max_message_bytes} bytes "
                            f"(prompts may have at most {self.limits.max_prompt_bytes} bytes)") from e
+        # As FastAPI (vLLM): no Content-Type is read as JSON, another media type than JSON is refused.
+        media = request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
+        if media and media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+            raise ApiError(415, f"the body must be application/json, got Content-Type {media!r}")
         try:
             body = json.loads(raw)
         except RecursionError as e:  # the C scanner's own guard, far above MAX_JSON_DEPTH
