@@ -57,6 +57,15 @@ _WAIT_MODES = {lib.PDF_WAIT_SLEEP: "sleep", lib.PDF_WAIT_FD: "fd", lib.PDF_WAIT_
 Dispatch = Callable[[object], None]  # called with each pdf_event (a cffi struct)
 
 
+_ORDERS = {"RAR": lib.FI_ORDER_RAR, "RAW": lib.FI_ORDER_RAW, "WAR": lib.FI_ORDER_WAR, "WAW": lib.FI_ORDER_WAW,
+           "SAS": lib.FI_ORDER_SAS, "RMA_WAW": lib.FI_ORDER_RMA_WAW}
+
+
+def _order_names(bits: int) -> frozenset[str]:
+    """The FI_ORDER_* names set in `bits` (the ones fabric looks at)."""
+    return frozenset(name for name, bit in _ORDERS.items() if bits & bit)
+
+
 def bell_name(peer: PeerDescriptor) -> str:
     """The shared-memory name of a peer's doorbell (shm engines on one host)."""
     return f"/{shmclean.BELL_PREFIX}{peer.pid}-{peer.engine_id}"
@@ -67,7 +76,8 @@ class Endpoint:
 
     Attributes (set once at open): provider, domain, mr_mode, tx_credits, max_msg_size,
     wait_mode ("fd", "bell" or "sleep"), delivery_complete (granted, see FabricConfig), source_addr
-    (FI_SOURCE granted: receive completions name their sender),
+    (FI_SOURCE granted: receive completions name their sender), tx_order / rx_order (the FI_ORDER_*
+    names granted, e.g. "SAS", "WAW"),
     engine_id, me (this endpoint's PeerDescriptor), max_write (the largest single write).
     """
 
@@ -115,6 +125,10 @@ class Endpoint:
         self.delivery_complete: bool = bool(info.delivery_complete)
         # FI_SOURCE granted: a received control message names its sender's AV address (fabric.protocol)
         self.source_addr: bool = bool(info.source_addr)
+        # the message orders the provider granted (open_info asks SAS + WAW, WAW given up last):
+        # the prefill node's delivery fence is trusted only where both sides have "WAW"
+        self.tx_order: frozenset[str] = _order_names(int(info.tx_msg_order))
+        self.rx_order: frozenset[str] = _order_names(int(info.rx_msg_order))
         self.me = PeerDescriptor(
             provider=self.provider,
             address=bytes(ffi.buffer(info.addr, info.addrlen)),

@@ -81,6 +81,8 @@ class TransferEngine(TransferBackend):
         self.max_msg_size: int = ep.max_msg_size
         self.wait_mode: str = ep.wait_mode
         self.delivery_complete: bool = ep.delivery_complete
+        self.tx_order: frozenset[str] = ep.tx_order   # FI_ORDER_* granted (csrc open_info asks SAS + WAW)
+        self.rx_order: frozenset[str] = ep.rx_order
         self._imm = ImmCounter()
         self._regions = RegionTable(ep)
         self._channel = ControlChannel(ep)
@@ -89,9 +91,9 @@ class TransferEngine(TransferBackend):
         self._control = ControlProtocol(ep, self._peers, self._regions, on_message)
         ep.start(self._dispatch)
         logger.info(
-            "engine %s: provider=%s domain=%s mr_mode=0x%x tx_credits=%d wait=%s delivery_complete=%s",
-            self.engine_id[:8], self.provider, self.domain, self.mr_mode, self.tx_credits,
-            self.wait_mode, self.delivery_complete,
+            "engine %s: provider=%s domain=%s mr_mode=0x%x tx_credits=%d wait=%s delivery_complete=%s "
+            "order tx=%s rx=%s", self.engine_id[:8], self.provider, self.domain, self.mr_mode, self.tx_credits,
+            self.wait_mode, self.delivery_complete, "+".join(sorted(self.tx_order)), "+".join(sorted(self.rx_order)),
         )
 
     # ------------------------------------------------------------ properties
@@ -99,6 +101,21 @@ class TransferEngine(TransferBackend):
     @property
     def peer_descriptor(self) -> PeerDescriptor:
         return self._ep.me
+
+    @property
+    def writes_ordered(self) -> bool:
+        """Writes to one peer are delivered in the order posted, as granted (FI_ORDER_WAW on
+        this endpoint's transmit and receive sides): a fence write proves the earlier ones landed
+        only where both ends have this."""
+        return all(bool({"WAW", "RMA_WAW"} & side) for side in (self.tx_order, self.rx_order))
+
+    @property
+    def closes_connections(self) -> bool:
+        """The provider carries a peer's writes on a connection that ``close_connection`` ends
+        here (ofi_rxm: a TCP or verbs connection): what the peer sent on it and we had not read
+        by then is refused by our kernel, never delivered. shm and other connectionless
+        providers: False."""
+        return "ofi_rxm" in self.provider
 
     @property
     def imm_counter(self) -> ImmCounter:
@@ -173,6 +190,15 @@ class TransferEngine(TransferBackend):
         sent to it from our buffers. shm has no connection: its per-peer transmit endpoint went
         when the peer failed (csrc/pdf_core.c peer_fail)."""
         self._peers.disconnect(peer)
+
+    def close_connection(self, peer: PeerDescriptor) -> None:
+        """End every connection this endpoint has with ``peer`` (ofi_rxm: the one its AV entry
+        names, opened by either side), inserting its address first if we never did (a peer that
+        only wrote to us): ``disconnect`` with the address known. Afterwards nothing ``peer``
+        posted before can be read from those connections (see ``closes_connections``); a later
+        write or send either way opens a new one. What was already read is handled by the
+        progress thread within two rounds (``progress_mark`` / ``progressed``)."""
+        self._peers.close_connection(peer)
 
     def progress_mark(self) -> int:
         """The progress thread's round counter now (for ``progressed``), after waking it."""

@@ -207,6 +207,13 @@ class PeerTable:
         if rc:
             raise FabricError(rc, f"fi_av_remove({peer!r})")
 
+    def close_connection(self, peer: PeerDescriptor) -> None:
+        """Insert ``peer``'s address if absent (no greeting), then ``disconnect`` it: with
+        FI_AV_REMOVE_CLEANUP ofi_rxm closes the connection of the removed address whichever side
+        opened it (TransferEngine.close_connection)."""
+        self.resolve(peer, hello=False)
+        self.disconnect(peer)
+
     # ------------------------------------------------------------ liveness
 
     def peer_gone(self, peer: PeerDescriptor) -> bool:

@@ -858,7 +858,7 @@ static void ring_peers(pdf_engine *e)
 
 /* ------------------------------------------------------------ public API */
 
-static struct fi_info *make_hints(const char *prov, int delivery_complete, int source)
+static struct fi_info *make_hints(const char *prov, int delivery_complete, int source, int waw)
 {
     struct fi_info *hints = fi_allocinfo();
     if (!hints)
@@ -874,9 +874,12 @@ static struct fi_info *make_hints(const char *prov, int delivery_complete, int s
     hints->domain_attr->threading = FI_THREAD_DOMAIN;
     hints->domain_attr->av_type = FI_AV_TABLE;
     /* control messages to one peer arrive in the order sent (a revocation
-     * before the handshake's answer, goodbye after the last message) */
-    hints->tx_attr->msg_order = FI_ORDER_SAS;
-    hints->rx_attr->msg_order = FI_ORDER_SAS;
+     * before the handshake's answer, goodbye after the last message); with `waw`, also writes
+     * after writes (FI_ORDER_WAW: the prefill node's delivery fence, posted after a transfer's
+     * writes on the same connection, lands only after them). What was granted is in
+     * pdf_info.tx_msg_order / rx_msg_order: a fence is trusted only where WAW was. */
+    hints->tx_attr->msg_order = FI_ORDER_SAS | (waw ? FI_ORDER_WAW : 0);
+    hints->rx_attr->msg_order = FI_ORDER_SAS | (waw ? FI_ORDER_WAW : 0);
     if (delivery_complete)
         hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE; /* default for fi_write/fi_writedata/fi_send */
     if (prov && prov[0])
@@ -918,13 +921,15 @@ static int open_info(pdf_engine *e, const char *prov, const char *node, int deli
 {
     const char *n = (node && node[0]) ? node : NULL;
     int ret = -FI_ENODATA;
-    /* the most wanted first: delivery complete (if asked) with FI_SOURCE, then without each */
-    for (int attempt = 0; attempt < 4 && ret; attempt++) {
-        int dc = delivery_complete && attempt < 2;
+    /* the most wanted first: write-after-write order, then delivery complete (if asked), then
+     * FI_SOURCE; each given up in turn (WAW last to go: it is what makes a fence sound) */
+    for (int attempt = 0; attempt < 8 && ret; attempt++) {
+        int waw = attempt < 4;
+        int dc = delivery_complete && attempt % 4 < 2;
         int src = attempt % 2 == 0;
-        if (!delivery_complete && attempt >= 2)
-            break;
-        struct fi_info *hints = make_hints(prov, dc, src);
+        if (!delivery_complete && attempt % 4 >= 2)
+            continue;
+        struct fi_info *hints = make_hints(prov, dc, src, waw);
         if (!hints) {
             snprintf(what, wlen, "fi_allocinfo");
             return -FI_ENOMEM;
@@ -1149,6 +1154,8 @@ int pdf_get_info(pdf_engine *e, pdf_info *out)
     out->wait_mode = (uint32_t)e->waiter.mode;
     out->delivery_complete = (uint32_t)e->delivery_complete;
     out->source_addr = (uint32_t)e->source_addr;
+    out->tx_msg_order = e->info->tx_attr->msg_order;
+    out->rx_msg_order = e->info->rx_attr->msg_order;
     size_t len = PDF_ADDR_MAX;
     ext_lock(e);
     int ret = fi_getname(&e->ep->fid, out->addr, &len);

@@ -75,6 +75,8 @@ typedef struct pdf_info {
     uint32_t delivery_complete;
     uint32_t source_addr; /* FI_SOURCE: PDF_EV_RECV names the sender (aux) */
     uint32_t addrlen;
+    uint64_t tx_msg_order; /* FI_ORDER_* the provider granted (fi_info tx_attr / rx_attr) */
+    uint64_t rx_msg_order;
     uint8_t addr[PDF_ADDR_MAX];
 } pdf_info;
 
