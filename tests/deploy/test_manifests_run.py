@@ -124,7 +124,7 @@ class LocalKubelet:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def wait_started(self, pod: Pod) -> None:
-        """startupProbe within its budget (failureThreshold x periodSeconds); then liveness holds."""
+        """startupProbe within its budget (failureThreshold x periodSeconds)."""
         startup = pod.container["startupProbe"]
         budget = min(startup["failureThreshold"] * startup["periodSeconds"], BOUND_S)
 
@@ -138,7 +138,6 @@ class LocalKubelet:
             wait_until(started, budget, f"{pod.name}'s startupProbe", interval=0.2)
         except AssertionError as e:
             raise AssertionError(f"{e}\n{pod.name} log:\n{pod.tail()}") from None
-        assert self.check(pod, "livenessProbe"), f"{pod.name}: livenessProbe fails once started"
 
     def wait_ready(self, pod: Pod) -> None:
         """readinessProbe (once started); then the pod joins its Services' records."""
@@ -208,12 +207,13 @@ class LocalKubelet:
 
 def _replace_decode_pods(kubelet: LocalKubelet, pods: list[Pod], workload: dict[str, Any], url: str,
                          params: SamplingParams) -> None:
-    # a decode pod replaced by one at a new address, then the other two deleted: only the new one
-    # is left, and requests still get through, so the router found it without a restart
+    # a decode pod replaced by one at a new address (started first, as a rolling update's surge
+    # pod, loading while the old one drains), then the other two deleted: only the new one is
+    # left, and requests still get through, so the router found it without a restart
     old = [p for p in pods if p.role == "decode"]
-    assert kubelet.delete(old[0]) == [0]
     new = kubelet.new_pod(workload, 3)
     kubelet.start(new)
+    assert kubelet.delete(old[0]) == [0]
     kubelet.wait_started_and_ready(new)
     assert kubelet.delete(*old[1:]) == [0, 0]
     assert kubelet.records("decode") == [f"{new.ip}:{deploy.DECODE_PORT}"]
@@ -242,8 +242,9 @@ def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
-@pytest.mark.parametrize("overlay", ["1p3d", pytest.param("tp2", marks=pytest.mark.xfail(
-    raises=AssertionError, strict=False,
+# tp2 is skipped, not xfailed: its failing run still costs four model loads (well over 20 s on this
+# machine). Flip it to run once disaggregated tensor parallelism lands (TP 2 prefill -> TP 1 decode).
+@pytest.mark.parametrize("overlay", ["1p3d", pytest.param("tp2", marks=pytest.mark.skip(
     reason="a TP 2 prefill node serving a TP 1 decode node needs the shard-mismatch plan (issue 16); the decode "
            "node refuses it today: KV layouts differ in kv_heads"))])
 def test_the_manifests_run_serve_and_follow_pods_that_move(overlay, tmp_path, tiny_llama):
@@ -262,19 +263,18 @@ def test_the_manifests_run_serve_and_follow_pods_that_move(overlay, tmp_path, ti
     workloads = {o["metadata"]["labels"][deploy.LABEL_ROLE]: o for o in objects if o["kind"] == "Deployment"}
     try:
         pods = [kubelet.new_pod(w, i) for w in workloads.values() for i in range(w["spec"]["replicas"])]
-        # The prefill pods last: started decode nodes are not ready without them (GenerateService
+        # Every pod starts at once (the model loads overlap), but the prefill pods join their
+        # Service's records last: started decode nodes are not ready without them (GenerateService
         # NOT_SERVING, so not in the decode records) nor is the router without a decode node; once
         # the prefill pods are ready, the decode nodes find them through discovery and become ready.
         first = sorted((p for p in pods if p.role != "prefill"), key=lambda p: p.role == "router")
         last = [p for p in pods if p.role == "prefill"]
-        for pod in first:
+        for pod in pods:
             kubelet.start(pod)
         for pod in first:
             kubelet.wait_started(pod)
         assert not [p.name for p in first if kubelet.check(p, "readinessProbe")], "ready with no prefill node"
         assert kubelet.records("prefill") == [] and kubelet.records("decode") == []
-        for pod in last:
-            kubelet.start(pod)
         for pod in last:
             kubelet.wait_started_and_ready(pod)
         for pod in first:   # decode pods, then the router
