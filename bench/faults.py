@@ -109,6 +109,17 @@ def _machine() -> str:
             f"python {platform.python_version()}")
 
 
+def _crashes(cluster: nf.NetCluster, log_dir: str) -> str:
+    """Which children exited, and how (a native crash prints 'terminated with signal N' in its log)."""
+    exited = cluster.poll()
+    said = []
+    for name in exited:
+        with contextlib.suppress(OSError):
+            said += [f"{name}: {line.strip()[:90]}" for line in open(Path(log_dir) / f"{name}.log", errors="replace")
+                     if "terminated with signal" in line or line.startswith("pdf_core")][-1:]
+    return f"exited {exited} {' '.join(said)}" if exited else "no process exited"
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
@@ -135,7 +146,8 @@ def run(rows: list[Row], log_dir: str) -> list[tuple[Row, nf.FaultOutcome | None
             try:
                 o = nf.strike(cluster, row.name, lambda row=row: row.make(net, cluster), row.hold_s, ref)
             except Exception as e:  # a row that cannot finish is a row of the table, not the end of the run
-                out.append((row, None, notes + f"harness error after {time.monotonic() - t0:.0f} s: {e!r}"[:300]))
+                out.append((row, None, notes + f"no outcome after {time.monotonic() - t0:.0f} s: "
+                            f"{_crashes(cluster, log_dir)}; the harness saw {str(e).splitlines()[0][:160]}"))
                 print(f"{row.name}: harness error {e!r}", flush=True)
                 continue
             stale = None if o.stale_writes is None else o.stale_writes - stale_before
