@@ -30,13 +30,41 @@ re-sent with backoff until then; a restarted process at the same address never c
 nodes whose fabric engine is known (from GetNodeInfo) are sent work. A client that goes away
 mid-transfer quarantines the attempt the same way.
 
+Terminal but unfenced (after a partition, a fabric-port partition, heavy loss): that process
+answers that the key ended (CONNECTION_FAILED, or FINISHED without a fence: its writes are not
+ordered, or the fence did not land within FENCE_WAIT_S, or ours are not ordered,
+TransferEngine.writes_ordered). "Ended" means nothing more will ever be posted for the key and
+every posted write completed there, in error or not; but "completed" on tcp;ofi_rxm is "handed to
+the socket", and a socket the prefill side closed may still be flushing (an orphan in its
+kernel). Where the provider carries writes on connections (TransferEngine.closes_connections,
+ofi_rxm) the hold then closes OUR side: `close_connection` (fi_av_remove with
+FI_AV_REMOVE_CLEANUP: rxm closes every connection of that address), then drains what the
+progress thread already read, then releases. Why that is sound: every byte of the key was posted
+before the answer, so on a connection opened before it; the close begins after the answer (a
+count of closes begun per prefill engine, read as the answer arrives, must have grown under that
+engine's lock: a close begun before the answer proves nothing, the key may then still have been
+posting, on a connection opened after that close), and once our socket is closed our kernel answers any later segment of
+it with a reset (data on a closed socket), never delivering it; the bytes already read into our
+memory were written before the release. A new connection (opened lazily by the next write or
+message either way) carries only what is posted after the answer, never this key's.
+What the close does to the other transfers from that prefill engine in flight at that moment:
+their later bytes are refused too, so each of them is either failed at the prefill side (its
+Prefill fails -> quarantined here -> its own AbortPrefill answers CONNECTION_FAILED -> one more
+close, or the same one if its answer came before that one began) or completed locally there
+with bytes lost here (its write count never completes -> KV_LANDED_WAIT_S -> quarantined -> its
+fence cannot land -> ended unfenced -> a close). Either way it fails over to a fresh attempt and
+its pages are released only by a proof of its own, never by this close; holds whose fences were
+in flight are answered the same way; quarantines of other prefill engines are not touched.
+On shm (no connection to close) an unfenced end keeps the pages held, re-asked with backoff.
+
 Per request, one `RequestState` (while its Generate handler runs) holds when it was admitted, its
 transfer, where it was prefilled and how that went.
 
 Blocking waits, with their bounds (all on the loop; no executor thread is parked): a Prefill
 call (`DecodeNodeConfig.prefill_timeout_s`, cut short by a stall after `stall_s`, polled every
 STALL_POLL_S); the write count after a successful Prefill (KV_LANDED_WAIT_S); one AbortPrefill
-(ABORT_RPC_TIMEOUT_S) and its fence (FENCE_WAIT_S); a quarantine's hold: unbounded by design
+(ABORT_RPC_TIMEOUT_S) and its fence (FENCE_WAIT_S); a close of our connection to a prefill
+engine (its lock: the closes before it, each one fi_av_remove plus a drain); a quarantine's hold: unbounded by design
 (S5: pages no write may land in are never reused), in rounds HOLD_BACKOFF_S doubling to
 HOLD_BACKOFF_MAX_S, the endpoint's death looked at every HOLD_POLL_S, then its arrivals drained
 (DRAIN_GRACE_S + at most DRAIN_WAIT_S); an attempt whose only untried prefill nodes are marked
@@ -82,6 +110,12 @@ HOLD_POLL_S = 0.1            # while held: whether the prefill endpoint is gone,
 DRAIN_GRACE_S = 0.05         # a gone peer's bytes in our socket buffers become readable
 DRAIN_WAIT_S = 1.0           # then at most this for two progress rounds to handle them
 POOL_REFRESH_S = 1.0         # GetNodeInfo of every prefill node, this often
+
+# One AbortPrefill's outcome (DecodeNode._abort_confirmed).
+ABORT_CONFIRMED, ABORT_ENDED_UNFENCED, ABORT_NOT_YET = "confirmed", "ended-unfenced", "not-yet"
+# The prefill node says nothing more will ever be posted for the key and every posted write of it
+# completed there (in error or not); with confirmed=False, no fence proves they landed.
+TERMINAL_STATES = frozenset({prefill_pb2.TRANSFER_STATE_FINISHED, prefill_pb2.TRANSFER_STATE_CONNECTION_FAILED})
 
 
 @dataclass(frozen=True)
@@ -153,6 +187,7 @@ class Quarantine:
     tag: int | None = None
     blocks: int = 0                           # pages quarantined; -1: none (the request had ended)
     rounds: int = 0
+    closes_at_answer: int = 0                 # closes of our connection to its engine begun by its last answer
 
 
 @dataclass
@@ -186,6 +221,8 @@ class DecodeNode(ReceiverEvents):
         self.pool: PrefillPool | None = None
         self._refreshers: list[asyncio.Task] = []
         self._holds: dict[str, asyncio.Task] = {}   # quarantine id -> its hold
+        self._conn_closes: dict[str, int] = {}       # prefill engine id -> closes of our connection to it begun
+        self._close_locks: dict[str, asyncio.Lock] = {}
         self.closing = False
         if config.colocated:
             self.engine = EngineThread(LLMEngine(config.engine))
@@ -539,8 +576,13 @@ class DecodeNode(ReceiverEvents):
         delay = HOLD_BACKOFF_S
         try:
             while True:
-                if await self._abort_confirmed(q):
+                answer = await self._abort_confirmed(q)
+                if answer == ABORT_CONFIRMED:
                     how = "abort confirmed"
+                    break
+                if answer == ABORT_ENDED_UNFENCED and self._can_close(q):
+                    await self._close_prefill_connection(q, q.closes_at_answer)
+                    how = "its key ended on the prefill node, unfenced; our connection to it closed"
                     break
                 if q.peer is not None and self.transport is not None and self.transport.peer_gone(q.peer):
                     await self._drain_arrivals()
@@ -587,9 +629,35 @@ class DecodeNode(ReceiverEvents):
         while not self.transport.progressed(mark) and time.monotonic() < end:
             await asyncio.sleep(0.002)
 
-    async def _abort_confirmed(self, q: Quarantine) -> bool:
+    def _can_close(self, q: Quarantine) -> bool:
+        """Closing our connection to q's prefill node refuses what it still sends (ofi_rxm)."""
+        return q.peer is not None and self.transport is not None and self.transport.closes_connections
+
+    async def _close_prefill_connection(self, q: Quarantine, closes_before: int) -> None:
+        """Make sure a close of our connections to q's prefill endpoint began after its terminal
+        answer (`closes_before`: the closes begun when that answer arrived), then drain what the
+        progress thread had already read. Holds whose answers came before one close
+        share it (one lock per prefill engine, a count of closes begun)."""
+        assert self.transport is not None and q.peer is not None
+        eid = q.prefill_engine_id
+        lock = self._close_locks.setdefault(eid, asyncio.Lock())
+        async with lock:
+            begun = self._conn_closes.get(eid, 0)
+            if begun > closes_before:
+                return   # one began after our answer and has ended (we hold its lock)
+            self._conn_closes[eid] = begun + 1
+            logger.warning("closing our fabric connection to prefill engine %s (%s): request %s attempt %d ended "
+                           "there unfenced; its other transfers in flight fail over (close %d)", eid[:8],
+                           q.node.address, q.request_id, q.attempt, begun + 1)
+            await asyncio.to_thread(self.transport.close_connection, q.peer)
+            await self._drain_arrivals()
+
+    async def _abort_confirmed(self, q: Quarantine) -> str:
         """One AbortPrefill, bound to the prefill engine the attempt was sent to, with a delivery
-        fence: True once that process confirmed and (when it posted one) the fence landed here."""
+        fence: ABORT_CONFIRMED once that process confirmed and (when it posted one) the fence
+        landed here; ABORT_ENDED_UNFENCED when it says the key is terminal but no fence proved
+        delivery (CONNECTION_FAILED, FINISHED unconfirmed, a fence that did not land in
+        FENCE_WAIT_S, or a fence where this endpoint's writes are not ordered); else ABORT_NOT_YET."""
         assert self.receiver is not None and self.loop is not None
         loop = self.loop
         fenced = asyncio.Event()
@@ -604,27 +672,36 @@ class DecodeNode(ReceiverEvents):
                 if not call.done() and q.peer is not None and self.transport is not None \
                         and self.transport.peer_gone(q.peer):
                     call.cancel()
-                    return False
+                    return ABORT_NOT_YET
             try:
                 resp = call.result()
+                # no await since the answer came: a close counted later began after it
+                q.closes_at_answer = self._conn_closes.get(q.prefill_engine_id, 0)
             except grpc.aio.AioRpcError as e:
                 logger.info("AbortPrefill of %s attempt %d on %s failed: %s", q.request_id, q.attempt,
                             q.node.address, e.code().name)
-                return False
-            if not resp.confirmed or resp.prefill_engine_id != q.prefill_engine_id:
-                logger.info("AbortPrefill of %s attempt %d on %s: not confirmed (state %s, engine %s)", q.request_id,
-                            q.attempt, q.node.address, prefill_pb2.TransferState.Name(resp.state),
-                            resp.prefill_engine_id[:8])
-                return False
+                return ABORT_NOT_YET
+            state = prefill_pb2.TransferState.Name(resp.state)
+            if resp.prefill_engine_id != q.prefill_engine_id:
+                logger.info("AbortPrefill of %s attempt %d on %s: answered by engine %s, not %s (state %s)",
+                            q.request_id, q.attempt, q.node.address, resp.prefill_engine_id[:8],
+                            q.prefill_engine_id[:8], state)
+                return ABORT_NOT_YET
+            if not resp.confirmed:
+                logger.info("AbortPrefill of %s attempt %d on %s: not confirmed (state %s)", q.request_id,
+                            q.attempt, q.node.address, state)
+                return ABORT_ENDED_UNFENCED if resp.state in TERMINAL_STATES else ABORT_NOT_YET
             if not resp.fence_posted:
-                return True
+                return ABORT_CONFIRMED
+            if self.transport is None or not self.transport.writes_ordered:
+                return ABORT_ENDED_UNFENCED   # a fence proves nothing here: writes are not ordered
             try:
                 await asyncio.wait_for(fenced.wait(), FENCE_WAIT_S)
-                return True
+                return ABORT_CONFIRMED
             except TimeoutError:
                 logger.warning("AbortPrefill of %s attempt %d: confirmed, but its fence did not land within %.0f s",
                                q.request_id, q.attempt, FENCE_WAIT_S)
-                return False
+                return ABORT_ENDED_UNFENCED
         except asyncio.CancelledError:
             raise
         finally:

@@ -28,12 +28,18 @@ at the same address) is WRONG_ENGINE, never confirmed. An active transfer is abo
 for (ABORT_WAIT_S). A FINISHED key is confirmed with a delivery fence: one write carrying the
 decode node's fence tag, posted on the same connection after every write of the transfer
 completed locally (`KvSender.fence`); the connection delivers writes in order (FI_ORDER_WAW,
-which tcp;ofi_rxm and shm advertise in libfabric 1.17's fi_info; our hints ask only for
-FI_ORDER_SAS), so once the decode node counted the fence, every write of the transfer has
-landed. On RDMA providers (verbs, efa) and shm a local completion already means the target has
-the data (delivery complete), so there the fence only confirms what the completions said; on
-tcp;ofi_rxm, where "completed locally" means handed to the socket, it is what makes the
-confirmation sound. A key whose connection failed since cannot be fenced (not confirmed).
+which fabric's hints ask for and tcp;ofi_rxm and shm grant in libfabric 1.17; a fence is posted
+only where it was granted, TransferEngine.writes_ordered: else a delivery-complete endpoint
+confirms without one, and any other answers FINISHED unconfirmed), so once the decode node
+counted the fence, every write of the transfer has landed. On RDMA providers (verbs, efa) and
+shm a local completion already means the target has the data (delivery complete), so there the
+fence only confirms what the completions said; on tcp;ofi_rxm, where "completed locally" means
+handed to the socket, it is what makes the confirmation sound. A key whose connection failed
+since cannot be fenced (not confirmed). Both unconfirmed answers (FINISHED, CONNECTION_FAILED)
+still say the key is terminal: nothing more will ever be posted for it and every posted write
+completed locally, in error or not (the tombstone is written by its release, after
+`_retire_peer` disconnected a failed peer); the decode node then releases the pages by closing
+its own side of our connection.
 An unknown key is remembered as refused (a later Prefill for it answers ABORTED and never writes)
 and is not confirmed the first time; from then on it is REFUSED, confirmed (nothing was posted).
 
@@ -511,6 +517,12 @@ class PrefillNode:
             return AbortOutcome(False, CONNECTION_FAILED)
         if not spec.fence_tag or spec.fence_region is None:
             return AbortOutcome(True, FINISHED)
+        if not self.transport.writes_ordered:
+            if self.transport.delivery_complete:   # each write completed only once delivered
+                return AbortOutcome(True, FINISHED)
+            # a fence would prove nothing: finished (terminal), but unfenced (the decode node
+            # closes its connection instead, decode_node.service)
+            return AbortOutcome(False, FINISHED)
         if spec.fence_region.peer.engine_id != key.decode_engine_id:
             raise ValueError(f"abort of {key.request_id}: the fence region belongs to engine "
                              f"{spec.fence_region.peer.engine_id[:8]}, not the transfer's {key.decode_engine_id[:8]}")
