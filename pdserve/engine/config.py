@@ -164,11 +164,15 @@ class EngineConfig:
         process) and N - 1 workers, each holding a shard of every layer (KV heads split as
         pdserve/model/tp.py says; a split that cannot be made is refused at start). Float32 greedy
         outputs are bit-identical at every size (TP-invariant reductions).
-    tp_invariant: sum o_proj and down_proj in fixed fold blocks whatever the TP size (TP 1
-        included), so float32 logits are bit-identical at every tensor_parallel_size (default).
-        False: one block per rank, the plain kernels' sums as before the blocked fold (fewer,
-        larger matmuls in prefill); TP N then differs from TP 1 by float32 rounding (logprobs within
-        1e-3 on the default model: tests/integration/test_tensor_parallel.py).
+    tp_invariant: sum o_proj and down_proj in fixed fold blocks whatever the TP size, so float32
+        logits and KV are bit-identical at every tensor_parallel_size. None (default, "auto"): on iff
+        tensor_parallel_size > 1, so a single-shard engine runs the plain kernels' sums (one block,
+        as before the blocked fold; the fold costs TP 1 prefill +30-50%: bench/results/tp_invariant.md).
+        True (--tp-invariant): a TP 1 engine that must give the same bits as TP > 1 engines of its
+        cluster (e.g. a TP 1 decode node behind TP 2 prefill nodes: the KV it receives and the KV it
+        computes must agree). False (--no-tp-invariant): one block per rank; TP N then differs from
+        TP 1 by float32 rounding (logprobs within 1e-3 on the default model:
+        tests/integration/test_tensor_parallel.py). `tp_invariant_active` is the resolved choice.
     """
 
     model: str | None = None
@@ -184,16 +188,18 @@ class EngineConfig:
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "rank processes of this engine, each holding a shard of every layer (KV heads split evenly, by "
                 "whole GQA groups, or replicated when N > KV heads); float32 outputs are bit-identical at every N"})
-    tp_invariant: bool = field(default=True, metadata={
+    tp_invariant: bool | None = field(default=None, metadata={
         "help": "sum the row-parallel layers in fixed blocks whatever the tensor-parallel size, so float32 "
-                "outputs are bit-identical at every -tp (--no-tp-invariant: one block per rank, outputs within "
-                "float32 rounding of TP 1)"})
+                "outputs and KV are bit-identical at every -tp (default: auto, on iff -tp > 1; --tp-invariant "
+                "on a TP 1 node that must match TP > 1 nodes of its cluster, e.g. a TP 1 decode node behind "
+                "TP 2 prefill nodes; --no-tp-invariant: one block per rank, within float32 rounding of TP 1)"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tp_invariant, bool):
-            raise ValueError(f"tp_invariant must be True or False, got {self.tp_invariant!r}")
+        if self.tp_invariant is not None and not isinstance(self.tp_invariant, bool):
+            raise ValueError(f"tp_invariant must be True, False or None (auto: on iff tensor_parallel_size > 1), "
+                             f"got {self.tp_invariant!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
@@ -209,6 +215,11 @@ class EngineConfig:
         if kv != "auto" and kv != self.dtype and not (self.dtype == "float32" and kv == "bfloat16"):
             raise ValueError(f"kv_cache_dtype={kv!r} with dtype={self.dtype!r}: a KV cache can be the model's dtype "
                              f"or bfloat16 under a float32 model, not wider than the model")
+
+    @property
+    def tp_invariant_active(self) -> bool:
+        """Whether the row-parallel layers sum in the TP-invariant fold blocks (tp_invariant resolved)."""
+        return self.tensor_parallel_size > 1 if self.tp_invariant is None else self.tp_invariant
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -121,7 +121,10 @@ class LLMEngine:
         self.model = build_model(self.arch, hf_config, dtype, self.max_model_len,
                                  small_batch_max_tokens=config.small_batch_max_tokens,
                                  shard=self.tp_plan.ranks[0] if self.tp_plan else None,
-                                 tp_invariant=config.tp_invariant)
+                                 tp_invariant=config.tp_invariant_active)
+        logger.info("row-parallel sums: %s (tp_invariant=%s, tensor_parallel_size=%d)",
+                    "TP-invariant fold blocks" if config.tp_invariant_active else "plain (one block per rank)",
+                    "auto" if config.tp_invariant is None else config.tp_invariant, config.tensor_parallel_size)
         logger.info("layer loop: C ops bound to the weights for passes of at most %d float32 tokens "
                     "(small_batch_max_tokens; 0: never), where the model has them", config.small_batch_max_tokens)
         self.model.load_weights(iter_weights(self.source))
@@ -147,7 +150,8 @@ class LLMEngine:
                                                   self.arch.head_dim), kv_dtype, prefault=config.cache.kv_prefault)
         self.tp = None if self.tp_plan is None else start_tensor_parallel(
             self.tp_plan, self.model, self.kv_cache, str(self.source.path), config.dtype, self.max_model_len,
-            config.small_batch_max_tokens, config.attention_backend, config.cache.kv_prefault, config.tp_invariant)
+            config.small_batch_max_tokens, config.attention_backend, config.cache.kv_prefault,
+            config.tp_invariant_active)
         self.pool = BlockPool(size.num_blocks, config.cache.num_padding_blocks)
         self.cache_manager = KVCacheManager(self.pool, P, groups, enable_prefix_caching=sharing)
         # no CPU swap under TP (it would move rank 0's shard only): stalled requests are recomputed

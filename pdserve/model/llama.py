@@ -8,8 +8,10 @@ tensor parallelism that is after the o_proj fold has reached every rank, so ever
 layer L's KV (the hook runs on the leader only).
 
 Tensor parallelism (pdserve/model/tp.py): a rank's model holds its shard (`shard`); its row-parallel
-layers continue the ranks' TP-invariant fold through `set_tp_comm`. Float32 models sum o_proj and
-down_proj in fixed fold blocks at every TP size, TP 1 included.
+layers continue the ranks' fold through `set_tp_comm`. With `tp_invariant` float32 models sum o_proj
+and down_proj in fixed fold blocks at every TP size, TP 1 included, so TP 1 and TP N give the same
+bits; without it (the model's default, and the engine's at TP 1 unless --tp-invariant) a layer sums
+its whole share in one block, the plain kernels of a single-shard model.
 
 The decoder layers run in one loop (`_run_layers`) over the ops object of the pass
 (pdserve/model/layer_ops.py): the modules' own ops, or for passes of at most
@@ -111,10 +113,11 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch, hf_config: object, dtype: torch.dtype, max_positions: int,
                  small_batch_max_tokens: int = MAX_ROWS, shard: RankShard | None = None,
-                 tp_invariant: bool = True) -> None:
+                 tp_invariant: bool = False) -> None:
         """shard: what this tensor-parallel rank holds (pdserve/model/tp.py); None: TP 1.
         tp_invariant: sum o_proj / down_proj in the fixed fold blocks (float32: TP N == TP 1 bit for
-        bit); False: each rank's share in one block (TP N within float32 rounding of TP 1)."""
+        bit); False: each rank's share in one block (TP N within float32 rounding of TP 1; at TP 1 the
+        plain kernels' sums). The engine resolves EngineConfig.tp_invariant (auto: on iff TP > 1)."""
         super().__init__()
         if not 0 <= small_batch_max_tokens <= MAX_ROWS:
             raise ValueError(f"small_batch_max_tokens must be in [0, {MAX_ROWS}], got {small_batch_max_tokens}")

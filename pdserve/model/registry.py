@@ -52,7 +52,7 @@ def model_class(arch: ModelArch, hf_config: object) -> type[nn.Module]:
 
 def build_model(arch: ModelArch, hf_config: object, dtype: torch.dtype, max_model_len: int,
                 small_batch_max_tokens: int = MAX_ROWS, shard: RankShard | None = None,
-                tp_invariant: bool = True) -> nn.Module:
+                tp_invariant: bool = False) -> nn.Module:
     """An empty model (weights not loaded) for `arch`, with rotary tables for max_model_len positions;
     passes of at most small_batch_max_tokens float32 tokens run the C-op layer ops where the
     model has them (EngineConfig.small_batch_max_tokens; 0: never). shard: a tensor-parallel

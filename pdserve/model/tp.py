@@ -24,7 +24,13 @@ dot products (each block's dot summed by the one kernel of the pass: the C few-r
 torch's matmul), and bias is added last. A rank's blocks are contiguous and in order, so the
 ranks continue one left fold in rank order (`RowLinear.forward`: rank 0 folds its prefix and
 sends it on; rank r adds its blocks' partials to what arrives from rank r - 1; the last rank adds
-the bias and broadcasts). TP 1 runs the same blocked fold, so TP 1 and TP N give the same bits.
+the bias and broadcasts). TP 1 runs the same blocked fold when asked to, so TP 1 and TP N give the
+same bits. The engine folds in blocks only where that is needed (EngineConfig.tp_invariant; auto:
+on iff tensor_parallel_size > 1): the blocked fold costs a TP 1 prefill +30-50%
+(bench/results/tp_invariant.md), so a single-shard engine keeps the plain kernels' sums unless it
+must give bit-identical KV / logits to TP > 1 engines of its cluster (e.g. a TP 1 decode node
+behind TP 2 prefill nodes): then it runs with --tp-invariant (`pdserve up` passes it to every node
+of a cluster where any node runs TP > 1).
 Fold blocks: o_proj `o_proj_fold_heads` query heads (the finest split any supported TP size
 makes: a whole GQA group unless replica sets of some TP size <= MAX_TP_SIZE split groups);
 down_proj `MLP_FOLD_BLOCKS` blocks of the intermediate axis (a multiple of 8 wide). Tensor-parallel

@@ -42,7 +42,7 @@ class _Flag:
     type: Callable[[str], object] | None = None   # default: the default value's type
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
-    negatable: bool = False                       # a bool that defaults on: --x / --no-x
+    negatable: bool = False                       # a bool that defaults on, or None (auto): --x / --no-x
     aliases: tuple[str, ...] = ()                 # more option strings for the same flag (e.g. -tp)
 
     @property
@@ -87,7 +87,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         if text is None:
             raise TypeError(f"{f.owner.__name__}.{f.name} has no help text (field(metadata={{'help': ...}}))")
         kw: dict[str, object] = {"dest": f.name}
-        if isinstance(default, bool):
+        if f.negatable and default is None:  # a tri-state switch: --x / --no-x, unset = the config's auto (None)
+            kw["action"] = argparse.BooleanOptionalAction
+            kw["default"] = None
+        elif isinstance(default, bool):
             if default and not f.negatable:
                 raise TypeError(f"{f.owner.__name__}.{f.name} defaults on: its flag must be negatable")
             kw["action"] = argparse.BooleanOptionalAction if f.negatable else "store_true"

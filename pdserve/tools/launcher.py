@@ -32,6 +32,14 @@ so `url`, `http_url` and `metrics_urls` are known up front. With
 allowed CPUs, set with sched_setaffinity by the child at its start, see Spawning); the router is not
 pinned. Too few cores for every node is a ValueError naming the counts.
 
+Tensor parallelism: `prefill_tp` / `decode_tp` (`--prefill-tp N`, `--decode-tp M`, `--tp N` for
+both) give each node `-tp N` (or engine_args give every node the same size; both at once is a
+ValueError). When any node runs TP > 1, every node also gets `--tp-invariant` (before engine_args,
+so an explicit `--no-tp-invariant` there wins): the engine's default folds in blocks only above
+TP 1, and a TP 1 decode node behind TP 2 prefill nodes must sum as they do for the KV it receives
+and the KV it computes to agree (EngineConfig.tp_invariant). `pin_cores` still gives each node
+`threads_per_node` cores; a TP N node's worker ranks are not pinned apart from them.
+
 Security (S9): with `tls`, the start makes a throwaway CA and one certificate per child (named
 after it: prefill-0, decode-0, router) plus one for clients ("client"), in `<log_dir>/security/`
 (pdserve.tools.certs; the CA key is deleted once they are signed), and every child serves mTLS
@@ -92,7 +100,9 @@ class ClusterConfig:
     "least-loaded" or "prefix" (prefix-aware; decode nodes of a disaggregated cluster then also
     prefer the prefill node that was sent a prompt's prefix). log_format: "text" or "json" lines
     for every process. tls: mTLS between every process, with certificates made for this cluster;
-    auth_token: a shared token on every gRPC call (see Security)."""
+    auth_token: a shared token on every gRPC call (see Security). prefill_tp / decode_tp: each
+    prefill / decode (or colocated) node's tensor_parallel_size (`-tp N`; None: engine_args or 1);
+    see Tensor parallelism."""
 
     prefill: int | None = None
     decode: int | None = None
@@ -116,6 +126,8 @@ class ClusterConfig:
     log_format: str = "text"
     tls: bool = False
     auth_token: bool = False
+    prefill_tp: int | None = None
+    decode_tp: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine_args", tuple(self.engine_args))
@@ -150,7 +162,11 @@ class ClusterConfig:
             raise ValueError(f"http_port must be in 0..65535 (or None: no HTTP API), got {self.http_port}")
         if self.http_port and self.http_port == self.port:
             raise ValueError(f"the router's gRPC and HTTP ports must differ, both are {self.port}")
-        for name in ("threads_per_node", "num_blocks"):
+        given_tp = _engine_args_tp(self.engine_args)
+        if given_tp is not None and (self.prefill_tp is not None or self.decode_tp is not None):
+            raise ValueError(f"engine_args set the tensor-parallel size ({given_tp}) for every node: give either "
+                             f"that or prefill_tp / decode_tp ({self.prefill_tp} / {self.decode_tp}), not both")
+        for name in ("threads_per_node", "num_blocks", "prefill_tp", "decode_tp"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 (or unset), got {value}")
@@ -223,8 +239,36 @@ def free_ports(count: int, host: str = "127.0.0.1", exclude: Sequence[int] = ())
     return ports
 
 
+def _engine_args_tp(engine_args: Sequence[str]) -> int | None:
+    """The tensor-parallel size that engine_args give every node (-tp N, --tensor-parallel-size[=]N; the
+    last one wins, as argparse takes it); None when they give none. Raises ValueError on a non-integer."""
+    tp: str | None = None
+    for i, arg in enumerate(engine_args):
+        if arg in ("-tp", "--tensor-parallel-size") and i + 1 < len(engine_args):
+            tp = engine_args[i + 1]
+        elif arg.startswith("--tensor-parallel-size="):
+            tp = arg.split("=", 1)[1]
+    try:
+        return None if tp is None else int(tp)
+    except ValueError:
+        raise ValueError(f"engine_args: tensor-parallel size must be an integer, got {tp!r}") from None
+
+
+def cluster_runs_tp(config: ClusterConfig) -> bool:
+    """Whether any node of the cluster runs tensor_parallel_size > 1 (then every node gets --tp-invariant)."""
+    sizes = [_engine_args_tp(config.engine_args) or 1]
+    if not config.colocated:
+        sizes.append(config.prefill_tp or 1)
+    sizes.append(config.decode_tp or 1)
+    return max(sizes) > 1
+
+
 def _engine_flags(config: ClusterConfig) -> list[str]:
     flags: list[str] = []
+    if cluster_runs_tp(config):
+        # TP 1 nodes sum as the TP > 1 ones do, so KV and logits agree bit for bit across the cluster
+        # (EngineConfig.tp_invariant); before engine_args, so an explicit --no-tp-invariant there wins.
+        flags.append("--tp-invariant")
     if config.model:
         flags += ["--model", config.model]
     if config.num_blocks is not None:
@@ -232,6 +276,10 @@ def _engine_flags(config: ClusterConfig) -> list[str]:
     if config.threads_per_node is not None:
         flags += ["--threads", str(config.threads_per_node)]
     return flags + list(config.engine_args)
+
+
+def _tp_flags(tp: int | None) -> list[str]:
+    return [] if tp is None else ["-tp", str(tp)]
 
 
 def core_slices(num_nodes: int, per_node: int, available: Sequence[int] | None = None) -> list[tuple[int, ...]]:
@@ -290,7 +338,8 @@ def plan(config: ClusterConfig, ports: Sequence[int] | None = None,
         for i in range(config.colocated):
             port = next(it)
             name = f"colocated-{i}"
-            argv = [py, "-m", "decode_node", *common, "--port", str(port), "--node-id", name, "--colocated", *engine,
+            argv = [py, "-m", "decode_node", *common, "--port", str(port), "--node-id", name, "--colocated",
+                    *_tp_flags(config.decode_tp), *engine,
                     *_security_flags(config, security_dir, name)]
             nodes.append((name, "colocated", port, argv))
     else:
@@ -298,7 +347,8 @@ def plan(config: ClusterConfig, ports: Sequence[int] | None = None,
         for i in range(config.prefill):
             port = next(it)
             name = f"prefill-{i}"
-            argv = [py, "-m", "prefill_node", *common, "--port", str(port), "--node-id", name, *fabric, *engine,
+            argv = [py, "-m", "prefill_node", *common, "--port", str(port), "--node-id", name, *fabric,
+                    *_tp_flags(config.prefill_tp), *engine,
                     *_security_flags(config, security_dir, name)]
             nodes.append((name, "prefill", port, argv))
         prefill_addrs = ",".join(f"{config.host}:{port}" for _, _, port, _ in nodes)
@@ -306,7 +356,8 @@ def plan(config: ClusterConfig, ports: Sequence[int] | None = None,
             port = next(it)
             name = f"decode-{i}"
             argv = [py, "-m", "decode_node", *common, "--port", str(port), "--node-id", name, *fabric,
-                    "--prefill", prefill_addrs, "--prefill-routing", config.routing, *engine,
+                    "--prefill", prefill_addrs, "--prefill-routing", config.routing, *_tp_flags(config.decode_tp),
+                    *engine,
                     *_security_flags(config, security_dir, name)]
             nodes.append((name, "decode", port, argv))
     router_port = config.port or next(it)
@@ -670,6 +721,13 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                    help="pin each node to its own T cores (--threads-per-node T; the router is not pinned), "
                         "e.g. to compare colocated and disaggregated clusters on the same CPUs")
     p.add_argument("--num-blocks", type=int, default=None, metavar="N", help="KV blocks per node")
+    p.add_argument("--prefill-tp", type=int, default=None, metavar="N",
+                   help="tensor-parallel size of each prefill node (default 1); any node above 1 gives every node "
+                        "--tp-invariant, so KV and logits agree bit for bit across TP sizes")
+    p.add_argument("--decode-tp", type=int, default=None, metavar="N",
+                   help="tensor-parallel size of each decode (or colocated) node (default 1)")
+    p.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="tensor-parallel size of every node (--prefill-tp and --decode-tp override it)")
     p.add_argument("--max-batch-tokens", type=int, default=None, metavar="N", help="query tokens per forward pass")
     p.add_argument("--engine-args", default="", metavar="'FLAGS'",
                    help="more engine flags for every node, as one shell-quoted string (e.g. '--page-size 32')")
@@ -701,6 +759,8 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         log_dir=args.log_dir, startup_timeout_s=args.startup_timeout, pin_cores=args.pin_cores,
         node_metrics=args.node_metrics, routing=args.routing, log_format=args.log_format,
         tls=args.tls, auth_token=args.auth_token,
+        prefill_tp=args.prefill_tp if args.prefill_tp is not None else args.tp,
+        decode_tp=args.decode_tp if args.decode_tp is not None else args.tp,
     )
 
 

@@ -1,5 +1,8 @@
 """Tensor parallelism with real rank processes (E22, D7, D15; issue 16): `LLM(tensor_parallel_size=N)`.
 
+- tp_invariant auto: on at TP 2 (fold blocks), off at TP 1 (the plain kernels); a TP 1 engine
+  given tp_invariant=True (--tp-invariant, as a TP 1 node of a cluster with TP > 1 nodes runs) is
+  the reference below.
 - The default model at TP 2 (3 KV heads: rank 0 holds 2 groups = 6 query heads, rank 1 one group)
   gives the same greedy tokens and the same logprobs, bit for bit, as TP 1 and the same tokens as
   transformers, for prompts whose prefill takes torch's matmul (> 32 tokens) and decode steps on
@@ -63,7 +66,8 @@ def _pool_files(pid: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tp1():
-    llm = LLM(num_blocks=64, max_model_len=512, max_batch_tokens=64, num_threads=2)
+    llm = LLM(num_blocks=64, max_model_len=512, max_batch_tokens=64, num_threads=2, tp_invariant=True)
+    assert llm.engine.model.layers[0].mlp.down_proj.fold_block == 192   # 8 fold blocks of 1536
     yield llm, _run(llm)
 
 
@@ -71,6 +75,7 @@ def test_default_model_tp2_is_bit_identical_to_tp1_and_transformers(tp1, hf_defa
     llm1, out1 = tp1
     with LLM(num_blocks=64, max_model_len=512, max_batch_tokens=64, tensor_parallel_size=2) as llm2:
         assert llm2.engine.tp.plan.kv_head_assignment == ((0, 1), (2,))
+        assert llm2.engine.model.layers[0].mlp.down_proj.fold_block == 192   # auto: on at TP 2
         assert _pool_files(os.getpid()) == []            # unlinked once every rank mapped its pool
         out2 = _run(llm2)
         assert out2 == out1                               # tokens and logprobs, bit for bit
@@ -111,7 +116,7 @@ def test_tiny_models_agree_with_tp1_bit_for_bit(tmp_path, kv_heads, heads, tp, a
     path = make_tiny_checkpoint("qwen2", tmp_path / "tiny", num_key_value_heads=kv_heads,
                                 num_attention_heads=heads, head_dim=16)   # qkv biases split with the heads
     opts = dict(model=str(path), num_blocks=48, max_model_len=256, max_batch_tokens=32)
-    with LLM(num_threads=1, **opts) as llm1:
+    with LLM(num_threads=1, tp_invariant=True, **opts) as llm1:
         out1 = _run(llm1)
     with LLM(tensor_parallel_size=tp, **opts) as llm_tp:
         assert llm_tp.engine.tp.plan.kv_head_assignment == assignment

@@ -142,3 +142,73 @@ def test_tensor_parallel_flags_are_generated_with_the_tp_alias():
     assert engine_config(p.parse_args([])).tensor_parallel_size == 1
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1, got 0"):
         engine_config(p.parse_args(["-tp", "0"]))
+
+
+def test_tp_invariant_is_auto_on_iff_tp_above_1_and_the_flags_force_it():
+    import argparse
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.serving.engine_args import add_engine_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    resolved = {argv: (c.tp_invariant, c.tp_invariant_active)
+                for argv in ((), ("-tp", "2"), ("--tp-invariant",), ("--no-tp-invariant", "-tp", "2"))
+                for c in [engine_config(p.parse_args(list(argv)))]}
+    assert resolved == {
+        (): (None, False),                                  # TP 1 default: the plain kernels' sums
+        ("-tp", "2"): (None, True),                         # auto: on above TP 1
+        ("--tp-invariant",): (True, True),                  # a TP 1 node matching TP > 1 nodes
+        ("--no-tp-invariant", "-tp", "2"): (False, False),
+    }
+    assert "(default: auto, on iff -tp > 1;" in " ".join(p.format_help().split())
+    with pytest.raises(ValueError, match="tp_invariant must be True, False or None .*got 'yes'"):
+        EngineConfig(tp_invariant="yes")
+
+
+def test_tp1_model_sums_in_one_block_unless_asked_for_the_fold():
+    from transformers import LlamaConfig
+
+    from pdserve.model.arch import ModelArch
+    from pdserve.model.registry import build_model
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    arch = ModelArch.from_hf_config(cfg)
+    plain = build_model(arch, cfg, torch.float32, 64).layers[0]
+    folded = build_model(arch, cfg, torch.float32, 64, tp_invariant=True).layers[0]
+    assert (plain.self_attn.o_proj.fold_block, plain.mlp.down_proj.fold_block) == (32, 64)   # whole rows
+    assert folded.self_attn.o_proj.fold_block == o_proj_fold_heads(4, 2) * 8
+    assert folded.mlp.down_proj.fold_block == mlp_fold_block(64)
+
+
+def test_the_launcher_gives_every_node_tp_invariant_when_any_node_runs_tp_above_1():
+    import argparse
+
+    from pdserve.tools.launcher import ClusterConfig, add_up_args, config_from_args, plan
+
+    def argvs(config: ClusterConfig) -> dict[str, tuple[str, ...]]:
+        return {s.name: s.argv for s in plan(config, ports=range(42000, 42010)) if s.name != "router"}
+
+    def has(argv: tuple[str, ...], *flags: str) -> bool:
+        return any(argv[i : i + len(flags)] == flags for i in range(len(argv)))
+
+    plain = argvs(ClusterConfig(prefill=1, decode=1, node_metrics=False))
+    assert not any(has(a, "--tp-invariant") or has(a, "-tp") for a in plain.values())
+    mixed = argvs(ClusterConfig(prefill=1, decode=2, prefill_tp=2, node_metrics=False))
+    assert has(mixed["prefill-0"], "-tp", "2") and not has(mixed["decode-0"], "-tp")
+    assert all(has(a, "--tp-invariant") for a in mixed.values())     # the TP 1 decode nodes too
+    uniform = argvs(ClusterConfig(colocated=2, engine_args=("-tp", "2"), node_metrics=False))
+    assert all(has(a, "--tp-invariant") for a in uniform.values())
+    override = argvs(ClusterConfig(decode_tp=2, engine_args=("--no-tp-invariant",), node_metrics=False))
+    a = override["prefill-0"]                                          # the explicit choice comes last
+    assert a.index("--no-tp-invariant") > a.index("--tp-invariant")
+    with pytest.raises(ValueError, match=r"engine_args set the tensor-parallel size \(2\).*prefill_tp"):
+        ClusterConfig(prefill_tp=2, engine_args=("--tensor-parallel-size=2",))
+    with pytest.raises(ValueError, match="decode_tp must be >= 1"):
+        ClusterConfig(decode_tp=0)
+
+    p = argparse.ArgumentParser()
+    add_up_args(p)
+    c = config_from_args(p.parse_args(["--tp", "2", "--decode-tp", "1"]))
+    assert (c.prefill_tp, c.decode_tp) == (2, 1)
