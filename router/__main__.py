@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=float, default=1.0, metavar="S",
                    help="seconds between health and load polls of each node")
     p.add_argument("--health-timeout", type=float, default=1.0, metavar="S", help="deadline of one health Check")
+    p.add_argument("--health-misses", type=int, default=2, metavar="N",
+                   help="health Checks in a row that may time out before a node is taken out of rotation "
+                        "(a refused connection, an error or NOT_SERVING takes it out at once)")
     p.add_argument("--load-timeout", type=float, default=5.0, metavar="S", help="deadline of one GetNodeInfo call")
     p.add_argument("--request-timeout-s", type=float, default=RouterConfig.request_timeout_s, metavar="S",
                    help="end-to-end deadline of a Generate call (HTTP or gRPC; a shorter gRPC client deadline "
@@ -62,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         setup_logging(args.log_level, args.log_format)
         config = RouterConfig(host=args.host, port=args.port, decode_nodes=args.decode,
                               health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
+                              health_misses=args.health_misses,
                               load_timeout_s=args.load_timeout, routing=routing_from_args(args),
                               request_timeout_s=args.request_timeout_s,
                               max_inflight_requests=args.max_inflight_requests, max_migrations=args.max_migrations,

@@ -22,7 +22,10 @@ class RouterConfig:
 
     decode_nodes: 'HOST:PORT' of every decode (or colocated) node; at least one.
     health_interval_s: seconds between two polls of a node's health and load.
-    health_timeout_s: deadline of one health Check; a node that misses it is out.
+    health_timeout_s: deadline of one health Check.
+    health_misses: health Checks in a row that may miss their deadline before a node is out (a
+        busy node answers late now and then; a stopped one misses every time). A refused
+        connection, an error or NOT_SERVING takes it out at once.
     load_timeout_s: deadline of one GetNodeInfo call (answered by the node's engine thread, so slower
         under load); a node that misses it keeps its last load, one that answers an error is out.
     default_max_tokens: the max_tokens the router assumes, when weighing a request's work, for a
@@ -43,6 +46,7 @@ class RouterConfig:
     decode_nodes: tuple[str, ...] = ()
     health_interval_s: float = 1.0
     health_timeout_s: float = 1.0
+    health_misses: int = 2
     load_timeout_s: float = 5.0
     default_max_tokens: int = 16
     shutdown_grace_s: float = 5.0
@@ -70,6 +74,8 @@ class RouterConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
+        if isinstance(self.health_misses, bool) or not isinstance(self.health_misses, int) or self.health_misses < 1:
+            raise ValueError(f"health_misses must be an integer >= 1, got {self.health_misses!r}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if isinstance(self.max_inflight_requests, bool) or not isinstance(self.max_inflight_requests, int) \

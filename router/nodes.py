@@ -10,8 +10,9 @@ Everything here runs on the router's one asyncio event loop; nothing is shared w
 
 Tasks: `NodePool._poll_forever` (one task) polls every node each `health_interval_s`: a
 grpc.health.v1 Check of the whole server (""), then NodeService.GetNodeInfo for its load. A node
-whose Check fails or answers anything but SERVING, or whose GetNodeInfo answers an error other than
-a missed deadline, leaves the rotation; it comes back at the first poll that succeeds. A call that
+whose Check fails or answers anything but SERVING (a Check that misses its deadline only after
+`health_misses` in a row: a busy node answers late now and then), or whose GetNodeInfo answers an
+error other than a missed deadline, leaves the rotation; it comes back at the first poll that succeeds. A call that
 finds a node unreachable takes it out at once (`mark_failed`). A node that leaves the rotation is
 forgotten by the routing policy (a restarted node has lost its prefix cache), and every stream on it
 is told (`DecodeNode.watchers`), so that router.service moves those requests to another node (S10).
@@ -84,6 +85,7 @@ class DecodeNode:
     index: int
     healthy: bool = False
     reason: str = "not polled yet"  # why it is out of rotation (empty when healthy)
+    missed: int = 0                 # health Checks in a row that timed out (RouterConfig.health_misses)
     info: node_pb2.NodeInfo | None = None  # the last GetNodeInfo answer
     inflight: dict[str, int] = field(default_factory=dict)  # request id -> estimated tokens
     # Called (once each) when the node leaves the rotation: the streams on it move elsewhere (S10).
@@ -239,8 +241,16 @@ class NodePool:
         try:
             reply = await node.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            self._set_health(node, False, f"health check failed: {e.code().name}: {e.details()}")
+            late = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            node.missed = node.missed + 1 if late else self._config.health_misses
+            if node.missed >= self._config.health_misses or not node.healthy:
+                self._set_health(node, False, f"health check failed: {e.code().name}: {e.details()}"
+                                 + (f" ({node.missed} in a row)" if late else ""))
+            else:
+                logger.info("node=%s health check missed its %.1f s deadline (%d of %d before it is out)",
+                            node.address, timeout, node.missed, self._config.health_misses)
             return
+        node.missed = 0
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
             self._set_health(node, False, f"health check answered {status}")
