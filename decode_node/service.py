@@ -57,6 +57,20 @@ its pages are released only by a proof of its own, never by this close; holds wh
 in flight are answered the same way; quarantines of other prefill engines are not touched.
 On shm (no connection to close) an unfenced end keeps the pages held, re-asked with backoff.
 
+A prefill host that dies silently (or stays partitioned) never answers: its quarantines are held
+for ever (S5 over S2), visible as pdserve:kv_quarantine_oldest_seconds{peer} (the oldest hold's
+age, as of its latest round) and a warning every QUARANTINE_LOG_S. Not built, because nothing
+cheaper is sound: closing our connection is not enough (a live but partitioned process may still
+post the key's writes after the heal, on a new connection), and a lease the prefill side checks
+before each post has a check-then-post window no lock closes (a process paused between the check
+and the post, e.g. a frozen VM, posts after the lease ran out; its monotonic clock did not run).
+The plan, sound because the target enforces it: rotate the KV memory registration -- register
+the KV pool again under a new key, send new Prefills the new descriptor, fi_close the old MR
+(rxm/tcp checks a write's key as it arrives; verbs/efa invalidate it in the NIC), then close every
+connection (a write whose key was checked before the close may still be copying) and drain:
+then no write under the old key can land, and every quarantine at once is released. Its cost:
+every transfer in flight under the old key, from every prefill node, fails over.
+
 Per request, one `RequestState` (while its Generate handler runs) holds when it was admitted, its
 transfer, where it was prefilled and how that went.
 
@@ -110,6 +124,7 @@ HOLD_POLL_S = 0.1            # while held: whether the prefill endpoint is gone,
 DRAIN_GRACE_S = 0.05         # a gone peer's bytes in our socket buffers become readable
 DRAIN_WAIT_S = 1.0           # then at most this for two progress rounds to handle them
 POOL_REFRESH_S = 1.0         # GetNodeInfo of every prefill node, this often
+QUARANTINE_LOG_S = 30.0      # a hold still unanswered is logged (a warning) this often
 
 # One AbortPrefill's outcome (DecodeNode._abort_confirmed).
 ABORT_CONFIRMED, ABORT_ENDED_UNFENCED, ABORT_NOT_YET = "confirmed", "ended-unfenced", "not-yet"
@@ -188,6 +203,7 @@ class Quarantine:
     blocks: int = 0                           # pages quarantined; -1: none (the request had ended)
     rounds: int = 0
     closes_at_answer: int = 0                 # closes of our connection to its engine begun by its last answer
+    logged: float = 0.0                       # time.monotonic() of its last "still quarantined" warning
 
 
 @dataclass
@@ -221,6 +237,8 @@ class DecodeNode(ReceiverEvents):
         self.pool: PrefillPool | None = None
         self._refreshers: list[asyncio.Task] = []
         self._holds: dict[str, asyncio.Task] = {}   # quarantine id -> its hold
+        self._held: dict[str, Quarantine] = {}       # quarantine id -> what it holds (ages: the gauge)
+        self._aged: set[str] = set()                 # prefill addresses the age gauge has a value for
         self._conn_closes: dict[str, int] = {}       # prefill engine id -> closes of our connection to it begun
         self._close_locks: dict[str, asyncio.Lock] = {}
         self.closing = False
@@ -566,7 +584,26 @@ class DecodeNode(ReceiverEvents):
     def _start_hold(self, q: Quarantine) -> None:
         task = asyncio.create_task(self._hold(q), name=f"hold-{q.quarantine_id}")
         self._holds[q.quarantine_id] = task
-        task.add_done_callback(lambda _t, qid=q.quarantine_id: self._holds.pop(qid, None))
+        self._held[q.quarantine_id] = q
+        task.add_done_callback(lambda _t, q=q: self._end_hold(q))
+
+    def _end_hold(self, q: Quarantine) -> None:
+        self._holds.pop(q.quarantine_id, None)
+        self._held.pop(q.quarantine_id, None)
+        self._show_quarantine_age(q.node.address)
+
+    def _show_quarantine_age(self, address: str) -> None:
+        """pdserve:kv_quarantine_oldest_seconds{peer=address}: the oldest hold's age (as of a
+        hold's latest round), the label removed when that prefill node has none."""
+        now = time.monotonic()
+        ages = [now - q.since for q in self._held.values() if q.node.address == address]
+        gauge = self.metrics.kv_quarantine_oldest
+        if ages:
+            gauge.labels(peer=address).set(max(ages))
+            self._aged.add(address)
+        elif address in self._aged:
+            gauge.remove(address)
+            self._aged.discard(address)
 
     async def _hold(self, q: Quarantine) -> None:
         """Keep q's pages in quarantine until the prefill side has provably stopped: its process
@@ -589,7 +626,9 @@ class DecodeNode(ReceiverEvents):
                     how = "prefill endpoint gone"
                     break
                 q.rounds += 1
-                if q.rounds in (1, 10) or q.rounds % 50 == 0:
+                self._show_quarantine_age(q.node.address)
+                if q.rounds == 1 or time.monotonic() - q.logged >= QUARANTINE_LOG_S:
+                    q.logged = time.monotonic()
                     logger.warning("request %s attempt %d: %d pages quarantined for %.1f s; prefill node %s has not "
                                    "confirmed its abort (round %d)", q.request_id, q.attempt, max(q.blocks, 0),
                                    time.monotonic() - q.since, q.node.address, q.rounds)

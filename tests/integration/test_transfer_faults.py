@@ -93,6 +93,14 @@ def stale_writes(cluster) -> float:
     return total(samples, "pdserve:kv_stale_writes_total")
 
 
+def quarantine_age(cluster, peer: str) -> float | None:
+    """The decode node's pdserve:kv_quarantine_oldest_seconds for prefill node `peer`, None if absent."""
+    text, _ = fetch(cluster.metrics_urls["decode-0"])
+    ages = [v for (n, ls), v in parse(text).items() if n == "pdserve:kv_quarantine_oldest_seconds"
+            and ("peer", peer) in ls]
+    return ages[0] if ages else None
+
+
 def assert_clean(cluster, addresses: list[str]) -> None:
     """Every node back to nothing held (bounded), and no stale write anywhere."""
     wait_until(lambda: transfer_leftovers(addresses), CLEAN_WITHIN_S,
@@ -184,11 +192,16 @@ def test_prefill_sigstop_for_three_stall_bounds_recovers_via_the_other_node(clus
         # the stopped node's attempts may still write: their pages stay out of use while it is stopped
         assert held.quarantined_transfers > 0 and held.quarantined_kv_blocks > 0, held
         assert stale_writes(cluster) == 0
+        # and the hold is visible with its age (updated each round of the hold)
+        peer = cluster.processes[name].address
+        age = wait_until(lambda: quarantine_age(cluster, peer), 20, f"pdserve:kv_quarantine_oldest_seconds{{{peer}}}")
+        assert 0 < age < time.monotonic() - stopped_at[0] + 1, age
     finally:
         os.kill(pid, signal.SIGCONT)
     resumed = time.monotonic()
     assert_clean(cluster, [cluster.processes[n].address for n in ("prefill-0", "prefill-1", "decode-0")])
     released = time.monotonic() - resumed
+    assert quarantine_age(cluster, peer) is None, "the age gauge outlived the quarantine"
     print(f"\nprefill SIGSTOP {3 * STALL_S:.0f} s: {len(results)} requests, 0 lost, last one done {recovery:.2f} s "
           f"after the stop; {held.quarantined_kv_blocks} quarantined pages released {released:.2f} s after SIGCONT")
     _victims_match(cluster, reference)

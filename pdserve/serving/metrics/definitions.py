@@ -60,6 +60,7 @@ class NodeMetrics:
     kv_transfer_seconds: Histogram  # pdserve:kv_transfer_seconds{model_name, side}
     kv_stale_writes: Counter      # pdserve:kv_stale_writes_total: writes landed for no live transfer (S5)
     incompatible_peers: Gauge     # pdserve:incompatible_peers{peer}: 1 while a prefill node is skipped for skew
+    kv_quarantine_oldest: Gauge   # pdserve:kv_quarantine_oldest_seconds{peer}: age of the oldest quarantine held
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,11 @@ def node_metrics(registry: CollectorRegistry) -> NodeMetrics:
                                  "1 while the prefill node at `peer` is skipped because its model or KV layout "
                                  "differs from this decode node's (NodeInfo.build), else 0.", ["peer"],
                                  registry=registry),
+        kv_quarantine_oldest=Gauge("pdserve:kv_quarantine_oldest_seconds",
+                                   "Age of the oldest abandoned transfer whose pages this decode node still "
+                                   "quarantines for the prefill node at `peer` (absent when none): one that "
+                                   "keeps growing is a prefill host that never answers (S5 keeps the pages).",
+                                   ["peer"], registry=registry),
     )
 
 
