@@ -104,6 +104,29 @@ def test_ranks_continuing_the_fold_give_the_tp1_bits(rows, K, block, cuts, one_t
     assert torch.allclose(tp1, F.linear(x, w, bias), rtol=1e-4, atol=1e-3)   # the same product
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("rows", "N", "K", "block"), [
+    (33, 576, 576, 192), (100, 576, 1536, 192), (257, 96, 64, 16), (64, 40, 100, 24)])  # last: a short block
+def test_torch_path_blocks_in_one_bmm_are_the_per_block_f_linear_fold(rows, N, K, block, threads):
+    """The torch path (over MAX_ROWS rows) takes every block's product from one torch.bmm: each must
+    be F.linear's product of that block, folded left to right, bit for bit, on a row-major slice too."""
+    g = torch.Generator().manual_seed(rows + K)
+    wide, w, bias = torch.randn(rows, K + 8, generator=g), torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    x = wide[:, 4 : 4 + K]                                 # [rows, K], row stride K + 8, storage offset 4
+    ref = F.linear(x[:, :block], w[:, :block])
+    for k0 in range(block, K, block):
+        ref = ref + F.linear(x[:, k0 : k0 + block], w[:, k0 : k0 + block])
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert torch.equal(linear_blocked(x, w, bias, block), ref + bias)
+        parts = linear_block_parts(x, w, block)            # [nb, rows, N]
+        assert all(torch.equal(p, F.linear(x[:, j * block : (j + 1) * block], w[:, j * block : (j + 1) * block]))
+                   for j, p in enumerate(parts))
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_one_block_is_the_plain_kernel(one_thread):
     x, w = torch.randn(4, 200), torch.randn(48, 200)
     assert torch.equal(linear_blocked(x, w, None, 200), linear_blocked(x, w, None, 10_000))

@@ -17,8 +17,9 @@ MKL's, so results differ from F.linear by float32 rounding (a few ulp of the dot
 right ((b0 + b1) + b2 ...; then the bias) and `linear_block_parts` returns the blocks' partial
 products unfolded: the TP-invariant reductions of row-parallel layers (pdserve/model/tp.py). Each
 block's product is the C kernel's (same rule as `linear`: at most MAX_ROWS float32 rows) or
-torch's F.linear over that block's columns; a rank holding some of the blocks computes each one
-the same way, bit for bit (tests/unit/test_tensor_parallel.py).
+torch's GEMM over that block's columns (all blocks in one torch.bmm, each as F.linear gives it);
+a rank holding some of the blocks computes each one the same way, bit for bit
+(tests/unit/test_tensor_parallel.py).
 The C layer loop (pdserve/model/layer_ops.py, EngineConfig.small_batch_max_tokens) calls the
 same kernel for passes of at most MAX_ROWS tokens, which is why its results match this path's.
 """
@@ -141,12 +142,33 @@ def linear_blocked(
             raise ValueError(f"linear_blocked: kernel refused x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
                              f"block {block} (code {rc})")
         return y
-    y = F.linear(x[:, :block], weight[:, :block])                         # [M, N]
-    for k0 in range(block, K, block):
-        y += F.linear(x[:, k0 : k0 + block], weight[:, k0 : k0 + block])
+    parts = _torch_block_parts(x, weight, block)                           # [nb, M, N]
+    y = parts[0]                                                           # [M, N] (a view; parts is ours)
+    for p in parts[1:]:                                                    # the left fold, block by block
+        y += p
     if bias is not None:
         y += bias
     return y
+
+
+def _torch_block_parts(
+    x: torch.Tensor,                 # [M, K]
+    weight: torch.Tensor,            # [N, K]
+    block: int,                      # block width along K
+) -> torch.Tensor:                   # [nb, M, N]: block j's x[:, blk j] weight[:, blk j]^T
+    """Every block's product in one torch.bmm over strided views of x and the weight (no copy)
+    where K is whole blocks of a row-major x and a contiguous weight; else one F.linear per block.
+    bmm gives each block the product F.linear gives it, bit for bit (the same GEMM per batch
+    entry; tests/unit/test_tensor_parallel.py), in one call instead of nb (one OpenMP region
+    instead of nb: bench/results/tp_invariant.md)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    nb = -(-K // block)
+    if K % block == 0 and x.stride(1) == 1 and weight.is_contiguous():
+        xs = x.as_strided((nb, M, block), (block, x.stride(0), 1))        # [nb, M, block]
+        ws = weight.as_strided((nb, block, N), (block, 1, K))             # [nb, block, N] = blk j of W^T
+        return torch.bmm(xs, ws)
+    return torch.stack([F.linear(x[:, k0 : k0 + block], weight[:, k0 : k0 + block]) for k0 in range(0, K, block)])
 
 
 def linear_block_parts(
@@ -169,4 +191,4 @@ def linear_block_parts(
             raise ValueError(f"linear_block_parts: kernel refused x {tuple(x.shape)}, weight "
                              f"{tuple(weight.shape)}, block {block} (code {rc})")
         return parts
-    return torch.stack([F.linear(x[:, k0 : k0 + block], weight[:, k0 : k0 + block]) for k0 in range(0, K, block)])
+    return _torch_block_parts(x, weight, block)
