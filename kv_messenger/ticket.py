@@ -53,6 +53,7 @@ class TransferTicket:
     num_prefill_tokens: int        # prompt tokens minus the last (D17)
     sharding: ShardingScheme = ShardingScheme()
     attempt: int = 0               # which attempt at the request (D20: part of the prefill side's key)
+    kv_checksum: bool = False      # S7: the sender hashes every run it writes (PrefillResponse.kv_checksums)
 
     def check_fits(self, layout: KvLayout) -> None:
         """Raise ValueError naming the value if a node with `layout` cannot write this ticket's pages."""
@@ -89,6 +90,7 @@ class TransferTicket:
             expected_writes=self.expected_writes,
             model=model,
             attempt=self.attempt,
+            kv_checksum=self.kv_checksum,
         )
         if deadline_s is not None:
             req.deadline_s = deadline_s
@@ -115,6 +117,7 @@ class TransferTicket:
             sharding=(ShardingScheme(tp_size=req.sharding.tp_size or 1) if req.HasField("sharding")
                       else ShardingScheme()),
             attempt=req.attempt,
+            kv_checksum=req.kv_checksum,
         )
 
 

@@ -158,6 +158,7 @@ def _full_prefill_request() -> prefill_pb2.PrefillRequest:
         deadline_s=2.5,
         decode_node_id="decode-3",
         attempt=2,
+        kv_checksum=True,
     )
 
 

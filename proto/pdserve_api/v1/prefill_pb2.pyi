@@ -86,7 +86,7 @@ class ContextSlot(_message.Message):
     def __init__(self, descriptor: _Optional[bytes] = ..., offset: _Optional[int] = ..., capacity: _Optional[int] = ..., logits_top_k: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "peer", "kv_memory", "page_ids", "context", "sharding", "imm_tag", "expected_writes", "cached_tokens", "model", "deadline_s", "decode_node_id", "attempt")
+    __slots__ = ("request_id", "token_ids", "peer", "kv_memory", "page_ids", "context", "sharding", "imm_tag", "expected_writes", "cached_tokens", "model", "deadline_s", "decode_node_id", "attempt", "kv_checksum")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class PrefillRequest(_message.Message):
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    KV_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     peer: FabricPeer
@@ -115,7 +116,8 @@ class PrefillRequest(_message.Message):
     deadline_s: float
     decode_node_id: str
     attempt: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., peer: _Optional[_Union[FabricPeer, _Mapping]] = ..., kv_memory: _Optional[_Iterable[_Union[KvMemory, _Mapping]]] = ..., page_ids: _Optional[_Iterable[int]] = ..., context: _Optional[_Union[ContextSlot, _Mapping]] = ..., sharding: _Optional[_Union[_common_pb2.ShardingScheme, _Mapping]] = ..., imm_tag: _Optional[int] = ..., expected_writes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., model: _Optional[str] = ..., deadline_s: _Optional[float] = ..., decode_node_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+    kv_checksum: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., peer: _Optional[_Union[FabricPeer, _Mapping]] = ..., kv_memory: _Optional[_Iterable[_Union[KvMemory, _Mapping]]] = ..., page_ids: _Optional[_Iterable[int]] = ..., context: _Optional[_Union[ContextSlot, _Mapping]] = ..., sharding: _Optional[_Union[_common_pb2.ShardingScheme, _Mapping]] = ..., imm_tag: _Optional[int] = ..., expected_writes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., model: _Optional[str] = ..., deadline_s: _Optional[float] = ..., decode_node_id: _Optional[str] = ..., attempt: _Optional[int] = ..., kv_checksum: _Optional[bool] = ...) -> None: ...
 
 class PrefillTimings(_message.Message):
     __slots__ = ("queue_time_s", "compute_time_s", "last_layer_to_completion_s")
@@ -128,18 +130,22 @@ class PrefillTimings(_message.Message):
     def __init__(self, queue_time_s: _Optional[float] = ..., compute_time_s: _Optional[float] = ..., last_layer_to_completion_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "num_writes", "bytes_written", "prefill_cached_tokens", "timings")
+    __slots__ = ("request_id", "num_writes", "bytes_written", "prefill_cached_tokens", "timings", "kv_checksums", "num_kv_checksums")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_WRITES_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    KV_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_writes: int
     bytes_written: int
     prefill_cached_tokens: int
     timings: PrefillTimings
-    def __init__(self, request_id: _Optional[str] = ..., num_writes: _Optional[int] = ..., bytes_written: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ...) -> None: ...
+    kv_checksums: bytes
+    num_kv_checksums: int
+    def __init__(self, request_id: _Optional[str] = ..., num_writes: _Optional[int] = ..., bytes_written: _Optional[int] = ..., prefill_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., kv_checksums: _Optional[bytes] = ..., num_kv_checksums: _Optional[int] = ...) -> None: ...
 
 class AbortPrefillRequest(_message.Message):
     __slots__ = ("request_id", "decode_engine_id", "attempt", "prefill_engine_id", "fence_tag", "fence_region")
