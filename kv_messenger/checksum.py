@@ -12,6 +12,11 @@ in any order and grouping.
   size), e.g. a registered region (`MemoryRegion` address and length).
 - `crc32c_reference(data, crc=0)`: the same function in plain Python, bit by bit (tests only: slow).
 
+A transfer's checksums on the wire (PrefillResponse.kv_checksums, S7): one uint32 per run in the
+canonical order -- layer 0 .. L-1, each page of the ticket in token order, K then V -- then the
+context record: `kv_runs(layout, pages)` gives those runs' byte offsets in a node's KV region,
+`pack` / `unpack` the little-endian bytes, `first_mismatch` names the first bad run.
+
 The C code (csrc/checksum.c, built by _checksum_build.py into kv_messenger._checksum) uses the
 SSE4.2 crc32 instruction when the CPU has it and a slicing-by-8 table otherwise (`impl` forces one:
 "auto", "hw", "table"); speeds in bench/results/checksum.md. Every run is checked to lie inside the
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -142,3 +148,64 @@ def crc32c_reference(data: bytes, crc: int = 0) -> int:
         for _ in range(8):
             s = (s >> 1) ^ CRC32C_POLY if s & 1 else s >> 1
     return s ^ 0xFFFFFFFF
+
+
+# --- a transfer's checksums (S7) ----------------------------------------------------------------
+
+SIDES = ("K", "V")
+
+
+def kv_runs(layout, pages) -> tuple[np.ndarray, np.ndarray]:
+    """Byte offsets and lengths ([num_layers * len(pages) * 2] uint64 each) of every KV run a
+    transfer into `pages` (page ids, token order) writes, in the canonical order (layer, page,
+    K/V), in a region laid out as `layout` (a KvLayout)."""
+    ids = np.asarray(pages, dtype=np.int64).reshape(-1)
+    out = np.empty((layout.num_layers, ids.size, 2), dtype=np.uint64)   # [layer, page, side]
+    for layer in range(layout.num_layers):
+        out[layer, :, 0], out[layer, :, 1] = layout.page_offsets(layer, ids)
+    return out.reshape(-1), np.full(out.size, layout.page_nbytes, dtype=np.uint64)
+
+
+def pack(values) -> bytes:
+    """uint32 values as the little-endian bytes of PrefillResponse.kv_checksums."""
+    return np.ascontiguousarray(values, dtype="<u4").tobytes()
+
+
+def unpack(raw: bytes, count: int) -> np.ndarray:
+    """[count] uint32 from PrefillResponse.kv_checksums; ValueError if the sizes disagree."""
+    if len(raw) != 4 * count:
+        raise ValueError(f"kv_checksums holds {len(raw)} bytes, {count} values need {4 * count}")
+    return np.frombuffer(raw, dtype="<u4").astype(np.uint32)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The first run whose checksum differs, and how many differ."""
+
+    run: int             # index in the canonical order
+    what: str            # "layer 3 page 5 (id 812) V" or "context record"
+    expected: int        # the sender's value
+    actual: int          # ours
+    bad_runs: int        # how many runs differ in all
+
+    def describe(self) -> str:
+        return (f"{self.bad_runs} run(s) differ, first run {self.run}: {self.what}: sender crc32c "
+                f"{self.expected:#010x}, landed {self.actual:#010x}")
+
+
+def first_mismatch(expected: np.ndarray, actual: np.ndarray, pages) -> Mismatch | None:
+    """Compare a transfer's checksums (canonical order, context last); None when they agree."""
+    ids = list(pages)
+    if expected.shape != actual.shape:
+        raise ValueError(f"{expected.size} checksums from the sender, {actual.size} runs here")
+    bad = np.flatnonzero(expected != actual)
+    if not bad.size:
+        return None
+    i = int(bad[0])
+    if i == expected.size - 1:
+        what = "context record"
+    else:
+        layer, rest = divmod(i, 2 * len(ids))
+        page, side = divmod(rest, 2)
+        what = f"layer {layer} page {page} (id {ids[page]}) {SIDES[side]}"
+    return Mismatch(i, what, int(expected[i]), int(actual[i]), int(bad.size))

@@ -24,6 +24,15 @@ Primitives:
 - `expect_fence(on_landed)` -> (tag, fence region): one write expected into the fence buffer (an
   AbortPrefill's delivery fence); `retire_fence(tag)` when it is no longer waited for.
 - `context(request_id)`: the hidden state / top-k the prefill wrote into the context slot.
+- `verify(request_id, tag, kv_checksums, count)` (S7, `kv_checksum=True`): once the request's
+  write count completed, hash the runs that landed in its pages and context slot (the ticket's
+  pages, the canonical order of kv_messenger.checksum) and compare them with the sender's
+  values: a `ChecksumResult` naming the first bad run, if any. TEST-ONLY hook:
+  $PDSERVE_TEST_ONLY_CORRUPT_KV="PREFIX:N[,PREFIX:N...]" makes the verification of attempts 0 ..
+  N-1 of every request whose id starts with PREFIX first flip one bit of the request's first
+  landed page (layer 0, page 0, K, the top byte of its first element), logged as a warning: it
+  stands for corruption on the wire or in memory, for the tests that prove detection
+  (tests/integration/test_kv_checksum.py). Unset (always, outside those tests): no effect.
 
 Tombstones: a tag that finished, was abandoned or released is cancelled in the ImmCounter (which
 remembers the last 65536 cancelled tags), so a later write never counts toward anything; every
@@ -36,17 +45,22 @@ attempt numbers of the last REMEMBERED_ATTEMPTS request ids.
 from __future__ import annotations
 
 import abc
+import ctypes
 import itertools
 import logging
+import os
 import random
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from fabric import IMM_TAG_MAX, MemoryRegion, RemoteDescriptor, TransferEngine
+from kv_messenger import checksum
 from kv_messenger.context import Context, ContextCodec
-from kv_messenger.plan import KvLayout, ShardingScheme, expected_writes
+from kv_messenger.plan import DTYPE_SIZES, KvLayout, ShardingScheme, expected_writes
 from kv_messenger.pool import register_pool
 from kv_messenger.ticket import TransferTicket
 from pdserve.engine.kv_connector import DecodeConnector, KvCacheSpec, KvWait
@@ -56,6 +70,19 @@ logger = logging.getLogger(__name__)
 CONTEXT_SLOTS = 1024    # requests that may wait for their KV (or be quarantined) at once
 REMEMBERED_ATTEMPTS = 65536   # request ids whose last attempt number is kept
 FENCE_BUFFER_BYTES = 64       # the fence buffer: written by fences, never read
+# TEST ONLY: "PREFIX:N,...": attempts < N of request ids starting with PREFIX are corrupted (see verify).
+TEST_CORRUPT_ENV = "PDSERVE_TEST_ONLY_CORRUPT_KV"
+
+
+def _test_corruption(raw: str) -> tuple[tuple[str, int], ...]:
+    """Parse TEST_CORRUPT_ENV; ValueError naming the bad entry."""
+    out = []
+    for entry in filter(None, (e.strip() for e in raw.split(","))):
+        prefix, sep, n = entry.rpartition(":")
+        if not sep or not prefix or not n.isdigit():
+            raise ValueError(f"{TEST_CORRUPT_ENV}: expected PREFIX:N entries, got {entry!r}")
+        out.append((prefix, int(n)))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -63,6 +90,26 @@ class _Wait:
     tag: int
     slot: int
     attempt: int
+    pages: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChecksumResult:
+    """One transfer's S7 verification."""
+
+    request_id: str
+    runs: int                              # values compared (KV runs + the context record)
+    mismatch: checksum.Mismatch | None     # None: every run agrees
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatch is None
+
+
+def checksum_elem_top(layout: KvLayout) -> int:
+    """Byte offset of the most significant byte of an element (little-endian): a flip there
+    changes the value a lot (an exponent bit), as real corruption might."""
+    return DTYPE_SIZES[layout.dtype] - 1
 
 
 class ReceiverEvents(abc.ABC):
@@ -95,8 +142,14 @@ class KvReceiver(DecodeConnector):
     """The decode side's connector: give it to the engine (`LLMEngine(config, kv_connector=receiver)`)."""
 
     def __init__(self, transport: TransferEngine, events: ReceiverEvents,
-                 sharding: ShardingScheme = ShardingScheme(), context_slots: int = CONTEXT_SLOTS) -> None:
+                 sharding: ShardingScheme = ShardingScheme(), context_slots: int = CONTEXT_SLOTS,
+                 kv_checksum: bool = False) -> None:
         self.transport = transport
+        self.kv_checksum = kv_checksum   # S7: tickets ask the sender for checksums; verify() checks them
+        self._test_corrupt = _test_corruption(os.environ.get(TEST_CORRUPT_ENV, ""))
+        if self._test_corrupt:
+            logger.warning("TEST ONLY: %s=%r: verifications of those requests' attempts corrupt a landed byte first",
+                           TEST_CORRUPT_ENV, os.environ[TEST_CORRUPT_ENV])
         self.events = events
         self.sharding = sharding
         self._context_slots = context_slots
@@ -120,6 +173,9 @@ class KvReceiver(DecodeConnector):
         transport.imm_counter.on_orphan = self._orphan
 
     def register_kv_cache(self, spec: KvCacheSpec) -> None:
+        if self.kv_checksum and spec.buffer.device.type != "cpu":
+            raise ValueError(f"--kv-checksum needs the KV pool in host memory (the hash reads it on the CPU), "
+                             f"this one is on {spec.buffer.device}")
         pool = register_pool(self.transport, spec, self._context_slots)   # ValueError: cannot be moved
         self.layout, self.kv_region, self.codec, self._landing = pool.layout, pool.region, pool.codec, pool.context
         self.fence_region = self.transport.register(self._fence_buf)
@@ -158,7 +214,7 @@ class KvReceiver(DecodeConnector):
                 self._attempts.popitem(last=False)
             tag = self._new_tag()
             slot = self._free_slots.pop()
-            self._by_request[request_id] = _Wait(tag, slot, attempt)
+            self._by_request[request_id] = _Wait(tag, slot, attempt, tuple(block_ids[:n_pages]))
         self.transport.imm_counter.expect(tag, count, lambda tag, rid=request_id: self.events.kv_landed_tag(rid, tag))
         return TransferTicket(
             request_id=request_id,
@@ -172,12 +228,43 @@ class KvReceiver(DecodeConnector):
             num_prefill_tokens=n_prefill,
             sharding=self.sharding,
             attempt=attempt,
+            kv_checksum=self.kv_checksum,
         )
 
     def context(self, request_id: str) -> Context:
         with self._lock:
             slot = self._by_request[request_id].slot
         return self.codec.decode(self._landing, slot)
+
+    def verify(self, request_id: str, tag: int, kv_checksums: bytes, count: int) -> ChecksumResult:
+        """S7: compare the sender's checksums (PrefillResponse.kv_checksums / num_kv_checksums) with
+        the runs that landed for the attempt with `tag`; call once its write count completed (no
+        write of it can land any more) and before its pages are used. KeyError if that attempt
+        no longer waits here, ValueError for a malformed or mis-sized checksum field."""
+        with self._lock:
+            entry = self._by_request.get(request_id)
+            if entry is None or entry.tag != tag:
+                raise KeyError(f"request {request_id!r} has no attempt with tag {tag} waiting here")
+        corrupt = any(request_id.startswith(p) and entry.attempt < n for p, n in self._test_corrupt)
+        offsets, lengths = checksum.kv_runs(self.layout, entry.pages)
+        expected = checksum.unpack(kv_checksums, count)
+        if expected.size != offsets.size + 1:
+            raise ValueError(f"request {request_id}: {expected.size} checksums for {offsets.size} KV runs "
+                             "and the context record")
+        if corrupt:   # TEST ONLY (TEST_CORRUPT_ENV): the top byte of the first element of the first run
+            at = self.kv_region.address + int(offsets[0]) + checksum_elem_top(self.layout)
+            ctypes.c_uint8.from_address(at).value ^= 0x40
+            logger.warning("TEST ONLY (%s): request %s: flipped bit 6 of byte %d of layer 0 page 0 (id %d) K "
+                           "before the checksum verification", TEST_CORRUPT_ENV, request_id,
+                           checksum_elem_top(self.layout), entry.pages[0])
+        region = self.kv_region
+        kv = checksum.crc32c_runs_at(region.address, region.length, offsets, lengths)
+        ctx = self._landing.region
+        off = np.asarray([self.codec.slot_offset(entry.slot)], dtype=np.uint64)
+        ctx_crc = checksum.crc32c_runs_at(ctx.address, ctx.length, off,
+                                          np.asarray([self.codec.slot_nbytes], dtype=np.uint64))
+        actual = np.concatenate([kv, ctx_crc])
+        return ChecksumResult(request_id, int(actual.size), checksum.first_mismatch(expected, actual, entry.pages))
 
     def landed(self, request_id: str) -> int:
         """Writes counted so far for a request (progress, diagnostics)."""

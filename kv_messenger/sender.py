@@ -24,6 +24,11 @@ Primitives (D6-D8, D11-D13):
   `TransferResult` (the owner then frees the source pages, D11); on a write error the future
   fails, after all outstanding writes have reported (so nothing still reads freed pages).
 - `abort(request_id)`: stop posting; resolves once no write of the request is outstanding.
+- S7 (`TransferTicket.kv_checksum`): once a layer's writes of a chunk are posted, the messenger
+  thread hashes (CRC32C, kv_messenger.checksum) exactly the runs it posted, in its registered KV
+  region (the source pages are final then: the layer is computed, and the request holds them
+  until its future resolves), and the context record before it is posted; the values, in the
+  canonical order (layer, page, K/V, then the context), come back in TransferResult.kv_checksums.
 
 Threads: engine events run on the engine thread and only record and notify; fabric callbacks run
 on the fabric progress thread; everything that posts runs on the messenger thread. A transfer's
@@ -46,6 +51,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fabric import FabricError, MemoryRegion, RemoteDescriptor, TransferEngine
+from kv_messenger import checksum
 from kv_messenger.context import ContextCodec, SlotPool, StagingFullError
 from kv_messenger.plan import KvLayout, completed_pages
 from kv_messenger.pool import register_pool
@@ -69,6 +75,8 @@ class TransferResult:
     last_layer_time: float          # when the last layer of the last chunk finished computing
     done_time: float                # when the last write completed locally
     layer_post_times: tuple[float, ...]  # first post time of each layer (overlap evidence)
+    kv_checksums: bytes = b""       # with ticket.kv_checksum: checksum.pack of every run, canonical order
+    num_kv_checksums: int = 0
 
 
 @dataclass
@@ -90,6 +98,9 @@ class _Transfer:
     # A prompt whose leading pages were prefix-cache hits starts computing mid-prompt; those
     # pages hold valid KV at every layer, so the first pass sends them too.
     pages_claimed: int = 0
+    # S7: [num_layers, pages, 2] CRC32C of each posted run (K, V), and of the context record
+    checksums: np.ndarray | None = None
+    context_crc: int = 0
 
 
 @dataclass
@@ -126,6 +137,7 @@ class KvSender(PrefillConnector):
         self._stop = False
         self._fence_buf = bytearray(FENCE_BYTES)      # registered with the pool: a fence's source
         self._fence_region: MemoryRegion | None = None
+        self._host_pool = True
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
 
@@ -133,6 +145,7 @@ class KvSender(PrefillConnector):
         pool = register_pool(self.transport, spec, self._staging_slots)   # ValueError: cannot be moved
         self.layout, self.kv_region, self.codec, self._staging = pool.layout, pool.region, pool.codec, pool.context
         self._fence_region = self.transport.register(self._fence_buf)
+        self._host_pool = spec.buffer.device.type == "cpu"   # checksums read the pool's memory directly
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -144,11 +157,17 @@ class KvSender(PrefillConnector):
             raise RuntimeError("KvSender.add before the engine registered its KV cache")
         target.check_fits(self.layout)
         key = target.request_id if key is None else key
+        sums = None
+        if target.kv_checksum:
+            if not self._host_pool:
+                raise ValueError(f"request {target.request_id}: kv_checksum asked for, but this node's KV pool "
+                                 "is not in host memory (the hash reads it on the CPU)")
+            sums = np.zeros((self.layout.num_layers, len(target.dst_pages), 2), dtype=np.uint32)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if key in self._transfers:
                 raise ValueError(f"transfer {key!r} already exists")
-            self._transfers[key] = _Transfer(target, fut, key=key)
+            self._transfers[key] = _Transfer(target, fut, key=key, checksums=sums)
         return fut
 
     def fence(self, dst: RemoteDescriptor, tag: int) -> concurrent.futures.Future:
@@ -281,12 +300,20 @@ class KvSender(PrefillConnector):
         lengths = np.full(2 * len(src), self.layout.page_nbytes, dtype=np.uint64)
         now = time.monotonic()
         t.layer_posts.setdefault(layer, now)
-        self._post(t, np.concatenate([sk, sv]), t.target.kv, np.concatenate([dk, dv]), lengths, self.kv_region)
+        src_off = np.concatenate([sk, sv])
+        self._post(t, src_off, t.target.kv, np.concatenate([dk, dv]), lengths, self.kv_region)
+        if t.checksums is not None:   # exactly the runs just posted: [K of each page, V of each page]
+            crc = checksum.crc32c_runs_at(self.kv_region.address, self.kv_region.length, src_off, lengths)
+            t.checksums[layer, it.pages.start:it.pages.stop, 0] = crc[: len(src)]
+            t.checksums[layer, it.pages.start:it.pages.stop, 1] = crc[len(src):]
 
     def _post_context(self, t: _Transfer, slot: int) -> None:
         off = np.asarray([self.codec.slot_offset(slot)], dtype=np.uint64)
         dst = np.asarray([t.target.context_offset], dtype=np.uint64)
         lengths = np.asarray([self.codec.slot_nbytes], dtype=np.uint64)
+        if t.checksums is not None:   # before the post: the slot is freed once its write completed
+            region = self._staging.region
+            t.context_crc = int(checksum.crc32c_runs_at(region.address, region.length, off, lengths)[0])
 
         def free_slot() -> None:
             with self._lock:
@@ -351,5 +378,9 @@ class KvSender(PrefillConnector):
                 logger.error("request %s: posted %d writes but the decode side expects %d",
                              rid, t.posted_writes, t.target.expected_writes)
             posts = tuple(t.layer_posts.get(i, 0.0) for i in range(self.layout.num_layers))
+            sums, n_sums = b"", 0
+            if t.checksums is not None:
+                values = np.append(t.checksums.reshape(-1), np.uint32(t.context_crc))
+                sums, n_sums = checksum.pack(values), int(values.size)
             t.future.set_result(TransferResult(rid, t.posted_writes, t.posted_bytes, t.first_post,
-                                               t.last_layer, time.monotonic(), posts))
+                                               t.last_layer, time.monotonic(), posts, sums, n_sums))

@@ -161,7 +161,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         r = out.result
         return prefill_pb2.PrefillResponse(
             request_id=spec.request_id, num_writes=r.num_writes, bytes_written=r.bytes_written,
-            prefill_cached_tokens=out.cached_tokens,
+            prefill_cached_tokens=out.cached_tokens, kv_checksums=r.kv_checksums, num_kv_checksums=r.num_kv_checksums,
             timings=prefill_pb2.PrefillTimings(queue_time_s=out.queue_time_s, compute_time_s=out.compute_time_s,
                                                last_layer_to_completion_s=out.last_layer_to_completion_s),
         )

@@ -84,3 +84,40 @@ def test_bad_runs_are_refused_before_reading():
         checksum.crc32c(buf, impl="fast")
     with pytest.raises(ValueError, match="C-contiguous"):
         checksum.crc32c_runs(np.zeros((4, 4), dtype=np.uint8)[:, ::2], [0], [1])
+
+
+def test_transfer_checksums_canonical_order_pack_and_first_mismatch():
+    from kv_messenger.plan import KvLayout
+
+    layout = KvLayout(num_layers=3, num_pages=10, kv_heads=2, page_size=4, head_dim=8, dtype="float32")
+    pages = [7, 2, 5]
+    off, ln = checksum.kv_runs(layout, pages)
+    assert off.dtype == np.uint64 and ln.tolist() == [layout.page_nbytes] * (3 * 3 * 2)
+    # (layer, page, K/V): run 2 * (layer * len(pages) + i) + side
+    for layer in range(3):
+        k, v = layout.page_offsets(layer, np.asarray(pages))
+        for i in range(3):
+            assert off[2 * (layer * 3 + i)] == k[i] and off[2 * (layer * 3 + i) + 1] == v[i]
+
+    region = np.random.default_rng(0).integers(0, 256, layout.nbytes, dtype=np.uint8)
+    sums = np.append(checksum.crc32c_runs(region, off, ln), np.uint32(0x1234))
+    raw = checksum.pack(sums)
+    assert len(raw) == 4 * sums.size and raw[-4:] == bytes([0x34, 0x12, 0, 0])   # little-endian
+    back = checksum.unpack(raw, sums.size)
+    assert back.dtype == np.uint32 and (back == sums).all()
+    with pytest.raises(ValueError, match="kv_checksums holds 76 bytes, 20 values need 80"):
+        checksum.unpack(raw, 20)
+    assert checksum.first_mismatch(back, sums.copy(), pages) is None
+
+    region[int(off[2 * (1 * 3 + 2) + 1]) + 5] ^= 1   # layer 1, page index 2 (id 5), V
+    region[int(off[2 * (2 * 3 + 0)])] ^= 1           # and a later run
+    actual = np.append(checksum.crc32c_runs(region, off, ln), np.uint32(0x1234))
+    m = checksum.first_mismatch(sums, actual, pages)
+    assert m is not None and (m.run, m.what, m.bad_runs) == (11, "layer 1 page 2 (id 5) V", 2)
+    assert m.expected == int(sums[11]) and m.actual == int(actual[11]) and m.expected != m.actual
+    assert "2 run(s) differ, first run 11: layer 1 page 2 (id 5) V: sender crc32c 0x" in m.describe()
+    ctx = sums.copy()
+    ctx[-1] ^= 1
+    assert checksum.first_mismatch(sums, ctx, pages).what == "context record"
+    with pytest.raises(ValueError, match="19 checksums from the sender, 18 runs here"):
+        checksum.first_mismatch(sums, sums[:-1], pages)
