@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests held that have not produced their first token (queued or prefilling); one more "
                         "is refused with RESOURCE_EXHAUSTED and the router tries another node "
                         f"(default {DecodeNodeConfig.max_waiting_requests})")
+    g.add_argument("--kv-checksum", action="store_true",
+                   help="S7: ask prefill nodes for the CRC32C of every KV page shard and context record they "
+                        "write, and verify what landed before the request is scheduled; a mismatch re-prefills "
+                        "the request in fresh pages (or fails it) and is counted in "
+                        "pdserve:kv_checksum_failures_total (default off)")
     add_engine_args(p)
     return p
 
@@ -52,7 +57,8 @@ def make(args: argparse.Namespace) -> NodeServer:
         prefill_addresses=tuple(a.strip() for a in (args.prefill or "").split(",") if a.strip()),
         provider=args.provider, fabric_node=args.fabric_node, prefill_timeout_s=args.prefill_timeout,
         stall_s=args.prefill_stall, local_prefill_fallback=args.local_prefill_fallback,
-        prefill_routing=args.prefill_routing, max_waiting_requests=args.max_waiting_requests)
+        prefill_routing=args.prefill_routing, max_waiting_requests=args.max_waiting_requests,
+        kv_checksum=args.kv_checksum)
     return node_server(config, options)
 
 

@@ -71,6 +71,16 @@ connection (a write whose key was checked before the close may still be copying)
 then no write under the old key can land, and every quarantine at once is released. Its cost:
 every transfer in flight under the old key, from every prefill node, fails over.
 
+S7 (`DecodeNodeConfig.kv_checksum`, --kv-checksum): the Prefill asks for checksums; the landed
+count no longer makes the request schedulable by itself: once the count completed AND the
+Prefill response (the sender's CRC32C of every run) arrived, the receiver hashes the runs that
+landed in our pages (KvReceiver.verify, off the loop) and only a match calls kv_ready. A mismatch
+is logged (both values, the first bad layer/page/K-V run), counted
+(pdserve:kv_checksum_failures_total) and fails the attempt: the count completed, so nothing more
+can land and the pages are freed at once, unused and never committed to the prefix cache; the
+request is re-prefilled in fresh pages (on the same node once, CHECKSUM_RETRIES_SAME_NODE, then
+on others) or fails naming the mismatch.
+
 Per request, one `RequestState` (while its Generate handler runs) holds when it was admitted, its
 transfer, where it was prefilled and how that went.
 
@@ -83,7 +93,8 @@ engine (its lock: the closes before it, each one fi_av_remove plus a drain); a q
 HOLD_BACKOFF_MAX_S, the endpoint's death looked at every HOLD_POLL_S, then its arrivals drained
 (DRAIN_GRACE_S + at most DRAIN_WAIT_S); an attempt whose only untried prefill nodes are marked
 down waits for their retry (prefill_pool.RETRY_DOWN_AFTER_S); a finished request's wait for its
-Prefill response (PREFILL_RESPONSE_WAIT_S).
+Prefill response (PREFILL_RESPONSE_WAIT_S); with --kv-checksum, the count after the response
+(KV_LANDED_WAIT_S) and one verification (a hash of the request's pages, in a worker thread).
 """
 
 from __future__ import annotations
@@ -125,6 +136,7 @@ DRAIN_GRACE_S = 0.05         # a gone peer's bytes in our socket buffers become 
 DRAIN_WAIT_S = 1.0           # then at most this for two progress rounds to handle them
 POOL_REFRESH_S = 1.0         # GetNodeInfo of every prefill node, this often
 QUARANTINE_LOG_S = 30.0      # a hold still unanswered is logged (a warning) this often
+CHECKSUM_RETRIES_SAME_NODE = 1   # S7: checksum failures of a request that may retry on the same prefill node
 
 # One AbortPrefill's outcome (DecodeNode._abort_confirmed).
 ABORT_CONFIRMED, ABORT_ENDED_UNFENCED, ABORT_NOT_YET = "confirmed", "ended-unfenced", "not-yet"
@@ -149,6 +161,7 @@ class DecodeNodeConfig:
     prefill_routing: str = "least-loaded"
     channel_security: ChannelSecurity = PLAINTEXT   # of the channels to prefill nodes (mTLS, token)
     max_waiting_requests: int = 2048          # requests held before their first token; more: RESOURCE_EXHAUSTED (S8)
+    kv_checksum: bool = False                 # S7: verify CRC32C of every landed run before scheduling
 
     def __post_init__(self) -> None:
         if self.prefill_routing not in PREFILL_ROUTING:
@@ -184,6 +197,9 @@ class Transfer:
     node: PrefillNode | None = None
     prefill_engine_id: str = ""               # the fabric engine of the process it was sent to
     ready_time: float = 0.0
+    tag: int = 0                              # the attempt's imm tag (its landing names it)
+    landed: asyncio.Event = field(default_factory=asyncio.Event)   # S7: the count completed, not verified yet
+    corrupt: bool = False                     # S7: its checksums did not match (or could not be checked)
 
 
 @dataclass
@@ -218,6 +234,7 @@ class RequestState:
     handler_done: bool = False                # kept only until its transfer task ends
     tried: set[str] = field(default_factory=set)     # prefill nodes its attempts went to
     errors: list[str] = field(default_factory=list)  # why each failed
+    checksum_failures: int = 0                # S7: attempts whose landed bytes did not match
 
 
 class DecodeNode(ReceiverEvents):
@@ -247,7 +264,7 @@ class DecodeNode(ReceiverEvents):
         else:
             self.transport = TransferEngine(FabricConfig(provider=config.provider, node=config.fabric_node))
             try:
-                self.receiver = KvReceiver(self.transport, events=self)
+                self.receiver = KvReceiver(self.transport, events=self, kv_checksum=config.kv_checksum)
                 # UnsupportedModelError (a ValueError): sliding-window / hybrid models
                 self.engine = EngineThread(LLMEngine(config.engine, kv_connector=self.receiver))
             except BaseException:
@@ -387,6 +404,10 @@ class DecodeNode(ReceiverEvents):
 
     def kv_landed_tag(self, request_id: str, tag: int) -> None:
         """Fabric progress thread: every write of the attempt with `tag` has landed."""
+        if self.config.kv_checksum:   # S7: schedulable only after the verification (_prefill_on)
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(self._mark_landed, request_id, tag)
+            return
         self.engine.submit(lambda: self._kv_ready(request_id, tag))
 
     def kv_stale_write(self, tag: int, count: int) -> None:
@@ -406,6 +427,20 @@ class DecodeNode(ReceiverEvents):
         elif self.llm.is_held(rid):
             self.llm.release_blocks(rid)  # aborted while its KV was landing: now nothing can land
         self.loop.call_soon_threadsafe(self._mark_ready, rid)
+
+    def _checksum_failed(self, rid: str, tag: int, retry: bool, error: str) -> None:
+        """Engine thread: the attempt with `tag` landed completely but its bytes do not match (S7).
+        Nothing more can land, so its pages are freed now, unused: kv_ready is never called for
+        them, so they never join the prefix cache. Re-admitted into fresh pages (retry) or failed."""
+        assert self.receiver is not None
+        if self.receiver.tag_of(rid) != tag:
+            return   # quarantined meanwhile (the client went away): its hold releases the pages
+        r = self.llm.get_request(rid)
+        if retry and r is not None and r.status is RequestStatus.WAITING_FOR_KV:
+            self.receiver.finish(rid)   # tag tombstoned, slot freed
+            self.llm.kv_retry(rid)      # frees the pages (uncommitted: no prefix-cache entry), a new attempt
+            return
+        self._fail_waiting(rid, error)
 
     def _fail_waiting(self, rid: str, error: str) -> None:
         """Engine thread: end a waiting request with an error and free its pages (no write of it
@@ -463,12 +498,54 @@ class DecodeNode(ReceiverEvents):
     # --- the loop: transfers ---------------------------------------------------------------------
 
     def _start_transfer(self, rid: str, tokens: tuple[int, ...], ticket: TransferTicket) -> None:
-        t = Transfer(tokens, attempt=ticket.attempt)
+        t = Transfer(tokens, attempt=ticket.attempt, tag=ticket.imm_tag)
         state = self.requests.get(rid)
         if state is None:   # its handler is gone already: the transfer still runs, to end safely
             state = self.requests[rid] = RequestState(rid, handler_done=True)
         state.transfer = t
         t.task = asyncio.create_task(self._run_transfer(state, ticket))
+
+    def _mark_landed(self, rid: str, tag: int) -> None:
+        state = self.requests.get(rid)
+        t = state.transfer if state is not None else None
+        if t is not None and t.tag == tag:
+            t.landed.set()
+
+    def _checksum_failed_attempt(self, state: RequestState, ticket: TransferTicket, node: PrefillNode,
+                                 err: str) -> None:
+        """Loop: an attempt failed its verification (S7); its count completed, so no hold."""
+        rid, tag = state.request_id, ticket.imm_tag
+        state.errors.append(f"{node.address}: {err}")
+        state.checksum_failures += 1
+        if state.checksum_failures <= CHECKSUM_RETRIES_SAME_NODE:
+            state.tried.discard(node.address)   # corruption may be the path's, not the node's: once more
+        retry = not state.handler_done
+        msg = f"prefill on {node.address} failed ({err})"
+        logger.warning("request %s attempt %d: %s; its pages are freed unused%s", rid, ticket.attempt, msg,
+                       ", retrying in fresh pages" if retry else "")
+        self.engine.submit(lambda: self._checksum_failed(rid, tag, retry, msg))
+
+    async def _verify(self, state: RequestState, ticket: TransferTicket, resp, node: PrefillNode) -> str:
+        """S7: '' when what landed matches the sender's checksums, else why not (logged, counted)."""
+        assert self.receiver is not None
+        rid = state.request_id
+        try:
+            res = await asyncio.to_thread(self.receiver.verify, rid, ticket.imm_tag, resp.kv_checksums,
+                                          resp.num_kv_checksums)
+        except (KeyError, ValueError) as e:
+            self.metrics.kv_checksum_failures.inc()
+            logger.error("request %s attempt %d: KV checksums from %s unusable: %s", rid, ticket.attempt,
+                         node.address, e)
+            return f"KV checksums unusable: {e}"
+        self.metrics.kv_checksums_verified.inc()
+        if res.ok:
+            logger.debug("request %s attempt %d: %d KV checksums match", rid, ticket.attempt, res.runs)
+            return ""
+        self.metrics.kv_checksum_failures.inc()
+        assert res.mismatch is not None
+        logger.error("request %s attempt %d: KV checksum mismatch on the transfer from %s: %s", rid,
+                     ticket.attempt, node.address, res.mismatch.describe())
+        return f"KV checksum mismatch: {res.mismatch.describe()}"
 
     def _mark_ready(self, rid: str) -> None:
         state = self.requests.get(rid)
@@ -501,6 +578,9 @@ class DecodeNode(ReceiverEvents):
             state.prefilled_on = node.address
             ok, err = await self._prefill_on(node, state, ticket)
             if ok:
+                return
+            if t.corrupt:   # S7: landed but wrong; nothing more can land, so no quarantine
+                self._checksum_failed_attempt(state, ticket, node, err)
                 return
             state.errors.append(f"{node.address}: {err}")
             msg = f"prefill on {node.address} failed ({err})"
@@ -547,7 +627,7 @@ class DecodeNode(ReceiverEvents):
                     break
                 now = time.monotonic()
                 n = self.receiver.landed(state.request_id)
-                if n != landed or t.ready.is_set():
+                if n != landed or t.ready.is_set() or t.landed.is_set():
                     landed, progress = n, now
                 if now - max(progress, node.last_answer) > self.config.stall_s:
                     call.cancel()
@@ -555,6 +635,14 @@ class DecodeNode(ReceiverEvents):
                                               f"{self.config.stall_s:g} s")
                     return False, f"stalled for {self.config.stall_s:g} s (no write landed, no health answer)"
             resp = call.result()
+            if ticket.kv_checksum:   # S7: schedulable only once what landed matches what was sent
+                await asyncio.wait_for(t.landed.wait(), timeout=KV_LANDED_WAIT_S)
+                bad = await self._verify(state, ticket, resp, node)
+                if bad:
+                    t.corrupt = True
+                    return False, bad
+                rid, tag = state.request_id, ticket.imm_tag
+                self.engine.submit(lambda: self._kv_ready(rid, tag))
             await asyncio.wait_for(t.ready.wait(), timeout=KV_LANDED_WAIT_S)  # writes delivered: the count follows
             # Prefill-side time from receipt to the last layer done; the rest until the count
             # completed here is the transfer tail (loopback RPC latency included).

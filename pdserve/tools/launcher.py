@@ -102,7 +102,8 @@ class ClusterConfig:
     for every process. tls: mTLS between every process, with certificates made for this cluster;
     auth_token: a shared token on every gRPC call (see Security). prefill_tp / decode_tp: each
     prefill / decode (or colocated) node's tensor_parallel_size (`-tp N`; None: engine_args or 1);
-    see Tensor parallelism."""
+    see Tensor parallelism. kv_checksum: decode nodes verify the CRC32C of every landed KV run
+    before scheduling (`--kv-checksum`, S7)."""
 
     prefill: int | None = None
     decode: int | None = None
@@ -128,6 +129,7 @@ class ClusterConfig:
     auth_token: bool = False
     prefill_tp: int | None = None
     decode_tp: int | None = None
+    kv_checksum: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine_args", tuple(self.engine_args))
@@ -357,7 +359,7 @@ def plan(config: ClusterConfig, ports: Sequence[int] | None = None,
             name = f"decode-{i}"
             argv = [py, "-m", "decode_node", *common, "--port", str(port), "--node-id", name, *fabric,
                     "--prefill", prefill_addrs, "--prefill-routing", config.routing, *_tp_flags(config.decode_tp),
-                    *engine,
+                    *(["--kv-checksum"] if config.kv_checksum else []), *engine,
                     *_security_flags(config, security_dir, name)]
             nodes.append((name, "decode", port, argv))
     router_port = config.port or next(it)
@@ -744,6 +746,9 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
                         "LOG_DIR/security (clients use client.pem, client.key and ca.pem there)")
     p.add_argument("--auth-token", action="store_true",
                    help="a random shared token on every gRPC call (LOG_DIR/security/token)")
+    p.add_argument("--kv-checksum", action="store_true",
+                   help="decode nodes verify the CRC32C of every KV page shard and context record that landed "
+                        "before scheduling the request (S7; off by default)")
     p.add_argument("--dry-run", action="store_true", help="print the commands that would run, start nothing")
 
 
@@ -758,7 +763,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         threads_per_node=args.threads_per_node, num_blocks=args.num_blocks, engine_args=tuple(engine),
         log_dir=args.log_dir, startup_timeout_s=args.startup_timeout, pin_cores=args.pin_cores,
         node_metrics=args.node_metrics, routing=args.routing, log_format=args.log_format,
-        tls=args.tls, auth_token=args.auth_token,
+        tls=args.tls, auth_token=args.auth_token, kv_checksum=args.kv_checksum,
         prefill_tp=args.prefill_tp if args.prefill_tp is not None else args.tp,
         decode_tp=args.decode_tp if args.decode_tp is not None else args.tp,
     )

@@ -61,6 +61,8 @@ class NodeMetrics:
     kv_stale_writes: Counter      # pdserve:kv_stale_writes_total: writes landed for no live transfer (S5)
     incompatible_peers: Gauge     # pdserve:incompatible_peers{peer}: 1 while a prefill node is skipped for skew
     kv_quarantine_oldest: Gauge   # pdserve:kv_quarantine_oldest_seconds{peer}: age of the oldest quarantine held
+    kv_checksums_verified: Counter   # pdserve:kv_checksums_verified_total: transfers verified (S7, --kv-checksum)
+    kv_checksum_failures: Counter    # pdserve:kv_checksum_failures_total: transfers whose landed bytes differed
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,13 @@ def node_metrics(registry: CollectorRegistry) -> NodeMetrics:
                                    "quarantines for the prefill node at `peer` (absent when none): one that "
                                    "keeps growing is a prefill host that never answers (S5 keeps the pages).",
                                    ["peer"], registry=registry),
+        kv_checksums_verified=Counter("pdserve:kv_checksums_verified",
+                                      "Transfers whose landed KV pages and context this decode node hashed and "
+                                      "compared with the prefill node's checksums (S7, --kv-checksum), "
+                                      "matching or not.", registry=registry),
+        kv_checksum_failures=Counter("pdserve:kv_checksum_failures",
+                                     "Transfers whose landed bytes differed from the prefill node's checksums "
+                                     "(S7): the attempt was dropped, never used or cached.", registry=registry),
     )
 
 
