@@ -331,6 +331,10 @@ def node_args(spec: DeploySpec, role: str) -> list[str]:
     r = spec.role(role)
     if r.tp > 1:
         args.append(f"--tensor-parallel-size={r.tp}")
+    if max(spec.role(x).tp for x in ("prefill", "decode")) > 1:
+        # Every node of a cluster with a TP > 1 role sums in the TP-invariant order, so a TP 1 node's
+        # KV and logits equal the TP > 1 nodes' bit for bit (EngineConfig.tp_invariant).
+        args.append("--tp-invariant")
     args.extend(f"--{flag}=$({_env_name(flag)})" for flag, _ in _engine_flags(spec, role))
     return args + security_args(spec)
 

@@ -227,6 +227,9 @@ def test_tensor_parallel_nodes_request_as_many_ranks_as_their_tp_size(overlay):
         for pod in pods:
             args = pod["spec"]["containers"][0]["args"]
             assert ("--tensor-parallel-size=%d" % tp in args) == (tp > 1), (overlay, role, args)
+            # any TP > 1 role: every node sums TP-invariantly, so TP 1 nodes match it bit for bit
+            any_tp = max(spec.role(x).tp for x in deploy.ROLES) > 1
+            assert ("--tp-invariant" in args) == any_tp, (overlay, role, args)
         if w[role]["kind"] == "Deployment":   # one pod holds every rank: it asks for all of them
             (container,) = pods[0]["spec"]["containers"]
             assert _cpus(container["resources"]["limits"]["cpu"]) == tp * per_rank
