@@ -19,7 +19,7 @@ products unfolded: the TP-invariant reductions of row-parallel layers (pdserve/m
 block's product is the C kernel's (same rule as `linear`: at most MAX_ROWS float32 rows) or
 torch's GEMM over that block's columns (all blocks in one torch.bmm, each as F.linear gives it);
 a rank holding some of the blocks computes each one the same way, bit for bit
-(tests/unit/test_tensor_parallel.py).
+(tests/unit/test_tp_split_and_fold.py).
 The C layer loop (pdserve/model/layer_ops.py, EngineConfig.small_batch_max_tokens) calls the
 same kernel for passes of at most MAX_ROWS tokens, which is why its results match this path's.
 """
@@ -159,7 +159,7 @@ def _torch_block_parts(
     """Every block's product in one torch.bmm over strided views of x and the weight (no copy)
     where K is whole blocks of a row-major x and a contiguous weight; else one F.linear per block.
     bmm gives each block the product F.linear gives it, bit for bit (the same GEMM per batch
-    entry; tests/unit/test_tensor_parallel.py), in one call instead of nb (one OpenMP region
+    entry; tests/unit/test_tp_split_and_fold.py), in one call instead of nb (one OpenMP region
     instead of nb: bench/results/tp_invariant.md)."""
     M, K = x.shape
     N = weight.shape[0]
