@@ -114,7 +114,12 @@ def test_corrupted_landing_is_detected_never_cached_and_re_prefilled_or_failed(c
         assert decode_metric(cluster, "pdserve:kv_cache_cached_blocks") == cached
         assert_clean(cluster)
 
-        # the same prompt, uncorrupted, is served right afterwards (nothing bad was cached)
+        # the same prompt, uncorrupted, is served right afterwards (nothing bad was cached); the
+        # prefill node now has it in its prefix cache, so its cached pages ride with the first
+        # chunk, and their checksums match too
         done = client.complete(PROMPTS[1], GREEDY, request_id="s7-after-0")
         assert done.token_ids == expected[PROMPTS[1]]
+        assert done.usage is not None and done.usage.cached_prompt_tokens > 0, done.usage
+        assert decode_metric(cluster, "pdserve:kv_checksum_failures_total") == failures + 3
+        assert decode_metric(cluster, "pdserve:kv_checksums_verified_total") == verified + 5
     assert_clean(cluster)
