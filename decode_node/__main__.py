@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "write, and verify what landed before the request is scheduled; a mismatch re-prefills "
                         "the request in fresh pages (or fails it) and is counted in "
                         "pdserve:kv_checksum_failures_total (default off)")
+    g.add_argument("--release-unfenced-by-close", action="store_true",
+                   help="tcp;ofi_rxm: release a quarantine whose transfer ended on the prefill node without a "
+                        "fence (after a long partition) by closing this node's connection to it; off by default: "
+                        "libfabric 1.17's rxm can crash closing a connection with a write half received "
+                        "(decode_node.service)")
     add_engine_args(p)
     return p
 
@@ -58,7 +63,7 @@ def make(args: argparse.Namespace) -> NodeServer:
         provider=args.provider, fabric_node=args.fabric_node, prefill_timeout_s=args.prefill_timeout,
         stall_s=args.prefill_stall, local_prefill_fallback=args.local_prefill_fallback,
         prefill_routing=args.prefill_routing, max_waiting_requests=args.max_waiting_requests,
-        kv_checksum=args.kv_checksum)
+        kv_checksum=args.kv_checksum, release_unfenced_by_close=args.release_unfenced_by_close)
     return node_server(config, options)
 
 

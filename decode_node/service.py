@@ -56,6 +56,15 @@ fence cannot land -> ended unfenced -> a close). Either way it fails over to a f
 its pages are released only by a proof of its own, never by this close; holds whose fences were
 in flight are answered the same way; quarantines of other prefill engines are not touched.
 On shm (no connection to close) an unfenced end keeps the pages held, re-asked with backoff.
+OFF BY DEFAULT (DecodeNodeConfig.release_unfenced_by_close, --release-unfenced-by-close): with
+libfabric 1.17, fi_av_remove of a peer whose connection has a write half received (a partition
+struck mid-message, the normal case here) segfaults inside rxm (SIGSEGV in its ECANCELED handling
+under pdf_av_remove: 4 of 5 probes, and a decode node in test_network_faults' fabric partition);
+a close before a burst starts is fine (tests/fabric/test_connection_close.py). Without it an
+unfenced end stays held, like a dead host below. Sound and crash-free, to build next: record the
+kernel sockets (inodes in /proc/self/net/tcp) we have to that prefill address when the answer
+arrives, provoke a reset on them (a PING: the prefill side closed them), and release once none
+of them is left -- rxm's own shutdown path, not av_remove, closes them.
 
 A prefill host that dies silently (or stays partitioned) never answers: its quarantines are held
 for ever (S5 over S2), visible as pdserve:kv_quarantine_oldest_seconds{peer} (the oldest hold's
@@ -161,6 +170,7 @@ class DecodeNodeConfig:
     prefill_routing: str = "least-loaded"
     channel_security: ChannelSecurity = PLAINTEXT   # of the channels to prefill nodes (mTLS, token)
     max_waiting_requests: int = 2048          # requests held before their first token; more: RESOURCE_EXHAUSTED (S8)
+    release_unfenced_by_close: bool = False   # ended-unfenced holds released by closing our connection (see above)
     kv_checksum: bool = False                 # S7: verify CRC32C of every landed run before scheduling
 
     def __post_init__(self) -> None:
@@ -758,7 +768,8 @@ class DecodeNode(ReceiverEvents):
 
     def _can_close(self, q: Quarantine) -> bool:
         """Closing our connection to q's prefill node refuses what it still sends (ofi_rxm)."""
-        return q.peer is not None and self.transport is not None and self.transport.closes_connections
+        return (self.config.release_unfenced_by_close and q.peer is not None and self.transport is not None
+                and self.transport.closes_connections)
 
     async def _close_prefill_connection(self, q: Quarantine, closes_before: int) -> None:
         """Make sure a close of our connections to q's prefill endpoint began after its terminal

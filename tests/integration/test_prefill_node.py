@@ -7,8 +7,7 @@ load, aborts before the call (ABORTED, S5) and during it, bound to the prefill p
 engine id never confirms) and fenced (the fence write lands), transfer identity (the same request
 id from two decode engines, and a second attempt, are both served: D20), bad input
 (INVALID_ARGUMENT, the node keeps serving, S6), a decode process killed mid-transfer (the node
-frees everything, S4), a decode side that closes its connection mid-transfer (the node disconnects
-it before freeing the source pages; AbortPrefill answers CONNECTION_FAILED), SIGTERM.
+frees everything, S4), SIGTERM.
 Every wait has a timeout.
 """
 
@@ -431,45 +430,12 @@ def _kill_decode_mid_transfer(node: NodeProcess, provider: str) -> None:
     node.wait_idle(timeout=30)
 
 
-def _connection_closed_mid_transfer(node: NodeProcess, side: DecodeSide) -> None:
-    """The decode side closes its connection to the prefill node while writes are posted (its
-    endpoint vanishes for the prefill side; no Prefill cancel): the prefill node's writes fail, it
-    disconnects the peer before it frees the transfer's source pages, and AbortPrefill answers
-    CONNECTION_FAILED, unconfirmed (terminal, unfenced); once we closed our side again after that
-    answer (decode_node.service's rule), the pages are free to reuse."""
-    rid = "cut"
-    call = side.admit({rid: "Once upon a time, in a land far away, there lived " * 40})[rid]
-    fut = node.prefill.Prefill.future(call, timeout=CALL_TIMEOUT_S)
-    prefill_peer = peer_from_bytes(node.info().fabric_peer)
-    wait_until(lambda: side.receiver.landed(rid) > 0, timeout=60, describe="a first write of the long prompt")
-    assert side.receiver.landed(rid) < call.expected_writes, "the transfer ended before the close"
-    side.fab.close_connection(prefill_peer)
-    with pytest.raises(grpc.RpcError) as failed:
-        fut.result(timeout=CALL_TIMEOUT_S)
-    print(f"\nPrefill after our close: {failed.value.code().name}: {failed.value.details()}")
-    resp, _ = side.abort(node, rid)
-    assert not resp.confirmed and resp.state == prefill_pb2.TRANSFER_STATE_CONNECTION_FAILED, resp
-    side.fab.close_connection(prefill_peer)   # after the terminal answer: nothing of it can land now
-    mark = side.fab.progress_mark()
-    wait_until(lambda: side.fab.progressed(mark), timeout=5, describe="two progress rounds")
-    side.abandon(rid)
-    node.wait_idle(timeout=30)
-    log = Path(node.stderr.name).read_text()
-    key = f"{rid}#0@{side.fab.engine_id}"
-    cut = log.index(f"decode peer {side.fab.engine_id[:8]} disconnected after a failed transfer")
-    freed = log.index(f"request {key}: released ")
-    assert cut < freed, "the source pages were freed before the decode peer was disconnected"
-
-
 def test_prefill_over_tcp_decode_death_and_sigterm():
-    node = NodeProcess("--provider", "tcp;ofi_rxm", "--fabric-node", "127.0.0.1", "--log-level", "DEBUG")
+    node = NodeProcess("--provider", "tcp;ofi_rxm", "--fabric-node", "127.0.0.1")
     side = DecodeSide("tcp;ofi_rxm")
     try:
         node.wait_serving()
         assert _disaggregated(node, side, "tcp") == side.expected()
-        node.wait_idle(timeout=5)
-        _connection_closed_mid_transfer(node, side)
-        assert _disaggregated(node, side, "reconnected") == side.expected()   # a fresh connection
         node.wait_idle(timeout=5)
         _kill_decode_mid_transfer(node, "tcp;ofi_rxm")
         # other decode nodes are still served
