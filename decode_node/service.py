@@ -242,7 +242,7 @@ class RequestState:
     prefilled_on: str = ""                    # address of the prefill node last asked
     outcome: PrefillOutcome | None = None     # its successful remote prefill
     handler_done: bool = False                # kept only until its transfer task ends
-    tried: set[str] = field(default_factory=set)     # prefill nodes its attempts went to
+    tried: set[str] = field(default_factory=set)     # prefill nodes its attempts failed on (or run on now)
     errors: list[str] = field(default_factory=list)  # why each failed
     checksum_failures: int = 0                # S7: attempts whose landed bytes did not match
 
@@ -587,7 +587,8 @@ class DecodeNode(ReceiverEvents):
             t.node, t.prefill_engine_id = node, node.peer.engine_id
             state.prefilled_on = node.address
             ok, err = await self._prefill_on(node, state, ticket)
-            if ok:
+            if ok:   # a later attempt (a preempted request prefilled again) may use this node again
+                state.tried.discard(node.address)
                 return
             if t.corrupt:   # S7: landed but wrong; nothing more can land, so no quarantine
                 self._checksum_failed_attempt(state, ticket, node, err)
