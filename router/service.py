@@ -107,6 +107,7 @@ class Attempt:
     node_down: bool = False     # the pool marked the node down while this attempt streamed
     reason: str = ""            # why it ended, for logs and a final error message
     full: str | None = None     # the node refused it with RESOURCE_EXHAUSTED (this message)
+    tried: tuple[DecodeNode, ...] = ()  # nodes this request will not go to again (this one included)
 
 
 def resume_request(request: generate_pb2.GenerateRequest, progress: Progress,
@@ -184,7 +185,7 @@ class RouterGenerateService(generate_pb2_grpc.GenerateServiceServicer):
                     raise
                 tried.append(node)
                 timer.model_name = node.info.model if node.info is not None else ""
-                attempt = Attempt(node)
+                attempt = Attempt(node, tried=tuple(tried))
                 async with contextlib.aclosing(self._forward(attempt, attempt_request, work, deadline, route.reason,
                                                              timer, progress)) as stream:
                     async for item in stream:
@@ -228,7 +229,9 @@ class RouterGenerateService(generate_pb2_grpc.GenerateServiceServicer):
 
     def _can_move(self, attempt: Attempt, progress: Progress, deadline: float) -> bool:
         """Another node may take the rest of this request now (S10's bounds)."""
-        others = [n for n in self._pool.healthy() if n is not attempt.node]
+        # only nodes the next route() may choose: a tried one would refuse it, and a stream cut
+        # for nowhere to go ends in an error where the slow node could still have finished it
+        others = [n for n in self._pool.healthy() if all(n is not t for t in (attempt.node, *attempt.tried))]
         return bool(others) and time.monotonic() < deadline and (
             not progress.token_ids or progress.migrations < self._config.max_migrations)
 

@@ -433,6 +433,26 @@ def test_a_node_marked_down_keeps_the_streams_that_cannot_move():
     run(go())
 
 
+def test_a_node_marked_down_keeps_a_stream_whose_other_nodes_were_all_tried():
+    # Node 0 (first by rank when both are idle) refuses the request as full, so node 1 serves it;
+    # node 1 is then marked down. The only other healthy node was tried already (a move would
+    # end in an error), so the slow node may still finish: the stream is not cut.
+    async def go():
+        async with Rig(delay_s=0.3) as rig:
+            rig.fakes[0].full = "busy"
+            stream = rig.client.generate([1], SamplingParams(max_tokens=5), request_id="tried")
+            got = [await stream.__anext__()]
+            assert "tried" in rig.fakes[1].running and "tried" not in rig.fakes[0].requests
+            await rig.fakes[1].health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await until(lambda: not rig.router.pool.nodes[1].healthy, "node 1 to be marked down")
+            assert rig.router.pool.nodes[0].healthy
+            got += [c async for c in stream]
+            assert [t for c in got for t in c.token_ids] == [1000 + t for t in range(5)]
+            assert got[-1].finish_reason == "length" and "tried" not in rig.fakes[1].cancelled
+
+    run(go())
+
+
 # ---- the client alone --------------------------------------------------------------------------
 
 
