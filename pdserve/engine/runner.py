@@ -211,7 +211,9 @@ class ModelRunner:
                 torch.tensor(step.out_rows, dtype=torch.int64),
                 layer_hook,
             )
-        except (RuntimeError, ValueError) as exc:
+        except Exception as exc:
+            # Any failure on the leader leaves the workers inside this pass's collectives: the group
+            # is failed for good (a later pass would run them out of step).
             if tp is None or isinstance(exc, TensorParallelError):
                 raise
             tp.fail(f"a pass failed on the leader: {type(exc).__name__}: {exc}")

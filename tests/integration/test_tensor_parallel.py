@@ -183,6 +183,38 @@ def test_a_dead_worker_fails_the_engine_naming_it(tmp_path):
         llm.close()
 
 
+class FailingLayerHook(PrefillConnector):
+    """Raises a KeyError (not a RuntimeError / ValueError) from the leader's layer hook mid-pass."""
+
+    def register_kv_cache(self, spec: KvCacheSpec) -> None:
+        pass
+
+    def on_schedule(self, sched, block_ids) -> None:
+        pass
+
+    def on_layer_done(self, layer: int) -> None:
+        if layer == 1:
+            raise KeyError(f"layer {layer}")
+
+    def on_prefill_done(self, done: PrefillDone) -> None:
+        pass
+
+
+def test_any_failure_of_the_leaders_pass_fails_the_group_for_good(tmp_path):
+    # The workers are inside the pass's collectives when the leader fails mid-pass: whatever the
+    # exception type, the group is failed, never driven on out of step.
+    path = make_tiny_checkpoint("llama", tmp_path / "tiny", num_hidden_layers=3)
+    llm = LLM(model=str(path), num_blocks=16, max_model_len=128, tensor_parallel_size=2,
+              kv_connector=FailingLayerHook())
+    try:
+        with pytest.raises(RuntimeError, match="a pass failed on the leader: KeyError"):
+            llm.generate(["hello there"], SamplingParams(temperature=0, max_tokens=2))
+        with pytest.raises(RuntimeError, match="tensor-parallel engine failed"):   # failed for good
+            llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=2))
+    finally:
+        llm.close()
+
+
 def test_workers_die_with_a_sigkilled_leader(tmp_path):
     path = make_tiny_checkpoint("llama", tmp_path / "tiny")
     script = textwrap.dedent(f"""
