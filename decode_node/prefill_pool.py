@@ -69,6 +69,7 @@ class PrefillNode:
     peer: object | None = None            # fabric PeerDescriptor, from NodeInfo
     reported_tokens: int = 0              # outstanding tokens the node reports
     sent_tokens: int = 0                  # tokens this decode node has in flight there
+    holds: int = 0                        # quarantines whose AbortPrefill still goes here
     down_since: float | None = None
     down_reason: str = ""
     last_answer: float = 0.0              # time.monotonic() of its last GetNodeInfo answer (stall detection)
@@ -145,7 +146,8 @@ class PrefillPool:
             known = {n.address for n in self.nodes}
             added = [self._connect(a) for a in change.added if a not in known]
             self.nodes.extend(added)
-        for n in [n for n in self._retired if n.sent_tokens == 0]:
+        # a retired node's channel stays open while a quarantine still asks it to confirm its abort
+        for n in [n for n in self._retired if n.sent_tokens == 0 and n.holds == 0]:
             self._retired.remove(n)
             await n.channel.close()
         return added

@@ -710,9 +710,15 @@ class DecodeNode(ReceiverEvents):
         with backoff (HOLD_BACKOFF_S doubling to HOLD_BACKOFF_MAX_S); no thread is parked."""
         bind_request_id(q.request_id)
         delay = HOLD_BACKOFF_S
+        q.node.holds += 1   # keeps the node's channel open should discovery retire it meanwhile
         try:
             while True:
-                answer = await self._abort_confirmed(q)
+                try:
+                    answer = await self._abort_confirmed(q)
+                except Exception as e:   # never let the hold die: its pages would stay quarantined unseen
+                    logger.error("request %s attempt %d: AbortPrefill round on %s failed (%s: %s); retrying in "
+                                 "%.2f s", q.request_id, q.attempt, q.node.address, type(e).__name__, e, delay)
+                    answer = ABORT_NOT_YET
                 if answer == ABORT_CONFIRMED:
                     how = "abort confirmed"
                     break
@@ -740,6 +746,8 @@ class DecodeNode(ReceiverEvents):
             logger.info("request %s attempt %d: hold cancelled (node closing); %d pages stay quarantined",
                         q.request_id, q.attempt, max(q.blocks, 0))
             raise
+        finally:
+            q.node.holds -= 1
         logger.info("request %s attempt %d: %s after %.2f s; %d quarantined pages released", q.request_id,
                     q.attempt, how, time.monotonic() - q.since, max(q.blocks, 0))
         self.engine.submit(lambda: self._release_quarantine(q))

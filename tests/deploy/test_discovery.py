@@ -155,6 +155,10 @@ def test_the_decode_nodes_prefill_pool_follows_the_records():
             assert [n.address for n in pool.nodes] == [addr_b]
             assert first in pool._retired
             first.sent_tokens = 0
+            first.holds = 1         # a quarantine still asks it to confirm an abort: channel kept
+            await pool.refresh()
+            assert first in pool._retired
+            first.holds = 0
             await pool.refresh()
             assert first not in pool._retired
         finally:
