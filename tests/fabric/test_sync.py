@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 from fabric_peer import PeerProcess, digest
+from support.wait import wait_until
 
 from fabric import FabricConfig, FabricError, TransferEngine
 from fabric.backend import SyncResult
@@ -174,6 +175,12 @@ def test_sync_validation_before_posting(provider: str) -> None:
 
 
 @pytest.mark.timeout(60)
+def _state(pid: int) -> str:
+    """The process state letter of /proc/PID/stat (T: stopped)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_sync_timeout_detaches_then_completes() -> None:
     """shm moves data only while the target polls: a stopped target keeps the write in flight.
     The call times out, the batch stays in flight (region busy), and completes once the target
@@ -186,6 +193,9 @@ def test_sync_timeout_detaches_then_completes() -> None:
         engine.write_pages_sync(region, [0], peer.descriptor, [0], [64 * KiB], 5, timeout=30)  # connected
         os.kill(peer.pid, signal.SIGSTOP)
         try:
+            # the signal takes effect when the target is next scheduled: on a loaded machine the
+            # write below could otherwise be served by a target that is still running
+            wait_until(lambda: _state(peer.pid) == "T", 10, "the peer to be stopped")
             with pytest.raises(FabricError, match="still in flight") as exc:
                 engine.write_pages_sync(region, [0], peer.descriptor, [0], [256 * KiB], 5, timeout=0.3)
             assert exc.value.code == 110  # FI_ETIMEDOUT
