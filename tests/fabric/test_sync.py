@@ -176,9 +176,13 @@ def test_sync_validation_before_posting(provider: str) -> None:
 
 @pytest.mark.timeout(60)
 def _state(pid: int) -> str:
-    """The process state letter of /proc/PID/stat (T: stopped)."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
+    """"T" once every thread of PID is stopped (/proc/PID/task/*/stat), else the first other state
+    letter: SIGSTOP stops each thread as it is next interrupted, the polling one included."""
+    states = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat", encoding="ascii") as f:
+            states.add(f.read().rsplit(")", 1)[1].split()[0])
+    return "T" if states <= {"T", "t"} else min(states - {"T", "t"})
 
 
 def test_sync_timeout_detaches_then_completes() -> None:
@@ -245,6 +249,7 @@ def test_close_releases_a_blocked_sync_caller() -> None:
         _, region = _filled(engine, MiB, seed=5)
         engine.write_pages_sync(region, [0], peer.descriptor, [0], [4096], 5, timeout=30)
         os.kill(peer.pid, signal.SIGSTOP)
+        wait_until(lambda: _state(peer.pid) == "T", 10, "the peer to be stopped")   # see above
 
         def blocked() -> None:
             try:
