@@ -263,7 +263,8 @@ class _Stale(QueueEvents):
         self.stale: list[tuple[int, int]] = []
 
     def kv_stale_write(self, tag: int, count: int) -> None:
-        self.stale.append((tag, count))
+        self.stale.append((tag, count))   # on the progress thread, just after the count is bumped:
+                                          # a test waits for both before it reads the list
 
 
 def test_receiver_tombstones_quarantines_fences_and_counts_stale_writes():
@@ -305,13 +306,13 @@ def test_receiver_tombstones_quarantines_fences_and_counts_stale_writes():
         assert rx.stale_writes == 0
         rx.release_quarantined(tag0)
         write(t0.kv, tag0)                     # after the release: stale
-        settled(lambda: rx.stale_writes == 1, "the write after the release to be counted stale")
+        settled(lambda: rx.stale_writes == 1 and len(events.stale) == 1, "the write after the release to be counted stale")
         rx.finish("r")
         write(t1.kv, t1.imm_tag)               # after the request finished: stale
-        settled(lambda: rx.stale_writes == 2, "the write after finish to be counted stale")
+        settled(lambda: rx.stale_writes == 2 and len(events.stale) == 2, "the write after finish to be counted stale")
         unknown = 0x0ABCDE
         write(t1.kv, unknown)
-        settled(lambda: rx.stale_writes == 3, "the unknown tag to be counted stale")
+        settled(lambda: rx.stale_writes == 3 and len(events.stale) == 3, "the unknown tag to be counted stale")
         assert pair.fab_d.imm_counter.landed(unknown) == 0            # not kept forever
         assert [t for t, _ in events.stale] == [tag0, t1.imm_tag, unknown]
         # a fence: expected, posted by the sender, landed; once retired, a late one is not stale
@@ -322,7 +323,8 @@ def test_receiver_tombstones_quarantines_fences_and_counts_stale_writes():
         rx.retire_fence(tag)
         pair.sender.fence(region, tag).result(timeout=10)
         write(t1.kv, unknown + 1)              # behind the late fence on the same endpoint (WAW)
-        settled(lambda: rx.stale_writes == 4, "the write behind the late fence to be counted stale")
+        settled(lambda: rx.stale_writes == 4 and len(events.stale) == 4,
+                "the write behind the late fence to be counted stale")
         assert [t for t, _ in events.stale] == [tag0, t1.imm_tag, unknown, unknown + 1]   # not the fence
         assert rx.num_tags_in_use == rx.num_slots_in_use == rx.num_quarantined == rx.num_waiting == 0
     finally:
