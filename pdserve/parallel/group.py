@@ -18,15 +18,18 @@ Then `send_step(msg)` writes each pass's StepMessage to every worker before the 
 own shard; the row-parallel folds inside the pass are the collectives (pdserve/parallel/comm.py).
 
 Failure: a dead worker makes the leader's next write to its pipe fail (EPIPE) or the pass's
-next collective fail (its sockets close; at the latest after the collective timeout), and the
-group is then failed for good: `TensorParallelError` names the rank, its pid and exit code.
+next collective fail (its sockets close; at the latest after the collective timeout); a worker
+that is alive but not reading (wedged, stopped) makes the write time out (the spec's
+`message_timeout_s`) once the message outgrows the pipe's free space. The group is then failed
+for good: `TensorParallelError` names the rank, its pid and exit code or the bound it missed.
 Workers die with the leader (their control pipe reads end-of-file, and a watchdog checks the
 parent pid); `close()` (also run at interpreter exit) stops them and waits at most STOP_WAIT_S,
 then kills them.
 
 Bounds: STARTUP_TIMEOUT_S for the workers' status bytes and the group's rendezvous;
-COLLECTIVE_TIMEOUT_S for every collective (gloo's timeout, on init_process_group); STOP_WAIT_S
-per worker at close before SIGKILL.
+COLLECTIVE_TIMEOUT_S for every collective (gloo's timeout, on init_process_group);
+GroupSpec.message_timeout_s (MESSAGE_TIMEOUT_S, pdserve/parallel/messages.py) for each control
+message, the pass's and the stop message at close; STOP_WAIT_S per worker at close before SIGKILL.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import torch
 
 from pdserve.model.tp import TensorParallelPlan
 from pdserve.parallel.comm import GlooComm, open_store
-from pdserve.parallel.messages import StepMessage, stop_payload, write_message
+from pdserve.parallel.messages import MESSAGE_TIMEOUT_S, ChannelTimeout, StepMessage, stop_payload, write_message
 from pdserve.parallel.shm import PoolFile, SharedPool, new_pool_file, remove_stale_files, unlink
 from pdserve.parallel.worker import WorkerSpec
 
@@ -77,6 +80,7 @@ class GroupSpec:
     head_dim: int
     kv_element_size: int
     kv_populate: bool = False
+    message_timeout_s: float = MESSAGE_TIMEOUT_S   # each control-pipe message's bound (messages.py)
 
 
 @dataclass
@@ -85,6 +89,8 @@ class _Worker:
     proc: subprocess.Popen
     ctrl_w: int                 # the leader's write end of the control pipe
     pool: SharedPool
+    timeout_s: float            # each control message's bound
+    broken: bool = False        # a message was left half-written: nothing more may follow it
 
 
 def rank_cpus(size: int) -> tuple[tuple[int, ...], ...]:
@@ -150,12 +156,13 @@ class TensorParallelGroup:
                                 tp_invariant=spec.tp_invariant,
                                 attention_backend=spec.attention_backend, num_blocks=spec.num_blocks,
                                 page_size=spec.page_size, pool_name=f.name, pool_nbytes=nbytes, cpus=cpus[r],
-                                num_threads=threads[r], ctrl_fd=ctrl_r, status_fd=stat_w)
+                                num_threads=threads[r], ctrl_fd=ctrl_r, status_fd=stat_w,
+                                message_timeout_s=spec.message_timeout_s)
                 proc = subprocess.Popen([sys.executable, "-m", "pdserve.parallel.worker", ws.to_json()],
                                         pass_fds=(ctrl_r, stat_w), close_fds=True, env=_worker_env())
                 os.close(ctrl_r)
                 os.close(stat_w)
-                workers.append(_Worker(r, proc, ctrl_w, pool))
+                workers.append(_Worker(r, proc, ctrl_w, pool, spec.message_timeout_s))
                 status[stat_r] = r
             _await_ready(workers, status)
         except BaseException:
@@ -183,8 +190,12 @@ class TensorParallelGroup:
         payload = msg.encode()
         for w in self._workers:
             try:
-                write_message(w.ctrl_w, payload)
+                write_message(w.ctrl_w, payload, w.rank, w.timeout_s)
+            except ChannelTimeout as exc:
+                w.broken = True
+                self.fail(f"cannot send a pass to rank {w.rank} (pid {w.proc.pid}): {exc}")
             except OSError as exc:
+                w.broken = True
                 self.fail(f"cannot send a pass to rank {w.rank}: {exc}")
 
     def check(self) -> None:
@@ -248,16 +259,19 @@ def _await_ready(workers: list[_Worker], status: dict[int, int]) -> None:
 
 
 def _stop_workers(workers: list[_Worker]) -> None:
+    """Stop message (bounded) and end of file to every worker, then wait; SIGKILL after STOP_WAIT_S."""
     for w in workers:
         if w.ctrl_w < 0:
             continue
-        try:
-            write_message(w.ctrl_w, stop_payload())
-        except OSError:
-            logger.debug("rank %d's control pipe is closed already", w.rank)
-        if w.ctrl_w >= 0:
-            os.close(w.ctrl_w)
-            w.ctrl_w = -1
+        if not w.broken:   # after a half-written message the close alone (end of file) stops it
+            try:
+                write_message(w.ctrl_w, stop_payload(), w.rank, w.timeout_s)
+            except ChannelTimeout as exc:
+                logger.warning("stopping tensor-parallel rank %d (pid %d): %s; killing it", w.rank, w.proc.pid, exc)
+            except OSError:
+                logger.debug("rank %d's control pipe is closed already", w.rank)
+        os.close(w.ctrl_w)
+        w.ctrl_w = -1
     for w in workers:
         try:
             w.proc.wait(STOP_WAIT_S)

@@ -6,12 +6,24 @@ values: [kind, T, S, number of batches, then per batch (max_pages, num_decode, p
 or -1)], then the data: input_ids [T], positions [T], query_start [S + 1], context_lens [S], and
 per batch block_tables [S * max_pages], slot_pages [T], slot_offsets [T]. No pickling: a worker
 decodes numbers only. kv_rows (which depend on the rank's KV head count) are rebuilt on the rank.
+
+Bounds (every blocking call on the channel):
+- `write_message`: the whole message must be taken by the pipe within `timeout_s`
+  (MESSAGE_TIMEOUT_S by default; the leader's end is non-blocking and polled). A rank that is
+  alive but not reading (wedged, SIGSTOPped, swapped out) lets a message larger than the free
+  pipe space block: ChannelTimeout names the rank, the bound and the bytes taken.
+- `read_message`: once a message's length has arrived, its body must arrive within `timeout_s`
+  (MESSAGE_TIMEOUT_S; the leader writes a message in one go). The wait for the next message to
+  begin has no timer by design (an idle engine sends nothing for hours): it ends at the leader's
+  death (end of file) and the worker's watchdog (pdserve/parallel/worker.py) bounds it too.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import struct
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +33,18 @@ from pdserve.kernels.attention.base import AttentionBatch
 KIND_STEP = 1
 KIND_STOP = 2
 _LEN = struct.Struct("<Q")
+# The same bound as a pass's collectives (pdserve/parallel/group.py COLLECTIVE_TIMEOUT_S): a rank
+# that cannot take its message within it would fail the pass's first collective anyway.
+MESSAGE_TIMEOUT_S = 60.0
+
+
+class ChannelTimeout(TimeoutError):
+    """A control-pipe message to or from a rank did not pass within its bound."""
+
+    def __init__(self, rank: int, what: str, timeout_s: float) -> None:
+        super().__init__(f"rank {rank}'s control pipe: {what} within {timeout_s:g} s "
+                         f"(the rank is alive but not reading, or its peer stalled mid-message)")
+        self.rank, self.timeout_s = rank, timeout_s
 
 
 @dataclass(frozen=True)
@@ -86,28 +110,51 @@ def payload_kind(payload: bytes) -> int:
     return struct.unpack_from("<q", payload)[0]
 
 
-def write_message(fd: int, payload: bytes) -> None:
-    """One message onto a pipe (blocks while the pipe is full: the worker reads it at once)."""
+def write_message(fd: int, payload: bytes, rank: int, timeout_s: float = MESSAGE_TIMEOUT_S) -> None:
+    """One message onto rank `rank`'s pipe, all of it within `timeout_s` (ChannelTimeout if not).
+
+    `fd` is made non-blocking (the leader's end only: the two ends of a pipe are separate open files)."""
+    os.set_blocking(fd, False)
     data = memoryview(_LEN.pack(len(payload)) + payload)
+    total = len(data)
+    deadline = time.monotonic() + timeout_s
+    poller = select.poll()   # poll, not select: a server's fds may number over FD_SETSIZE
+    poller.register(fd, select.POLLOUT)
     while data:
-        n = os.write(fd, data)
+        try:
+            n = os.write(fd, data)
+        except BlockingIOError:
+            n = 0
         data = data[n:]
+        if not data:
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ChannelTimeout(rank, f"only {total - len(data)} of a {total}-byte message was taken", timeout_s)
+        poller.poll(max(1, int(left * 1000)))
 
 
-def read_message(fd: int) -> bytes | None:
-    """The next message from a pipe, or None at end of file (the leader is gone)."""
-    head = _read_exactly(fd, _LEN.size)
+def read_message(fd: int, rank: int, timeout_s: float = MESSAGE_TIMEOUT_S) -> bytes | None:
+    """The next message from a pipe, or None at end of file (the leader is gone). Waits for a message
+    to begin without a timer (module docstring); its body must follow within `timeout_s`."""
+    head = _read_exactly(fd, _LEN.size, None, rank, timeout_s)
     if head is None:
         return None
-    body = _read_exactly(fd, _LEN.unpack(head)[0])
-    if body is None:
-        return None
-    return body
+    return _read_exactly(fd, _LEN.unpack(head)[0], time.monotonic() + timeout_s, rank, timeout_s)
 
 
-def _read_exactly(fd: int, n: int) -> bytes | None:
+def _read_exactly(fd: int, n: int, deadline: float | None, rank: int, timeout_s: float) -> bytes | None:
+    """`n` bytes, or None at end of file; deadline None: the clock starts once the first bytes came."""
     chunks, left = [], n
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
     while left:
+        if deadline is None and chunks:
+            deadline = time.monotonic() + timeout_s
+        if deadline is not None:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not poller.poll(max(1, int(wait * 1000))):
+                raise ChannelTimeout(rank, f"{n - left} of a {n}-byte message arrived", timeout_s)
         b = os.read(fd, left)
         if not b:
             return None

@@ -10,7 +10,9 @@ row-parallel folds are collectives with the other ranks); the leader alone sampl
 It dies with the leader: the control pipe reads end-of-file when the leader's end closes (exit,
 crash or SIGKILL), and a watchdog thread exits the process when its parent pid changes (a rank
 blocked in a collective whose peer vanished also fails that collective: gloo's timeout).
-Bounds: the control pipe read has none (EOF is the leader's death); the watchdog polls every
+Bounds: the wait for the leader's next message has no timer (an idle engine sends none; end of
+file at the leader's death, and the watchdog, end it); once a message began, its body must come
+within the spec's `message_timeout_s` (pdserve/parallel/messages.py); the watchdog polls every
 `WATCHDOG_S`; collectives are bounded by the spec's `timeout_s`.
 """
 
@@ -65,6 +67,7 @@ class WorkerSpec:
     num_threads: int
     ctrl_fd: int
     status_fd: int
+    message_timeout_s: float    # a control message's body, once begun (messages.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -113,7 +116,7 @@ def run(spec: WorkerSpec) -> int:
     model.set_tp_comm(comm)
     try:
         while True:
-            payload = read_message(spec.ctrl_fd)
+            payload = read_message(spec.ctrl_fd, spec.rank, spec.message_timeout_s)
             if payload is None:
                 return EXIT_LEADER_GONE
             if payload_kind(payload) == KIND_STOP:
