@@ -14,6 +14,10 @@ LLMEngine):
    a worker that exits first fails the start with its exit code), unlinks the pool files, and
    joins the gloo group itself.
 
+A start that fails at any step leaves nothing: the ranks started so far are killed and reaped,
+the pool files unlinked and unmapped, the pipes and the rendezvous store closed, and the
+TensorParallelError names the step and the rank ("... failed starting rank 2's process: ...").
+
 Then `send_step(msg)` writes each pass's StepMessage to every worker before the leader runs its
 own shard; the row-parallel folds inside the pass are the collectives (pdserve/parallel/comm.py).
 
@@ -41,10 +45,12 @@ import select
 import subprocess
 import sys
 import time
+import traceback
 import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from pdserve.model.tp import TensorParallelPlan
 from pdserve.parallel.comm import GlooComm, open_store
@@ -131,24 +137,37 @@ class TensorParallelGroup:
 
     @staticmethod
     def start(plan: TensorParallelPlan, spec: GroupSpec) -> TensorParallelGroup:
+        """Start ranks 1..N-1 and join their group (module docstring). A start that fails part-way
+        leaves nothing behind: the ranks started so far are killed and reaped, the pool files
+        unlinked and unmapped, the pipes closed and the rendezvous store (its port) closed; the
+        TensorParallelError names the step and the rank that failed."""
         size = plan.tp_size
         remove_stale_files()
         cpus = rank_cpus(size)
         threads = [max(1, len(c)) if c else max(1, (os.cpu_count() or 1) // size) for c in cpus]
-        store = open_store(size, COLLECTIVE_TIMEOUT_S)
         workers: list[_Worker] = []
         status: dict[int, int] = {}   # status read fd -> rank
         files: list[PoolFile] = []
+        pools: list[SharedPool] = []
+        loose: list[int] = []         # pipe ends of a rank not started yet
+        store: dist.TCPStore | None = None
+        step = "opening the rendezvous store"
         try:
+            store = open_store(size, COLLECTIVE_TIMEOUT_S)
             for r in range(1, size):
                 kv_heads = len(plan.ranks[r].kv_heads)
                 nbytes = spec.num_layers * 2 * spec.num_blocks * kv_heads * spec.page_size * spec.head_dim \
                     * spec.kv_element_size
                 f = new_pool_file(r, nbytes)
+                step = f"creating rank {r}'s KV pool {f.path} ({nbytes} bytes)"
                 files.append(f)
                 pool = SharedPool(f, create=True, populate=spec.kv_populate)
+                pools.append(pool)
+                step = f"starting rank {r}'s process"
                 ctrl_r, ctrl_w = os.pipe()
+                loose += [ctrl_r, ctrl_w]
                 stat_r, stat_w = os.pipe()
+                loose += [stat_r, stat_w]
                 ws = WorkerSpec(rank=r, tp_size=size, port=store.port, timeout_s=COLLECTIVE_TIMEOUT_S,
                                 leader_pid=os.getpid(), model_path=spec.model_path, dtype=spec.dtype,
                                 kv_dtype=spec.kv_dtype, max_model_len=spec.max_model_len,
@@ -160,26 +179,41 @@ class TensorParallelGroup:
                                 message_timeout_s=spec.message_timeout_s)
                 proc = subprocess.Popen([sys.executable, "-m", "pdserve.parallel.worker", ws.to_json()],
                                         pass_fds=(ctrl_r, stat_w), close_fds=True, env=_worker_env())
-                os.close(ctrl_r)
-                os.close(stat_w)
                 workers.append(_Worker(r, proc, ctrl_w, pool, spec.message_timeout_s))
                 status[stat_r] = r
+                loose.clear()   # ctrl_w and stat_r are the worker's and status's now
+                os.close(ctrl_r)
+                os.close(stat_w)
+            step = "waiting for the ranks to load their shards"
             _await_ready(workers, status)
-        except BaseException:
-            _stop_workers(workers)
+            for f in files:
+                unlink(f)
+            files.clear()
+            step = "joining the gloo group as rank 0"
+            comm = GlooComm(0, size, store.port, COLLECTIVE_TIMEOUT_S, store=store)
+        except BaseException as exc:
+            _kill_workers(workers)
+            for fd in loose:
+                os.close(fd)
+            for f in files:
+                unlink(f)
+            for pool in pools:
+                pool.close()
+            # The store's last references (ours and the finished frames' of the traceback, e.g. a
+            # failed GlooComm's): dropping them closes its listening socket and its port.
+            store = None
+            traceback.clear_frames(exc.__traceback__)
+            if isinstance(exc, TensorParallelError):
+                raise
+            if isinstance(exc, Exception):
+                raise TensorParallelError(f"tensor-parallel start failed {step}: {type(exc).__name__}: "
+                                          f"{exc}") from exc
             raise
         finally:
             for fd in status:
                 os.close(fd)
-            for f in files:
-                unlink(f)
         if cpus[0]:
             torch.set_num_threads(threads[0])
-        try:
-            comm = GlooComm(0, size, store.port, COLLECTIVE_TIMEOUT_S, store=store)
-        except BaseException:
-            _stop_workers(workers)
-            raise
         logger.info("tensor parallel: %d ranks (worker pids %s), KV heads per rank %s, cores %s", size,
                     [w.proc.pid for w in workers], list(plan.kv_head_assignment), list(cpus))
         return TensorParallelGroup(plan, spec, comm, workers, cpus)
@@ -256,6 +290,17 @@ def _await_ready(workers: list[_Worker], status: dict[int, int]) -> None:
                     rc = None
                 raise TensorParallelError(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {rc} "
                                           f"before it was ready (its error is on stderr above)")
+
+
+def _kill_workers(workers: list[_Worker]) -> None:
+    """A failed start's workers: nothing of theirs needs a clean stop (no pass ran), so SIGKILL and reap."""
+    for w in workers:
+        if w.proc.poll() is None:
+            w.proc.kill()
+        os.close(w.ctrl_w)
+        w.ctrl_w = -1
+    for w in workers:
+        w.proc.wait(STOP_WAIT_S)
 
 
 def _stop_workers(workers: list[_Worker]) -> None:

@@ -85,6 +85,10 @@ class SharedPool:
                     view[off] = view[off]
                 view.release()
 
+    def close(self) -> None:
+        """Unmap (only before any tensor() view was made: a live view keeps the mapping, BufferError)."""
+        self._map.close()
+
     @property
     def address(self) -> int:
         return self.tensor(torch.uint8).data_ptr()
