@@ -67,6 +67,7 @@ class PrefillNode:
     prefill: prefill_pb2_grpc.PrefillServiceStub
     info: node_pb2_grpc.NodeServiceStub
     peer: object | None = None            # fabric PeerDescriptor, from NodeInfo
+    tp_size: int = 1                      # its tensor-parallel size, from NodeInfo (fixes the write count, D14)
     reported_tokens: int = 0              # outstanding tokens the node reports
     sent_tokens: int = 0                  # tokens this decode node has in flight there
     holds: int = 0                        # quarantines whose AbortPrefill still goes here
@@ -119,6 +120,7 @@ class PrefillPool:
         n.node_id = info.node_id
         self._check_build(n, info)
         n.reported_tokens = int(info.load.outstanding_tokens)
+        n.tp_size = max(1, int(info.sharding.tp_size)) if info.HasField("sharding") else 1
         if info.fabric_peer:
             peer = peer_from_bytes(info.fabric_peer)
             if n.peer is not None and peer.engine_id != n.peer.engine_id:

@@ -285,6 +285,9 @@ class DecodeNode(ReceiverEvents):
         self.model_name: str = info.model_name
         self.max_model_len: int = info.max_model_len
         self._page_size = info.page_size
+        plan = self.llm.tp_plan   # None at TP 1
+        self.tp_size: int = plan.tp_size if plan is not None else 1
+        self.kv_heads_per_rank: int = len(plan.ranks[0].kv_heads) if plan is not None else info.num_kv_heads
         # NodeInfo.build; prefill nodes of another model or KV layout are skipped (PrefillPool)
         self.identity = engine_identity(self.llm, self.receiver.codec.top_k if self.receiver is not None else 0)
 
@@ -583,6 +586,13 @@ class DecodeNode(ReceiverEvents):
                 self.engine.submit(lambda: self._abandoned(rid, msg, self.config.local_prefill_fallback))
                 return
             assert node.peer is not None   # choose() offers only nodes whose fabric engine we know
+            try:   # the write count follows from that node's TP split into ours (D14)
+                ticket = self.receiver.address(ticket, node.tp_size)
+            except ValueError as e:
+                msg = f"request {rid} cannot be prefilled on {node.address} (tp_size {node.tp_size}): {e}"
+                logger.warning(msg)
+                self.engine.submit(lambda: self._abandoned(rid, msg, self.config.local_prefill_fallback))
+                return
             state.tried.add(node.address)
             t.node, t.prefill_engine_id = node, node.peer.engine_id
             state.prefilled_on = node.address
@@ -871,7 +881,7 @@ class DecodeNode(ReceiverEvents):
         role = node_pb2.NODE_ROLE_COLOCATED if self.colocated else node_pb2.NODE_ROLE_DECODE
         return node_pb2.NodeInfo(
             node_id=self.node_id, role=role, model=info.model_name,
-            sharding=common_pb2.ShardingScheme(tp_size=1, kv_heads_per_rank=info.num_kv_heads,
+            sharding=common_pb2.ShardingScheme(tp_size=self.tp_size, kv_heads_per_rank=self.kv_heads_per_rank,
                                                total_kv_heads=info.num_kv_heads),
             load=common_pb2.NodeLoad(
                 outstanding_requests=load.num_unfinished,

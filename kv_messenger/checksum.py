@@ -13,9 +13,11 @@ in any order and grouping.
 - `crc32c_reference(data, crc=0)`: the same function in plain Python, bit by bit (tests only: slow).
 
 A transfer's checksums on the wire (PrefillResponse.kv_checksums, S7): one uint32 per run in the
-canonical order -- layer 0 .. L-1, each page of the ticket in token order, K then V -- then the
-context record: `kv_runs(layout, pages)` gives those runs' byte offsets in a node's KV region,
-`pack` / `unpack` the little-endian bytes, `first_mismatch` names the first bad run.
+canonical order of the transfer's shard plan (`ShardPlan.entries`: layer 0 .. L-1; in each, run by
+run of the plan; in each run K then V; in each, the ticket's pages in token order) -- then the
+context record. Between TP 1 nodes a page is one run and `kv_runs(layout, pages)` gives those runs'
+byte offsets in a node's KV region; `pack` / `unpack` the little-endian bytes, `first_mismatch`
+names the first bad run.
 
 The C code (csrc/checksum.c, built by _checksum_build.py into kv_messenger._checksum) uses the
 SSE4.2 crc32 instruction when the CPU has it and a slicing-by-8 table otherwise (`impl` forces one:
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -156,13 +159,14 @@ SIDES = ("K", "V")
 
 
 def kv_runs(layout, pages) -> tuple[np.ndarray, np.ndarray]:
-    """Byte offsets and lengths ([num_layers * len(pages) * 2] uint64 each) of every KV run a
-    transfer into `pages` (page ids, token order) writes, in the canonical order (layer, page,
-    K/V), in a region laid out as `layout` (a KvLayout)."""
+    """Byte offsets and lengths ([num_layers * 2 * len(pages)] uint64 each) of every KV run a
+    transfer between two TP 1 nodes writes into `pages` (page ids, token order), in the canonical
+    order (layer, K/V, page) of a one-run plan (`ShardPlan.entries`), in a region laid out as
+    `layout` (a KvLayout). Under tensor parallelism the plan's own `entries` give the runs."""
     ids = np.asarray(pages, dtype=np.int64).reshape(-1)
-    out = np.empty((layout.num_layers, ids.size, 2), dtype=np.uint64)   # [layer, page, side]
+    out = np.empty((layout.num_layers, 2, ids.size), dtype=np.uint64)   # [layer, side, page]
     for layer in range(layout.num_layers):
-        out[layer, :, 0], out[layer, :, 1] = layout.page_offsets(layer, ids)
+        out[layer, 0], out[layer, 1] = layout.page_offsets(layer, ids)
     return out.reshape(-1), np.full(out.size, layout.page_nbytes, dtype=np.uint64)
 
 
@@ -183,7 +187,7 @@ class Mismatch:
     """The first run whose checksum differs, and how many differ."""
 
     run: int             # index in the canonical order
-    what: str            # "layer 3 page 5 (id 812) V" or "context record"
+    what: str            # "layer 3 page 5 (id 812) V" (ShardPlan.describe_entry) or "context record"
     expected: int        # the sender's value
     actual: int          # ours
     bad_runs: int        # how many runs differ in all
@@ -193,19 +197,14 @@ class Mismatch:
                 f"{self.expected:#010x}, landed {self.actual:#010x}")
 
 
-def first_mismatch(expected: np.ndarray, actual: np.ndarray, pages) -> Mismatch | None:
-    """Compare a transfer's checksums (canonical order, context last); None when they agree."""
-    ids = list(pages)
+def first_mismatch(expected: np.ndarray, actual: np.ndarray, describe: Callable[[int], str]) -> Mismatch | None:
+    """Compare a transfer's checksums (canonical order, context last); None when they agree.
+    `describe(i)` names KV run i (`ShardPlan.describe_entry`)."""
     if expected.shape != actual.shape:
         raise ValueError(f"{expected.size} checksums from the sender, {actual.size} runs here")
     bad = np.flatnonzero(expected != actual)
     if not bad.size:
         return None
     i = int(bad[0])
-    if i == expected.size - 1:
-        what = "context record"
-    else:
-        layer, rest = divmod(i, 2 * len(ids))
-        page, side = divmod(rest, 2)
-        what = f"layer {layer} page {page} (id {ids[page]}) {SIDES[side]}"
+    what = "context record" if i == expected.size - 1 else describe(i)
     return Mismatch(i, what, int(expected[i]), int(actual[i]), int(bad.size))

@@ -7,11 +7,18 @@ Primitives:
   refuses models it cannot move.
 - `on_kv_wait(wait)` (engine thread): a request got its pages; the receiver prepares its ticket
   and passes it to `ReceiverEvents.ticket_ready` (or `ticket_refused`).
-- `prepare(request_id, num_prompt_tokens, block_ids)`: pick a tag and a context slot, tell the
-  ImmCounter how many writes to expect, and return the `TransferTicket` the decode node puts in
-  its Prefill call, with the request's next attempt number (0, then +1 on every prepare of the
-  same request id: D20). When the count completes, `ReceiverEvents.kv_landed(request_id)` is
+- `prepare(request_id, num_prompt_tokens, block_ids, prefill_tp)`: pick a tag and a context slot
+  and return the `TransferTicket` the decode node puts in its Prefill call, with the request's
+  next attempt number (0, then +1 on every prepare of the same request id: D20), addressed to a
+  prefill node of tensor-parallel size `prefill_tp`: the ImmCounter is told how many writes to
+  expect, which the shard plan of that node's split into ours fixes (D14). `prefill_tp=None`
+  leaves the ticket unaddressed (what `on_kv_wait` hands over: the prefill node is not chosen
+  yet); `address(ticket, prefill_tp)` addresses it once it is, before the ticket is sent (no
+  write can land before). When the count completes, `ReceiverEvents.kv_landed(request_id)` is
   called (on the fabric progress thread: it must only hand the news to the engine thread).
+- tensor parallelism (D15): every rank's pool (KvCacheSpec.shards, mapped in this process) is
+  registered with the one transport; the ticket carries one descriptor per rank, and the count
+  covers the writes into all of them (the context write goes to the leader's landing area).
 - `finish(request_id)`: the KV is in use (or the request ended with nothing in flight): the tag
   is tombstoned and the slot freed.
 - `abandon(request_id)`: the caller has made sure no write can land any more (the call never
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import abc
 import ctypes
+import dataclasses
 import itertools
 import logging
 import os
@@ -60,8 +68,9 @@ import numpy as np
 from fabric import IMM_TAG_MAX, MemoryRegion, RemoteDescriptor, TransferEngine
 from kv_messenger import checksum
 from kv_messenger.context import Context, ContextCodec
-from kv_messenger.plan import DTYPE_SIZES, KvLayout, ShardingScheme, expected_writes
+from kv_messenger.plan import DTYPE_SIZES, KvLayout, ShardingScheme, num_prompt_pages
 from kv_messenger.pool import register_pool
+from kv_messenger.shard_plan import KvShards, ShardPlan, plan_transfer
 from kv_messenger.ticket import TransferTicket
 from pdserve.engine.kv_connector import DecodeConnector, KvCacheSpec, KvWait
 
@@ -91,6 +100,7 @@ class _Wait:
     slot: int
     attempt: int
     pages: tuple[int, ...] = ()
+    plan: ShardPlan | None = None   # set when addressed: the prefill node's split into ours
 
 
 @dataclass(frozen=True)
@@ -141,8 +151,7 @@ class ReceiverEvents(abc.ABC):
 class KvReceiver(DecodeConnector):
     """The decode side's connector: give it to the engine (`LLMEngine(config, kv_connector=receiver)`)."""
 
-    def __init__(self, transport: TransferEngine, events: ReceiverEvents,
-                 sharding: ShardingScheme = ShardingScheme(), context_slots: int = CONTEXT_SLOTS,
+    def __init__(self, transport: TransferEngine, events: ReceiverEvents, context_slots: int = CONTEXT_SLOTS,
                  kv_checksum: bool = False) -> None:
         self.transport = transport
         self.kv_checksum = kv_checksum   # S7: tickets ask the sender for checksums; verify() checks them
@@ -151,10 +160,12 @@ class KvReceiver(DecodeConnector):
             logger.warning("TEST ONLY: %s=%r: verifications of those requests' attempts corrupt a landed byte first",
                            TEST_CORRUPT_ENV, os.environ[TEST_CORRUPT_ENV])
         self.events = events
-        self.sharding = sharding
+        self.sharding = ShardingScheme()             # set by register_kv_cache: this node's TP size
         self._context_slots = context_slots
-        self.kv_region: MemoryRegion | None = None   # set by register_kv_cache
-        self.layout: KvLayout | None = None
+        self.kv_region: MemoryRegion | None = None   # set by register_kv_cache: rank 0's pool
+        self.kv_regions: tuple[MemoryRegion, ...] = ()   # every TP rank's pool, rank order
+        self.layout: KvLayout | None = None              # kv_heads: the model's total
+        self.shards: KvShards | None = None              # this node's split of it
         self.codec: ContextCodec | None = None
         self._landing = None
         self._free_slots = list(range(context_slots - 1, -1, -1))
@@ -178,11 +189,13 @@ class KvReceiver(DecodeConnector):
                              f"this one is on {spec.buffer.device}")
         pool = register_pool(self.transport, spec, self._context_slots)   # ValueError: cannot be moved
         self.layout, self.kv_region, self.codec, self._landing = pool.layout, pool.region, pool.codec, pool.context
+        self.kv_regions, self.shards = pool.regions, pool.shards
+        self.sharding = ShardingScheme(tp_size=pool.shards.scheme.tp_size)
         self.fence_region = self.transport.register(self._fence_buf)
 
     def on_kv_wait(self, wait: KvWait) -> None:
         try:
-            ticket = self.prepare(wait.request_id, len(wait.prompt_token_ids), list(wait.block_ids))
+            ticket = self.prepare(wait.request_id, len(wait.prompt_token_ids), list(wait.block_ids), prefill_tp=None)
         except (ValueError, RuntimeError) as e:
             self.events.ticket_refused(wait.request_id, f"cannot receive KV: {e}")
             return
@@ -196,12 +209,14 @@ class KvReceiver(DecodeConnector):
         self._tags_in_use.add(tag)
         return tag
 
-    def prepare(self, request_id: str, num_prompt_tokens: int, block_ids: list[int]) -> TransferTicket:
+    def prepare(self, request_id: str, num_prompt_tokens: int, block_ids: list[int],
+                prefill_tp: int | None = 1) -> TransferTicket:
+        """A ticket for the request's next attempt, addressed to a prefill node of TP size
+        `prefill_tp` (None: unaddressed, see `address`)."""
         n_prefill = num_prompt_tokens - 1
-        n_pages = -(-n_prefill // self.layout.page_size)
+        n_pages = num_prompt_pages(n_prefill, self.layout.page_size) if n_prefill > 0 else 0
         if n_prefill < 1 or len(block_ids) < n_pages:
             raise ValueError(f"request {request_id}: {len(block_ids)} pages for {n_prefill} prefill tokens")
-        count = expected_writes(n_prefill, self.layout, self.sharding, self.sharding)
         with self._lock:
             if request_id in self._by_request:
                 raise ValueError(f"request {request_id!r} is already waiting for KV")
@@ -215,21 +230,42 @@ class KvReceiver(DecodeConnector):
             tag = self._new_tag()
             slot = self._free_slots.pop()
             self._by_request[request_id] = _Wait(tag, slot, attempt, tuple(block_ids[:n_pages]))
-        self.transport.imm_counter.expect(tag, count, lambda tag, rid=request_id: self.events.kv_landed_tag(rid, tag))
-        return TransferTicket(
+        ticket = TransferTicket(
             request_id=request_id,
-            kv=self.kv_region.descriptor,
+            kv=self.kv_regions[0].descriptor,
             layout=self.layout,
             dst_pages=tuple(block_ids[:n_pages]),
             context=self._landing.region.descriptor,
             context_offset=self.codec.slot_offset(slot),
             imm_tag=tag,
-            expected_writes=count,
+            expected_writes=0,
             num_prefill_tokens=n_prefill,
             sharding=self.sharding,
             attempt=attempt,
             kv_checksum=self.kv_checksum,
+            kv_ranks=tuple(r.descriptor for r in self.kv_regions) if len(self.kv_regions) > 1 else (),
         )
+        return ticket if prefill_tp is None else self.address(ticket, prefill_tp)
+
+    def address(self, ticket: TransferTicket, prefill_tp: int) -> TransferTicket:
+        """Address an unaddressed ticket to a prefill node of tensor-parallel size `prefill_tp`: its
+        expected count is the shard plan's from that split into ours, and the ImmCounter waits for
+        it from now on. Call before the ticket leaves this node. ValueError when the split cannot be
+        planned (naming both sides) or the attempt no longer waits here (it was abandoned)."""
+        rid = ticket.request_id
+        src = KvShards.of(self.layout, prefill_tp)   # the prefill node's split, by the engine's rule
+        plan = plan_transfer(src, self.shards, random.Random(0))   # counts never depend on the draw
+        count = plan.expected_writes(len(ticket.dst_pages)).total
+        with self._lock:
+            entry = self._by_request.get(rid)
+            if entry is None or entry.tag != ticket.imm_tag:
+                raise ValueError(f"request {rid!r} attempt {ticket.attempt} no longer waits for KV here")
+            if entry.plan is not None:
+                raise ValueError(f"request {rid!r} attempt {ticket.attempt} is already addressed")
+            self._by_request[rid] = _Wait(entry.tag, entry.slot, entry.attempt, entry.pages, plan)
+        self.transport.imm_counter.expect(ticket.imm_tag, count,
+                                          lambda tag, rid=rid: self.events.kv_landed_tag(rid, tag))
+        return dataclasses.replace(ticket, expected_writes=count)
 
     def context(self, request_id: str) -> Context:
         with self._lock:
@@ -245,26 +281,35 @@ class KvReceiver(DecodeConnector):
             entry = self._by_request.get(request_id)
             if entry is None or entry.tag != tag:
                 raise KeyError(f"request {request_id!r} has no attempt with tag {tag} waiting here")
+        if entry.plan is None:
+            raise KeyError(f"request {request_id!r} attempt {entry.attempt} was never addressed to a prefill node")
+        plan = entry.plan
         corrupt = any(request_id.startswith(p) and entry.attempt < n for p, n in self._test_corrupt)
-        offsets, lengths = checksum.kv_runs(self.layout, entry.pages)
+        pages = np.asarray(entry.pages, dtype=np.int64)
+        e = plan.entries(pages, pages)   # canonical order; destination bytes never depend on the draw
         expected = checksum.unpack(kv_checksums, count)
-        if expected.size != offsets.size + 1:
-            raise ValueError(f"request {request_id}: {expected.size} checksums for {offsets.size} KV runs "
+        if expected.size != e.lengths.size + 1:
+            raise ValueError(f"request {request_id}: {expected.size} checksums for {e.lengths.size} KV runs "
                              "and the context record")
         if corrupt:   # TEST ONLY (TEST_CORRUPT_ENV): the top byte of the first element of the first run
-            at = self.kv_region.address + int(offsets[0]) + checksum_elem_top(self.layout)
+            region = self.kv_regions[int(e.dst_ranks[0])]
+            at = region.address + int(e.dst_offsets[0]) + checksum_elem_top(self.layout)
             ctypes.c_uint8.from_address(at).value ^= 0x40
-            logger.warning("TEST ONLY (%s): request %s: flipped bit 6 of byte %d of layer 0 page 0 (id %d) K "
-                           "before the checksum verification", TEST_CORRUPT_ENV, request_id,
-                           checksum_elem_top(self.layout), entry.pages[0])
-        region = self.kv_region
-        kv = checksum.crc32c_runs_at(region.address, region.length, offsets, lengths)
+            logger.warning("TEST ONLY (%s): request %s: flipped bit 6 of byte %d of %s before the checksum "
+                           "verification", TEST_CORRUPT_ENV, request_id, checksum_elem_top(self.layout),
+                           plan.describe_entry(0, entry.pages))
+        kv = np.zeros(e.lengths.size, dtype=np.uint32)
+        for rank, region in enumerate(self.kv_regions):
+            sel = np.flatnonzero(e.dst_ranks == rank)
+            if sel.size:
+                kv[sel] = checksum.crc32c_runs_at(region.address, region.length, e.dst_offsets[sel], e.lengths[sel])
         ctx = self._landing.region
         off = np.asarray([self.codec.slot_offset(entry.slot)], dtype=np.uint64)
         ctx_crc = checksum.crc32c_runs_at(ctx.address, ctx.length, off,
                                           np.asarray([self.codec.slot_nbytes], dtype=np.uint64))
         actual = np.concatenate([kv, ctx_crc])
-        return ChecksumResult(request_id, int(actual.size), checksum.first_mismatch(expected, actual, entry.pages))
+        mismatch = checksum.first_mismatch(expected, actual, lambda i: plan.describe_entry(i, entry.pages))
+        return ChecksumResult(request_id, int(actual.size), mismatch)
 
     def landed(self, request_id: str) -> int:
         """Writes counted so far for a request (progress, diagnostics)."""

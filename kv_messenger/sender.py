@@ -10,6 +10,12 @@ Primitives (D6-D8, D11-D13):
 - `fence(dst, tag)`: one small write carrying `tag` into `dst`, posted after the writes of a
   transfer completed locally, on the same connection: the decode side counts it to know that
   every earlier write of that connection has landed (FI_ORDER_WAW; see AbortPrefill).
+- tensor parallelism (D14, D15): the engine hands over every rank's pool (KvCacheSpec.shards, mapped
+  in this process); each is registered with the one transport, and every transfer follows its shard
+  plan (`shard_plan.plan_transfer` of this node's split and the ticket's decode split, the source
+  replica of each run drawn at random per request): per layer, one `write_pages` call per (prefill
+  rank, decode rank) pair of the plan, from that rank's registration into that decode rank's
+  descriptor. TP 1 on both sides is the one-run plan: every page of a layer and side one entry.
 - engine events: `on_schedule(pass, block_ids)` records which chunks the coming forward pass
   runs, before it runs (a request's first chunk may start at s > 0 after a prefix-cache hit:
   pages [0, s // P) already hold its KV and ride along with that chunk, at every layer);
@@ -25,10 +31,11 @@ Primitives (D6-D8, D11-D13):
   fails, after all outstanding writes have reported (so nothing still reads freed pages).
 - `abort(request_id)`: stop posting; resolves once no write of the request is outstanding.
 - S7 (`TransferTicket.kv_checksum`): once a layer's writes of a chunk are posted, the messenger
-  thread hashes (CRC32C, kv_messenger.checksum) exactly the runs it posted, in its registered KV
-  region (the source pages are final then: the layer is computed, and the request holds them
-  until its future resolves), and the context record before it is posted; the values, in the
-  canonical order (layer, page, K/V, then the context), come back in TransferResult.kv_checksums.
+  thread hashes (CRC32C, kv_messenger.checksum) exactly the runs it posted, in the registered KV
+  region of their rank (the source pages are final then: the layer is computed, and the request
+  holds them until its future resolves), and the context record before it is posted; the values,
+  in the plan's canonical order (`ShardPlan.entries`: layer, run, K/V, page; then the context),
+  come back in TransferResult.kv_checksums.
 
 Threads: engine events run on the engine thread and only record and notify; fabric callbacks run
 on the fabric progress thread; everything that posts runs on the messenger thread. A transfer's
@@ -42,6 +49,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import random
 import threading
 import time
 from collections import deque
@@ -55,6 +63,7 @@ from kv_messenger import checksum
 from kv_messenger.context import ContextCodec, SlotPool, StagingFullError
 from kv_messenger.plan import KvLayout, completed_pages
 from kv_messenger.pool import register_pool
+from kv_messenger.shard_plan import KvShards, ShardPlan, plan_transfer
 from kv_messenger.ticket import TransferTicket
 from pdserve.engine.kv_connector import KvCacheSpec, PrefillConnector, PrefillDone
 from pdserve.engine.scheduler.output import SchedulerOutput
@@ -83,6 +92,7 @@ class TransferResult:
 class _Transfer:
     target: TransferTicket
     future: concurrent.futures.Future
+    plan: ShardPlan            # which runs of each page go from which of our ranks to which decode rank
     key: str = ""              # the engine's request id for the transfer (KvSender.add)
     src_pages: list[int] = field(default_factory=list)  # filled at schedule time
     posted_writes: int = 0
@@ -98,7 +108,7 @@ class _Transfer:
     # A prompt whose leading pages were prefix-cache hits starts computing mid-prompt; those
     # pages hold valid KV at every layer, so the first pass sends them too.
     pages_claimed: int = 0
-    # S7: [num_layers, pages, 2] CRC32C of each posted run (K, V), and of the context record
+    # S7: [num_layers, plan runs, 2 (K, V), pages] CRC32C of each posted entry, and of the context record
     checksums: np.ndarray | None = None
     context_crc: int = 0
 
@@ -124,8 +134,11 @@ class KvSender(PrefillConnector):
     def __init__(self, transport: TransferEngine, staging_slots: int = STAGING_SLOTS) -> None:
         self.transport = transport
         self._staging_slots = staging_slots
-        self.kv_region: MemoryRegion | None = None   # set by register_kv_cache
-        self.layout: KvLayout | None = None
+        self.kv_region: MemoryRegion | None = None   # set by register_kv_cache: rank 0's pool
+        self.kv_regions: tuple[MemoryRegion, ...] = ()   # every TP rank's pool, rank order
+        self.layout: KvLayout | None = None              # kv_heads: the model's total
+        self.shards: KvShards | None = None              # this node's split of it
+        self._rng = random.Random(random.SystemRandom().getrandbits(64))   # source replica per request
         self.codec: ContextCodec | None = None
         self._staging = None
         self.staging_slots = SlotPool(staging_slots)   # full: that prefill fails alone (S8)
@@ -144,10 +157,24 @@ class KvSender(PrefillConnector):
     def register_kv_cache(self, spec: KvCacheSpec) -> None:
         pool = register_pool(self.transport, spec, self._staging_slots)   # ValueError: cannot be moved
         self.layout, self.kv_region, self.codec, self._staging = pool.layout, pool.region, pool.codec, pool.context
+        self.kv_regions, self.shards = pool.regions, pool.shards
         self._fence_region = self.transport.register(self._fence_buf)
         self._host_pool = spec.buffer.device.type == "cpu"   # checksums read the pool's memory directly
 
     # --- requests ------------------------------------------------------------------------------
+
+    def plan(self, target: TransferTicket) -> ShardPlan:
+        """The shard plan of a transfer from this node into `target`'s decode split, with a fresh
+        replica draw; ValueError naming both sides when the layouts cannot be planned."""
+        if self.shards is None:
+            raise RuntimeError("KvSender.plan before the engine registered its KV cache")
+        with self._lock:   # the rng is shared by the loop's validate and add
+            return plan_transfer(self.shards, target.decode_shards, self._rng)
+
+    def expected_writes(self, target: TransferTicket) -> int:
+        """Entries this node will post for `target` (what the decode side must count)."""
+        plan = self.plan(target)
+        return plan.expected_writes(len(target.dst_pages)).total
 
     def add(self, target: TransferTicket, key: str | None = None) -> concurrent.futures.Future:
         """Send a request's KV as `target` says, under `key` (the engine's request id for it;
@@ -157,17 +184,23 @@ class KvSender(PrefillConnector):
             raise RuntimeError("KvSender.add before the engine registered its KV cache")
         target.check_fits(self.layout)
         key = target.request_id if key is None else key
+        plan = self.plan(target)
+        want = plan.expected_writes(len(target.dst_pages)).total
+        if target.expected_writes != want:
+            raise ValueError(f"request {target.request_id}: the decode side expects {target.expected_writes} "
+                             f"writes but the shard plan from {self.shards.describe()} into {plan.dst.describe()} "
+                             f"posts {want}")
         sums = None
         if target.kv_checksum:
             if not self._host_pool:
                 raise ValueError(f"request {target.request_id}: kv_checksum asked for, but this node's KV pool "
                                  "is not in host memory (the hash reads it on the CPU)")
-            sums = np.zeros((self.layout.num_layers, len(target.dst_pages), 2), dtype=np.uint32)
+            sums = np.zeros((self.layout.num_layers, len(plan.runs), 2, len(target.dst_pages)), dtype=np.uint32)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if key in self._transfers:
                 raise ValueError(f"transfer {key!r} already exists")
-            self._transfers[key] = _Transfer(target, fut, key=key, checksums=sums)
+            self._transfers[key] = _Transfer(target, fut, plan, key=key, checksums=sums)
         return fut
 
     def fence(self, dst: RemoteDescriptor, tag: int) -> concurrent.futures.Future:
@@ -292,20 +325,24 @@ class KvSender(PrefillConnector):
         return work
 
     def _post_layer(self, it: _Item, layer: int) -> None:
+        """Post layer `layer` of the pages chunk `it` completed: one write_pages call per (our rank,
+        decode rank) pair of the plan, its entries in the plan's canonical order."""
         t = it.transfer
         src = np.asarray([t.src_pages[i] for i in it.pages], dtype=np.int64)
         dst = np.asarray([t.target.dst_pages[i] for i in it.pages], dtype=np.int64)
-        sk, sv = self.layout.page_offsets(layer, src)
-        dk, dv = t.target.layout.page_offsets(layer, dst)
-        lengths = np.full(2 * len(src), self.layout.page_nbytes, dtype=np.uint64)
+        e = t.plan.layer_entries(layer, src, dst)   # [runs * 2 * len(pages)] entries, canonical order
         now = time.monotonic()
         t.layer_posts.setdefault(layer, now)
-        src_off = np.concatenate([sk, sv])
-        self._post(t, src_off, t.target.kv, np.concatenate([dk, dv]), lengths, self.kv_region)
-        if t.checksums is not None:   # exactly the runs just posted: [K of each page, V of each page]
-            crc = checksum.crc32c_runs_at(self.kv_region.address, self.kv_region.length, src_off, lengths)
-            t.checksums[layer, it.pages.start:it.pages.stop, 0] = crc[: len(src)]
-            t.checksums[layer, it.pages.start:it.pages.stop, 1] = crc[len(src):]
+        crc = np.zeros(e.lengths.size, dtype=np.uint32) if t.checksums is not None else None
+        for s_rank, d_rank in dict.fromkeys((w.src_rank, w.dst_rank) for w in t.plan.runs):
+            sel = np.flatnonzero((e.src_ranks == s_rank) & (e.dst_ranks == d_rank))
+            region = self.kv_regions[s_rank]
+            src_off, lengths = e.src_offsets[sel], e.lengths[sel]
+            self._post(t, src_off, t.target.rank_kv(d_rank), e.dst_offsets[sel], lengths, region)
+            if crc is not None:   # exactly the entries just posted, from their rank's pool
+                crc[sel] = checksum.crc32c_runs_at(region.address, region.length, src_off, lengths)
+        if crc is not None:
+            t.checksums[layer, :, :, it.pages.start:it.pages.stop] = crc.reshape(len(t.plan.runs), 2, len(src))
 
     def _post_context(self, t: _Transfer, slot: int) -> None:
         off = np.asarray([self.codec.slot_offset(slot)], dtype=np.uint64)

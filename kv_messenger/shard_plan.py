@@ -318,6 +318,28 @@ class ShardPlan:
         return LayerEntries(np.concatenate(sr), np.concatenate(so), np.concatenate(dr), np.concatenate(do),
                             np.concatenate(ln))
 
+    def entries(self, src_pages: np.ndarray, dst_pages: np.ndarray) -> LayerEntries:
+        """`layer_entries` of every layer, layer 0 first: a whole transfer's KV entries in the canonical
+        order (S7: layer, run, K/V, page), which is also the order of its checksums."""
+        per_layer = [self.layer_entries(layer, src_pages, dst_pages) for layer in range(self.src.layout.num_layers)]
+        return LayerEntries(*(np.concatenate([getattr(e, f) for e in per_layer])
+                              for f in ("src_ranks", "src_offsets", "dst_ranks", "dst_offsets", "lengths")))
+
+    def describe_entry(self, index: int, dst_pages) -> str:
+        """Which bytes entry `index` of `entries` is: "layer 3 page 5 (id 812) V", plus the heads and
+        ranks when a page travels in more than one run."""
+        ids = list(dst_pages)
+        n = len(ids)
+        layer, rest = divmod(index, len(self.runs) * 2 * n)
+        run, rest = divmod(rest, 2 * n)
+        side, page = divmod(rest, n)
+        what = f"layer {layer} page {page} (id {ids[page]}) {'KV'[side]}"
+        if len(self.runs) > 1 or self.src.scheme.tp_size > 1 or self.dst.scheme.tp_size > 1:
+            w = self.runs[run]
+            what += (f", KV heads {w.heads[0]}..{w.heads[-1]} from prefill rank {w.src_rank} to decode rank "
+                     f"{w.dst_rank}")
+        return what
+
     def layer_writes(self, layer: int, src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[RankWrites, ...]:
         """`layer_entries` grouped by (source rank, destination rank): one write_pages call each."""
         e = self.layer_entries(layer, src_pages, dst_pages)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from fabric import IMM_TAG_MAX, PeerDescriptor, RemoteDescriptor
 from kv_messenger.plan import DTYPE_SIZES, KvLayout, ShardingScheme
+from kv_messenger.shard_plan import KvShards, TpScheme
 from pdserve_api.v1 import common_pb2, prefill_pb2
 
 
@@ -43,8 +44,8 @@ class TransferTicket:
     """Everything a prefill node needs to push one request's KV into a decode node's pages."""
 
     request_id: str
-    kv: RemoteDescriptor           # the decode node's registered KV buffer
-    layout: KvLayout               # its geometry
+    kv: RemoteDescriptor           # the decode node's registered KV buffer (rank 0's under TP)
+    layout: KvLayout               # its geometry; kv_heads is the model's total (each rank holds its share)
     dst_pages: tuple[int, ...]     # destination page ids, in token order
     context: RemoteDescriptor      # the decode node's context buffer
     context_offset: int            # byte offset of this request's slot in it
@@ -54,6 +55,26 @@ class TransferTicket:
     sharding: ShardingScheme = ShardingScheme()
     attempt: int = 0               # which attempt at the request (D20: part of the prefill side's key)
     kv_checksum: bool = False      # S7: the sender hashes every run it writes (PrefillResponse.kv_checksums)
+    # Under decode TP (sharding.tp_size > 1): every decode rank's registered KV pool, in rank order
+    # (kv_ranks[0] == kv); each holds its ranks' heads (`decode_shards.rank_layout(r)`). () at TP 1.
+    kv_ranks: tuple[RemoteDescriptor, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = self.sharding.tp_size
+        if n > 1 and (len(self.kv_ranks) != n or self.kv_ranks[0] != self.kv):
+            raise ValueError(f"request {self.request_id}: decode tp_size {n} needs {n} KV descriptors, rank 0's "
+                             f"first; got {len(self.kv_ranks)}")
+        if n == 1 and len(self.kv_ranks) > 1:
+            raise ValueError(f"request {self.request_id}: {len(self.kv_ranks)} KV descriptors for decode tp_size 1")
+
+    @property
+    def decode_shards(self) -> KvShards:
+        """The decode side of the transfer: its split of `layout` over its ranks (ValueError if none exists)."""
+        return KvShards.of(self.layout, self.sharding.tp_size)
+
+    def rank_kv(self, rank: int) -> RemoteDescriptor:
+        """Decode rank `rank`'s KV descriptor."""
+        return self.kv_ranks[rank] if self.kv_ranks else self.kv
 
     def check_fits(self, layout: KvLayout) -> None:
         """Raise ValueError naming the value if a node with `layout` cannot write this ticket's pages."""
@@ -74,17 +95,22 @@ class TransferTicket:
               deadline_s: float | None = None) -> prefill_pb2.PrefillRequest:
         """The Prefill call for this ticket (token_ids: the prompt minus its last token; peer: the
         decode node's fabric endpoint)."""
+        if self.expected_writes < 1:
+            raise ValueError(f"request {self.request_id}: the ticket is not addressed to a prefill node yet "
+                             "(KvReceiver.address sets its expected write count)")
+        shards = self.decode_shards
+        n = shards.scheme.tp_size
         req = prefill_pb2.PrefillRequest(
             request_id=self.request_id,
             token_ids=token_ids,
             peer=prefill_pb2.FabricPeer(provider=peer.provider, descriptor=peer_to_bytes(peer)),
-            kv_memory=[prefill_pb2.KvMemory(tp_rank=0, descriptor=remote_to_bytes(self.kv),
-                                            layout=layout_to_pb(self.layout))],
+            kv_memory=[prefill_pb2.KvMemory(tp_rank=r, descriptor=remote_to_bytes(self.rank_kv(r)),
+                                            layout=layout_to_pb(shards.rank_layout(r))) for r in range(n)],
             page_ids=list(self.dst_pages),
             context=prefill_pb2.ContextSlot(descriptor=remote_to_bytes(self.context), offset=self.context_offset,
                                             capacity=0, logits_top_k=0),
-            sharding=common_pb2.ShardingScheme(tp_size=self.sharding.tp_size,
-                                               kv_heads_per_rank=self.layout.kv_heads,
+            sharding=common_pb2.ShardingScheme(tp_size=n,
+                                               kv_heads_per_rank=len(shards.scheme.rank_heads[0]),
                                                total_kv_heads=self.layout.kv_heads),
             imm_tag=self.imm_tag,
             expected_writes=self.expected_writes,
@@ -98,26 +124,45 @@ class TransferTicket:
 
     @classmethod
     def from_pb(cls, req: prefill_pb2.PrefillRequest) -> TransferTicket:
-        """The ticket inside a Prefill call; malformed input raises ValueError."""
-        if len(req.kv_memory) != 1:
-            raise ValueError(f"expected one KV memory descriptor (tp_size 1), got {len(req.kv_memory)}")
+        """The ticket inside a Prefill call; malformed input raises ValueError.
+
+        Under decode TP, `kv_memory` holds one entry per decode rank (tp_rank 0 .. tp_size - 1, each
+        once) whose layout holds exactly the heads the engine's rule gives that rank of
+        `sharding.total_kv_heads` (a split off that head boundary is refused, naming the rank)."""
+        rid = req.request_id
         if not req.token_ids:
-            raise ValueError(f"request {req.request_id}: no tokens to prefill")
-        mem = req.kv_memory[0]
+            raise ValueError(f"request {rid}: no tokens to prefill")
+        tp = (req.sharding.tp_size or 1) if req.HasField("sharding") else 1
+        if not 1 <= tp <= 1024:
+            raise ValueError(f"request {rid}: decode tp_size {tp} outside 1..1024")
+        ranks = sorted(m.tp_rank for m in req.kv_memory)
+        if ranks != list(range(tp)):
+            raise ValueError(f"request {rid}: decode tp_size {tp} needs one KV memory descriptor per rank "
+                             f"0..{tp - 1}, got ranks {ranks[:8]}")
+        mems = sorted(req.kv_memory, key=lambda m: m.tp_rank)
+        rank_layouts = [layout_from_pb(m.layout) for m in mems]
+        if tp == 1:
+            layout = rank_layouts[0]
+        else:
+            total = req.sharding.total_kv_heads
+            if total < 1:
+                raise ValueError(f"request {rid}: decode tp_size {tp} without total_kv_heads")
+            layout = KvShards.from_rank_layouts(TpScheme.split(total, tp), rank_layouts).layout
+        descriptors = tuple(remote_from_bytes(m.descriptor) for m in mems)
         return cls(
-            request_id=req.request_id,
-            kv=remote_from_bytes(mem.descriptor),
-            layout=layout_from_pb(mem.layout),
+            request_id=rid,
+            kv=descriptors[0],
+            layout=layout,
             dst_pages=tuple(req.page_ids),
             context=remote_from_bytes(req.context.descriptor),
             context_offset=req.context.offset,
             imm_tag=req.imm_tag,
             expected_writes=req.expected_writes,
             num_prefill_tokens=len(req.token_ids),
-            sharding=(ShardingScheme(tp_size=req.sharding.tp_size or 1) if req.HasField("sharding")
-                      else ShardingScheme()),
+            sharding=ShardingScheme(tp_size=tp),
             attempt=req.attempt,
             kv_checksum=req.kv_checksum,
+            kv_ranks=descriptors if tp > 1 else (),
         )
 
 

@@ -57,9 +57,12 @@ def _same_ip(a: str, b: str) -> bool:
 def authorize_prefill(caller: CallerIdentity, decode_node_id: str, spec: PrefillSpec, own: PeerDescriptor) -> None:
     """Raise PermissionDeniedError naming the mismatch (see the module docstring)."""
     rid, peer = spec.request_id, spec.peer
-    for what, target in (("KV", spec.target.kv.peer), ("context", spec.target.context.peer)):
+    t = spec.target
+    tp = t.sharding.tp_size
+    memories = [("KV memory" + (f" of decode rank {r}" if tp > 1 else ""), t.rank_kv(r).peer) for r in range(tp)]
+    for what, target in memories + [("context memory", t.context.peer)]:
         if target.engine_id != peer.engine_id or target.address != peer.address:
-            raise PermissionDeniedError(f"request {rid}: the {what} memory belongs to fabric engine "
+            raise PermissionDeniedError(f"request {rid}: the {what} belongs to fabric engine "
                                         f"{target.engine_id[:8]}, not to the requesting peer {peer.engine_id[:8]}")
     if not caller.authenticated:
         return

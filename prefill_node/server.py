@@ -188,7 +188,7 @@ class NodeServicer(node_pb2_grpc.NodeServiceServicer):
             node_id=node.node_id,
             role=node_pb2.NODE_ROLE_PREFILL,
             model=node.model_name,
-            sharding=common_pb2.ShardingScheme(tp_size=1, kv_heads_per_rank=node.num_kv_heads,
+            sharding=common_pb2.ShardingScheme(tp_size=node.tp_size, kv_heads_per_rank=node.kv_heads_per_rank,
                                                total_kv_heads=node.num_kv_heads),
             load=common_pb2.NodeLoad(
                 outstanding_requests=load.outstanding_requests, outstanding_tokens=load.outstanding_tokens,

@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from fabric import FabricConfig, FabricError, PeerDescriptor, RemoteDescriptor, TransferEngine
-from kv_messenger import KvSender, ShardingScheme, TransferResult, TransferTicket, expected_writes
+from kv_messenger import KvSender, TransferResult, TransferTicket
 from kv_messenger.ticket import TransferKey
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_thread import EngineDeadError, EngineThread
@@ -231,6 +231,8 @@ class PrefillNode:
         self.vocab_size: int = info.vocab_size
         self.num_layers: int = info.num_layers
         self.num_kv_heads: int = info.num_kv_heads
+        self.tp_size: int = self.sender.shards.scheme.tp_size
+        self.kv_heads_per_rank: int = len(self.sender.shards.scheme.rank_heads[0])
         self.max_model_len: int = info.max_model_len
         self.page_size: int = info.page_size
         self.provider: str = self.transport.provider
@@ -264,9 +266,9 @@ class PrefillNode:
         if n + 1 > self.max_model_len:
             raise ValueError(f"request {rid}: {n} tokens to prefill plus the last prompt token exceed the "
                              f"model's context of {self.max_model_len} tokens")
-        if spec.decode_tp_size not in (0, 1):
-            raise ValueError(f"request {rid}: decode tp_size {spec.decode_tp_size} is not supported "
-                             f"(this prefill node has tp_size 1)")
+        if spec.decode_tp_size not in (0, t.sharding.tp_size):
+            raise ValueError(f"request {rid}: decode tp_size {spec.decode_tp_size} but the ticket describes "
+                             f"{t.sharding.tp_size} ranks")
         if spec.cached_tokens:
             raise ValueError(f"request {rid}: cached_tokens={spec.cached_tokens} is not supported (must be 0)")
         if spec.peer.provider != self.provider:
@@ -275,9 +277,11 @@ class PrefillNode:
         if t.num_prefill_tokens != n:
             raise ValueError(f"request {rid}: target covers {t.num_prefill_tokens} tokens, request has {n}")
         t.check_fits(self.layout)
-        want = expected_writes(n, self.layout, ShardingScheme(), ShardingScheme())
+        want = self.sender.expected_writes(t)   # the shard plan of our split into the decode node's (D14)
         if t.expected_writes != want:
-            raise ValueError(f"request {rid}: expected_writes={t.expected_writes} but this node will post {want}")
+            raise ValueError(f"request {rid}: expected_writes={t.expected_writes} but this node "
+                             f"({self.sender.shards.describe()}) will post {want} into the decode node's split "
+                             f"({t.decode_shards.describe()})")
         if spec.context_capacity and spec.context_capacity < self.codec.slot_nbytes:
             raise ValueError(f"request {rid}: context slot of {spec.context_capacity} bytes, "
                              f"needs {self.codec.slot_nbytes}")

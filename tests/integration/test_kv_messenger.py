@@ -72,7 +72,7 @@ def test_prefill_engine_pushes_kv_into_decode_engine(provider, kv_dtype):
         for i, p in enumerate(PROMPTS):
             decode.add_request(p, params, request_id=f"r{i}", remote_prefill=True)
         decode.step()
-        tickets = events.tickets
+        tickets = {rid: receiver.address(t, 1) for rid, t in events.tickets.items()}   # a TP 1 prefill side
         futures = {}
         for rid, t in tickets.items():
             r = decode._tracked[rid].request
@@ -306,7 +306,8 @@ def test_receiver_tombstones_quarantines_fences_and_counts_stale_writes():
         assert rx.stale_writes == 0
         rx.release_quarantined(tag0)
         write(t0.kv, tag0)                     # after the release: stale
-        settled(lambda: rx.stale_writes == 1 and len(events.stale) == 1, "the write after the release to be counted stale")
+        settled(lambda: rx.stale_writes == 1 and len(events.stale) == 1,
+                "the write after the release to be counted stale")
         rx.finish("r")
         write(t1.kv, t1.imm_tag)               # after the request finished: stale
         settled(lambda: rx.stale_writes == 2 and len(events.stale) == 2, "the write after finish to be counted stale")

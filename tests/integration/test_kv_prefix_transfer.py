@@ -40,7 +40,7 @@ def test_prefix_cached_prompt_sends_every_page():
             decode.add_request(PROMPT, params, request_id=rid, remote_prefill=True)
             decode.step()
             r = decode.get_request(rid)
-            t = events.tickets[rid]
+            t = receiver.address(events.tickets[rid], 1)   # a TP 1 prefill side
             fut = sender.add(t)
             fut.add_done_callback(lambda _f, rid=rid: jobs.put(("release", rid)))
             pr = prefill.add_request(r.prompt_token_ids[:-1], SamplingParams(max_tokens=1), request_id=rid,

@@ -135,7 +135,7 @@ class DecodeSide(ReceiverEvents):
         self._expected: dict[str, tuple[int, ...]] | None = None
 
     def ticket_ready(self, ticket: TransferTicket, token_ids: tuple[int, ...]) -> None:
-        self.tickets[ticket.request_id] = ticket
+        self.tickets[ticket.request_id] = self.receiver.address(ticket, 1)   # the prefill node here has TP 1
 
     def ticket_refused(self, request_id: str, error: str) -> None:
         pytest.fail(f"{request_id}: {error}")

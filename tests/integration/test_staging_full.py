@@ -66,7 +66,7 @@ def test_full_staging_pool_fails_only_that_prefill():
         for rid in ("full", "later"):
             decode.add_request(PROMPT, params, request_id=rid, remote_prefill=True)
         decode.step()
-        tickets = events.tickets
+        tickets = {rid: receiver.address(t, 1) for rid, t in events.tickets.items()}   # a TP 1 prefill side
 
         def start(rid: str):
             fut = sender.add(tickets[rid])

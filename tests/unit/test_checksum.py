@@ -87,17 +87,28 @@ def test_bad_runs_are_refused_before_reading():
 
 
 def test_transfer_checksums_canonical_order_pack_and_first_mismatch():
+    import random
+
     from kv_messenger.plan import KvLayout
+    from kv_messenger.shard_plan import KvShards, plan_transfer
 
     layout = KvLayout(num_layers=3, num_pages=10, kv_heads=2, page_size=4, head_dim=8, dtype="float32")
     pages = [7, 2, 5]
     off, ln = checksum.kv_runs(layout, pages)
     assert off.dtype == np.uint64 and ln.tolist() == [layout.page_nbytes] * (3 * 3 * 2)
-    # (layer, page, K/V): run 2 * (layer * len(pages) + i) + side
+    # (layer, K/V, page): run layer * 2 * len(pages) + side * len(pages) + i
     for layer in range(3):
         k, v = layout.page_offsets(layer, np.asarray(pages))
         for i in range(3):
-            assert off[2 * (layer * 3 + i)] == k[i] and off[2 * (layer * 3 + i) + 1] == v[i]
+            assert off[layer * 6 + i] == k[i] and off[layer * 6 + 3 + i] == v[i]
+    # the same order as a TP 1 -> TP 1 shard plan's entries (one run a page)
+    one = KvShards.of(layout, 1)
+    plan = plan_transfer(one, one, random.Random(0))
+    e = plan.entries(np.asarray(pages), np.asarray(pages))
+    assert e.dst_offsets.tolist() == off.tolist() and e.lengths.tolist() == ln.tolist()
+
+    def describe(i: int) -> str:
+        return plan.describe_entry(i, pages)
 
     region = np.random.default_rng(0).integers(0, 256, layout.nbytes, dtype=np.uint8)
     sums = np.append(checksum.crc32c_runs(region, off, ln), np.uint32(0x1234))
@@ -107,17 +118,35 @@ def test_transfer_checksums_canonical_order_pack_and_first_mismatch():
     assert back.dtype == np.uint32 and (back == sums).all()
     with pytest.raises(ValueError, match="kv_checksums holds 76 bytes, 20 values need 80"):
         checksum.unpack(raw, 20)
-    assert checksum.first_mismatch(back, sums.copy(), pages) is None
+    assert checksum.first_mismatch(back, sums.copy(), describe) is None
 
-    region[int(off[2 * (1 * 3 + 2) + 1]) + 5] ^= 1   # layer 1, page index 2 (id 5), V
-    region[int(off[2 * (2 * 3 + 0)])] ^= 1           # and a later run
+    region[int(off[1 * 6 + 3 + 2]) + 5] ^= 1   # layer 1, V, page index 2 (id 5)
+    region[int(off[2 * 6 + 0])] ^= 1           # and a later run
     actual = np.append(checksum.crc32c_runs(region, off, ln), np.uint32(0x1234))
-    m = checksum.first_mismatch(sums, actual, pages)
+    m = checksum.first_mismatch(sums, actual, describe)
     assert m is not None and (m.run, m.what, m.bad_runs) == (11, "layer 1 page 2 (id 5) V", 2)
     assert m.expected == int(sums[11]) and m.actual == int(actual[11]) and m.expected != m.actual
     assert "2 run(s) differ, first run 11: layer 1 page 2 (id 5) V: sender crc32c 0x" in m.describe()
     ctx = sums.copy()
     ctx[-1] ^= 1
-    assert checksum.first_mismatch(sums, ctx, pages).what == "context record"
+    assert checksum.first_mismatch(sums, ctx, describe).what == "context record"
     with pytest.raises(ValueError, match="19 checksums from the sender, 18 runs here"):
-        checksum.first_mismatch(sums, sums[:-1], pages)
+        checksum.first_mismatch(sums, sums[:-1], describe)
+
+
+def test_describe_entry_names_heads_and_ranks_under_tensor_parallelism():
+    import random
+
+    from kv_messenger.plan import KvLayout
+    from kv_messenger.shard_plan import KvShards, plan_transfer
+
+    layout = KvLayout(num_layers=2, num_pages=8, kv_heads=3, page_size=4, head_dim=8, dtype="float32")
+    plan = plan_transfer(KvShards.of(layout, 2), KvShards.of(layout, 1), random.Random(0))
+    assert len(plan.runs) == 2   # heads (0, 1) from prefill rank 0, head 2 from rank 1
+    pages = [4, 1]
+    e = plan.entries(np.asarray(pages), np.asarray(pages))
+    assert e.lengths.size == 2 * 2 * 2 * 2   # layers x runs x (K, V) x pages
+    # entry (layer 1, run 1, V, page 0) = 1 * 8 + 1 * 4 + 1 * 2 + 0
+    assert plan.describe_entry(14, pages) == ("layer 1 page 0 (id 4) V, KV heads 2..2 from prefill rank 1 to "
+                                              "decode rank 0")
+    assert int(e.src_ranks[14]) == 1 and int(e.dst_ranks[14]) == 0
