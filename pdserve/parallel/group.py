@@ -32,7 +32,7 @@ then kills them.
 
 Bounds: STARTUP_TIMEOUT_S for the workers' status bytes and the group's rendezvous;
 COLLECTIVE_TIMEOUT_S for every collective (gloo's timeout, on init_process_group);
-GroupSpec.message_timeout_s (MESSAGE_TIMEOUT_S, pdserve/parallel/messages.py) for each control
+GroupSpec.message_timeout_s (pdserve/parallel/worker.py; MESSAGE_TIMEOUT_S, messages.py) for each control
 message, the pass's and the stop message at close; STOP_WAIT_S per worker at close before SIGKILL.
 """
 
@@ -54,9 +54,9 @@ import torch.distributed as dist
 
 from pdserve.model.tp import TensorParallelPlan
 from pdserve.parallel.comm import GlooComm, open_store
-from pdserve.parallel.messages import MESSAGE_TIMEOUT_S, ChannelTimeout, StepMessage, stop_payload, write_message
+from pdserve.parallel.messages import ChannelTimeout, StepMessage, stop_payload, write_message
 from pdserve.parallel.shm import PoolFile, SharedPool, new_pool_file, remove_stale_files, unlink
-from pdserve.parallel.worker import WorkerSpec
+from pdserve.parallel.worker import DTYPES, GroupSpec, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -67,26 +67,6 @@ STOP_WAIT_S = 5.0
 
 class TensorParallelError(RuntimeError):
     """A rank of the group died or a collective failed; the engine cannot run another pass."""
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """What the leader tells every worker (besides its rank, pipes and pool)."""
-
-    model_path: str
-    dtype: str
-    kv_dtype: str
-    max_model_len: int
-    small_batch_max_tokens: int
-    tp_invariant: bool
-    attention_backend: str
-    num_blocks: int
-    page_size: int
-    num_layers: int
-    head_dim: int
-    kv_element_size: int
-    kv_populate: bool = False
-    message_timeout_s: float = MESSAGE_TIMEOUT_S   # each control-pipe message's bound (messages.py)
 
 
 @dataclass
@@ -131,7 +111,7 @@ class TensorParallelGroup:
 
     def pool_tensors(self) -> tuple[torch.Tensor, ...]:
         """The leader's mappings of ranks 1..N-1's KV pools ([layers, 2, pages, kv_heads_r, P, D] each)."""
-        s, dtype = self.spec, _kv_dtype(self.spec.kv_dtype)
+        s, dtype = self.spec, DTYPES[self.spec.kv_dtype]
         return tuple(w.pool.tensor(dtype, (s.num_layers, 2, s.num_blocks, len(self.plan.ranks[w.rank].kv_heads),
                                            s.page_size, s.head_dim)) for w in self._workers)
 
@@ -168,15 +148,9 @@ class TensorParallelGroup:
                 loose += [ctrl_r, ctrl_w]
                 stat_r, stat_w = os.pipe()
                 loose += [stat_r, stat_w]
-                ws = WorkerSpec(rank=r, tp_size=size, port=store.port, timeout_s=COLLECTIVE_TIMEOUT_S,
-                                leader_pid=os.getpid(), model_path=spec.model_path, dtype=spec.dtype,
-                                kv_dtype=spec.kv_dtype, max_model_len=spec.max_model_len,
-                                small_batch_max_tokens=spec.small_batch_max_tokens,
-                                tp_invariant=spec.tp_invariant,
-                                attention_backend=spec.attention_backend, num_blocks=spec.num_blocks,
-                                page_size=spec.page_size, pool_name=f.name, pool_nbytes=nbytes, cpus=cpus[r],
-                                num_threads=threads[r], ctrl_fd=ctrl_r, status_fd=stat_w,
-                                message_timeout_s=spec.message_timeout_s)
+                ws = WorkerSpec(group=spec, rank=r, tp_size=size, port=store.port, timeout_s=COLLECTIVE_TIMEOUT_S,
+                                leader_pid=os.getpid(), pool_name=f.name, pool_nbytes=nbytes, cpus=cpus[r],
+                                num_threads=threads[r], ctrl_fd=ctrl_r, status_fd=stat_w)
                 proc = subprocess.Popen([sys.executable, "-m", "pdserve.parallel.worker", ws.to_json()],
                                         pass_fds=(ctrl_r, stat_w), close_fds=True, env=_worker_env())
                 workers.append(_Worker(r, proc, ctrl_w, pool, spec.message_timeout_s))
@@ -263,10 +237,6 @@ def _worker_env() -> dict[str, str]:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path}
-
-
-def _kv_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def _await_ready(workers: list[_Worker], status: dict[int, int]) -> None:

@@ -12,7 +12,7 @@ crash or SIGKILL), and a watchdog thread exits the process when its parent pid c
 blocked in a collective whose peer vanished also fails that collective: gloo's timeout).
 Bounds: the wait for the leader's next message has no timer (an idle engine sends none; end of
 file at the leader's death, and the watchdog, end it); once a message began, its body must come
-within the spec's `message_timeout_s` (pdserve/parallel/messages.py); the watchdog polls every
+within the group's `message_timeout_s` (pdserve/parallel/messages.py); the watchdog polls every
 `WATCHDOG_S`; collectives are bounded by the spec's `timeout_s`.
 """
 
@@ -34,7 +34,7 @@ from pdserve.model.loader import iter_weights, load_config, resolve_model
 from pdserve.model.registry import build_model
 from pdserve.model.tp import plan_tensor_parallel
 from pdserve.parallel.comm import GlooComm
-from pdserve.parallel.messages import KIND_STOP, StepMessage, payload_kind, read_message
+from pdserve.parallel.messages import KIND_STOP, MESSAGE_TIMEOUT_S, StepMessage, payload_kind, read_message
 from pdserve.parallel.shm import PoolFile, SharedPool
 
 logger = logging.getLogger(__name__)
@@ -43,17 +43,17 @@ WATCHDOG_S = 0.5
 EXIT_LEADER_GONE = 3
 
 
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker rank needs, given on its command line as JSON."""
+# a GroupSpec's dtype names
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-    rank: int
-    tp_size: int
-    port: int                   # the leader's rendezvous store
-    timeout_s: float            # every collective's bound
-    leader_pid: int
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One tensor-parallel group's configuration: what the leader gives every worker rank (each
+    rank's own place in it, its WorkerSpec, is added by the leader). Validated when built."""
+
     model_path: str             # the resolved checkpoint directory
-    dtype: str                  # "float32" | "bfloat16"
+    dtype: str                  # "float32" | "bfloat16" | "float16"
     kv_dtype: str
     max_model_len: int
     small_batch_max_tokens: int
@@ -61,13 +61,45 @@ class WorkerSpec:
     attention_backend: str
     num_blocks: int
     page_size: int
+    num_layers: int
+    head_dim: int
+    kv_element_size: int
+    kv_populate: bool = False
+    message_timeout_s: float = MESSAGE_TIMEOUT_S   # each control-pipe message's bound (messages.py)
+
+    def __post_init__(self) -> None:
+        for name in ("dtype", "kv_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"tensor-parallel group: {name}={getattr(self, name)!r}, expected one of "
+                                 f"{sorted(DTYPES)}")
+        for name in ("max_model_len", "num_blocks", "page_size", "num_layers", "head_dim", "kv_element_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"tensor-parallel group: {name}={v!r}, expected a positive int")
+        n = self.small_batch_max_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"tensor-parallel group: small_batch_max_tokens={n!r}, expected an int >= 0")
+        if not self.message_timeout_s > 0:
+            raise ValueError(f"tensor-parallel group: message_timeout_s={self.message_timeout_s!r}, expected > 0 s")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker rank needs, given on its command line as JSON: the group's GroupSpec and
+    this rank's place in it."""
+
+    group: GroupSpec
+    rank: int
+    tp_size: int
+    port: int                   # the leader's rendezvous store
+    timeout_s: float            # every collective's bound
+    leader_pid: int
     pool_name: str              # the shared-memory file of this rank's pool (pdserve/parallel/shm.py)
     pool_nbytes: int
     cpus: tuple[int, ...]       # cores to pin to; () = not pinned
     num_threads: int
     ctrl_fd: int
     status_fd: int
-    message_timeout_s: float    # a control message's body, once begun (messages.py)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -76,10 +108,8 @@ class WorkerSpec:
     def from_json(text: str) -> WorkerSpec:
         d = json.loads(text)
         d["cpus"] = tuple(d["cpus"])
+        d["group"] = GroupSpec(**d["group"])
         return WorkerSpec(**d)
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _watchdog(leader_pid: int) -> None:
@@ -94,29 +124,29 @@ def run(spec: WorkerSpec) -> int:
     if spec.cpus:
         os.sched_setaffinity(0, spec.cpus)
     torch.set_num_threads(spec.num_threads)
-    source = resolve_model(spec.model_path)
+    g = spec.group
+    source = resolve_model(g.model_path)
     hf_config = load_config(source)
     arch = ModelArch.from_hf_config(hf_config)
     plan = plan_tensor_parallel(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, spec.tp_size)
     shard = plan.ranks[spec.rank]
-    model = build_model(arch, hf_config, _DTYPES[spec.dtype], spec.max_model_len,
-                        small_batch_max_tokens=spec.small_batch_max_tokens, shard=shard,
-                        tp_invariant=spec.tp_invariant)
+    model = build_model(arch, hf_config, DTYPES[g.dtype], g.max_model_len,
+                        small_batch_max_tokens=g.small_batch_max_tokens, shard=shard, tp_invariant=g.tp_invariant)
     model.load_weights(iter_weights(source))
     model.eval()
     kv_heads = len(shard.kv_heads)
-    dims = (arch.num_layers, 2, spec.num_blocks, kv_heads, spec.page_size, arch.head_dim)
+    dims = (arch.num_layers, 2, g.num_blocks, kv_heads, g.page_size, arch.head_dim)
     pool = SharedPool(PoolFile(spec.pool_name, spec.pool_nbytes), create=False)
-    buffer = pool.tensor(_DTYPES[spec.kv_dtype], dims)      # [layers, 2, pages, kv_heads, page_size, head_dim]
+    buffer = pool.tensor(DTYPES[g.kv_dtype], dims)      # [layers, 2, pages, kv_heads, page_size, head_dim]
     k_pools = [buffer[i, 0] for i in range(arch.num_layers)]
     v_pools = [buffer[i, 1] for i in range(arch.num_layers)]
-    backend = get_backend(spec.attention_backend)
+    backend = get_backend(g.attention_backend)
     os.write(spec.status_fd, b"R")
     comm = GlooComm(spec.rank, spec.tp_size, spec.port, spec.timeout_s)
     model.set_tp_comm(comm)
     try:
         while True:
-            payload = read_message(spec.ctrl_fd, spec.rank, spec.message_timeout_s)
+            payload = read_message(spec.ctrl_fd, spec.rank, g.message_timeout_s)
             if payload is None:
                 return EXIT_LEADER_GONE
             if payload_kind(payload) == KIND_STOP:
