@@ -164,8 +164,10 @@ def _kv_seconds(url: str) -> float:
 
 
 def _short(e: BaseException) -> str:
+    """The error's start (what failed) and its end (a start failure's log tail ends with the cause)."""
     text = f"{type(e).__name__}: {e}"
-    return text if len(text) <= ERROR_CHARS else text[:ERROR_CHARS] + " ..."
+    head = ERROR_CHARS // 4
+    return text if len(text) <= ERROR_CHARS else f"{text[:head]} ... {text[head - ERROR_CHARS:]}"
 
 
 def start_pair(run: PairRun, args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
