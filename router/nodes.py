@@ -20,7 +20,9 @@ is told (`DecodeNode.watchers`), so that router.service moves those requests to 
 Model skew: a node whose NodeInfo.model is not the model most polled nodes serve (ties: the one of
 the first configured node among them) leaves the rotation, with the reason naming both models (a
 decode node that restarted with another model never gets the others' requests); it comes back once
-it serves the others' model again.
+it serves the others' model again. That serving model is computed once per change of a node's vote
+(its model, or whether it counts: healthy or out only for its model) or of the node list, not per
+request or per poll.
 
 Load: a node's outstanding work is the larger of the router's own count (prompt + max tokens of the
 requests it has in flight there, estimated without a tokenizer) and the node's last reported
@@ -136,6 +138,7 @@ class NodePool:
         self._turn = 0
         self._task: asyncio.Task[None] | None = None
         self._any_healthy: bool | None = None
+        self._major: str | None = None   # _serving_model's answer; None: a vote changed since
 
     async def start(self) -> None:
         """Open channels, poll every node once (so the first request sees real health), start polling."""
@@ -212,6 +215,8 @@ class NodePool:
         """dns: entries resolved again: nodes that appeared join (unpolled, so out of rotation until
         this round's poll), nodes that left go out of rotation at once."""
         change = await self.members.refresh()
+        if change is not None and (change.removed or change.added):
+            self._major = None
         for address in change.removed if change is not None else ():
             node = self._by_address.pop(address, None)
             if node is not None:
@@ -256,8 +261,11 @@ class NodePool:
             self._set_health(node, False, f"health check answered {status}")
             return
         try:
+            vote = _model_vote(node)
             node.info = await node.node.GetNodeInfo(node_pb2.GetNodeInfoRequest(),
                                                     timeout=self._config.load_timeout_s)
+            if _model_vote(node) != vote:
+                self._major = None
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # slow under load is fine; broken is not
                 self._set_health(node, False, f"GetNodeInfo failed: {e.code().name}: {e.details()}")
@@ -269,11 +277,18 @@ class NodePool:
         self._set_health(node, True, "")
 
     def _serving_model(self) -> str:
-        """The model most answering nodes serve ('' when none reported one); ties: the first configured."""
+        """The model most answering nodes serve ('' when none reported one); ties: the first configured.
+        Kept until a vote (_model_vote) or the node list changes."""
+        if self._major is None:
+            self._major = self._count_votes()
+        return self._major
+
+    def _count_votes(self) -> str:
         counts: dict[str, list[int]] = {}
         for n in self.nodes:
-            if n.info is not None and n.info.model and (n.healthy or n.reason.startswith(_OTHER_MODEL)):
-                counts.setdefault(n.info.model, []).append(n.index)
+            vote = _model_vote(n)
+            if vote:
+                counts.setdefault(vote, []).append(n.index)
         if not counts:
             return ""
         return max(counts, key=lambda m: (len(counts[m]), -min(counts[m])))
@@ -301,8 +316,19 @@ class NodePool:
             logger.warning("node=%s out of rotation: %s", node.address, reason)
         if not healthy and node.healthy:
             self.policy.forget(node.address)
+        vote = _model_vote(node)
         node.healthy = healthy
         node.reason = reason
+        if _model_vote(node) != vote:
+            self._major = None
         if not healthy:
             for watcher in list(node.watchers):  # each removes itself when its stream ends
                 watcher()
+
+
+def _model_vote(n: DecodeNode) -> str:
+    """The model `n` counts for in NodePool._serving_model ('' for none): its reported model while it
+    is healthy or out of rotation only for serving another model."""
+    if n.info is not None and n.info.model and (n.healthy or n.reason.startswith(_OTHER_MODEL)):
+        return n.info.model
+    return ""

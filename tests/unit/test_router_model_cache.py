@@ -1,0 +1,93 @@
+"""The router's serving model (router/nodes.py NodePool._serving_model: the model most decode nodes
+serve, which a node of another model is taken out for) is computed once per change of a node's
+model, of its health or of the node list, and never per request or per steady poll round; it always
+equals a fresh count of the votes, and routing follows it as before. Real gRPC decode-node stubs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from pdserve_api.servers import add_standard_services_aio
+from pdserve_api.v1 import generate_pb2, node_pb2, node_pb2_grpc
+from router.config import RouterConfig
+from router.nodes import NodePool
+from tests.support.net import free_port
+
+
+class _Decode(node_pb2_grpc.NodeServiceServicer):
+    def __init__(self, node_id: str, model: str) -> None:
+        self.node_id, self.model = node_id, model
+
+    async def GetNodeInfo(self, request, context):
+        return node_pb2.NodeInfo(node_id=self.node_id, role=node_pb2.NODE_ROLE_DECODE, model=self.model)
+
+
+class CountingPool(NodePool):
+    """The real pool, counting how often it counts the votes."""
+
+    counted = 0
+
+    def _count_votes(self) -> str:
+        self.counted += 1
+        return super()._count_votes()
+
+
+def test_the_serving_model_is_counted_once_per_change_and_routing_is_unchanged():
+    async def main() -> None:
+        decoders = [_Decode("d0", "other"), _Decode("d1", "tiny"), _Decode("d2", "tiny")]
+        servers = []
+        for d in decoders:
+            server = grpc.aio.server()
+            node_pb2_grpc.add_NodeServiceServicer_to_server(d, server)
+            await add_standard_services_aio(server, ["pdserve.api.v1.NodeService"], serving=True)
+            address = f"127.0.0.1:{free_port()}"
+            server.add_insecure_port(address)
+            await server.start()
+            servers.append((server, address))
+        a = [addr for _, addr in servers]
+        pool = CountingPool(RouterConfig(decode_nodes=tuple(a), health_interval_s=60))
+        request = generate_pb2.GenerateRequest(text="hello")
+
+        def routed(n: int = 30) -> set[str]:
+            return {pool.route(request)[0].address for _ in range(n)}
+
+        def fresh() -> str:   # the count itself, past the cache
+            return NodePool._count_votes(pool)
+
+        try:
+            await pool.start()
+            assert pool._serving_model() == fresh() == "tiny"
+            assert routed() == {a[1], a[2]}
+            pool.counted = 0
+            assert routed(200) == {a[1], a[2]}
+            await pool.poll_all()                       # a steady round: nothing changed
+            assert pool.counted == 0
+            assert routed() == {a[1], a[2]}
+
+            decoders[0].model = "tiny"                  # d0 restarted with the others' model: back
+            await pool.poll_all()
+            assert 1 <= pool.counted <= len(a)
+            assert pool._serving_model() == fresh() == "tiny"
+            assert routed() == set(a)
+
+            pool.counted = 0
+            pool.mark_failed(pool.nodes[1], "unreachable")   # a call found d1 down: its vote goes
+            assert pool._serving_model() == fresh() == "tiny" and pool.counted == 1
+            assert routed() == {a[0], a[2]}
+
+            decoders[0].model = decoders[2].model = "new"    # two against one, the other way
+            await pool.poll_all()                            # d1 back too (its poll succeeds)
+            assert pool._serving_model() == fresh() == "new"
+            assert routed() == {a[0], a[2]}
+            assert pool.nodes[1].reason == "serves model 'tiny'; the other decode nodes serve 'new'"
+            pool.counted = 0
+            await pool.poll_all()
+            assert pool.counted == 0 and routed(100) == {a[0], a[2]}
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(0)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
