@@ -1,0 +1,165 @@
+"""Disaggregated tensor parallelism over libfabric (issue 16: D14 shard mismatch, D15 one engine for
+every shard), on real clusters: router, prefill node and decode node processes, each TP node with
+its rank processes, the KV pushed with one-sided writes on shm.
+
+- The default model (3 KV heads: at TP 2 rank 0 holds heads 0-1, rank 1 head 2) across P TP2 -> D
+  TP1 (each prefill rank writes its slice at its offset inside the decode page: 2 runs a page),
+  P TP1 -> D TP2 (each decode rank receives its slice) and P TP2 -> D TP2 (1:1), greedy, with
+  --kv-checksum: the tokens equal transformers', and every transfer's landed bytes equal what the
+  prefill shards hold (the decode node hashes the runs it received in every rank's pool and
+  compares with the prefill shards' hashes, in the plan's canonical order: verified, no failure);
+  every node's NodeInfo names its TP size; no page leaks; no stale write.
+- A tiny random model with 2 KV heads at P TP4 -> D TP4: replica sets on both sides (heads (0, 0,
+  1, 1) by rank), so each run's source replica is drawn per request and every decode replica
+  receives its copy; tokens equal a colocated TP 1 engine's (tp_invariant), checksums verified.
+- One shard's writes fail (its decode rank's memory key is wrong) while its siblings' land: the
+  sender's transfer fails only once no write of it is in flight, the landed count stays short
+  (the decode side never makes the request schedulable), and the prefill pages are released.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import time
+
+import pytest
+import torch
+from support.cluster import assert_no_page_leak, node_info, running_cluster
+from support.kv_events import QueueEvents
+from support.prometheus import fetch, parse, total
+from support.reference import hf_greedy
+from support.tiny_models import make_tiny_checkpoint
+
+from fabric import FabricConfig, FabricError, RemoteDescriptor, TransferEngine
+from kv_messenger import KvReceiver, KvSender
+from pdserve import LLM, SamplingParams
+from pdserve.engine.cache.kv_cache import KVCacheShape
+from pdserve.engine.kv_connector import AttentionGroupSpec, KvCacheSpec, KvShardPool
+from pdserve.tools.client import Client
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village at the foot of a tall mountain, there lived an old baker who "
+    "rose every morning before dawn to light his ovens, and the whole village woke to the smell of",  # > 32 tokens
+]
+MAX_NEW = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+CLUSTER = dict(prefill=1, decode=1, port=0, num_blocks=96, threads_per_node=1, kv_checksum=True,
+               router_health_interval_s=0.5)
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(hf_default, default_source):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_source.path)
+    return [hf_greedy(hf_default, tok, p, MAX_NEW) for p in PROMPTS]
+
+
+def _check_cluster(cluster, prompts, expected, prefill_tp: int, decode_tp: int) -> None:
+    client = Client(cluster.url)
+    for prompt, want in zip(prompts, expected, strict=True):
+        assert list(client.complete(prompt, GREEDY).token_ids) == list(want), prompt
+    (p_addr,), (d_addr,) = cluster.addresses("prefill"), cluster.addresses("decode")
+    assert node_info(p_addr).sharding.tp_size == prefill_tp
+    assert node_info(d_addr).sharding.tp_size == decode_tp
+    samples = parse(fetch(cluster.metrics_urls["decode-0"])[0])
+    assert total(samples, "pdserve:kv_checksums_verified_total") == len(prompts)
+    assert total(samples, "pdserve:kv_checksum_failures_total") == 0
+    assert total(samples, "pdserve:kv_stale_writes_total") == 0
+    assert_no_page_leak(cluster)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 2)])
+def test_default_model_across_tp_pairs_gives_transformers_tokens_and_verified_kv(
+        tmp_path_factory, hf_tokens, prefill_tp, decode_tp):
+    with running_cluster(tmp_path_factory, f"p{prefill_tp}d{decode_tp}", prefill_tp=prefill_tp,
+                         decode_tp=decode_tp, engine_args=("--max-model-len", "256"), **CLUSTER) as cluster:
+        _check_cluster(cluster, PROMPTS, hf_tokens, prefill_tp, decode_tp)
+
+
+def test_replica_sets_on_both_sides_tiny_model_tp4_to_tp4(tmp_path_factory, tmp_path):
+    path = make_tiny_checkpoint("qwen2", tmp_path / "tiny", num_key_value_heads=2, num_attention_heads=4,
+                                head_dim=16)
+    opts = dict(model=str(path), num_blocks=48, max_model_len=256, max_batch_tokens=32)
+    with LLM(num_threads=1, tp_invariant=True, **opts) as llm:
+        expected = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    with running_cluster(tmp_path_factory, "p4d4", model=str(path), prefill_tp=4, decode_tp=4,
+                         engine_args=("--max-model-len", "256"), **CLUSTER) as cluster:
+        _check_cluster(cluster, PROMPTS, expected, 4, 4)
+
+
+def _decode_shards(arch, pages: int) -> tuple[KvCacheSpec, list[torch.Tensor]]:
+    """A decode side of TP 2 as the engine hands it over: rank 0 heads (0, 1), rank 1 head (2,)."""
+    heads = ((0, 1), (2,))
+    bufs = [torch.zeros(arch.num_layers, 2, pages, len(h), 16, arch.head_dim) for h in heads]
+    shape = KVCacheShape(arch.num_layers, pages, len(heads[0]), 16, arch.head_dim)
+    spec = KvCacheSpec(bufs[0], shape, torch.float32, (AttentionGroupSpec("full", tuple(range(arch.num_layers)),
+                                                                          None),),
+                       arch.hidden_size, "decode-tp2",
+                       shards=tuple(KvShardPool(r, b, h) for r, (b, h) in enumerate(zip(bufs, heads, strict=True))))
+    return spec, bufs
+
+
+def test_one_shards_writes_failing_fail_the_transfer_only_once_every_sibling_is_terminal():
+    cfg = FabricConfig(provider="tcp;ofi_rxm", node="127.0.0.1")
+    fab_p, fab_d = TransferEngine(cfg), TransferEngine(cfg)
+    sender = KvSender(fab_p)
+    try:
+        with LLM(tensor_parallel_size=2, num_blocks=48, max_model_len=256, max_batch_tokens=32,
+                 kv_connector=sender) as llm:
+            prefill = llm.engine
+            receiver = KvReceiver(fab_d, QueueEvents())
+            spec, bufs = _decode_shards(prefill.arch, pages=32)
+            receiver.register_kv_cache(spec)
+            fab_p.connect(fab_d.peer_descriptor)
+            ids = prefill.tokenize(PROMPTS[1])
+            n_pages = -(-(len(ids) - 1) // 16)
+            ticket = receiver.prepare("split", len(ids), list(range(3, 3 + n_pages)), prefill_tp=2)
+            # decode rank 1's pool under a key nothing registered: the target refuses those writes
+            good = ticket.kv_ranks[1]
+            bad = RemoteDescriptor(good.peer, good.region_id, good.base, good.key ^ 0x5A5A5A, good.length)
+            ticket = dataclasses.replace(ticket, kv_ranks=(ticket.kv_ranks[0], bad))
+            future = sender.add(ticket)
+            released = queue.SimpleQueue()
+            future.add_done_callback(lambda f: released.put(sender.outstanding_requests()))
+            prefill.add_request(ids[:-1], SamplingParams(max_tokens=1), request_id="split", prefill_only=True,
+                                hold_blocks=True)
+            while prefill.has_unfinished_requests():
+                prefill.step()
+            with pytest.raises(FabricError):
+                future.result(timeout=30)
+            assert released.get(timeout=5) == 0   # resolved only once nothing of it was in flight
+            # rank 0's runs landed (its pool holds prefill rank 0's heads 0-1), rank 1's never did
+            deadline = time.monotonic() + 10
+            while receiver.landed("split") == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            landed = receiver.landed("split")
+            assert 0 < landed < ticket.expected_writes
+            assert bufs[0][0, 0, 3].abs().sum() > 0 and bufs[1].abs().sum() == 0
+            assert receiver.tag_of("split") is not None   # still waiting: never schedulable
+            prefill.release_blocks("split")
+            prefill.check_integrity()
+            assert prefill.pool.num_used_blocks == 0
+            receiver.quarantine("split")
+    finally:
+        sender.close()
+        fab_p.close()
+        fab_d.close()
+
+
+def test_a_decode_split_off_the_head_rule_is_refused_before_any_write():
+    """The wire's per-rank layouts must follow the engine's head rule: a decode side claiming rank 0
+    holds one head and rank 1 two (of 3) is refused naming the rank, before a ticket exists."""
+    from kv_messenger.plan import KvLayout
+    from kv_messenger.ticket import TransferTicket, layout_to_pb
+    from pdserve_api.v1 import prefill_pb2
+
+    one, two = KvLayout(2, 8, 1, 16, 64, "float32"), KvLayout(2, 8, 2, 16, 64, "float32")
+    req = prefill_pb2.PrefillRequest(request_id="r", token_ids=[1, 2, 3])
+    req.sharding.tp_size, req.sharding.total_kv_heads = 2, 3
+    for r, lay in enumerate((one, two)):
+        req.kv_memory.add(tp_rank=r, descriptor=b"{}", layout=layout_to_pb(lay))
+    with pytest.raises(ValueError, match="rank 0's buffer holds 1 KV heads .* gives it 2: the split is not at"):
+        TransferTicket.from_pb(req)
