@@ -242,11 +242,7 @@ def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
-# tp2 is skipped, not xfailed: its failing run still costs four model loads (well over 20 s on this
-# machine). Flip it to run once disaggregated tensor parallelism lands (TP 2 prefill -> TP 1 decode).
-@pytest.mark.parametrize("overlay", ["1p3d", pytest.param("tp2", marks=pytest.mark.skip(
-    reason="a TP 2 prefill node serving a TP 1 decode node needs the shard-mismatch plan (issue 16); the decode "
-           "node refuses it today: KV layouts differ in kv_heads"))])
+@pytest.mark.parametrize("overlay", ["1p3d", "tp2"])
 def test_the_manifests_run_serve_and_follow_pods_that_move(overlay, tmp_path, tiny_llama):
     """1p3d: serve, then replace the decode pods; tp2: a prefill node of 2 ranks in its pod serves a
     decode node (TP 2 -> TP 1 over the fabric)."""
