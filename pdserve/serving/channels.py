@@ -30,6 +30,14 @@ Malformed requests (every server from aio_server): bytes that do not parse as th
 message are answered INVALID_ARGUMENT naming the method, the type and the parser's error
 (MalformedRequestInterceptor; grpc.aio alone answers them UNKNOWN).
 
+Interceptor order (aio_server): the token check outermost (it refuses before anything else runs),
+then the caller's interceptors, then MalformedRequestInterceptor innermost, next to the servicer's
+own handlers: those are the same objects at every call, so each method's parsing wrapper is built
+once and cached (by handler identity; a caller's interceptor such as AioExceptionToStatusInterceptor
+builds a new handler per call, which would defeat the cache if it sat inside). The token check
+caches its refusing handler per method and handler kind. Both caches hold at most
+MAX_CACHED_HANDLERS entries (methods a server registers; beyond that, handlers are built per call).
+
 Keepalive (every server and channel): a channel pings after KEEPALIVE_TIME_MS without traffic,
 also with no call in flight, and drops the connection (failing its calls with UNAVAILABLE) when a
 ping is not answered within KEEPALIVE_TIMEOUT_MS, so a stopped or partitioned peer is noticed in
@@ -61,6 +69,8 @@ TOKEN_HEADER = "authorization"        # metadata key; the value is "Bearer <toke
 MIN_TOKEN_CHARS = 16
 # Methods a server with a token still answers without one.
 TOKEN_EXEMPT = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
+
+MAX_CACHED_HANDLERS = 1024   # per interceptor: far above the methods a server registers (~20)
 
 KEEPALIVE_TIME_MS = 5_000       # idle time before a keepalive ping
 KEEPALIVE_TIMEOUT_MS = 5_000    # an unanswered ping this long closes the connection
@@ -202,6 +212,9 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str, exempt: frozenset[str] = TOKEN_EXEMPT) -> None:
         self._expected = f"Bearer {token}".encode()
         self._exempt = exempt
+        # (method, request streaming, response streaming, deserializer, serializer) -> refusing handler:
+        # everything _refusing reads, so a hit is the handler it would build
+        self._refusals: dict[tuple[Any, ...], grpc.RpcMethodHandler] = {}
 
     def authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
         got = b""
@@ -217,7 +230,14 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if self.authorized(handler_call_details.invocation_metadata):
             return handler
-        return _refusing(handler, handler_call_details.method)
+        key = (handler_call_details.method, bool(handler.request_streaming), bool(handler.response_streaming),
+               handler.request_deserializer, handler.response_serializer)
+        refusal = self._refusals.get(key)
+        if refusal is None:
+            refusal = _refusing(handler, handler_call_details.method)
+            if len(self._refusals) < MAX_CACHED_HANDLERS:
+                self._refusals[key] = refusal
+        return refusal
 
 
 def _refusing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
@@ -241,13 +261,25 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     the method, the message type and the parser's error. (grpc.aio parses before any handler or
     interceptor runs, and answers a parse error UNKNOWN "Unexpected DecodeError".) Each handler's
     request deserializer becomes the identity and the parse moves into the handler, where it can
-    abort with a status; the handler's kind and response serializer stay."""
+    abort with a status; the handler's kind and response serializer stay. The wrapper of each
+    (method, handler object) is built once (module docstring: interceptor order)."""
+
+    def __init__(self) -> None:
+        # method -> (the handler, its wrapper)
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        return _parsing(handler, handler_call_details.method)
+        method = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:   # identity: the wrapper closes over this handler
+            return cached[1]
+        wrapped = _parsing(handler, method)
+        if cached is not None or len(self._wrapped) < MAX_CACHED_HANDLERS:
+            self._wrapped[method] = (handler, wrapped)
+        return wrapped
 
 
 def _parsing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
@@ -311,9 +343,10 @@ def server_options(options: Options = ()) -> list[tuple[str, Any]]:
 def aio_server(security: ChannelSecurity, interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                options: Options = ()) -> grpc.aio.Server:
     """A grpc.aio server with keepalive, the token check first when `security` has a token, then
-    malformed requests answered INVALID_ARGUMENT (MalformedRequestInterceptor), then `interceptors`."""
+    `interceptors`, then malformed requests answered INVALID_ARGUMENT (MalformedRequestInterceptor,
+    innermost: module docstring)."""
     chain = [TokenAuthInterceptor(security.token)] if security.token else []
-    return grpc.aio.server(interceptors=[*chain, MalformedRequestInterceptor(), *interceptors],
+    return grpc.aio.server(interceptors=[*chain, *interceptors, MalformedRequestInterceptor()],
                            options=server_options(options))
 
 
