@@ -210,6 +210,7 @@ class Transfer:
     tag: int = 0                              # the attempt's imm tag (its landing names it)
     landed: asyncio.Event = field(default_factory=asyncio.Event)   # S7: the count completed, not verified yet
     corrupt: bool = False                     # S7: its checksums did not match (or could not be checked)
+    started: bool = False                     # its task began running (a task cancelled before that never does)
 
 
 @dataclass
@@ -517,6 +518,17 @@ class DecodeNode(ReceiverEvents):
             state = self.requests[rid] = RequestState(rid, handler_done=True)
         state.transfer = t
         t.task = asyncio.create_task(self._run_transfer(state, ticket))
+        t.task.add_done_callback(lambda _task: self._transfer_task_done(state, t))
+
+    def _transfer_task_done(self, state: RequestState, t: Transfer) -> None:
+        """Loop: a transfer task cancelled before its first step ran none of _run_transfer, clean-up
+        included: the attempt was sent nowhere (nothing can land), so its tag, slot and pages go now."""
+        if t.started:
+            return
+        rid = state.request_id
+        self.engine.submit(lambda: self._fail_waiting(rid, f"request {rid} cancelled"))
+        if state.handler_done and state.transfer is t:
+            self._forget(state)
 
     def _mark_landed(self, rid: str, tag: int) -> None:
         state = self.requests.get(rid)
@@ -573,6 +585,7 @@ class DecodeNode(ReceiverEvents):
         bind_request_id(state.request_id)  # this task serves one request's transfer
         assert self.pool is not None and state.transfer is not None
         t, rid = state.transfer, state.request_id
+        t.started = True
         try:
             node = self.pool.choose(exclude=state.tried, token_ids=list(t.token_ids))
             wait = self.pool.retry_in(exclude=state.tried) if node is None else None

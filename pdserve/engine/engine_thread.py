@@ -107,7 +107,14 @@ class EngineThread:
         """
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
-        rid = await self.call(lambda: self._add(prompt, params, request_id, stream, options))
+        add = asyncio.ensure_future(self.call(lambda: self._add(prompt, params, request_id, stream, options)))
+        try:
+            rid = await asyncio.shield(add)
+        except asyncio.CancelledError:
+            # The caller went away while the request was being added: the add still runs (or ran)
+            # on the engine thread, so the request is aborted once it exists, never left running.
+            add.add_done_callback(self._abort_added)
+            raise
         finished = False
         try:
             while True:
@@ -119,6 +126,16 @@ class EngineThread:
         finally:
             if not finished:
                 self.submit(lambda: self._abort(rid))
+
+    def _abort_added(self, add: asyncio.Future) -> None:
+        """Loop: the add of a request whose caller was cancelled has ended; abort what it added."""
+        if add.cancelled() or add.exception() is not None:
+            return   # nothing was added (the error reached nobody: its caller is gone)
+        rid = add.result()
+        try:
+            self.submit(lambda: self._abort(rid))
+        except EngineDeadError as e:   # the engine is gone, and the request with it
+            logger.info("request %s: not aborted after its caller left: %s", rid, e)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; True if it was still running."""

@@ -15,8 +15,8 @@ asserts, never assumes:
 - aborts did race transfers: the decode node quarantined attempts (and released them);
 - a fresh request gives the fault-free tokens;
 - once the run settles, both nodes are back to free == total with nothing quarantined, held,
-  tagged, slotted or in flight (NodeInfo.transfers): checked last, with its own error type, xfail
-  (strict) for a decode-node leak this test found (ABORT_BEFORE_TASK_START_LEAKS says what).
+  tagged, slotted or in flight (NodeInfo.transfers): checked last, with its own error type (it
+  found the two leaks described above LeftoversError, since fixed).
 Counts of where the aborts struck are printed, never asserted beyond that. Every wait is bounded.
 """
 
@@ -137,23 +137,13 @@ class LeftoversError(AssertionError):
     """A node still holds pages, tags, slots or requests after the run settled."""
 
 
-# Found by this test (decode_node/service.py and pdserve/engine/engine_thread.py, reported): a
-# request cancelled in the instant between `_start_transfer` creating its transfer task and that
-# task's first step never cleans up: DecodeNode.end() cancels the task, and a task cancelled before
-# it starts never runs its body, so `_run_transfer`'s CancelledError clean-up (quarantine, or
-# _fail_waiting) never happens: the attempt's tag and context slot stay in use and its pages stay
-# held for ever. When the cancel also struck while the Generate handler awaited
-# EngineThread.generate's `call(_add)` after the engine thread had added the request, generate()
-# raises before its try/finally, so nothing aborts the engine request either: it waits for KV for
-# ever (outstanding). Seen as {'used_blocks': 8, 'outstanding': 1, 'tags_in_use': 2,
-# 'context_slots_in_use': 2, 'held_requests': 1} on the decode node.
-ABORT_BEFORE_TASK_START_LEAKS = pytest.mark.xfail(
-    raises=LeftoversError, strict=True,
-    reason="decode node: a transfer task cancelled before its first step skips its clean-up (tag, slot and "
-           "pages leak); EngineThread.generate: a cancel right after _add never aborts the request")
+# Found by this test and fixed: a request cancelled in the instant between `_start_transfer`
+# creating its transfer task and that task's first step used to leak its tag, context slot and
+# pages (a task cancelled before it starts never runs its body: DecodeNode._transfer_task_done now
+# cleans up), and a cancel while EngineThread.generate awaited its add left the engine request
+# waiting for KV for ever (generate now aborts it once the add has run).
 
 
-@ABORT_BEFORE_TASK_START_LEAKS
 def test_300_aborts_racing_the_transfers_with_checksums(cluster):
     started = time.monotonic()
     reference, span = asyncio.run(asyncio.wait_for(_reference(cluster.url), RUN_TIMEOUT_S))
