@@ -6,6 +6,10 @@ in bench/results/faults.md.
 
     sudo .venv/bin/python bench/faults.py            # every row (~6 min on 2 cores)
     sudo .venv/bin/python bench/faults.py --rows loss-1%,loss-20%
+    sudo .venv/bin/python bench/faults.py --rows partition-long,loss-20% --update   # rerun rows in place
+
+With --update the rows run replace the same rows of the existing results file, the others stay, and
+a line under the header says which rows were rerun, when, on which machine and commit.
 
 Cluster: 1 prefill (across the wire) + 1 decode (--local-prefill-fallback) + router, as
 tests/integration/test_network_faults.py. Per row: requests completed / failed explicitly / lost
@@ -183,12 +187,28 @@ def table(results: list[tuple[Row, nf.FaultOutcome | None, str]]) -> list[str]:
     return lines
 
 
+def updated(lines: list[str], results: list[tuple[Row, nf.FaultOutcome | None, str]], note: str) -> list[str]:
+    """An existing results file (`lines`) with the table rows of `results` replaced (appended after
+    the table when absent) and `note` as its own paragraph after the run line."""
+    new = dict(zip((row.name for row, _, _ in results), table(results)[2:], strict=True))
+    out: list[str] = []
+    for line in lines:
+        name = line[2:].split(":", 1)[0] if line.startswith("| ") else None
+        out.append(new.pop(name) if name in new else line)
+    last = max(i for i, line in enumerate(out) if line.startswith("|"))
+    out[last + 1:last + 1] = list(new.values())
+    run_line = next(i for i, line in enumerate(out) if line.startswith("`sudo"))
+    return [*out[:run_line + 1], "", note, *out[run_line + 1:]]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="", help="comma-separated row names (default: all): "
                    + ", ".join(r.name for r in ROWS))
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "faults.md"))
     p.add_argument("--log-dir", default=None, help="the nodes' logs (default: a new temporary folder, kept)")
+    p.add_argument("--update", action="store_true",
+                   help="replace only the rows run in the existing --out file (the others stay) and note the rerun")
     args = p.parse_args()
     reason = nf.unavailable()
     if reason:
@@ -206,12 +226,12 @@ def main() -> int:
     results = run(rows, logs)
     commit = _git("rev-parse", "--short", "HEAD")
     dirty = _git("status", "--porcelain", "--untracked-files=no")
+    tree = f" plus uncommitted changes in the shared tree ({len(dirty.splitlines())} files)" if dirty else ""
     text = [
         "# Fault matrix (issue 15)",
         "",
         f"`sudo .venv/bin/python bench/faults.py{' --rows ' + args.rows if args.rows else ''}` on "
-        f"{started:%Y-%m-%d %H:%M} UTC, {time.monotonic() - t0:.0f} s. Machine: {_machine()}. Commit {commit}"
-        f"{f' plus uncommitted changes in the shared tree ({len(dirty.splitlines())} files)' if dirty else ''}.",
+        f"{started:%Y-%m-%d %H:%M} UTC, {time.monotonic() - t0:.0f} s. Machine: {_machine()}. Commit {commit}{tree}.",
         "",
         f"Cluster: 1 prefill node in its own network namespace, 1 decode node (--local-prefill-fallback, default "
         f"--prefill-stall {nf.STALL_S:g} s) + router in the root namespace, tcp;ofi_rxm across a veth wire "
@@ -228,6 +248,11 @@ def main() -> int:
         *table(results),
         "",
     ]
+    if args.update and Path(args.out).exists():
+        text = updated(Path(args.out).read_text().split("\n"), results,
+                       f"Rows {', '.join(r.name for r in rows)} rerun with `sudo .venv/bin/python bench/faults.py "
+                       f"--rows {','.join(r.name for r in rows)} --update` on {started:%Y-%m-%d %H:%M} UTC, "
+                       f"{time.monotonic() - t0:.0f} s. Machine: {_machine()}. Commit {commit}{tree}.")
     Path(args.out).write_text("\n".join(text))
     print("\n".join(text))
     return 0
