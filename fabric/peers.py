@@ -92,13 +92,21 @@ class PeerTable:
 
     def rebind(self, fi_addr: int, peer: PeerDescriptor) -> None:
         """A new engine now owns the endpoint name at ``fi_addr`` (a process restarted at the same
-        address said HELLO from it): messages from there are its from now on."""
+        address said HELLO from it): messages from there are its from now on. If the old engine
+        had failed at the transport, the address is reinserted as ``connect`` does (``resolve``
+        with reset: the native side's failed flag is cleared and a same-host peer's process
+        watched anew), since the failure was the old process's: without it every send to the new
+        one, the answer to its HELLO first, would fail at once (FI_EHOSTUNREACH)."""
         with self._ep.lock:
             old = self._peers.get(fi_addr)
             if old is None or old.address != peer.address:
                 return
             self._peers[fi_addr] = peer
-        logger.info("endpoint %s now belongs to %r (was %r)", peer.address.hex()[:16], peer, old)
+            failed = fi_addr in self._failed
+        logger.info("endpoint %s now belongs to %r (was %r)%s", peer.address.hex()[:16], peer, old,
+                    "; its failed state was the old engine's, cleared" if failed else "")
+        if failed:
+            self.resolve(peer, hello=False, reset=True)
 
     def known_peers(self) -> list[PeerDescriptor]:
         """Peers that may still listen (a closed peer must never be sent to:

@@ -300,13 +300,13 @@ class PrefillNode:
         self.validate(spec)
         key = spec.key
         rid = key.engine_request_id
+        await self._connect(spec.peer)   # before the checks: nothing awaits between them and the add
         if key in self._aborted:
             raise AbortedError(f"request {spec.request_id} attempt {spec.attempt} was aborted before its Prefill "
                                "arrived")
         if rid in self._active or key in self._finished:
             raise ValueError(f"request {spec.request_id!r} attempt {spec.attempt} from decode peer "
                              f"{key.decode_engine_id[:8]} was sent here before (a retry takes a new attempt)")
-        self._connect(spec.peer)
         future = self.sender.add(spec.target, rid)     # before the engine sees the request
         # Once nothing of the transfer is in flight, free the request's held blocks (D11).
         future.add_done_callback(lambda _f, rid=rid: self._on_release(rid))
@@ -397,12 +397,14 @@ class PrefillNode:
         await job.queued.wait()   # never abort before the add: the add would then run unchecked
         await self.engine.abort(job.request_id)   # hold_blocks: the blocks stay until the release
 
-    def _connect(self, peer: PeerDescriptor) -> None:
+    async def _connect(self, peer: PeerDescriptor) -> None:
+        """Shake hands with a decode node's fabric engine once (TransferEngine.connect, bounded by its
+        5 s timeout), in a worker thread: the loop keeps answering meanwhile (GetNodeInfo, aborts)."""
         if peer.engine_id in self._peers:
             self._peers.move_to_end(peer.engine_id)
             return
         try:
-            self.transport.connect(peer)
+            await asyncio.to_thread(self.transport.connect, peer)
         except FabricError as e:
             raise UnavailableError(f"cannot reach the decode node's fabric peer {peer.engine_id[:8]} "
                                    f"(pid {peer.pid}): {e}") from e

@@ -20,8 +20,8 @@ The test strikes prefill-0 with SIGKILL while it has a transfer in flight, start
 - afterwards every node is back to free == total with nothing quarantined, held, tagged, slotted or
   in flight (NodeInfo.transfers), and the decode node's pdserve:kv_stale_writes_total is 0;
 - then (the second test) fresh requests are prefilled by the restarted process (its
-  pdserve:prefill_requests_total{ok} moves) with the fault-free tokens: xfail (strict), a fabric bug
-  found here (RESTART_SAME_ADDRESS_NEVER_SERVES says what).
+  pdserve:prefill_requests_total{ok} moves) with the fault-free tokens (it found the fabric bug
+  described above that test, since fixed).
 Timings are printed, never asserted. Every wait is bounded.
 """
 
@@ -203,21 +203,11 @@ class NotServedByTheRestartError(AssertionError):
     """The restarted process prefilled no fresh request within SERVED_WITHIN_S."""
 
 
-# Found by this test (fabric/, reported): the decode node marks the dead process's fabric address
-# failed (fabric.peers._failed, and pdf_peer.failed in pdf_core.c); the restarted process's HELLO
-# from the same address rebinds it (PeerTable.rebind) but nothing clears the failed state, so
-# every send there, the HELLO's answer first, fails at once with FI_EHOSTUNREACH ("send N to
-# fi_addr 0: No route to host" in the decode log). The prefill node's connect() then times out
-# after 5 s on its event loop (prefill_node.service._connect: a blocking call on the loop, so its
-# GetNodeInfo misses the deadline meanwhile and the decode node marks it down), the Prefill
-# answers UNAVAILABLE, and the restarted process can never serve that decode node.
-RESTART_SAME_ADDRESS_NEVER_SERVES = pytest.mark.xfail(
-    raises=NotServedByTheRestartError, strict=True,
-    reason="fabric: a HELLO from a restarted process at a failed peer's address does not clear the failed "
-           "state; every answer to it fails with FI_EHOSTUNREACH")
-
-
-@RESTART_SAME_ADDRESS_NEVER_SERVES
+# Found by this test and fixed: the restarted process's HELLO from the dead one's address rebinds
+# it (PeerTable.rebind), which did not clear the failed state the old process left (fabric.peers
+# and pdf_peer.failed), so every send there, the HELLO's answer first, failed with FI_EHOSTUNREACH;
+# rebind now reinserts a failed address as connect() does. The prefill node's connect() also ran
+# on its event loop (5 s, GetNodeInfo unanswered meanwhile); it runs in a worker thread now.
 def test_new_requests_are_served_by_the_restarted_process(cluster):
     """Runs after the restart test (module order): fresh requests reach the restarted prefill-0."""
     name = "prefill-0"
