@@ -236,7 +236,8 @@ def run_pairs(args: argparse.Namespace, pairs: list[Pair], lengths: list[int]) -
             live = [r for r in runs if r.error is None]
             print(f"round {rnd}: " + "; ".join(
                 f"{r.pair.name} " + ", ".join(f"{n}: {r.samples[n][-1]['server_ttft_s'] * 1e3:.0f} ms" for n in lengths
-                                              if r.samples.get(n)) for r in live), flush=True)
+                                              if rnd < args.repeats_at[n] and r.samples.get(n)) for r in live),
+                  flush=True)
     return runs
 
 
