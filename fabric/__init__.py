@@ -12,6 +12,9 @@ Public API (the only names other packages import):
         .imm_counter and stats()
     FabricConfig, FabricError, MemoryRegion, RemoteDescriptor, PeerDescriptor,
     ImmCounter, IMM_TAG_MAX (the largest immediate-data tag)
+    fabric.topology: the host's NUMA nodes and NIC locality from /sys,
+        numa_node_of(address, length), choose() (D16; used by
+        kv_messenger.placement and `pdserve topology`)
 
 Inside (only fabric's own tests name these): backend
 (TransferBackend, the transport interface and its ownership / threading

@@ -1,5 +1,6 @@
 """Host topology for D16: NUMA nodes, their CPUs and distances, and where each NIC sits, read from
-sysfs; and a pure chooser of the NIC and CPUs closest to a shard's memory.
+sysfs; the NUMA node a memory range of this process is on; and a pure chooser of the NIC and CPUs
+closest to a shard's memory.
 
 Read (under `root`, default /sys; tests pass a fake tree):
 - /devices/system/node/node<N>/cpulist   CPUs of node N ("0-3,8,10-11"; empty for memory-only nodes)
@@ -18,13 +19,29 @@ the nearest node by distance (ties: an RDMA device before an interface, then by 
 The libfabric domain is inferred where the provider's naming is known: verbs -> the RDMA device
 name, efa -> "<device>-rdm", tcp / sockets -> the interface name, shm -> "shm" (no NIC).
 
+`numa_node_of(address, length)`: the NUMA node whose memory backs a range of this process, from
+the move_pages(2) query form (nodes=NULL: report, move nothing) on at most `max_pages` pages
+spread over it. A page this process has not mapped yet (status -ENOENT) is looked up in the page
+cache with mincore(2): resident there (a shared-memory page another process, e.g. a TP worker
+rank, has written) it is mapped by reading one byte through /proc/self/mem, which allocates
+nothing and cannot fault the process; not resident it is counted `untouched` and left alone
+(faulting it in would commit memory on the caller's node and make the answer self-fulfilling).
+The result says "unknown" (node None, with the reason) when no sampled page is resident, when
+no node holds more than half of those that are, or when the kernel has no NUMA support or
+refuses the call (ENOSYS, EPERM from a seccomp profile); it never guesses.
+
 Malformed files raise TopologyError (a ValueError) naming the path and the text. Nothing here
-blocks beyond reading small sysfs files.
+blocks: small sysfs reads, and for numa_node_of at most 2 move_pages calls, `max_pages` mincore
+calls and `max_pages` one-byte reads of pages already in memory (minor faults, no I/O).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
 import os
+import platform
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +121,17 @@ def parse_cpulist(text: str, path: str = "<cpulist>") -> tuple[int, ...]:
         lo = int(m.group(1))
         cpus.update(range(lo, int(m.group(2) or lo) + 1))
     return tuple(sorted(cpus))
+
+
+def format_cpulist(cpus) -> str:
+    """(0, 1, 2, 3, 8, 10, 11) -> "0-3,8,10-11"; () -> "" (the inverse of parse_cpulist)."""
+    runs: list[list[int]] = []
+    for c in sorted(set(cpus)):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _read(path: Path) -> str:
@@ -216,3 +244,116 @@ def choose(topology: Topology, numa_node: int, provider: str | None = None) -> P
     where = "on the memory's node" if nic.numa_node == numa_node else \
         f"on node {nic.numa_node}, distance {here.distances[ids.index(nic.numa_node)]}: the nearest"
     return Placement(numa_node, nic, nic.domain(provider), cpus, cpu_id, f"{nic.kind} NIC {nic.name} {where}")
+
+
+# --- where a memory range lives -----------------------------------------------------------------
+
+# move_pages(2) by machine: x86-64's table, and the generic one (asm-generic/unistd.h) of arm64,
+# riscv64 and loongarch64. Another machine: the result is unknown, named as such.
+_MOVE_PAGES = {"x86_64": 279, "aarch64": 239, "arm64": 239, "riscv64": 239, "loongarch64": 239}
+MAX_SAMPLED_PAGES = 64
+
+
+@dataclass(frozen=True)
+class MemoryLocality:
+    """Where a memory range's sampled pages are (numa_node_of)."""
+
+    node: int | None                    # the node holding more than half of the resident sampled pages; None: unknown
+    pages: tuple[tuple[int, int], ...]  # (node, sampled pages on it), by node
+    sampled: int                        # pages asked about
+    untouched: int                      # sampled pages not in memory yet (never written by any process)
+    unmapped: int                       # sampled pages without a page to report (-EFAULT: no mapping, zero page, ...)
+    reason: str                         # the answer in words
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    libc.mincore.restype = ctypes.c_int
+    return libc
+
+
+def _move_pages_status(libc: ctypes.CDLL, nr: int, pages: list[int]) -> list[int] | int:
+    """Each page's node or -errno (move_pages with nodes=NULL), or the call's errno when it failed."""
+    arr = (ctypes.c_void_p * len(pages))(*pages)
+    status = (ctypes.c_int * len(pages))()
+    rc = libc.syscall(ctypes.c_long(nr), ctypes.c_int(0), ctypes.c_ulong(len(pages)), arr, None, status,
+                      ctypes.c_int(0))
+    if rc < 0:
+        return ctypes.get_errno()
+    return list(status)
+
+
+def _unknown(sampled: int, reason: str) -> MemoryLocality:
+    return MemoryLocality(None, (), sampled, 0, 0, reason)
+
+
+def numa_node_of(address: int, length: int, max_pages: int = MAX_SAMPLED_PAGES) -> MemoryLocality:
+    """The NUMA node backing [address, address + length) of this process (see the module docstring):
+    ValueError for a non-positive address, length or max_pages; otherwise a MemoryLocality whose
+    `node` is None, with the reason, whenever the pages do not say."""
+    if not isinstance(address, int) or address <= 0:
+        raise ValueError(f"numa_node_of: address must be a positive integer, got {address!r}")
+    if not isinstance(length, int) or length <= 0:
+        raise ValueError(f"numa_node_of: length must be a positive integer, got {length!r}")
+    if not isinstance(max_pages, int) or max_pages < 1:
+        raise ValueError(f"numa_node_of: max_pages must be >= 1, got {max_pages!r}")
+    page = mmap.PAGESIZE
+    first, last = address // page, (address + length - 1) // page
+    count = last - first + 1
+    if count <= max_pages:
+        idx = list(range(count))
+    else:   # evenly spread, first and last page included
+        idx = sorted({round(i * (count - 1) / (max_pages - 1)) for i in range(max_pages)} if max_pages > 1 else {0})
+    pages = [(first + i) * page for i in idx]
+    machine = platform.machine()
+    nr = _MOVE_PAGES.get(machine)
+    if nr is None:
+        return _unknown(len(pages), f"no move_pages(2) syscall number known for machine {machine!r}")
+    libc = _libc()
+    status = _move_pages_status(libc, nr, pages)
+    if isinstance(status, int):
+        what = {errno.ENOSYS: "the kernel has no NUMA support",
+                errno.EPERM: "the call is not permitted here (a seccomp profile?)"}.get(status, os.strerror(status))
+        return _unknown(len(pages), f"move_pages(2) failed with {errno.errorcode.get(status, status)}: {what}")
+    absent = [i for i, s in enumerate(status) if s == -errno.ENOENT]
+    if absent:
+        # Not mapped in this process: map those the page cache holds (shared memory written elsewhere).
+        vec = (ctypes.c_ubyte * 1)()
+        resident = [i for i in absent if libc.mincore(ctypes.c_void_p(pages[i]), page, vec) == 0 and vec[0] & 1]
+        if resident:
+            fd = os.open("/proc/self/mem", os.O_RDONLY)
+            try:
+                for i in resident:
+                    try:
+                        os.pread(fd, 1, pages[i])
+                    except OSError:   # EIO: not readable (e.g. PROT_NONE); its status stays -ENOENT
+                        continue
+            finally:
+                os.close(fd)
+            again = _move_pages_status(libc, nr, [pages[i] for i in resident])
+            if isinstance(again, list):
+                for i, s in zip(resident, again, strict=True):
+                    status[i] = s
+    per_node: dict[int, int] = {}
+    for s in status:
+        if s >= 0:
+            per_node[s] = per_node.get(s, 0) + 1
+    untouched = sum(1 for s in status if s == -errno.ENOENT)
+    unmapped = len(status) - untouched - sum(per_node.values())
+    held = tuple(sorted(per_node.items()))
+    resident_n = sum(per_node.values())
+    counts = ", ".join(f"node {n}: {c}" for n, c in held)
+    if resident_n == 0:
+        return MemoryLocality(None, held, len(pages), untouched, unmapped,
+                              f"none of the {len(pages)} sampled pages is in memory ({untouched} never written, "
+                              f"{unmapped} without a page)")
+    node, top = max(per_node.items(), key=lambda kv: (kv[1], -kv[0]))
+    if 2 * top <= resident_n:
+        return MemoryLocality(None, held, len(pages), untouched, unmapped,
+                              f"the sampled pages are spread over nodes ({counts}), none holds more than half")
+    return MemoryLocality(node, held, len(pages), untouched, unmapped,
+                          f"{top} of {resident_n} resident sampled pages on node {node}"
+                          + (f" ({counts})" if len(held) > 1 else "")
+                          + (f"; {untouched} not in memory yet" if untouched else ""))
