@@ -3,6 +3,7 @@
     pdserve generate [--model PATH | --url HOST:PORT] [--max-tokens N] [--temperature T] [--json] [--chat] PROMPT...
     pdserve up [--prefill N] [--decode M | --colocated M] [--port P]
     pdserve simulate --output-lengths 5,50,8,12,40,3,30,7 --slots 4 [--json]
+    pdserve topology [--tp N] [--provider PROVIDER] [--sys ROOT]   (NUMA nodes, NICs, KV shard placement)
 """
 
 from __future__ import annotations
@@ -141,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.tools.deploy import add_deploy_parser
 
     add_deploy_parser(sub)
+
+    from pdserve.tools.topology import add_topology_parser
+
+    add_topology_parser(sub)
 
     s = sub.add_parser("simulate", help="run the real scheduler without a model: static vs continuous batching")
     s.add_argument("--output-lengths", default="5,50,8,12,40,3,30,7", help="comma-separated output lengths")
