@@ -16,7 +16,11 @@ Tensor parallelism (E22): with a `TensorParallelGroup` the runner sends each pas
 StepMessage: token ids, positions, the attention batches) to the worker ranks before running the
 leader's own shard; the layers' row-parallel folds are the collectives. Any failure inside a TP
 pass fails the group for good (the ranks can no longer be in step): TensorParallelError.
-`tensor_parallel_plan` / `start_tensor_parallel` are what the engine calls to set it up.
+`tensor_parallel_plan` / `start_tensor_parallel` are what the engine calls to set it up. A hybrid
+model (Gemma 3) sends both attention batches in each StepMessage (one per window; a worker gives
+each layer the batch of its window, pdserve/parallel/worker.py `layer_plans`); every rank writes
+its KV heads of both groups' pages into its own pool, whose layout is the same
+[layers, 2, pages, rank_kv_heads, P, D] as at TP 1, with the leader's one block table per group.
 """
 
 from __future__ import annotations
@@ -227,14 +231,19 @@ class ModelRunner:
         return ModelOutput(logits=logits, hidden=hidden, chunk_rows=rows)
 
 
+# Families whose model classes take a tensor-parallel shard (pdserve/model/tp.py).
+TP_FAMILIES = ("llama", "gemma3")
+
+
 def tensor_parallel_plan(tensor_parallel_size: int, arch: ModelArch) -> TensorParallelPlan | None:
     """The model's split over the engine's ranks (None at TP 1); ValueError naming the counts when it
-    cannot be made, or for models tensor parallelism does not run (hybrid attention, Gemma 3)."""
+    cannot be made, or for a family tensor parallelism does not run. Hybrid attention runs where its
+    family does (Gemma 3); a Llama-family hybrid is refused by the model registry either way."""
     if tensor_parallel_size == 1:
         return None
-    if arch.is_hybrid or arch.family != "llama":
-        raise ValueError(f"tensor_parallel_size {tensor_parallel_size}: tensor parallelism runs Llama-family "
-                         f"models with one attention kind, not model_type {arch.model_type!r}")
+    if arch.family not in TP_FAMILIES:
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size}: tensor parallelism runs the families "
+                         f"{TP_FAMILIES}, not {arch.family!r} (model_type {arch.model_type!r})")
     return plan_tensor_parallel(arch.num_heads, arch.num_kv_heads, arch.intermediate_size, tensor_parallel_size)
 
 

@@ -62,6 +62,13 @@ class ModelArch:
         """Some layers full, some sliding (Gemma 3): they read different attention groups."""
         return len(set(self.layer_types)) > 1
 
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer, the attention window its queries see: sliding_window for a sliding layer,
+        None (full attention) otherwise. A pass's attention batches are one per window in use
+        (pdserve/engine/runner.py), so this names the batch each layer reads."""
+        return tuple(self.sliding_window if t == SLIDING_ATTENTION else None for t in self.layer_types)
+
     @classmethod
     def from_hf_config(cls, config: object) -> "ModelArch":
         model_type = getattr(config, "model_type", None)

@@ -20,6 +20,18 @@ The forward contract is `LlamaForCausalLM`'s, with one addition: `plan` may be a
 (one backend plan per layer), which a hybrid model needs because its sliding and full layers read
 different attention batches. The layer hook fires after each layer's attention output
 projection (D7).
+
+Tensor parallelism (pdserve/model/tp.py) splits Gemma 3 as it splits the Llama family: a rank
+holds the q|k|v rows of its heads (its KV heads' GQA groups, or its share of a replicated KV
+head's group) and its whole fold blocks of gate|up, and its row-parallel o_proj / down_proj
+continue the ranks' fold (`set_tp_comm`). The per-head q/k norms work on whatever heads a rank
+holds; the embedding (and its sqrt(hidden) scale), the four sandwich norms of each layer and the
+residual stream are replicated on every rank, computed from the same broadcast sums, so every rank
+holds the same bits. Every rank's layers of both kinds write their own KV heads into their own
+pool (one pool of [layers, 2, pages, rank_kv_heads, P, D], whatever group table a page belongs
+to). The leader alone applies the final norm, lm_head and soft-capping (`forward`); a worker rank
+runs `forward_layers`. With `tp_invariant` (float32) o_proj and down_proj sum in the same fixed
+fold blocks at every TP size, so TP 1 and TP N give the same bits, as for the Llama family.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ from pdserve.model.layers import (
     load_embedding_and_head,
 )
 from pdserve.model.llama import LayerHook
+from pdserve.model.tp import RankShard, TPComm, row_fold_block, single_rank
 from pdserve.model.weights import CheckpointReader
 
 
@@ -70,12 +83,18 @@ class GemmaRMSNorm(nn.Module):
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, shard: RankShard, invariant: bool) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedColumnLinear(arch.hidden_size, [q_size, kv_size, kv_size], arch.attention_bias, dtype)
-        self.o_proj = RowLinear(q_size, arch.hidden_size, arch.attention_bias, dtype)
+        D = arch.head_dim
+        q0, q1 = shard.q_heads
+        kv0, kv1 = shard.kv_heads[0], shard.kv_heads[-1] + 1
+        # this rank's heads (all of them at TP 1)
+        self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, kv1 - kv0, D
+        q_size, kv_size = arch.num_heads * D, arch.num_kv_heads * D
+        self.qkv_proj = MergedColumnLinear(arch.hidden_size, [q_size, kv_size, kv_size], arch.attention_bias, dtype,
+                                           part_rows=[(q0 * D, q1 * D), (kv0 * D, kv1 * D), (kv0 * D, kv1 * D)])
+        self.o_proj = RowLinear(q_size, arch.hidden_size, arch.attention_bias, dtype, in_cols=(q0 * D, q1 * D),
+                                fold_block=row_fold_block(shard.o_fold_heads * D, dtype, invariant))
         self.q_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps, dtype)
         self.k_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps, dtype)
         self.scale = arch.attention_scale
@@ -100,11 +119,12 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3MLP(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, shard: RankShard, invariant: bool) -> None:
         super().__init__()
-        inter = arch.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(arch.hidden_size, [inter, inter], False, dtype)
-        self.down_proj = RowLinear(inter, arch.hidden_size, False, dtype)
+        inter, rows = arch.intermediate_size, shard.mlp_rows
+        self.gate_up_proj = MergedColumnLinear(arch.hidden_size, [inter, inter], False, dtype, part_rows=[rows, rows])
+        self.down_proj = RowLinear(inter, arch.hidden_size, False, dtype, in_cols=rows,
+                                   fold_block=row_fold_block(shard.mlp_block, dtype, invariant))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))              # [T, inter] each
@@ -112,14 +132,14 @@ class Gemma3MLP(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, shard: RankShard, invariant: bool) -> None:
         super().__init__()
         eps, hidden = arch.rms_norm_eps, arch.hidden_size
         self.input_layernorm = GemmaRMSNorm(hidden, eps, dtype)
-        self.self_attn = Gemma3Attention(arch, dtype)
+        self.self_attn = Gemma3Attention(arch, dtype, shard, invariant)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype)
-        self.mlp = Gemma3MLP(arch, dtype)
+        self.mlp = Gemma3MLP(arch, dtype, shard, invariant)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype)
 
     def norms(self) -> dict[str, GemmaRMSNorm]:
@@ -136,7 +156,11 @@ class Gemma3DecoderLayer(nn.Module):
 
 class Gemma3ForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch, hf_config: object, dtype: torch.dtype, max_positions: int,
-                 small_batch_max_tokens: int = MAX_ROWS) -> None:
+                 small_batch_max_tokens: int = MAX_ROWS, shard: RankShard | None = None,
+                 tp_invariant: bool = False) -> None:
+        """shard: what this tensor-parallel rank holds (pdserve/model/tp.py); None: TP 1.
+        tp_invariant: sum o_proj / down_proj in the fixed fold blocks (float32: TP N == TP 1 bit for
+        bit); False: each rank's share in one block (as LlamaForCausalLM)."""
         super().__init__()
         if arch.family != "gemma3":
             raise ValueError(f"Gemma3ForCausalLM cannot run model_type {arch.model_type!r} (family {arch.family!r})")
@@ -145,11 +169,13 @@ class Gemma3ForCausalLM(nn.Module):
         if not 0 <= small_batch_max_tokens <= MAX_ROWS:
             raise ValueError(f"small_batch_max_tokens must be in [0, {MAX_ROWS}], got {small_batch_max_tokens}")
         self.arch = arch
+        self.shard = shard or single_rank(arch.num_heads, arch.num_kv_heads, arch.intermediate_size)
         self.embed_tokens, self.lm_head_weight = embedding_and_head(   # lm_head_weight: [V, hidden]
             arch.vocab_size, arch.hidden_size, arch.tie_word_embeddings, dtype)
         # The reference keeps sqrt(hidden) as a float32 scalar and rounds it to the model dtype.
         self.register_buffer("embed_scale", torch.tensor(arch.hidden_size**0.5).to(dtype), persistent=False)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(arch, dtype) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(arch, dtype, self.shard, tp_invariant)
+                                    for _ in range(arch.num_layers))
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         # One rotary table per layer type in use: local base for sliding layers, global for full.
         self.layer_types = arch.layer_types
@@ -170,24 +196,46 @@ class Gemma3ForCausalLM(nn.Module):
         logits_indices: torch.Tensor,   # [S] rows whose next-token logits are wanted
         layer_hook: LayerHook | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [S, V] float32, final hidden [S, hidden]
-        plans = self._layer_plans(plan)
-        h = self.embed_tokens(input_ids) * self.embed_scale                    # [T, hidden]
-        cos_sin = {t: rope.tables(positions) for t, rope in self.ropes.items()}
-        for i, layer in enumerate(self.layers):
-            residual = h
-            a = layer.self_attn(layer.input_layernorm(h), cos_sin[self.layer_types[i]],
-                                k_pools[i], v_pools[i], backend, plans[i])
-            if layer_hook is not None:
-                layer_hook(i)
-            h = residual + layer.post_attention_layernorm(a)
-            residual = h
-            h = residual + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+        h = self.forward_layers(input_ids, positions, k_pools, v_pools, backend, plan, layer_hook)  # [T, hidden]
         last = self.norm(h[logits_indices])                                    # [S, hidden]
         logits = linear(last, self.lm_head_weight)                           # [S, V]
         cap = self.arch.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float(), last
+
+    @torch.inference_mode()
+    def forward_layers(
+        self,
+        input_ids: torch.Tensor,        # [T]
+        positions: torch.Tensor,        # [T]
+        k_pools: list[torch.Tensor],    # per layer [N, Hkv, P, D] (this rank's KV heads)
+        v_pools: list[torch.Tensor],
+        backend: AttentionBackend,
+        plan: object,                   # one backend plan for every layer, or LayerPlans
+        layer_hook: LayerHook | None = None,
+    ) -> torch.Tensor:                  # h [T, hidden]: the residual stream after the last layer
+        """The scaled embedding and the decoder layers (what a tensor-parallel worker rank runs:
+        the leader alone applies the final norm, lm_head and soft-capping)."""
+        plans = self._layer_plans(plan)
+        h = self.embed_tokens(input_ids) * self.embed_scale                    # [T, hidden]
+        cos_sin = {t: rope.tables(positions) for t, rope in self.ropes.items()}
+        for i, layer in enumerate(self.layers):
+            residual = h
+            a = layer.self_attn(layer.input_layernorm(h), cos_sin[self.layer_types[i]],
+                                k_pools[i], v_pools[i], backend, plans[i])    # o_proj folded over the ranks
+            if layer_hook is not None:
+                layer_hook(i)
+            h = residual + layer.post_attention_layernorm(a)
+            residual = h
+            h = residual + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+        return h
+
+    def set_tp_comm(self, comm: TPComm) -> None:
+        """Connect every row-parallel layer to this rank's group (pdserve/parallel)."""
+        for layer in self.layers:
+            layer.self_attn.o_proj.comm = comm
+            layer.mlp.down_proj.comm = comm
 
     def _layer_plans(self, plan: object) -> tuple[object, ...] | list[object]:
         if isinstance(plan, LayerPlans):

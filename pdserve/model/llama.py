@@ -39,16 +39,10 @@ from pdserve.model.layers import (
     embedding_and_head,
     load_embedding_and_head,
 )
-from pdserve.model.tp import RankShard, TPComm, single_rank
+from pdserve.model.tp import RankShard, TPComm, row_fold_block, single_rank
 from pdserve.model.weights import CheckpointReader
 
 LayerHook = Callable[[int], None]
-
-
-def _fold(block: int, dtype: torch.dtype, invariant: bool) -> int | None:
-    """A row-parallel layer's fold block: TP-invariant blocks for float32 (pdserve/model/tp.py),
-    None (one block: each rank's whole share) when tp_invariant is off or for other dtypes."""
-    return block if invariant and dtype == torch.float32 else None
 
 
 class Attention(nn.Module):
@@ -63,7 +57,7 @@ class Attention(nn.Module):
         self.qkv_proj = MergedColumnLinear(arch.hidden_size, [q_size, kv_size, kv_size], arch.attention_bias, dtype,
                                            part_rows=[(q0 * D, q1 * D), (kv0 * D, kv1 * D), (kv0 * D, kv1 * D)])
         self.o_proj = RowLinear(q_size, arch.hidden_size, False, dtype, in_cols=(q0 * D, q1 * D),
-                                fold_block=_fold(shard.o_fold_heads * D, dtype, invariant))
+                                fold_block=row_fold_block(shard.o_fold_heads * D, dtype, invariant))
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -95,7 +89,7 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnLinear(arch.hidden_size, [inter, inter], arch.mlp_bias, dtype,
                                                part_rows=[rows, rows])
         self.down_proj = RowLinear(inter, arch.hidden_size, arch.mlp_bias, dtype, in_cols=rows,
-                                   fold_block=_fold(shard.mlp_block, dtype, invariant))
+                                   fold_block=row_fold_block(shard.mlp_block, dtype, invariant))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
         return self.down_proj.forward(silu_mul(self.gate_up_proj.forward(x)))  # [T, 2 inter] -> [T, inter]

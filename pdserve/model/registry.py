@@ -56,18 +56,10 @@ def build_model(arch: ModelArch, hf_config: object, dtype: torch.dtype, max_mode
     """An empty model (weights not loaded) for `arch`, with rotary tables for max_model_len positions;
     passes of at most small_batch_max_tokens float32 tokens run the C-op layer ops where the
     model has them (EngineConfig.small_batch_max_tokens; 0: never). shard: a tensor-parallel
-    rank's share (pdserve/model/tp.py; Llama-family models only); None: the whole model.
-    tp_invariant: the TP-invariant fold of the row-parallel layers (Llama family; EngineConfig)."""
+    rank's share (pdserve/model/tp.py; every family); None: the whole model.
+    tp_invariant: the TP-invariant fold of the row-parallel layers (EngineConfig)."""
     if max_model_len < 1:
         raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
     cls = model_class(arch, hf_config)
-    if shard is not None and shard.tp_size > 1:
-        if cls is not LlamaForCausalLM:
-            raise ValueError(f"tensor_parallel_size {shard.tp_size}: tensor parallelism runs Llama-family models "
-                             f"only, not model_type {arch.model_type!r}")
-        return cls(arch, hf_config, dtype, max_model_len, small_batch_max_tokens=small_batch_max_tokens,
-                   shard=shard, tp_invariant=tp_invariant)
-    if cls is LlamaForCausalLM:
-        return cls(arch, hf_config, dtype, max_model_len, small_batch_max_tokens=small_batch_max_tokens,
-                   tp_invariant=tp_invariant)
-    return cls(arch, hf_config, dtype, max_model_len, small_batch_max_tokens=small_batch_max_tokens)
+    return cls(arch, hf_config, dtype, max_model_len, small_batch_max_tokens=small_batch_max_tokens,
+               shard=shard, tp_invariant=tp_invariant)

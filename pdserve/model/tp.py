@@ -1,5 +1,7 @@
-"""Tensor parallelism of a Llama-family model: which heads and MLP rows each rank holds, and the
-TP-invariant fold of the row-parallel sums (E22, issue 16).
+"""Tensor parallelism of a decoder (Llama family and Gemma 3): which heads and MLP rows each rank
+holds, and the TP-invariant fold of the row-parallel sums (E22, issue 16). Both families split the
+same way: column-parallel q|k|v and gate|up, row-parallel o_proj and down_proj; everything else
+(embedding, norms, Gemma's embedding scale and q/k norms, which are per head) is replicated.
 
 Head assignment (`shard_kv_heads`, `shard_query_heads`), K KV heads over N ranks:
 
@@ -173,6 +175,12 @@ def plan_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: i
         ranks.append(RankShard(r, tp_size, kv[r], q[r], rows, block, o_heads))
         start += n
     return TensorParallelPlan(tp_size, num_heads, num_kv_heads, intermediate_size, tuple(ranks))
+
+
+def row_fold_block(block: int, dtype: torch.dtype, invariant: bool) -> int | None:
+    """A row-parallel layer's fold block: the TP-invariant `block` for float32 models when
+    tp_invariant is on, None (one block: each rank's whole share) when it is off or for other dtypes."""
+    return block if invariant and dtype == torch.float32 else None
 
 
 def single_rank(num_heads: int, num_kv_heads: int, intermediate_size: int) -> RankShard:

@@ -5,7 +5,9 @@ leader's messages: one StepMessage per forward pass, or stop) and `status_fd` (t
 one byte once its shard is loaded and its pool mapped, just before joining the gloo group).
 It loads its shard of the model, maps its KV pool from the leader's shared-memory file, joins the
 group, then for each step message runs the embedding and the decoder layers on its shard (the
-row-parallel folds are collectives with the other ranks); the leader alone samples.
+row-parallel folds are collectives with the other ranks); the leader alone samples. A hybrid
+model's pass (Gemma 3: sliding and full layers) carries one attention batch per window; each layer
+runs on the batch of its window (`layer_plans`), as the leader's runner gives it.
 
 It dies with the leader: the control pipe reads end-of-file when the leader's end closes (exit,
 crash or SIGKILL), and a watchdog thread exits the process when its parent pid changes (a rank
@@ -29,6 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pdserve.kernels.attention import get_backend
+from pdserve.kernels.attention.base import AttentionBackend, AttentionBatch, LayerPlans
 from pdserve.model.arch import ModelArch
 from pdserve.model.loader import iter_weights, load_config, resolve_model
 from pdserve.model.registry import build_model
@@ -112,6 +115,22 @@ class WorkerSpec:
         return WorkerSpec(**d)
 
 
+def layer_plans(arch: ModelArch, backend: AttentionBackend, batches: tuple[AttentionBatch, ...]) -> object:
+    """The backend plan the model takes for one pass: the one batch's plan, or (several batches: a
+    hybrid model) a LayerPlans giving each layer the plan of the batch with its window (the
+    leader's runner sends one batch per distinct window). ValueError naming the windows when the
+    batches do not match the model's layers."""
+    plans = [backend.plan(b) for b in batches]
+    if len(plans) == 1:
+        return plans[0]
+    by_window = {b.window: i for i, b in enumerate(batches)}
+    windows = arch.layer_windows
+    if len(by_window) != len(batches) or set(by_window) != set(windows):
+        raise ValueError(f"tensor-parallel worker: attention batches of windows {[b.window for b in batches]} "
+                         f"do not match the model's layer windows {sorted(set(windows), key=str)}")
+    return LayerPlans(tuple(plans[by_window[w]] for w in windows))
+
+
 def _watchdog(leader_pid: int) -> None:
     while True:
         time.sleep(WATCHDOG_S)
@@ -152,11 +171,8 @@ def run(spec: WorkerSpec) -> int:
             if payload_kind(payload) == KIND_STOP:
                 return 0
             msg = StepMessage.decode(payload, kv_heads)
-            if len(msg.batches) != 1:
-                raise ValueError(f"tensor-parallel worker: {len(msg.batches)} attention batches in one pass "
-                                 f"(hybrid models do not run under tensor parallelism)")
             model.forward_layers(msg.input_ids, msg.positions, k_pools, v_pools, backend,
-                                 backend.plan(msg.batches[0]))
+                                 layer_plans(arch, backend, msg.batches))
     finally:
         comm.close()
 
