@@ -101,16 +101,15 @@ def layout_of(spec: KvCacheSpec) -> KvLayout:
 
 
 def check_transferable(spec: KvCacheSpec) -> None:
-    """Raise UnsupportedModelError unless every layer of the model keeps its KV in the one "full"
-    attention group.
+    """Raise UnsupportedModelError unless the model's KV can be moved by the messenger.
 
-    The messenger sends the pages of the "full" group's block table only, at the same block ids
-    in every layer. A sliding-window or hybrid model (Gemma 3: "full" and "sliding" groups, E8)
-    keeps its sliding layers' KV in another table with other block ids, so a prefill/decode pair
-    would silently decode over KV that never arrived. Until the messenger sends every group's
-    pages, such models run colocated only.
+    Every attention group travels (E8): the "full" group's pages in its layers, and a hybrid
+    model's sliding-window group (Gemma 3) in its own layers, at its own block ids, only the pages
+    the decode side's first step reads (`window_first_page`). A model with no full-attention layer
+    (sliding only) is refused: the request's token pages are named by the full group's table.
     """
-    if [g.name for g in spec.groups] == ["full"]:
+    names = [g.name for g in spec.groups]
+    if "full" in names and set(names) <= {"full", "sliding"} and len(set(names)) == len(names):
         return
     described = []
     for g in spec.groups:
@@ -119,7 +118,13 @@ def check_transferable(spec: KvCacheSpec) -> None:
         described.append(f"{g.name!r} ({len(g.layers)} {noun}: {list(g.layers)}{window})")
     raise UnsupportedModelError(
         f"model {spec.model_name!r} cannot be served by prefill/decode nodes: its KV cache has attention "
-        f"groups {', '.join(described)}, but the KV messenger transfers only the 'full' group's pages, so the "
-        f"sliding-window layers' KV would never reach the decode node (wrong output, no error). Sliding-window "
-        f"and hybrid models are not supported in disaggregated mode yet; serve this model colocated "
-        f"(decode node --colocated, pdserve up --colocated N)")
+        f"groups {', '.join(described)}, and the KV messenger needs a 'full' group (plus at most one 'sliding' "
+        f"group) to name a request's pages. Serve this model colocated (decode node --colocated, "
+        f"pdserve up --colocated N)")
+
+
+def window_first_page(num_prefill_tokens: int, sliding_window: int, page_size: int) -> int:
+    """The first request page a sliding-window layer's first decode step reads: that step's query
+    sits at position num_prefill_tokens (D17) and attends back `sliding_window` positions, to
+    num_prefill_tokens - sliding_window + 1 (the engine's SlidingWindowTables.first_needed_page)."""
+    return max(0, num_prefill_tokens - sliding_window + 1) // page_size

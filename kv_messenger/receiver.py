@@ -16,6 +16,9 @@ Primitives:
   yet); `address(ticket, prefill_tp)` addresses it once it is, before the ticket is sent (no
   write can land before). When the count completes, `ReceiverEvents.kv_landed(request_id)` is
   called (on the fabric progress thread: it must only hand the news to the engine thread).
+- hybrid models (E8, Gemma 3): every attention group travels; the ticket names the sliding
+  group's pages from the first one its first decode step reads (plan.window_first_page), and the
+  count covers each layer's pages.
 - tensor parallelism (D15): every rank's pool (KvCacheSpec.shards, mapped in this process) is
   registered with the one transport; the ticket carries one descriptor per rank, and the count
   covers the writes into all of them (the context write goes to the leader's landing area).
@@ -68,10 +71,10 @@ import numpy as np
 from fabric import IMM_TAG_MAX, MemoryRegion, RemoteDescriptor, TransferEngine
 from kv_messenger import checksum
 from kv_messenger.context import Context, ContextCodec
-from kv_messenger.plan import DTYPE_SIZES, KvLayout, ShardingScheme, num_prompt_pages
+from kv_messenger.plan import DTYPE_SIZES, KvLayout, ShardingScheme, num_prompt_pages, window_first_page
 from kv_messenger.pool import register_pool
 from kv_messenger.shard_plan import KvShards, ShardPlan, plan_transfer
-from kv_messenger.ticket import TransferTicket
+from kv_messenger.ticket import GroupTarget, TransferTicket
 from pdserve.engine.kv_connector import DecodeConnector, KvCacheSpec, KvWait
 
 logger = logging.getLogger(__name__)
@@ -101,6 +104,7 @@ class _Wait:
     attempt: int
     pages: tuple[int, ...] = ()
     plan: ShardPlan | None = None   # set when addressed: the prefill node's split into ours
+    layer_pages: tuple[tuple[int, ...], ...] = ()   # per layer, the destination pages written there
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,7 @@ class KvReceiver(DecodeConnector):
         self.kv_regions: tuple[MemoryRegion, ...] = ()   # every TP rank's pool, rank order
         self.layout: KvLayout | None = None              # kv_heads: the model's total
         self.shards: KvShards | None = None              # this node's split of it
+        self.groups: tuple = ()                          # the engine's attention groups (AttentionGroupSpec)
         self.codec: ContextCodec | None = None
         self._landing = None
         self._free_slots = list(range(context_slots - 1, -1, -1))
@@ -191,11 +196,13 @@ class KvReceiver(DecodeConnector):
         self.layout, self.kv_region, self.codec, self._landing = pool.layout, pool.region, pool.codec, pool.context
         self.kv_regions, self.shards = pool.regions, pool.shards
         self.sharding = ShardingScheme(tp_size=pool.shards.scheme.tp_size)
+        self.groups = spec.groups
         self.fence_region = self.transport.register(self._fence_buf)
 
     def on_kv_wait(self, wait: KvWait) -> None:
         try:
-            ticket = self.prepare(wait.request_id, len(wait.prompt_token_ids), list(wait.block_ids), prefill_tp=None)
+            ticket = self.prepare(wait.request_id, len(wait.prompt_token_ids), list(wait.block_ids), prefill_tp=None,
+                                  tables=wait.tables)
         except (ValueError, RuntimeError) as e:
             self.events.ticket_refused(wait.request_id, f"cannot receive KV: {e}")
             return
@@ -210,13 +217,15 @@ class KvReceiver(DecodeConnector):
         return tag
 
     def prepare(self, request_id: str, num_prompt_tokens: int, block_ids: list[int],
-                prefill_tp: int | None = 1) -> TransferTicket:
+                prefill_tp: int | None = 1, tables: tuple[tuple[int, ...], ...] = ()) -> TransferTicket:
         """A ticket for the request's next attempt, addressed to a prefill node of TP size
-        `prefill_tp` (None: unaddressed, see `address`)."""
+        `prefill_tp` (None: unaddressed, see `address`). `tables`: every attention group's pages
+        (KvWait.tables), needed for a hybrid model; `block_ids` are the "full" group's."""
         n_prefill = num_prompt_tokens - 1
         n_pages = num_prompt_pages(n_prefill, self.layout.page_size) if n_prefill > 0 else 0
         if n_prefill < 1 or len(block_ids) < n_pages:
             raise ValueError(f"request {request_id}: {len(block_ids)} pages for {n_prefill} prefill tokens")
+        groups = self._group_targets(request_id, n_prefill, n_pages, tables)
         with self._lock:
             if request_id in self._by_request:
                 raise ValueError(f"request {request_id!r} is already waiting for KV")
@@ -229,7 +238,8 @@ class KvReceiver(DecodeConnector):
                 self._attempts.popitem(last=False)
             tag = self._new_tag()
             slot = self._free_slots.pop()
-            self._by_request[request_id] = _Wait(tag, slot, attempt, tuple(block_ids[:n_pages]))
+            wait = _Wait(tag, slot, attempt, tuple(block_ids[:n_pages]))
+            self._by_request[request_id] = wait
         ticket = TransferTicket(
             request_id=request_id,
             kv=self.kv_regions[0].descriptor,
@@ -244,8 +254,26 @@ class KvReceiver(DecodeConnector):
             attempt=attempt,
             kv_checksum=self.kv_checksum,
             kv_ranks=tuple(r.descriptor for r in self.kv_regions) if len(self.kv_regions) > 1 else (),
+            groups=groups,
         )
+        with self._lock:
+            self._by_request[request_id] = dataclasses.replace(
+                wait, layer_pages=tuple(d for _, d in ticket.layer_pages()))
         return ticket if prefill_tp is None else self.address(ticket, prefill_tp)
+
+    def _group_targets(self, request_id: str, n_prefill: int, n_pages: int,
+                       tables: tuple[tuple[int, ...], ...]) -> tuple[GroupTarget, ...]:
+        """The non-full attention groups' destination pages (a sliding group's window only)."""
+        out = []
+        for i, g in enumerate(self.groups):
+            if g.name == "full":
+                continue
+            if len(tables) != len(self.groups) or len(tables[i]) < n_pages:
+                raise ValueError(f"request {request_id}: the {g.name!r} group's pages are missing "
+                                 f"({len(tables)} tables for groups {[x.name for x in self.groups]})")
+            first = window_first_page(n_prefill, g.sliding_window, self.layout.page_size)
+            out.append(GroupTarget(g.name, tuple(g.layers), g.sliding_window, first, tuple(tables[i][first:n_pages])))
+        return tuple(out)
 
     def address(self, ticket: TransferTicket, prefill_tp: int) -> TransferTicket:
         """Address an unaddressed ticket to a prefill node of tensor-parallel size `prefill_tp`: its
@@ -255,14 +283,14 @@ class KvReceiver(DecodeConnector):
         rid = ticket.request_id
         src = KvShards.of(self.layout, prefill_tp)   # the prefill node's split, by the engine's rule
         plan = plan_transfer(src, self.shards, random.Random(0))   # counts never depend on the draw
-        count = plan.expected_writes(len(ticket.dst_pages)).total
+        count = plan.expected_writes(len(ticket.dst_pages), layer_pages=[len(d) for _, d in ticket.layer_pages()]).total
         with self._lock:
             entry = self._by_request.get(rid)
             if entry is None or entry.tag != ticket.imm_tag:
                 raise ValueError(f"request {rid!r} attempt {ticket.attempt} no longer waits for KV here")
             if entry.plan is not None:
                 raise ValueError(f"request {rid!r} attempt {ticket.attempt} is already addressed")
-            self._by_request[rid] = _Wait(entry.tag, entry.slot, entry.attempt, entry.pages, plan)
+            self._by_request[rid] = dataclasses.replace(entry, plan=plan)
         self.transport.imm_counter.expect(ticket.imm_tag, count,
                                           lambda tag, rid=rid: self.events.kv_landed_tag(rid, tag))
         return dataclasses.replace(ticket, expected_writes=count)
@@ -285,8 +313,7 @@ class KvReceiver(DecodeConnector):
             raise KeyError(f"request {request_id!r} attempt {entry.attempt} was never addressed to a prefill node")
         plan = entry.plan
         corrupt = any(request_id.startswith(p) and entry.attempt < n for p, n in self._test_corrupt)
-        pages = np.asarray(entry.pages, dtype=np.int64)
-        e = plan.entries(pages, pages)   # canonical order; destination bytes never depend on the draw
+        e = plan.entries_by_layer([(d, d) for d in entry.layer_pages])   # canonical order; never depends on the draw
         expected = checksum.unpack(kv_checksums, count)
         if expected.size != e.lengths.size + 1:
             raise ValueError(f"request {request_id}: {expected.size} checksums for {e.lengths.size} KV runs "
@@ -297,7 +324,7 @@ class KvReceiver(DecodeConnector):
             ctypes.c_uint8.from_address(at).value ^= 0x40
             logger.warning("TEST ONLY (%s): request %s: flipped bit 6 of byte %d of %s before the checksum "
                            "verification", TEST_CORRUPT_ENV, request_id, checksum_elem_top(self.layout),
-                           plan.describe_entry(0, entry.pages))
+                           plan.describe_entry(0, entry.pages, entry.layer_pages))
         kv = np.zeros(e.lengths.size, dtype=np.uint32)
         for rank, region in enumerate(self.kv_regions):
             sel = np.flatnonzero(e.dst_ranks == rank)
@@ -308,7 +335,8 @@ class KvReceiver(DecodeConnector):
         ctx_crc = checksum.crc32c_runs_at(ctx.address, ctx.length, off,
                                           np.asarray([self.codec.slot_nbytes], dtype=np.uint64))
         actual = np.concatenate([kv, ctx_crc])
-        mismatch = checksum.first_mismatch(expected, actual, lambda i: plan.describe_entry(i, entry.pages))
+        mismatch = checksum.first_mismatch(expected, actual,
+                                           lambda i: plan.describe_entry(i, entry.pages, entry.layer_pages))
         return ChecksumResult(request_id, int(actual.size), mismatch)
 
     def landed(self, request_id: str) -> int:

@@ -16,6 +16,10 @@ Primitives (D6-D8, D11-D13):
   replica of each run drawn at random per request): per layer, one `write_pages` call per (prefill
   rank, decode rank) pair of the plan, from that rank's registration into that decode rank's
   descriptor. TP 1 on both sides is the one-run plan: every page of a layer and side one entry.
+- hybrid models (E8, Gemma 3): every attention group travels; a layer's pages are its group's
+  (the tables `on_schedule` hands over), and a sliding layer sends only the request pages from
+  the ticket's `first_page` on (its window at the decode side's first step); the engine keeps
+  every page of a prefill-only request until its transfer ends.
 - engine events: `on_schedule(pass, block_ids)` records which chunks the coming forward pass
   runs, before it runs (a request's first chunk may start at s > 0 after a prefix-cache hit:
   pages [0, s // P) already hold its KV and ride along with that chunk, at every layer);
@@ -94,7 +98,10 @@ class _Transfer:
     future: concurrent.futures.Future
     plan: ShardPlan            # which runs of each page go from which of our ranks to which decode rank
     key: str = ""              # the engine's request id for the transfer (KvSender.add)
-    src_pages: list[int] = field(default_factory=list)  # filled at schedule time
+    # per attention group (KvCacheSpec.groups order), the request's pages: filled at schedule time
+    src_tables: list[list[int]] = field(default_factory=list)
+    # per layer: (first request page sent, its destination pages), from the ticket
+    layer_targets: tuple[tuple[int, tuple[int, ...]], ...] = ()
     posted_writes: int = 0
     posted_bytes: int = 0
     outstanding: int = 0       # write batches not yet completed
@@ -108,8 +115,9 @@ class _Transfer:
     # A prompt whose leading pages were prefix-cache hits starts computing mid-prompt; those
     # pages hold valid KV at every layer, so the first pass sends them too.
     pages_claimed: int = 0
-    # S7: [num_layers, plan runs, 2 (K, V), pages] CRC32C of each posted entry, and of the context record
-    checksums: np.ndarray | None = None
+    # S7: per layer, [plan runs, 2 (K, V), pages that layer sends] CRC32C of each posted entry; and
+    # of the context record
+    checksums: list[np.ndarray] | None = None
     context_crc: int = 0
 
 
@@ -137,6 +145,8 @@ class KvSender(PrefillConnector):
         self.kv_region: MemoryRegion | None = None   # set by register_kv_cache: rank 0's pool
         self.kv_regions: tuple[MemoryRegion, ...] = ()   # every TP rank's pool, rank order
         self.layout: KvLayout | None = None              # kv_heads: the model's total
+        self.groups: tuple = ()                          # the engine's attention groups (AttentionGroupSpec)
+        self._layer_group: list[int] = []                # layer -> index in groups
         self.shards: KvShards | None = None              # this node's split of it
         self._rng = random.Random(random.SystemRandom().getrandbits(64))   # source replica per request
         self.codec: ContextCodec | None = None
@@ -160,6 +170,11 @@ class KvSender(PrefillConnector):
         self.kv_regions, self.shards = pool.regions, pool.shards
         self._fence_region = self.transport.register(self._fence_buf)
         self._host_pool = spec.buffer.device.type == "cpu"   # checksums read the pool's memory directly
+        self.groups = spec.groups
+        self._layer_group = [0] * spec.shape.num_layers       # layer -> index in spec.groups
+        for i, g in enumerate(spec.groups):
+            for layer in g.layers:
+                self._layer_group[layer] = i
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -172,9 +187,11 @@ class KvSender(PrefillConnector):
             return plan_transfer(self.shards, target.decode_shards, self._rng)
 
     def expected_writes(self, target: TransferTicket) -> int:
-        """Entries this node will post for `target` (what the decode side must count)."""
+        """Entries this node will post for `target` (what the decode side must count); ValueError
+        when its attention groups are not ours."""
+        self._check_groups(target)
         plan = self.plan(target)
-        return plan.expected_writes(len(target.dst_pages)).total
+        return plan.expected_writes(len(target.dst_pages), layer_pages=[len(d) for _, d in target.layer_pages()]).total
 
     def add(self, target: TransferTicket, key: str | None = None) -> concurrent.futures.Future:
         """Send a request's KV as `target` says, under `key` (the engine's request id for it;
@@ -184,8 +201,10 @@ class KvSender(PrefillConnector):
             raise RuntimeError("KvSender.add before the engine registered its KV cache")
         target.check_fits(self.layout)
         key = target.request_id if key is None else key
+        self._check_groups(target)
         plan = self.plan(target)
-        want = plan.expected_writes(len(target.dst_pages)).total
+        targets = target.layer_pages()
+        want = plan.expected_writes(len(target.dst_pages), layer_pages=[len(d) for _, d in targets]).total
         if target.expected_writes != want:
             raise ValueError(f"request {target.request_id}: the decode side expects {target.expected_writes} "
                              f"writes but the shard plan from {self.shards.describe()} into {plan.dst.describe()} "
@@ -195,13 +214,22 @@ class KvSender(PrefillConnector):
             if not self._host_pool:
                 raise ValueError(f"request {target.request_id}: kv_checksum asked for, but this node's KV pool "
                                  "is not in host memory (the hash reads it on the CPU)")
-            sums = np.zeros((self.layout.num_layers, len(plan.runs), 2, len(target.dst_pages)), dtype=np.uint32)
+            sums = [np.zeros((len(plan.runs), 2, len(d)), dtype=np.uint32) for _, d in targets]
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if key in self._transfers:
                 raise ValueError(f"transfer {key!r} already exists")
-            self._transfers[key] = _Transfer(target, fut, plan, key=key, checksums=sums)
+            self._transfers[key] = _Transfer(target, fut, plan, key=key, checksums=sums, layer_targets=targets)
         return fut
+
+    def _check_groups(self, target: TransferTicket) -> None:
+        """ValueError naming both sides unless the ticket lists exactly our non-full attention
+        groups (names, layers, windows): the layers' KV then lands in the right pages."""
+        ours = [(g.name, tuple(g.layers), g.sliding_window) for g in self.groups if g.name != "full"]
+        theirs = [(g.name, g.layers, g.sliding_window) for g in target.groups]
+        if ours != theirs:
+            raise ValueError(f"request {target.request_id}: the decode side's attention groups beside 'full' are "
+                             f"{theirs}, this node's {ours} (name, layers, window)")
 
     def fence(self, dst: RemoteDescriptor, tag: int) -> concurrent.futures.Future:
         """Post one FENCE_BYTES write carrying `tag` into `dst` (the decode node's fence buffer);
@@ -248,8 +276,8 @@ class KvSender(PrefillConnector):
                 done = completed_pages(c.start, c.end, final, self.layout.page_size).stop
                 pages = range(t.pages_claimed, max(t.pages_claimed, done))
                 t.pages_claimed = pages.stop
-                if len(t.src_pages) < pages.stop:
-                    t.src_pages = list(block_ids[c.request_id])
+                if not t.src_tables or len(t.src_tables[0]) < pages.stop:
+                    t.src_tables = [list(table) for table in block_ids[c.request_id]]
                 items.append(_Item(t, pages, c.end == final))
             self._current = _Pass(items) if items else None
             if self._current is not None:
@@ -328,8 +356,13 @@ class KvSender(PrefillConnector):
         """Post layer `layer` of the pages chunk `it` completed: one write_pages call per (our rank,
         decode rank) pair of the plan, its entries in the plan's canonical order."""
         t = it.transfer
-        src = np.asarray([t.src_pages[i] for i in it.pages], dtype=np.int64)
-        dst = np.asarray([t.target.dst_pages[i] for i in it.pages], dtype=np.int64)
+        first, targets = t.layer_targets[layer]
+        pages = range(max(it.pages.start, first), it.pages.stop)   # a sliding layer: its window's only
+        if not pages:
+            return
+        table = t.src_tables[self._layer_group[layer]]
+        src = np.asarray([table[i] for i in pages], dtype=np.int64)
+        dst = np.asarray([targets[i - first] for i in pages], dtype=np.int64)
         e = t.plan.layer_entries(layer, src, dst)   # [runs * 2 * len(pages)] entries, canonical order
         now = time.monotonic()
         t.layer_posts.setdefault(layer, now)
@@ -342,7 +375,8 @@ class KvSender(PrefillConnector):
             if crc is not None:   # exactly the entries just posted, from their rank's pool
                 crc[sel] = checksum.crc32c_runs_at(region.address, region.length, src_off, lengths)
         if crc is not None:
-            t.checksums[layer, :, :, it.pages.start:it.pages.stop] = crc.reshape(len(t.plan.runs), 2, len(src))
+            at = slice(pages.start - first, pages.stop - first)
+            t.checksums[layer][:, :, at] = crc.reshape(len(t.plan.runs), 2, len(src))
 
     def _post_context(self, t: _Transfer, slot: int) -> None:
         off = np.asarray([self.codec.slot_offset(slot)], dtype=np.uint64)
@@ -417,7 +451,7 @@ class KvSender(PrefillConnector):
             posts = tuple(t.layer_posts.get(i, 0.0) for i in range(self.layout.num_layers))
             sums, n_sums = b"", 0
             if t.checksums is not None:
-                values = np.append(t.checksums.reshape(-1), np.uint32(t.context_crc))
+                values = np.concatenate([c.reshape(-1) for c in t.checksums] + [np.asarray([t.context_crc], np.uint32)])
                 sums, n_sums = checksum.pack(values), int(values.size)
             t.future.set_result(TransferResult(rid, t.posted_writes, t.posted_bytes, t.first_post,
                                                t.last_layer, time.monotonic(), posts, sums, n_sums))

@@ -49,6 +49,7 @@ info the prefill side's):
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -293,10 +294,13 @@ class ShardPlan:
     def runs_to(self, dst_rank: int) -> int:
         return sum(1 for w in self.runs if w.dst_rank == dst_rank)
 
-    def expected_writes(self, num_pages: int, context_writes: int = 1) -> ExpectedWrites:
-        """What the decode side counts for `num_pages` request pages (plus the context write(s))."""
+    def expected_writes(self, num_pages: int, context_writes: int = 1,
+                        layer_pages: Sequence[int] | None = None) -> ExpectedWrites:
+        """What the decode side counts for `num_pages` request pages in every layer (plus the context
+        write(s)); `layer_pages`: the pages sent in each layer instead (a hybrid model's sliding
+        layers send only their window's)."""
         per_page = tuple(self.runs_to(d) for d in range(self.dst.scheme.tp_size))
-        return _expected(per_page, num_pages, self.dst.layout.num_layers, context_writes)
+        return _expected(per_page, _page_layers(num_pages, self.dst.layout.num_layers, layer_pages), context_writes)
 
     def layer_entries(self, layer: int, src_pages: np.ndarray, dst_pages: np.ndarray) -> LayerEntries:
         """Every entry of `layer` for request pages held at `src_pages` on every source rank and
@@ -321,16 +325,32 @@ class ShardPlan:
     def entries(self, src_pages: np.ndarray, dst_pages: np.ndarray) -> LayerEntries:
         """`layer_entries` of every layer, layer 0 first: a whole transfer's KV entries in the canonical
         order (S7: layer, run, K/V, page), which is also the order of its checksums."""
-        per_layer = [self.layer_entries(layer, src_pages, dst_pages) for layer in range(self.src.layout.num_layers)]
+        return self.entries_by_layer([(src_pages, dst_pages)] * self.src.layout.num_layers)
+
+    def entries_by_layer(self, pages: Sequence[tuple[np.ndarray, np.ndarray]]) -> LayerEntries:
+        """`entries` where layer l sends `pages[l]` = (source pages, destination pages) (a hybrid
+        model: each layer the pages of its attention group)."""
+        if len(pages) != self.src.layout.num_layers:
+            raise ValueError(f"{len(pages)} page lists for {self.src.layout.num_layers} layers")
+        per_layer = [self.layer_entries(layer, np.asarray(s, dtype=np.int64), np.asarray(d, dtype=np.int64))
+                     for layer, (s, d) in enumerate(pages)]
         return LayerEntries(*(np.concatenate([getattr(e, f) for e in per_layer])
                               for f in ("src_ranks", "src_offsets", "dst_ranks", "dst_offsets", "lengths")))
 
-    def describe_entry(self, index: int, dst_pages) -> str:
+    def describe_entry(self, index: int, dst_pages, layer_pages: Sequence[Sequence[int]] | None = None) -> str:
         """Which bytes entry `index` of `entries` is: "layer 3 page 5 (id 812) V", plus the heads and
-        ranks when a page travels in more than one run."""
-        ids = list(dst_pages)
+        ranks when a page travels in more than one run. `layer_pages`: each layer's destination
+        pages, as given to `entries_by_layer` (default: `dst_pages` in every layer); the page index
+        counts within its layer's list."""
+        lists = [list(p) for p in layer_pages] if layer_pages is not None else \
+            [list(dst_pages)] * self.src.layout.num_layers
+        per_run = 2 * len(self.runs)
+        layer, rest = 0, index
+        while layer < len(lists) - 1 and rest >= per_run * len(lists[layer]):
+            rest -= per_run * len(lists[layer])
+            layer += 1
+        ids = lists[layer]
         n = len(ids)
-        layer, rest = divmod(index, len(self.runs) * 2 * n)
         run, rest = divmod(rest, 2 * n)
         side, page = divmod(rest, n)
         what = f"layer {layer} page {page} (id {ids[page]}) {'KV'[side]}"
@@ -350,8 +370,17 @@ class ShardPlan:
         return tuple(out)
 
 
-def _expected(per_page: tuple[int, ...], num_pages: int, num_layers: int, context_writes: int) -> ExpectedWrites:
-    per_rank = [n * num_pages * num_layers * 2 for n in per_page]
+def _page_layers(num_pages: int, num_layers: int, layer_pages: Sequence[int] | None) -> int:
+    """Pages summed over layers: num_pages in every layer, or `layer_pages` (one count per layer)."""
+    if layer_pages is None:
+        return num_pages * num_layers
+    if len(layer_pages) != num_layers or any(p < 0 for p in layer_pages):
+        raise ValueError(f"layer_pages needs one count >= 0 per layer ({num_layers}), got {list(layer_pages)}")
+    return sum(layer_pages)
+
+
+def _expected(per_page: tuple[int, ...], page_layers: int, context_writes: int) -> ExpectedWrites:
+    per_rank = [n * page_layers * 2 for n in per_page]
     per_rank[0] += context_writes
     return ExpectedWrites(tuple(per_rank), sum(per_rank))
 
@@ -394,9 +423,10 @@ def plan_transfer(src: KvShards, dst: KvShards, rng: random.Random) -> ShardPlan
     return ShardPlan(src, dst, tuple(runs))
 
 
-def expected_page_writes(src: KvShards, dst: KvShards, num_pages: int, context_writes: int = 1) -> ExpectedWrites:
-    """`plan_transfer(src, dst, any rng).expected_writes(num_pages, context_writes)`, with no plan."""
+def expected_page_writes(src: KvShards, dst: KvShards, num_pages: int, context_writes: int = 1,
+                         layer_pages: Sequence[int] | None = None) -> ExpectedWrites:
+    """`plan_transfer(src, dst, any rng).expected_writes(num_pages, context_writes, layer_pages)`, with no plan."""
     per_page = [0] * dst.scheme.tp_size
     for d, _, _ in _segments(src, dst):
         per_page[d] += 1
-    return _expected(tuple(per_page), num_pages, dst.layout.num_layers, context_writes)
+    return _expected(tuple(per_page), _page_layers(num_pages, dst.layout.num_layers, layer_pages), context_writes)

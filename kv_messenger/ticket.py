@@ -40,6 +40,27 @@ class TransferKey:
 
 
 @dataclass(frozen=True)
+class GroupTarget:
+    """A hybrid model's non-"full" attention group in a transfer (E8): its layers' KV lives in its
+    own pages; request pages first_page, first_page + 1, ... go to `dst_pages` (a sliding group
+    sends only the pages the decode side's first step reads: plan.window_first_page)."""
+
+    name: str
+    layers: tuple[int, ...]
+    sliding_window: int | None
+    first_page: int
+    dst_pages: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.name != "sliding" or self.sliding_window is None or self.sliding_window < 1:
+            raise ValueError(f"attention group {self.name!r} (window {self.sliding_window!r}): only a 'sliding' "
+                             "group with a window >= 1 travels beside the 'full' one")
+        if not self.layers or list(self.layers) != sorted(set(self.layers)) or self.first_page < 0:
+            raise ValueError(f"group {self.name!r}: layers {self.layers} must be ascending and distinct, "
+                             f"first_page {self.first_page} >= 0")
+
+
+@dataclass(frozen=True)
 class TransferTicket:
     """Everything a prefill node needs to push one request's KV into a decode node's pages."""
 
@@ -58,6 +79,9 @@ class TransferTicket:
     # Under decode TP (sharding.tp_size > 1): every decode rank's registered KV pool, in rank order
     # (kv_ranks[0] == kv); each holds its ranks' heads (`decode_shards.rank_layout(r)`). () at TP 1.
     kv_ranks: tuple[RemoteDescriptor, ...] = ()
+    # A hybrid model's other attention groups; `dst_pages` are then the "full" group's, written in
+    # the layers no group here lists. () for a model whose layers are all full attention.
+    groups: tuple[GroupTarget, ...] = ()
 
     def __post_init__(self) -> None:
         n = self.sharding.tp_size
@@ -71,6 +95,15 @@ class TransferTicket:
     def decode_shards(self) -> KvShards:
         """The decode side of the transfer: its split of `layout` over its ranks (ValueError if none exists)."""
         return KvShards.of(self.layout, self.sharding.tp_size)
+
+    def layer_pages(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """Per layer: (first request page sent, destination pages from there): the full group's
+        pages from 0, or its group's window."""
+        out: list[tuple[int, tuple[int, ...]]] = [(0, self.dst_pages)] * self.layout.num_layers
+        for g in self.groups:
+            for layer in g.layers:
+                out[layer] = (g.first_page, g.dst_pages)
+        return tuple(out)
 
     def rank_kv(self, rank: int) -> RemoteDescriptor:
         """Decode rank `rank`'s KV descriptor."""
@@ -87,6 +120,20 @@ class TransferTicket:
         out = [p for p in self.dst_pages if not 0 <= p < self.layout.num_pages]
         if out:
             raise ValueError(f"request {rid}: destination page ids outside [0, {self.layout.num_pages}): {out[:5]}")
+        seen: set[int] = set()
+        for g in self.groups:
+            if g.first_page + len(g.dst_pages) != pages:
+                raise ValueError(f"request {rid}: group {g.name!r} sends pages {g.first_page}.. "
+                                 f"({len(g.dst_pages)} of them) of {pages}")
+            bad = [p for p in g.dst_pages if not 0 <= p < self.layout.num_pages]
+            if bad:
+                raise ValueError(f"request {rid}: group {g.name!r} page ids outside [0, {self.layout.num_pages}): "
+                                 f"{bad[:5]}")
+            wrong = [la for la in g.layers if not 0 <= la < self.layout.num_layers or la in seen]
+            if wrong:
+                raise ValueError(f"request {rid}: group {g.name!r} layers {wrong[:5]} outside 0..."
+                                 f"{self.layout.num_layers - 1} or listed twice")
+            seen.update(g.layers)
         if not 0 <= self.imm_tag <= IMM_TAG_MAX:
             raise ValueError(f"request {rid}: imm_tag={self.imm_tag} outside 0..{IMM_TAG_MAX} (a tag has 24 "
                              f"bits: the low 8 bits of the immediate data count the pages a write holds)")
@@ -117,6 +164,9 @@ class TransferTicket:
             model=model,
             attempt=self.attempt,
             kv_checksum=self.kv_checksum,
+            group_pages=[prefill_pb2.GroupPages(name=g.name, layers=list(g.layers), sliding_window=g.sliding_window,
+                                                first_page=g.first_page, page_ids=list(g.dst_pages))
+                         for g in self.groups],
         )
         if deadline_s is not None:
             req.deadline_s = deadline_s
@@ -163,6 +213,8 @@ class TransferTicket:
             attempt=req.attempt,
             kv_checksum=req.kv_checksum,
             kv_ranks=descriptors if tp > 1 else (),
+            groups=tuple(GroupTarget(g.name, tuple(g.layers), g.sliding_window or None, g.first_page,
+                                     tuple(g.page_ids)) for g in req.group_pages),
         )
 
 

@@ -15,7 +15,9 @@ and the engine calls it at fixed points of its life and of each `step()`:
     PrefillConnector
       on_schedule(SchedulerOutput, block_ids)
                                      before each forward pass runs: which chunks it computes,
-                                     and the pages each of their requests holds
+                                     and the pages each of their requests holds in every
+                                     attention group (E8: a hybrid model's sliding layers keep
+                                     their KV in a table of their own)
       on_layer_done(layer)           after each layer's attention output projection (D7)
       on_prefill_done(PrefillDone)   after the pass that completes a prefill-only request, with
                                      the hidden state and logits of its last position (D12)
@@ -102,6 +104,8 @@ class KvWait:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     block_ids: tuple[int, ...]      # its pages in the "full" group, in token order
+    # every attention group's table (KvCacheSpec.groups order, the "full" one included), token order
+    tables: tuple[tuple[int, ...], ...] = ()
 
 
 class KvConnector(abc.ABC):
@@ -117,9 +121,10 @@ class PrefillConnector(KvConnector):
     """Prefill side: sees every pass before it runs, each finished layer, each finished prefill."""
 
     @abc.abstractmethod
-    def on_schedule(self, sched: SchedulerOutput, block_ids: Mapping[str, tuple[int, ...]]) -> None:
+    def on_schedule(self, sched: SchedulerOutput, block_ids: Mapping[str, tuple[tuple[int, ...], ...]]) -> None:
         """Engine thread, before the forward pass of `sched` runs (D6). block_ids: the pages of
-        every request with a chunk in the pass ("full" group, token order), by request id."""
+        every request with a chunk in the pass, by request id: one table per attention group
+        (KvCacheSpec.groups order; a full-attention model has the one), each in token order."""
 
     @abc.abstractmethod
     def on_layer_done(self, layer: int) -> None:

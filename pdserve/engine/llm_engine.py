@@ -383,6 +383,11 @@ class LLMEngine:
     def block_table(self, request_id: str) -> list[int]:
         return list(self.cache_manager.block_table(request_id))
 
+    def _group_tables(self, request_id: str) -> tuple[tuple[int, ...], ...]:
+        """Every attention group's table of a request, in KvCacheSpec.groups order."""
+        m = self.cache_manager
+        return tuple(tuple(m.block_table(request_id, g)) for g in m.group_names)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._tracked)
 
@@ -410,13 +415,14 @@ class LLMEngine:
         if self._decode_conn is not None:
             for r in kv_waits:
                 self._decode_conn.on_kv_wait(KvWait(r.request_id, tuple(r.prompt_token_ids),
-                                                    tuple(self.block_table(r.request_id))))
+                                                    tuple(self.block_table(r.request_id)),
+                                                    self._group_tables(r.request_id)))
         if sched.is_empty:
             return self._stalled()
         self.last_load = self.load()   # what runs now holds its pages: routing reads this during the pass
         conn = self._prefill_conn
         if conn is not None:
-            conn.on_schedule(sched, {c.request_id: tuple(self.block_table(c.request_id)) for c in sched.chunks})
+            conn.on_schedule(sched, {c.request_id: self._group_tables(c.request_id) for c in sched.chunks})
         out = self.runner.execute(sched, conn.on_layer_done if conn is not None else None)
         results = self._update(sched, out)
         if sched.stalled:

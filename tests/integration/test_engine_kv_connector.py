@@ -93,8 +93,10 @@ def test_prefill_engine_to_decode_engine_by_page_copy():
     assert pconn.passes and all(layers == list(range(prefill.arch.num_layers)) for layers in pconn.layers)
     for rids, block_ids in pconn.passes:
         assert set(block_ids) == set(rids)
+        assert all(len(tables) == 1 for tables in block_ids.values())   # one table: the "full" group's
     for rid in multi:
-        assert pconn.passes[-1][1].get(rid, pconn.done[rid].block_ids) == pconn.done[rid].block_ids
+        assert pconn.passes[-1][1].get(rid, (pconn.done[rid].block_ids,)) == (pconn.done[rid].block_ids,)
+        assert dconn.waits[rid].tables == (dconn.waits[rid].block_ids,)
 
     for rid in multi:
         src = prefill.block_table(rid)

@@ -170,7 +170,7 @@ class _Pair:
         return fut
 
     def run_pass(self, chunks: list[ScheduledChunk]) -> None:
-        self.sender.on_schedule(SchedulerOutput(tuple(chunks)), {c.request_id: self.src_pages for c in chunks})
+        self.sender.on_schedule(SchedulerOutput(tuple(chunks)), {c.request_id: (self.src_pages,) for c in chunks})
         for layer in range(SMALL.num_layers):
             self.sender.on_layer_done(layer)
 

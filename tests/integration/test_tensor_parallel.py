@@ -136,7 +136,7 @@ class LayerWatch(PrefillConnector):
         self.spec = spec
 
     def on_schedule(self, sched, block_ids) -> None:
-        self.pages = sorted({p for ids in block_ids.values() for p in ids})
+        self.pages = sorted({p for (full,) in block_ids.values() for p in full})   # one group: "full"
 
     def on_layer_done(self, layer: int) -> None:
         pools = [s.buffer for s in self.spec.shards]      # [layers, 2, pages, heads_r, P, D] each

@@ -159,6 +159,8 @@ def _full_prefill_request() -> prefill_pb2.PrefillRequest:
         decode_node_id="decode-3",
         attempt=2,
         kv_checksum=True,
+        group_pages=[prefill_pb2.GroupPages(name="sliding", layers=[0, 2, 3], sliding_window=512, first_page=1,
+                                            page_ids=[9, 10])],
     )
 
 
@@ -166,7 +168,8 @@ def test_prefill_request_round_trip_with_every_field():
     request = _full_prefill_request()
     # Every field is set, so a field added later must be added here too.
     assert len(request.ListFields()) == len(prefill_pb2.PrefillRequest.DESCRIPTOR.fields)
-    for message in (request.peer, request.context, request.sharding, request.kv_memory[0].layout):
+    for message in (request.peer, request.context, request.sharding, request.kv_memory[0].layout,
+                    request.group_pages[0]):
         assert len(message.ListFields()) == len(message.DESCRIPTOR.fields), message.DESCRIPTOR.name
     wire = request.SerializeToString(deterministic=True)
     back = prefill_pb2.PrefillRequest.FromString(wire)

@@ -86,7 +86,7 @@ class ContextSlot(_message.Message):
     def __init__(self, descriptor: _Optional[bytes] = ..., offset: _Optional[int] = ..., capacity: _Optional[int] = ..., logits_top_k: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "peer", "kv_memory", "page_ids", "context", "sharding", "imm_tag", "expected_writes", "cached_tokens", "model", "deadline_s", "decode_node_id", "attempt", "kv_checksum")
+    __slots__ = ("request_id", "token_ids", "peer", "kv_memory", "page_ids", "context", "sharding", "imm_tag", "expected_writes", "cached_tokens", "model", "deadline_s", "decode_node_id", "attempt", "kv_checksum", "group_pages")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class PrefillRequest(_message.Message):
     DECODE_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     KV_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    GROUP_PAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     peer: FabricPeer
@@ -117,7 +118,22 @@ class PrefillRequest(_message.Message):
     decode_node_id: str
     attempt: int
     kv_checksum: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., peer: _Optional[_Union[FabricPeer, _Mapping]] = ..., kv_memory: _Optional[_Iterable[_Union[KvMemory, _Mapping]]] = ..., page_ids: _Optional[_Iterable[int]] = ..., context: _Optional[_Union[ContextSlot, _Mapping]] = ..., sharding: _Optional[_Union[_common_pb2.ShardingScheme, _Mapping]] = ..., imm_tag: _Optional[int] = ..., expected_writes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., model: _Optional[str] = ..., deadline_s: _Optional[float] = ..., decode_node_id: _Optional[str] = ..., attempt: _Optional[int] = ..., kv_checksum: _Optional[bool] = ...) -> None: ...
+    group_pages: _containers.RepeatedCompositeFieldContainer[GroupPages]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., peer: _Optional[_Union[FabricPeer, _Mapping]] = ..., kv_memory: _Optional[_Iterable[_Union[KvMemory, _Mapping]]] = ..., page_ids: _Optional[_Iterable[int]] = ..., context: _Optional[_Union[ContextSlot, _Mapping]] = ..., sharding: _Optional[_Union[_common_pb2.ShardingScheme, _Mapping]] = ..., imm_tag: _Optional[int] = ..., expected_writes: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., model: _Optional[str] = ..., deadline_s: _Optional[float] = ..., decode_node_id: _Optional[str] = ..., attempt: _Optional[int] = ..., kv_checksum: _Optional[bool] = ..., group_pages: _Optional[_Iterable[_Union[GroupPages, _Mapping]]] = ...) -> None: ...
+
+class GroupPages(_message.Message):
+    __slots__ = ("name", "layers", "sliding_window", "first_page", "page_ids")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    sliding_window: int
+    first_page: int
+    page_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., sliding_window: _Optional[int] = ..., first_page: _Optional[int] = ..., page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillTimings(_message.Message):
     __slots__ = ("queue_time_s", "compute_time_s", "last_layer_to_completion_s")
