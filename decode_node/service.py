@@ -118,6 +118,7 @@ import grpc
 from decode_node.prefill_pool import PREFILL_ROUTING, PrefillNode, PrefillPool, PrefixAffinity
 from fabric import FabricConfig, TransferEngine
 from kv_messenger import KvReceiver, ReceiverEvents, TransferTicket
+from kv_messenger.placement import placement_info
 from kv_messenger.ticket import peer_to_bytes, remote_to_bytes
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_thread import EngineThread
@@ -291,6 +292,8 @@ class DecodeNode(ReceiverEvents):
         self.kv_heads_per_rank: int = len(plan.ranks[0].kv_heads) if plan is not None else info.num_kv_heads
         # NodeInfo.build; prefill nodes of another model or KV layout are skipped (PrefillPool)
         self.identity = engine_identity(self.llm, self.receiver.codec.top_k if self.receiver is not None else 0)
+        for where in placement_info(self.receiver.placements if self.receiver is not None else ()):   # D16
+            self.metrics.kv_shard_placement.labels(**where.labels()).set(1)
 
     @property
     def tokenizer(self):  # a transformers tokenizer

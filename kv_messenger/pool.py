@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 from fabric import MemoryRegion, TransferEngine
 from kv_messenger.context import ContextCodec, Staging
+from kv_messenger.placement import ShardPlacement, placement_summary, shard_placements
 from kv_messenger.plan import KvLayout, check_transferable, layout_of
 from kv_messenger.shard_plan import KvShards, TpScheme
 from pdserve.engine.kv_connector import KvCacheSpec
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -18,6 +22,7 @@ class RegisteredPool:
     regions: tuple[MemoryRegion, ...]   # every rank's pool, rank order, one registration each (D13, D15)
     codec: ContextCodec                 # the context record of this model (D12)
     context: Staging                    # registered context slots: send staging or landing area
+    placements: tuple[ShardPlacement, ...] = ()   # D16: each rank's NUMA node, NIC and CPUs (() if unreadable)
 
     @property
     def region(self) -> MemoryRegion:
@@ -65,4 +70,18 @@ def register_pool(transport: TransferEngine, spec: KvCacheSpec, context_slots: i
         regions.append(transport.register(address=buf.data_ptr(), length=buf.numel() * buf.element_size()))
     codec = ContextCodec(spec.hidden_size)
     return RegisteredPool(shards.layout, shards, tuple(regions), codec,
-                          codec.alloc_staging(transport, slots=context_slots))
+                          codec.alloc_staging(transport, slots=context_slots), locate_shards(spec, transport.provider))
+
+
+def locate_shards(spec: KvCacheSpec, provider: str | None) -> tuple[ShardPlacement, ...]:
+    """D16: where each rank's pool sits and what is closest to it (kv_messenger.placement), logged
+    once. Advisory: a host whose /sys cannot be read (a container without it) gets () and a warning,
+    never a refused node."""
+    try:
+        placements = shard_placements(spec, provider)
+    except (OSError, ValueError) as e:   # TopologyError is a ValueError
+        logger.warning("KV shard placement unknown (%s: %s): transfers use the node's one fabric engine and "
+                       "threads stay where the launcher put them", type(e).__name__, e)
+        return ()
+    logger.info("%s", placement_summary(placements))
+    return placements

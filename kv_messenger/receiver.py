@@ -171,6 +171,7 @@ class KvReceiver(DecodeConnector):
         self.layout: KvLayout | None = None              # kv_heads: the model's total
         self.shards: KvShards | None = None              # this node's split of it
         self.groups: tuple = ()                          # the engine's attention groups (AttentionGroupSpec)
+        self.placements: tuple = ()                      # D16: each rank's ShardPlacement
         self.codec: ContextCodec | None = None
         self._landing = None
         self._free_slots = list(range(context_slots - 1, -1, -1))
@@ -197,6 +198,7 @@ class KvReceiver(DecodeConnector):
         self.kv_regions, self.shards = pool.regions, pool.shards
         self.sharding = ShardingScheme(tp_size=pool.shards.scheme.tp_size)
         self.groups = spec.groups
+        self.placements = pool.placements   # D16 (the fabric's progress thread serves the landings)
         self.fence_region = self.transport.register(self._fence_buf)
 
     def on_kv_wait(self, wait: KvWait) -> None:

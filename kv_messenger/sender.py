@@ -65,6 +65,7 @@ import numpy as np
 from fabric import FabricError, MemoryRegion, RemoteDescriptor, TransferEngine
 from kv_messenger import checksum
 from kv_messenger.context import ContextCodec, SlotPool, StagingFullError
+from kv_messenger.placement import ShardPlacement, pin_thread_to
 from kv_messenger.plan import KvLayout, completed_pages
 from kv_messenger.pool import register_pool
 from kv_messenger.shard_plan import KvShards, ShardPlan, plan_transfer
@@ -149,6 +150,8 @@ class KvSender(PrefillConnector):
         self._layer_group: list[int] = []                # layer -> index in groups
         self.shards: KvShards | None = None              # this node's split of it
         self._rng = random.Random(random.SystemRandom().getrandbits(64))   # source replica per request
+        self.placements: tuple[ShardPlacement, ...] = ()   # D16, set by register_kv_cache
+        self._pin: ShardPlacement | None = None            # taken once by the messenger thread
         self.codec: ContextCodec | None = None
         self._staging = None
         self.staging_slots = SlotPool(staging_slots)   # full: that prefill fails alone (S8)
@@ -168,6 +171,10 @@ class KvSender(PrefillConnector):
         pool = register_pool(self.transport, spec, self._staging_slots)   # ValueError: cannot be moved
         self.layout, self.kv_region, self.codec, self._staging = pool.layout, pool.region, pool.codec, pool.context
         self.kv_regions, self.shards = pool.regions, pool.shards
+        self.placements = pool.placements
+        with self._lock:   # D16: the messenger thread moves to the CPUs nearest rank 0's pool
+            self._pin = pool.placements[0] if pool.placements else None
+            self._lock.notify()
         self._fence_region = self.transport.register(self._fence_buf)
         self._host_pool = spec.buffer.device.type == "cpu"   # checksums read the pool's memory directly
         self.groups = spec.groups
@@ -323,11 +330,14 @@ class KvSender(PrefillConnector):
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._stop and not self._has_work():
+                while not self._stop and not self._has_work() and self._pin is None:
                     self._lock.wait()
                 if self._stop:
                     return
+                pin, self._pin = self._pin, None
                 work = self._take_work()
+            if pin is not None:
+                pin_thread_to(pin)
             for fn in work:
                 fn()
 

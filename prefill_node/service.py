@@ -66,6 +66,7 @@ import grpc
 
 from fabric import FabricConfig, FabricError, PeerDescriptor, RemoteDescriptor, TransferEngine
 from kv_messenger import KvSender, TransferResult, TransferTicket
+from kv_messenger.placement import placement_info
 from kv_messenger.ticket import TransferKey
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_thread import EngineDeadError, EngineThread
@@ -73,6 +74,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.build_identity import engine_identity
+from pdserve.serving.metrics import node_metrics
 from pdserve_api.servers import StatusError, UnavailableError
 
 logger = logging.getLogger(__name__)
@@ -237,6 +239,8 @@ class PrefillNode:
         self.page_size: int = info.page_size
         self.provider: str = self.transport.provider
         self.identity = engine_identity(eng, self.codec.top_k)   # NodeInfo.build (version skew)
+        for where in placement_info(self.sender.placements):      # D16, pdserve:kv_shard_placement_info
+            node_metrics().kv_shard_placement.labels(**where.labels()).set(1)
         logger.info("prefill node %s: model %s, %d KV blocks of %d tokens, fabric %s",
                     self.node_id, self.model_name, info.num_blocks, self.page_size, self.transport)
 

@@ -8,7 +8,8 @@ its rank processes, the KV pushed with one-sided writes on shm.
   --kv-checksum: the tokens equal transformers', and every transfer's landed bytes equal what the
   prefill shards hold (the decode node hashes the runs it received in every rank's pool and
   compares with the prefill shards' hashes, in the plan's canonical order: verified, no failure);
-  every node's NodeInfo names its TP size; no page leaks; no stale write.
+  every node's NodeInfo names its TP size and its metrics one KV shard placement per rank (D16);
+  no page leaks; no stale write.
 - A tiny random model with 2 KV heads at P TP4 -> D TP4: replica sets on both sides (heads (0, 0,
   1, 1) by rank), so each run's source replica is drawn per request and every decode replica
   receives its copy; tokens equal a colocated TP 1 engine's (tp_invariant), checksums verified.
@@ -68,6 +69,11 @@ def _check_cluster(cluster, prompts, expected, prefill_tp: int, decode_tp: int) 
     assert total(samples, "pdserve:kv_checksums_verified_total") == len(prompts)
     assert total(samples, "pdserve:kv_checksum_failures_total") == 0
     assert total(samples, "pdserve:kv_stale_writes_total") == 0
+    # D16: one placement per rank; this host (one NUMA node) puts every shard on node 0
+    prefill_samples = parse(fetch(cluster.metrics_urls["prefill-0"])[0])
+    for got, tp in ((samples, decode_tp), (prefill_samples, prefill_tp)):
+        assert total(got, "pdserve:kv_shard_placement_info") == tp
+        assert total(got, "pdserve:kv_shard_placement_info", numa_node="0") == tp
     assert_no_page_leak(cluster)
 
 

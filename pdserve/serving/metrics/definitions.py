@@ -63,6 +63,7 @@ class NodeMetrics:
     kv_quarantine_oldest: Gauge   # pdserve:kv_quarantine_oldest_seconds{peer}: age of the oldest quarantine held
     kv_checksums_verified: Counter   # pdserve:kv_checksums_verified_total: transfers verified (S7, --kv-checksum)
     kv_checksum_failures: Counter    # pdserve:kv_checksum_failures_total: transfers whose landed bytes differed
+    kv_shard_placement: Gauge        # pdserve:kv_shard_placement_info{rank, numa_node, nic, domain, cpus}: 1 (D16)
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,11 @@ def node_metrics(registry: CollectorRegistry) -> NodeMetrics:
         kv_checksum_failures=Counter("pdserve:kv_checksum_failures",
                                      "Transfers whose landed bytes differed from the prefill node's checksums "
                                      "(S7): the attempt was dropped, never used or cached.", registry=registry),
+        kv_shard_placement=Gauge("pdserve:kv_shard_placement_info",
+                                 "1 per tensor-parallel rank of this node's KV pool: the NUMA node its pages are "
+                                 "on ('unknown' when not readable), the NIC and libfabric domain nearest to it "
+                                 "('none': no NIC near) and the CPUs its transfer threads may use (D16).",
+                                 ["rank", "numa_node", "nic", "domain", "cpus"], registry=registry),
     )
 
 
