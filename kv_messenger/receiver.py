@@ -13,8 +13,9 @@ Primitives:
   prefill node of tensor-parallel size `prefill_tp`: the ImmCounter is told how many writes to
   expect, which the shard plan of that node's split into ours fixes (D14). `prefill_tp=None`
   leaves the ticket unaddressed (what `on_kv_wait` hands over: the prefill node is not chosen
-  yet); `address(ticket, prefill_tp)` addresses it once it is, before the ticket is sent (no
-  write can land before). When the count completes, `ReceiverEvents.kv_landed(request_id)` is
+  yet); `address(ticket, prefill_tp)` addresses it once it is, before the ticket is sent (writes
+  that land before it anyway still count: the ImmCounter keeps them, and they are not stale).
+  When the count completes, `ReceiverEvents.kv_landed(request_id)` is
   called (on the fabric progress thread: it must only hand the news to the engine thread).
 - hybrid models (E8, Gemma 3): every attention group travels; the ticket names the sliding
   group's pages from the first one its first decode step reads (plan.window_first_page), and the
@@ -420,10 +421,16 @@ class KvReceiver(DecodeConnector):
                 return
             if tag in self._fences or tag in self._retired_fences:
                 return   # a fence that landed after its wait ended: into the fence buffer, harmless
+            if tag in self._unaddressed_tags():
+                return   # landed before `address` set its count: the ImmCounter keeps it until then
             self.stale_writes += count
         logger.error("%d KV writes landed for tag %d, which no transfer holds (stale)", count, tag)
         self.transport.imm_counter.cancel(tag)   # tombstoned: an unknown tag is not kept forever
         self.events.kv_stale_write(tag, count)
+
+    def _unaddressed_tags(self) -> set[int]:
+        """Under the lock: tags of waiting attempts whose count is not set yet."""
+        return {w.tag for w in self._by_request.values() if w.plan is None}
 
     @property
     def num_waiting(self) -> int:

@@ -16,6 +16,8 @@ its rank processes, the KV pushed with one-sided writes on shm.
 - One shard's writes fail (its decode rank's memory key is wrong) while its siblings' land: the
   sender's transfer fails only once no write of it is in flight, the landed count stays short
   (the decode side never makes the request schedulable), and the prefill pages are released.
+- Completions that land before the decode side set its expected count still count (kept, not
+  stale), and the bytes in the decode rank's pool equal the prefill rank's.
 """
 
 from __future__ import annotations
@@ -149,6 +151,53 @@ def test_one_shards_writes_failing_fail_the_transfer_only_once_every_sibling_is_
             prefill.check_integrity()
             assert prefill.pool.num_used_blocks == 0
             receiver.quarantine("split")
+    finally:
+        sender.close()
+        fab_p.close()
+        fab_d.close()
+
+
+def test_writes_landing_before_the_receiver_set_its_count_still_count():
+    """A TP 2 prefill side writes a whole transfer into a TP 2 decode side's pools before the
+    decode side addresses the ticket (its expected count set only afterwards): those early
+    completions are kept, not stale, and the count completes the moment it is set."""
+    cfg = FabricConfig(provider="shm")
+    fab_p, fab_d = TransferEngine(cfg), TransferEngine(cfg)
+    sender = KvSender(fab_p)
+    try:
+        with LLM(tensor_parallel_size=2, num_blocks=48, max_model_len=256, max_batch_tokens=32,
+                 kv_connector=sender) as llm:
+            prefill = llm.engine
+            events = QueueEvents()
+            receiver = KvReceiver(fab_d, events)
+            spec, bufs = _decode_shards(prefill.arch, pages=32)
+            receiver.register_kv_cache(spec)
+            fab_p.connect(fab_d.peer_descriptor)
+            ids = prefill.tokenize(PROMPTS[1])
+            n_pages = -(-(len(ids) - 1) // 16)
+            unaddressed = receiver.prepare("early", len(ids), list(range(5, 5 + n_pages)), prefill_tp=None)
+            count = sender.expected_writes(dataclasses.replace(unaddressed, expected_writes=1))
+            future = sender.add(dataclasses.replace(unaddressed, expected_writes=count))
+            prefill.add_request(ids[:-1], SamplingParams(max_tokens=1), request_id="early", prefill_only=True,
+                                hold_blocks=True)
+            while prefill.has_unfinished_requests():
+                prefill.step()
+            future.result(timeout=30)
+            deadline = time.monotonic() + 10
+            while fab_d.imm_counter.landed(unaddressed.imm_tag) < count and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert fab_d.imm_counter.landed(unaddressed.imm_tag) == count   # all landed, none claimed yet
+            assert events.jobs.empty() and receiver.stale_writes == 0
+            ticket = receiver.address(unaddressed, 2)
+            assert ticket.expected_writes == count
+            assert events.jobs.get(timeout=5) == ("ready", "early")   # completed as the count was set
+            assert receiver.stale_writes == 0
+            # rank 1 of the decode side holds head 2: what prefill rank 1 computed, page for page
+            src = prefill.block_table("early")
+            pool1 = llm.engine.runner.tp.pool_tensors()[0]   # prefill rank 1's pool: [L, 2, pages, 1, P, D]
+            assert torch.equal(bufs[1][:, :, 5:5 + n_pages], pool1[:, :, src[:n_pages]])
+            receiver.finish("early")
+            prefill.release_blocks("early")
     finally:
         sender.close()
         fab_p.close()
