@@ -19,6 +19,8 @@ from torch import nn
 from pdserve.kernels.ops.linear import linear, linear_block_parts, linear_blocked
 from pdserve.kernels.ops.norm_act import add_rms_norm, rms_norm_reference
 from pdserve.kernels.ops.rope_kv import rope
+from pdserve.model.arch import ModelArch
+from pdserve.model.tp import RankShard, row_fold_block
 from pdserve.model.weights import CheckpointReader
 
 
@@ -67,6 +69,24 @@ class MergedColumnLinear(nn.Module):
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:  # y: [T, out] -> one [T, size] per part
         return torch.split(y, self.shard_sizes, dim=-1)
+
+
+class ShardedAttention(nn.Module):
+    """What every attention layer's rank shares (Llama family, Gemma 3): its heads (all of them at
+    TP 1) and the projections split by them, q|k|v column-parallel by output rows, o_proj
+    row-parallel by input columns with `row_fold_block`'s blocked sums."""
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, shard: RankShard, invariant: bool, o_bias: bool) -> None:
+        super().__init__()
+        D = arch.head_dim
+        q0, q1 = shard.q_heads
+        kv0, kv1 = shard.kv_heads[0], shard.kv_heads[-1] + 1
+        self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, kv1 - kv0, D
+        q_size, kv_size = arch.num_heads * D, arch.num_kv_heads * D
+        self.qkv_proj = MergedColumnLinear(arch.hidden_size, [q_size, kv_size, kv_size], arch.attention_bias, dtype,
+                                           part_rows=[(q0 * D, q1 * D), (kv0 * D, kv1 * D), (kv0 * D, kv1 * D)])
+        self.o_proj = RowLinear(q_size, arch.hidden_size, o_bias, dtype, in_cols=(q0 * D, q1 * D),
+                                fold_block=row_fold_block(shard.o_fold_heads * D, dtype, invariant))
 
 
 class RowLinear(nn.Module):

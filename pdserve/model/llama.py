@@ -36,6 +36,7 @@ from pdserve.model.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowLinear,
+    ShardedAttention,
     embedding_and_head,
     load_embedding_and_head,
 )
@@ -45,19 +46,9 @@ from pdserve.model.weights import CheckpointReader
 LayerHook = Callable[[int], None]
 
 
-class Attention(nn.Module):
+class Attention(ShardedAttention):
     def __init__(self, arch: ModelArch, dtype: torch.dtype, shard: RankShard, invariant: bool = True) -> None:
-        super().__init__()
-        D = arch.head_dim
-        q0, q1 = shard.q_heads
-        kv0, kv1 = shard.kv_heads[0], shard.kv_heads[-1] + 1
-        # this rank's heads (all of them at TP 1)
-        self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, kv1 - kv0, D
-        q_size, kv_size = arch.num_heads * D, arch.num_kv_heads * D
-        self.qkv_proj = MergedColumnLinear(arch.hidden_size, [q_size, kv_size, kv_size], arch.attention_bias, dtype,
-                                           part_rows=[(q0 * D, q1 * D), (kv0 * D, kv1 * D), (kv0 * D, kv1 * D)])
-        self.o_proj = RowLinear(q_size, arch.hidden_size, False, dtype, in_cols=(q0 * D, q1 * D),
-                                fold_block=row_fold_block(shard.o_fold_heads * D, dtype, invariant))
+        super().__init__(arch, dtype, shard, invariant, o_bias=False)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.scale = self.head_dim**-0.5
