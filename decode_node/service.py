@@ -119,6 +119,7 @@ from decode_node.prefill_pool import PREFILL_ROUTING, PrefillNode, PrefillPool, 
 from fabric import FabricConfig, TransferEngine
 from kv_messenger import KvReceiver, ReceiverEvents, TransferTicket
 from kv_messenger.placement import placement_info
+from kv_messenger.receiver import CONTEXT_SLOTS
 from kv_messenger.ticket import peer_to_bytes, remote_to_bytes
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_thread import EngineThread
@@ -276,7 +277,10 @@ class DecodeNode(ReceiverEvents):
         else:
             self.transport = TransferEngine(FabricConfig(provider=config.provider, node=config.fabric_node))
             try:
-                self.receiver = KvReceiver(self.transport, events=self, kv_checksum=config.kv_checksum)
+                # A context slot per request that may wait for its KV (at most max_waiting_requests:
+                # they have no first token yet), plus CONTEXT_SLOTS for quarantined attempts.
+                self.receiver = KvReceiver(self.transport, events=self, kv_checksum=config.kv_checksum,
+                                           context_slots=config.max_waiting_requests + CONTEXT_SLOTS)
                 # UnsupportedModelError (a ValueError): sliding-window / hybrid models
                 self.engine = EngineThread(LLMEngine(config.engine, kv_connector=self.receiver))
             except BaseException:

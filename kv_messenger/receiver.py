@@ -80,7 +80,7 @@ from pdserve.engine.kv_connector import DecodeConnector, KvCacheSpec, KvWait
 
 logger = logging.getLogger(__name__)
 
-CONTEXT_SLOTS = 1024    # requests that may wait for their KV (or be quarantined) at once
+CONTEXT_SLOTS = 1024    # default: requests that may wait for their KV (or be quarantined) at once
 REMEMBERED_ATTEMPTS = 65536   # request ids whose last attempt number is kept
 FENCE_BUFFER_BYTES = 64       # the fence buffer: written by fences, never read
 # TEST ONLY: "PREFIX:N,...": attempts < N of request ids starting with PREFIX are corrupted (see verify).

@@ -537,10 +537,18 @@ class PrefillNode:
             raise ValueError(f"abort of {key.request_id}: the fence region belongs to engine "
                              f"{spec.fence_region.peer.engine_id[:8]}, not the transfer's {key.decode_engine_id[:8]}")
         try:
-            self.sender.fence(spec.fence_region, spec.fence_tag)
+            fence = self.sender.fence(spec.fence_region, spec.fence_tag)
         except FabricError as e:
             logger.warning("abort of %s attempt %d: fence not posted: %s", key.request_id, key.attempt, e)
             return AbortOutcome(False, FINISHED)
+        # A fence that fails after it was posted never lands: the decode side waits FENCE_WAIT_S and
+        # asks again; say why here (fabric progress thread).
+        def fence_done(f: concurrent.futures.Future, k: TransferKey = key) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                logger.warning("abort of %s attempt %d: its fence write failed: %s", k.request_id, k.attempt,
+                               f.exception())
+
+        fence.add_done_callback(fence_done)
         return AbortOutcome(True, FINISHED, fence_posted=True)
 
     # --- load (loop, reads on the engine thread) -----------------------------------------------
