@@ -22,6 +22,7 @@ its rank processes, the KV pushed with one-sided writes on shm.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import time
@@ -110,98 +111,103 @@ def _decode_shards(arch, pages: int) -> tuple[KvCacheSpec, list[torch.Tensor]]:
     return spec, bufs
 
 
-def test_one_shards_writes_failing_fail_the_transfer_only_once_every_sibling_is_terminal():
-    cfg = FabricConfig(provider="tcp;ofi_rxm", node="127.0.0.1")
+@dataclasses.dataclass(frozen=True)
+class _InProcessPair:
+    """A TP 2 prefill engine with its KvSender, and a TP 2 decode side's receiver over bare pools."""
+
+    llm: LLM
+    sender: KvSender
+    receiver: KvReceiver
+    events: QueueEvents
+    bufs: list[torch.Tensor]   # the decode side's pools, rank order
+    fab_d: TransferEngine
+
+
+@contextlib.contextmanager
+def _tp2_pair(cfg: FabricConfig):
     fab_p, fab_d = TransferEngine(cfg), TransferEngine(cfg)
     sender = KvSender(fab_p)
     try:
         with LLM(tensor_parallel_size=2, num_blocks=48, max_model_len=256, max_batch_tokens=32,
                  kv_connector=sender) as llm:
-            prefill = llm.engine
-            receiver = KvReceiver(fab_d, QueueEvents())
-            spec, bufs = _decode_shards(prefill.arch, pages=32)
+            events = QueueEvents()
+            receiver = KvReceiver(fab_d, events)
+            spec, bufs = _decode_shards(llm.engine.arch, pages=32)
             receiver.register_kv_cache(spec)
             fab_p.connect(fab_d.peer_descriptor)
-            ids = prefill.tokenize(PROMPTS[1])
-            n_pages = -(-(len(ids) - 1) // 16)
-            ticket = receiver.prepare("split", len(ids), list(range(3, 3 + n_pages)), prefill_tp=2)
-            # decode rank 1's pool under a key nothing registered: the target refuses those writes
-            good = ticket.kv_ranks[1]
-            bad = RemoteDescriptor(good.peer, good.region_id, good.base, good.key ^ 0x5A5A5A, good.length)
-            ticket = dataclasses.replace(ticket, kv_ranks=(ticket.kv_ranks[0], bad))
-            future = sender.add(ticket)
-            released = queue.SimpleQueue()
-            future.add_done_callback(lambda f: released.put(sender.outstanding_requests()))
-            prefill.add_request(ids[:-1], SamplingParams(max_tokens=1), request_id="split", prefill_only=True,
-                                hold_blocks=True)
-            while prefill.has_unfinished_requests():
-                prefill.step()
-            with pytest.raises(FabricError):
-                future.result(timeout=30)
-            assert released.get(timeout=5) == 0   # resolved only once nothing of it was in flight
-            # rank 0's runs landed (its pool holds prefill rank 0's heads 0-1), rank 1's never did
-            deadline = time.monotonic() + 10
-            while receiver.landed("split") == 0 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            landed = receiver.landed("split")
-            assert 0 < landed < ticket.expected_writes
-            assert bufs[0][0, 0, 3].abs().sum() > 0 and bufs[1].abs().sum() == 0
-            assert receiver.tag_of("split") is not None   # still waiting: never schedulable
-            prefill.release_blocks("split")
-            prefill.check_integrity()
-            assert prefill.pool.num_used_blocks == 0
-            receiver.quarantine("split")
+            yield _InProcessPair(llm, sender, receiver, events, bufs, fab_d)
     finally:
         sender.close()
         fab_p.close()
         fab_d.close()
+
+
+def test_one_shards_writes_failing_fail_the_transfer_only_once_every_sibling_is_terminal():
+    with _tp2_pair(FabricConfig(provider="tcp;ofi_rxm", node="127.0.0.1")) as pair:
+        prefill, sender, receiver, bufs = pair.llm.engine, pair.sender, pair.receiver, pair.bufs
+        ids = prefill.tokenize(PROMPTS[1])
+        n_pages = -(-(len(ids) - 1) // 16)
+        ticket = receiver.prepare("split", len(ids), list(range(3, 3 + n_pages)), prefill_tp=2)
+        # decode rank 1's pool under a key nothing registered: the target refuses those writes
+        good = ticket.kv_ranks[1]
+        bad = RemoteDescriptor(good.peer, good.region_id, good.base, good.key ^ 0x5A5A5A, good.length)
+        ticket = dataclasses.replace(ticket, kv_ranks=(ticket.kv_ranks[0], bad))
+        future = sender.add(ticket)
+        released = queue.SimpleQueue()
+        future.add_done_callback(lambda f: released.put(sender.outstanding_requests()))
+        prefill.add_request(ids[:-1], SamplingParams(max_tokens=1), request_id="split", prefill_only=True,
+                            hold_blocks=True)
+        while prefill.has_unfinished_requests():
+            prefill.step()
+        with pytest.raises(FabricError):
+            future.result(timeout=30)
+        assert released.get(timeout=5) == 0   # resolved only once nothing of it was in flight
+        # rank 0's runs landed (its pool holds prefill rank 0's heads 0-1), rank 1's never did
+        deadline = time.monotonic() + 10
+        while receiver.landed("split") == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        landed = receiver.landed("split")
+        assert 0 < landed < ticket.expected_writes
+        assert bufs[0][0, 0, 3].abs().sum() > 0 and bufs[1].abs().sum() == 0
+        assert receiver.tag_of("split") is not None   # still waiting: never schedulable
+        prefill.release_blocks("split")
+        prefill.check_integrity()
+        assert prefill.pool.num_used_blocks == 0
+        receiver.quarantine("split")
 
 
 def test_writes_landing_before_the_receiver_set_its_count_still_count():
     """A TP 2 prefill side writes a whole transfer into a TP 2 decode side's pools before the
     decode side addresses the ticket (its expected count set only afterwards): those early
     completions are kept, not stale, and the count completes the moment it is set."""
-    cfg = FabricConfig(provider="shm")
-    fab_p, fab_d = TransferEngine(cfg), TransferEngine(cfg)
-    sender = KvSender(fab_p)
-    try:
-        with LLM(tensor_parallel_size=2, num_blocks=48, max_model_len=256, max_batch_tokens=32,
-                 kv_connector=sender) as llm:
-            prefill = llm.engine
-            events = QueueEvents()
-            receiver = KvReceiver(fab_d, events)
-            spec, bufs = _decode_shards(prefill.arch, pages=32)
-            receiver.register_kv_cache(spec)
-            fab_p.connect(fab_d.peer_descriptor)
-            ids = prefill.tokenize(PROMPTS[1])
-            n_pages = -(-(len(ids) - 1) // 16)
-            unaddressed = receiver.prepare("early", len(ids), list(range(5, 5 + n_pages)), prefill_tp=None)
-            count = sender.expected_writes(dataclasses.replace(unaddressed, expected_writes=1))
-            future = sender.add(dataclasses.replace(unaddressed, expected_writes=count))
-            prefill.add_request(ids[:-1], SamplingParams(max_tokens=1), request_id="early", prefill_only=True,
-                                hold_blocks=True)
-            while prefill.has_unfinished_requests():
-                prefill.step()
-            future.result(timeout=30)
-            deadline = time.monotonic() + 10
-            while fab_d.imm_counter.landed(unaddressed.imm_tag) < count and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert fab_d.imm_counter.landed(unaddressed.imm_tag) == count   # all landed, none claimed yet
-            assert events.jobs.empty() and receiver.stale_writes == 0
-            ticket = receiver.address(unaddressed, 2)
-            assert ticket.expected_writes == count
-            assert events.jobs.get(timeout=5) == ("ready", "early")   # completed as the count was set
-            assert receiver.stale_writes == 0
-            # rank 1 of the decode side holds head 2: what prefill rank 1 computed, page for page
-            src = prefill.block_table("early")
-            pool1 = llm.engine.runner.tp.pool_tensors()[0]   # prefill rank 1's pool: [L, 2, pages, 1, P, D]
-            assert torch.equal(bufs[1][:, :, 5:5 + n_pages], pool1[:, :, src[:n_pages]])
-            receiver.finish("early")
-            prefill.release_blocks("early")
-    finally:
-        sender.close()
-        fab_p.close()
-        fab_d.close()
+    with _tp2_pair(FabricConfig(provider="shm")) as pair:
+        llm, prefill, sender, receiver = pair.llm, pair.llm.engine, pair.sender, pair.receiver
+        events, bufs, fab_d = pair.events, pair.bufs, pair.fab_d
+        ids = prefill.tokenize(PROMPTS[1])
+        n_pages = -(-(len(ids) - 1) // 16)
+        unaddressed = receiver.prepare("early", len(ids), list(range(5, 5 + n_pages)), prefill_tp=None)
+        count = sender.expected_writes(dataclasses.replace(unaddressed, expected_writes=1))
+        future = sender.add(dataclasses.replace(unaddressed, expected_writes=count))
+        prefill.add_request(ids[:-1], SamplingParams(max_tokens=1), request_id="early", prefill_only=True,
+                            hold_blocks=True)
+        while prefill.has_unfinished_requests():
+            prefill.step()
+        future.result(timeout=30)
+        deadline = time.monotonic() + 10
+        while fab_d.imm_counter.landed(unaddressed.imm_tag) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fab_d.imm_counter.landed(unaddressed.imm_tag) == count   # all landed, none claimed yet
+        assert events.jobs.empty() and receiver.stale_writes == 0
+        ticket = receiver.address(unaddressed, 2)
+        assert ticket.expected_writes == count
+        assert events.jobs.get(timeout=5) == ("ready", "early")   # completed as the count was set
+        assert receiver.stale_writes == 0
+        # rank 1 of the decode side holds head 2: what prefill rank 1 computed, page for page
+        src = prefill.block_table("early")
+        pool1 = llm.engine.runner.tp.pool_tensors()[0]   # prefill rank 1's pool: [L, 2, pages, 1, P, D]
+        assert torch.equal(bufs[1][:, :, 5:5 + n_pages], pool1[:, :, src[:n_pages]])
+        receiver.finish("early")
+        prefill.release_blocks("early")
 
 
 def test_a_decode_split_off_the_head_rule_is_refused_before_any_write():
