@@ -15,6 +15,7 @@ import pathlib
 import grpc
 import pytest
 from support.net import free_port
+from support.node_stubs import InfoOnlyDecode, serve_node_services
 
 from decode_node.prefill_pool import PrefillPool
 from kv_messenger.ticket import peer_to_bytes
@@ -178,31 +179,14 @@ def test_the_prefill_pool_never_chooses_a_node_of_another_kv_layout_or_model(tmp
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-class _Decode(node_pb2_grpc.NodeServiceServicer):
-    def __init__(self, node_id: str, model: str) -> None:
-        self.node_id, self.model = node_id, model
-
-    async def GetNodeInfo(self, request, context):
-        return node_pb2.NodeInfo(node_id=self.node_id, role=node_pb2.NODE_ROLE_DECODE, model=self.model)
-
-
 def test_the_router_sends_nothing_to_a_decode_node_of_another_model(caplog):
-    from pdserve_api.servers import add_standard_services_aio
     from pdserve_api.v1 import generate_pb2
     from router.config import RouterConfig
     from router.nodes import NodePool
 
     async def main() -> None:
-        decoders = [_Decode("d0", "other"), _Decode("d1", "tiny"), _Decode("d2", "tiny")]
-        servers = []
-        for d in decoders:
-            server = grpc.aio.server()
-            node_pb2_grpc.add_NodeServiceServicer_to_server(d, server)
-            await add_standard_services_aio(server, ["pdserve.api.v1.NodeService"], serving=True)
-            address = f"127.0.0.1:{free_port()}"
-            server.add_insecure_port(address)
-            await server.start()
-            servers.append((server, address))
+        decoders = [InfoOnlyDecode("d0", "other"), InfoOnlyDecode("d1", "tiny"), InfoOnlyDecode("d2", "tiny")]
+        servers = await serve_node_services(decoders)
         addresses = [a for _, a in servers]
         pool = NodePool(RouterConfig(decode_nodes=tuple(addresses), health_interval_s=60))
         request = generate_pb2.GenerateRequest(text="hello")

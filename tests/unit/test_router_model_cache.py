@@ -7,21 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
+from support.node_stubs import InfoOnlyDecode, serve_node_services
 
-from pdserve_api.servers import add_standard_services_aio
-from pdserve_api.v1 import generate_pb2, node_pb2, node_pb2_grpc
+from pdserve_api.v1 import generate_pb2
 from router.config import RouterConfig
 from router.nodes import NodePool
-from tests.support.net import free_port
-
-
-class _Decode(node_pb2_grpc.NodeServiceServicer):
-    def __init__(self, node_id: str, model: str) -> None:
-        self.node_id, self.model = node_id, model
-
-    async def GetNodeInfo(self, request, context):
-        return node_pb2.NodeInfo(node_id=self.node_id, role=node_pb2.NODE_ROLE_DECODE, model=self.model)
 
 
 class CountingPool(NodePool):
@@ -36,16 +26,8 @@ class CountingPool(NodePool):
 
 def test_the_serving_model_is_counted_once_per_change_and_routing_is_unchanged():
     async def main() -> None:
-        decoders = [_Decode("d0", "other"), _Decode("d1", "tiny"), _Decode("d2", "tiny")]
-        servers = []
-        for d in decoders:
-            server = grpc.aio.server()
-            node_pb2_grpc.add_NodeServiceServicer_to_server(d, server)
-            await add_standard_services_aio(server, ["pdserve.api.v1.NodeService"], serving=True)
-            address = f"127.0.0.1:{free_port()}"
-            server.add_insecure_port(address)
-            await server.start()
-            servers.append((server, address))
+        decoders = [InfoOnlyDecode("d0", "other"), InfoOnlyDecode("d1", "tiny"), InfoOnlyDecode("d2", "tiny")]
+        servers = await serve_node_services(decoders)
         a = [addr for _, addr in servers]
         pool = CountingPool(RouterConfig(decode_nodes=tuple(a), health_interval_s=60))
         request = generate_pb2.GenerateRequest(text="hello")
