@@ -29,6 +29,12 @@ class EngineMetrics:
     num_prompt_tokens_computed: int  # prompt tokens run through forward passes
     num_generated_tokens: int        # tokens sampled
     num_steps: int                   # forward passes
+    # speculative decoding (E20), vLLM's meaning: a "draft" is one verified proposal of one sequence
+    # in one step (0 proposed tokens is no draft); accepted tokens exclude the bonus token
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0             # proposed tokens verified
+    spec_num_accepted_tokens: int = 0          # of those, accepted
+    spec_accepted_per_pos: tuple[int, ...] = ()  # [i]: drafts whose token at position i was accepted
 
     @property
     def prefix_cache_hit_rate(self) -> float:
