@@ -65,6 +65,10 @@ class FabricConfig:
     peer_timeout_s: a peer with outstanding writes and no completion for
         this long is declared failed (its batches get on_error); 0 disables.
     close_timeout_s: how long close() waits for outstanding writes.
+    multi_rail: D16: allow ``TransferEngine.open_rail``, one more endpoint per libfabric domain
+        (NIC) asked for, so that the KV messenger registers each TP shard's pool on the NIC its
+        placement names (kv_messenger.pool). False: open_rail refuses and every shard stays on
+        the one endpoint. A host with one NIC (or none) never gets a second rail either way.
     """
 
     provider: str | None = None
@@ -84,6 +88,7 @@ class FabricConfig:
     busy_poll: bool = False
     peer_timeout_s: float = 5.0
     close_timeout_s: float = 5.0
+    multi_rail: bool = True
 
     def __post_init__(self) -> None:
         if self.locality not in LOCALITIES:
@@ -104,6 +109,8 @@ class FabricConfig:
             raise ValueError(f"sleep_max_us={self.sleep_max_us!r}: expected 1..1000000")
         if not (isinstance(self.peer_timeout_s, (int, float)) and 0 <= self.peer_timeout_s <= 3600):
             raise ValueError(f"peer_timeout_s={self.peer_timeout_s!r}: expected 0..3600 seconds")
+        if not isinstance(self.multi_rail, bool):
+            raise ValueError(f"multi_rail={self.multi_rail!r}: expected a bool")
         if not isinstance(self.busy_poll, bool):
             raise ValueError(f"busy_poll={self.busy_poll!r}: expected a bool")
         if self.sync_spin_us > 1_000_000:

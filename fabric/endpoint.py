@@ -31,7 +31,7 @@ import logging
 import os
 import threading
 import uuid
-from typing import Callable
+from typing import Callable, Iterator
 
 from fabric import shmclean
 from fabric._libfabric import ffi, lib
@@ -74,18 +74,26 @@ def bell_name(peer: PeerDescriptor) -> str:
 class Endpoint:
     """An open native endpoint: handle, identity, attributes and the progress thread.
 
-    Attributes (set once at open): provider, domain, mr_mode, tx_credits, max_msg_size,
+    Attributes (set once at open): rail (its index in its TransferEngine), node (the bind address
+    asked for, None: the provider's choice), provider, domain, mr_mode, tx_credits, max_msg_size,
     wait_mode ("fd", "bell" or "sleep"), delivery_complete (granted, see FabricConfig), source_addr
     (FI_SOURCE granted: receive completions name their sender), tx_order / rx_order (the FI_ORDER_*
     names granted, e.g. "SAS", "WAW"),
     engine_id, me (this endpoint's PeerDescriptor), max_write (the largest single write).
     """
 
-    def __init__(self, config: FabricConfig) -> None:
+    def __init__(self, config: FabricConfig, *, node: str | None = None, engine_id: str | None = None,
+                 ids: Iterator[int] | None = None, rail: int = 0) -> None:
+        """Open the endpoint. A TransferEngine's first endpoint (rail 0) takes only ``config``;
+        its further rails (fabric.engine) pass the bind address ``node`` that selects their
+        domain, and share rail 0's ``engine_id`` and id counter ``ids`` (one identity, and
+        region, batch and send ids unique across the engine's rails)."""
         self.config = config
+        self.rail = rail
         provider = config.resolved_provider()
-        node = config.node if provider != "shm" else None
-        self.engine_id = uuid.uuid4().hex
+        node = (node or config.node) if provider != "shm" else None
+        self.node = node
+        self.engine_id = engine_id or uuid.uuid4().hex
         shmclean.sweep()  # files of killed processes: memory, and pid clashes for shm
         me = PeerDescriptor(provider, b"", self.engine_id, host_id(), os.getpid(), process_start_time(os.getpid()))
         out = ffi.new("pdf_engine **")
@@ -139,15 +147,17 @@ class Endpoint:
         )
         self.max_write = config.max_write_bytes or min(self.max_msg_size, 1 << 62)
         self.lock = threading.Lock()
-        self._ids = itertools.count(1)  # one counter: region, batch, send ids and probe nonces
+        # one counter: region, batch, send ids and probe nonces (shared by an engine's rails)
+        self.ids: Iterator[int] = ids if ids is not None else itertools.count(1)
         self.closing = False
         self.closed = False
         self._generation = 0  # progress rounds completed (wait_peer_gone's drain fence)
         self._dispatch: Dispatch | None = None
-        self._thread = threading.Thread(target=self._run, name=f"fabric-progress-{self.engine_id[:8]}", daemon=True)
+        name = f"fabric-progress-{self.engine_id[:8]}" + (f"-rail{rail}" if rail else "")
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def next_id(self) -> int:
-        return next(self._ids)
+        return next(self.ids)
 
     def check_open(self) -> None:
         if self.closing or self.closed:

@@ -12,25 +12,48 @@ A thin facade over the parts, each with one job:
 - fabric.stale: the process-wide memory of closed engines and revoked regions.
 
 This module composes them and routes each event of the progress thread to its part
-(``_dispatch``). Primitives: register/deregister, connect/disconnect, write_pages,
+(``_Rail.dispatch``). Primitives: register/deregister, connect/disconnect, write_pages,
 write_pages_sync, send, wait_peer_gone, close; plus the receiver's ImmCounter and stats().
 
-Threads: the progress thread (fabric.endpoint) runs every callback; the public methods may be
-called from any thread (fabric.backend's rules). Blocking waits, each bounded: ``connect`` and
-the first write to a peer (the handshake, ``timeout`` / 5 s), ``wait_peer_gone`` (its
-``timeout``), ``write_pages_sync`` (its ``timeout``, see fabric.writes), ``close`` (outstanding
-work: config.close_timeout_s; the goodbyes: min(1 s, close_timeout_s); the progress thread's
-stop: fabric.endpoint).
+Rails (D16): an engine has one endpoint per libfabric domain (NIC) it is asked for, each a
+``_Rail`` with all the parts above and its own progress thread. Rail 0 is the endpoint opened as
+the config says (today's only one); ``open_rail(domain)`` opens another, bound to the address
+that selects that domain (fabric.topology.rail_node: tcp's interface address, verbs' device
+interface; efa and other domains chosen by name only are refused, since the native open takes a
+bind address and no domain name). Every rail shares the engine's identity (engine id, host,
+pid; its PeerDescriptor differs only in the endpoint name), its id counter (region ids are unique
+across rails, so revocations name regions unambiguously) and its ImmCounter (a receiver counts
+what lands on any rail). A region is registered on one rail (``register(..., rail=i)``, its
+descriptor names that rail's endpoint) and every write from it posts on that rail, to whatever
+endpoint the destination descriptor names; a rail shakes hands with each remote endpoint it
+writes to (per endpoint name). What concerns a peer engine as a whole covers every rail:
+``disconnect`` and ``close_connection`` end the connections of all its known endpoints on all
+rails, ``wait_peer_gone`` drains every rail, ``close`` closes them all. Control messages
+(``send``, ``connect``) use rail 0 unless told. With one domain (one NIC, or none) only rail 0
+exists and everything is as it was.
+
+Threads: each rail's progress thread (fabric.endpoint) runs the callbacks of its own writes,
+sends and landings (so with several rails, callbacks and ImmCounter completions come from more
+than one thread); the public methods may be called from any thread (fabric.backend's rules).
+Blocking waits, each bounded: ``connect`` and the first write from a rail to a remote endpoint
+(the handshake, ``timeout`` / 5 s), ``open_rail`` (the native open: fi_getinfo and endpoint setup,
+no peer involved), ``wait_peer_gone`` (its ``timeout``, then at most 1.05 s of draining per other
+rail, fabric.peers), ``write_pages_sync`` (its ``timeout``, see fabric.writes), ``close``
+(outstanding work of all rails: config.close_timeout_s; the goodbyes: min(1 s,
+close_timeout_s); each progress thread's stop: fabric.endpoint).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable
 
-from fabric import control, stale
+from fabric import control, stale, topology
 from fabric._libfabric import lib
 from fabric.backend import OnDone, OnError, SyncResult, TransferBackend
 from fabric.config import FabricConfig
@@ -48,6 +71,7 @@ logger = logging.getLogger(__name__)
 
 _DRAIN_POLL_S = 0.002  # close(): how often it looks whether outstanding work finished
 _BYE_TIMEOUT_S = 1.0  # close(): the longest wait for the goodbyes to leave
+_MAX_MARKS = 1024  # progress_mark(): marks remembered (the oldest forgotten: progressed() then True)
 
 # ``disconnect`` must end a peer's connection: ofi_rxm closes the connection of an address removed
 # from the AV (dropping the operations still queued on it, so nothing more is read from their
@@ -55,14 +79,64 @@ _BYE_TIMEOUT_S = 1.0  # close(): the longest wait for the goodbyes to leave
 os.environ.setdefault("FI_AV_REMOVE_CLEANUP", "1")
 
 
+@dataclass(frozen=True)
+class RailInfo:
+    """One endpoint of a TransferEngine (see the module docstring)."""
+
+    index: int                # 0: the endpoint the config opened
+    domain: str               # its libfabric domain (tcp: the interface; verbs: the device)
+    node: str | None          # the address it was bound to (None: the provider's choice)
+    peer: PeerDescriptor      # its endpoint, as regions registered on it name it
+
+
+class _Rail:
+    """One endpoint and the parts that serve it (module docstring); events of its progress thread
+    go to ``dispatch``."""
+
+    def __init__(self, ep: Endpoint, imm: ImmCounter,
+                 on_message: Callable[[PeerDescriptor, bytes], None] | None) -> None:
+        self._ep = ep
+        self._imm = imm
+        self._regions = RegionTable(ep)
+        self._channel = ControlChannel(ep)
+        self._peers = PeerTable(ep, self._channel)
+        self._writes = WritePath(ep, self._regions, self._peers)
+        self._control = ControlProtocol(ep, self._peers, self._regions, on_message)
+
+    def info(self) -> RailInfo:
+        ep = self._ep
+        return RailInfo(ep.rail, ep.domain, ep.node, ep.me)
+
+    def dispatch(self, ev) -> None:
+        """Route one native event to its part (progress thread, or a fail_* call's caller)."""
+        kind = ev.kind
+        try:
+            if kind == lib.PDF_EV_IMM:
+                self._imm.on_landed(int(ev.id), int(ev.count))
+            elif kind == lib.PDF_EV_BATCH_DONE:
+                self._writes.on_batch_done(ev)
+            elif kind == lib.PDF_EV_BATCH_FAILED:
+                self._writes.on_batch_failed(ev)
+            elif kind == lib.PDF_EV_RECV:
+                self._control.on_recv(ev)
+            elif kind in (lib.PDF_EV_SEND_DONE, lib.PDF_EV_SEND_FAILED):
+                self._channel.on_send_event(ev)
+            elif kind == lib.PDF_EV_PEER_FAILED:
+                self._peers.on_peer_failed(ev)
+            elif kind == lib.PDF_EV_CQ_ERROR:
+                logger.error("completion queue error: %s (prov_errno %d)", FabricError(ev.code, "fi_cq_read"), ev.count)
+        except Exception:  # a user callback raised: report it, keep progressing
+            logger.exception("fabric callback for event kind %d id %d raised", kind, int(ev.id))
+
+
 class TransferEngine(TransferBackend):
     """libfabric implementation of TransferBackend (see its rules).
 
-    One endpoint, one CQ, one progress thread. ``on_message(peer, payload)``
-    receives messages sent with ``send`` by other engines.
+    One endpoint, one CQ, one progress thread per rail (rail 0 always; more with ``open_rail``).
+    ``on_message(peer, payload)`` receives messages sent with ``send`` by other engines.
 
     Attributes: config, engine_id, provider, domain, mr_mode, tx_credits, max_msg_size,
-    wait_mode, delivery_complete (fabric.endpoint.Endpoint).
+    wait_mode, delivery_complete (rail 0's fabric.endpoint.Endpoint).
     """
 
     def __init__(
@@ -72,6 +146,7 @@ class TransferEngine(TransferBackend):
         on_message: Callable[[PeerDescriptor, bytes], None] | None = None,
     ) -> None:
         self.config = config or FabricConfig()
+        self._on_message = on_message
         self._ep = ep = Endpoint(self.config)
         self.engine_id: str = ep.engine_id
         self.provider: str = ep.provider
@@ -84,12 +159,15 @@ class TransferEngine(TransferBackend):
         self.tx_order: frozenset[str] = ep.tx_order   # FI_ORDER_* granted (csrc open_info asks SAS + WAW)
         self.rx_order: frozenset[str] = ep.rx_order
         self._imm = ImmCounter()
-        self._regions = RegionTable(ep)
-        self._channel = ControlChannel(ep)
-        self._peers = PeerTable(ep, self._channel)
-        self._writes = WritePath(ep, self._regions, self._peers)
-        self._control = ControlProtocol(ep, self._peers, self._regions, on_message)
-        ep.start(self._dispatch)
+        rail0 = _Rail(ep, self._imm, on_message)
+        # rail 0's parts under their own names (fabric's tests look at them)
+        self._regions, self._channel, self._peers = rail0._regions, rail0._channel, rail0._peers
+        self._writes, self._control = rail0._writes, rail0._control
+        self._rails: list[_Rail] = [rail0]
+        self._rails_lock = threading.Lock()   # open_rail / close; readers index the list (append-only)
+        self._marks: OrderedDict[int, tuple[int, ...]] = OrderedDict()   # progress_mark -> each rail's round
+        self._mark_ids = 0
+        ep.start(rail0.dispatch)
         logger.info(
             "engine %s: provider=%s domain=%s mr_mode=0x%x tx_credits=%d wait=%s delivery_complete=%s "
             "order tx=%s rx=%s", self.engine_id[:8], self.provider, self.domain, self.mr_mode, self.tx_credits,
@@ -106,8 +184,10 @@ class TransferEngine(TransferBackend):
     def writes_ordered(self) -> bool:
         """Writes to one peer are delivered in the order posted, as granted (FI_ORDER_WAW on
         this endpoint's transmit and receive sides): a fence write proves the earlier ones landed
-        only where both ends have this."""
-        return all(bool({"WAW", "RMA_WAW"} & side) for side in (self.tx_order, self.rx_order))
+        only where both ends have this. False once the engine has several rails: a write on one
+        rail's connection says nothing of the others'."""
+        sides = (self.tx_order, self.rx_order)
+        return len(self._rails) == 1 and all(bool({"WAW", "RMA_WAW"} & side) for side in sides)
 
     @property
     def closes_connections(self) -> bool:
@@ -130,26 +210,101 @@ class TransferEngine(TransferBackend):
         """Region locks of dead shm peers the watchdog released (csrc/pdf_shm.h)."""
         return self._ep.locks_released()
 
+    @property
+    def rails(self) -> tuple[RailInfo, ...]:
+        """Every endpoint of this engine, rail 0 first."""
+        return tuple(r.info() for r in self._rails)
+
     def stats(self) -> FabricStats:
-        """Counts of what write_pages accepted and posted since the engine opened."""
-        return self._writes.stats()
+        """Counts of what write_pages accepted and posted since the engine opened (all rails)."""
+        per = [r._writes.stats() for r in self._rails]
+        return FabricStats(*(sum(getattr(st, f) for st in per) for f in ("batches", "entries", "writes", "bytes")))
+
+    def rail_stats(self, rail: int) -> FabricStats:
+        """``stats`` of one rail."""
+        return self._rail(rail)._writes.stats()
 
     def outstanding(self) -> int:
-        """Batches and sends not finished yet, plus operations the provider holds."""
-        return self._ep.outstanding()
+        """Batches and sends not finished yet, plus operations the provider holds (all rails)."""
+        return sum(r._ep.outstanding() for r in self._rails)
+
+    # ---------------------------------------------------------------- rails
+
+    def _rail(self, rail: int) -> _Rail:
+        rails = self._rails
+        if not isinstance(rail, int) or not 0 <= rail < len(rails):
+            raise ValueError(f"rail={rail!r}: this engine has rails 0..{len(rails) - 1}")
+        return rails[rail]
+
+    def _rail_of(self, region: MemoryRegion, what: str) -> _Rail:
+        if not isinstance(region, MemoryRegion):
+            raise TypeError(f"{what}: expected a MemoryRegion, got {type(region).__name__}")
+        if region.engine_id != self.engine_id or not 0 <= region.rail < len(self._rails):
+            raise FabricError(lib.FI_EINVAL, f"{what}: region {region.region_id} belongs to engine "
+                                             f"{region.engine_id[:8]} rail {region.rail}, not to {self.engine_id[:8]}")
+        return self._rails[region.rail]
+
+    def rail_for(self, domain: str | None) -> int | None:
+        """The index of the open rail on ``domain`` (None: none open there; ``domain`` None: 0)."""
+        if domain is None:
+            return 0
+        for r in self._rails:
+            if r._ep.domain == domain:
+                return r._ep.rail
+        return None
+
+    def open_rail(self, domain: str) -> int:
+        """The rail on libfabric domain ``domain``, opening it (an endpoint bound to the address
+        that selects the domain, fabric.topology.rail_node) unless one is open there already;
+        rail 0 when it is rail 0's. ValueError when the provider's domains cannot be chosen by a
+        bind address (shm, efa) or ``domain`` has no address; FabricError when the endpoint opens
+        on another domain or does not open."""
+        if not isinstance(domain, str) or not domain:
+            raise ValueError(f"open_rail: domain={domain!r}: expected a domain name")
+        with self._rails_lock:
+            self._ep.check_open()
+            found = self.rail_for(domain)
+            if found is not None:
+                return found
+            provider = self.provider
+            if not self.config.multi_rail:
+                raise ValueError(f"open_rail({domain!r}): this engine's config says multi_rail=False (one endpoint, "
+                                 f"on {self.domain!r})")
+            if provider == "shm":
+                raise ValueError(f"open_rail({domain!r}): provider shm has one domain (rail 0's, {self.domain!r})")
+            node = topology.rail_node(provider, domain)
+            if node is None:
+                raise ValueError(f"open_rail({domain!r}): no local address opens provider {provider!r} on domain "
+                                 f"{domain!r} (tcp: an interface with an IPv4 address; verbs: a device whose "
+                                 "interface has one; other providers' domains are not chosen by address)")
+            index = len(self._rails)
+            ep = Endpoint(self.config, node=node, engine_id=self.engine_id, ids=self._ep.ids, rail=index)
+            if ep.domain != domain or ep.provider != provider:
+                got = (ep.provider, ep.domain)
+                ep.close_ep()
+                ep.release()
+                raise FabricError(lib.FI_EINVAL, f"open_rail({domain!r}): bound to {node}, provider {provider!r} "
+                                                 f"opened {got[0]!r} on domain {got[1]!r}")
+            rail = _Rail(ep, self._imm, self._on_message)
+            self._rails.append(rail)
+            ep.start(rail.dispatch)
+        logger.info("engine %s: rail %d on domain %s (bound to %s)", self.engine_id[:8], index, domain, node)
+        return index
 
     # --------------------------------------------------------------- memory
 
     def register(
-        self, buffer: object | None = None, *, address: int | None = None, length: int | None = None
+        self, buffer: object | None = None, *, address: int | None = None, length: int | None = None,
+        rail: int = 0,
     ) -> MemoryRegion:
-        """Register ``buffer`` (writable buffer protocol) or raw ``address``/``length``.
+        """Register ``buffer`` (writable buffer protocol) or raw ``address``/``length`` on ``rail``.
 
         fabric never allocates: the owner passes a buffer (e.g. a host buffer's
         ``view``) or, for memory it keeps alive itself, e.g. a torch tensor, its
-        ``data_ptr()`` and ``nbytes``.
+        ``data_ptr()`` and ``nbytes``. The region's descriptor names that rail's endpoint, and
+        writes from it post on that rail.
         """
-        return self._regions.register(buffer, address=address, length=length)
+        return self._rail(rail)._regions.register(buffer, address=address, length=length)
 
     def deregister(self, region: MemoryRegion) -> None:
         """Close the registration and tell peers its descriptor is stale.
@@ -170,26 +325,31 @@ class TransferEngine(TransferBackend):
         it is gone (``wait_peer_gone``), or has otherwise confirmed it will
         not write again (e.g. the prefill node's abort answer).
         """
-        self._regions.deregister(region)
-        for peer in self._peers.known_peers():
-            self._peers.send_control(peer, control.REVOKE, region.region_id)
+        rail = self._rail_of(region, "deregister")
+        rail._regions.deregister(region)
+        for peer in rail._peers.known_peers():   # the endpoints that shook hands with its rail
+            rail._peers.send_control(peer, control.REVOKE, region.region_id)
 
     # ---------------------------------------------------------------- peers
 
-    def connect(self, peer: PeerDescriptor, timeout: float = 5.0) -> None:
-        """Insert ``peer`` into the AV and shake hands: when this returns, the
+    def connect(self, peer: PeerDescriptor, timeout: float = 5.0, *, rail: int = 0) -> None:
+        """Insert ``peer`` into ``rail``'s AV and shake hands: when this returns, the
         peer knows us (so it can tell us about revoked regions, say goodbye
         and answer probes). A failed peer is reset. write_pages connects on
-        first use. Raises FabricError(FI_ETIMEDOUT) if the peer does not
-        answer within ``timeout``."""
-        self._peers.connect(peer, timeout)
+        first use (from the source region's rail). Raises FabricError(FI_ETIMEDOUT) if the peer
+        does not answer within ``timeout``."""
+        self._rail(rail)._peers.connect(peer, timeout)
 
     def disconnect(self, peer: PeerDescriptor) -> None:
         """Remove ``peer`` from the AV; its outstanding work is failed, and (rxm) its connection
         is closed with what the provider still queued on it: after this returns nothing more is
         sent to it from our buffers. shm has no connection: its per-peer transmit endpoint went
-        when the peer failed (csrc/pdf_core.c peer_fail)."""
+        when the peer failed (csrc/pdf_core.c peer_fail). With several rails: every endpoint of
+        ``peer``'s engine known on any rail (the writes of a transfer may have used each)."""
         self._peers.disconnect(peer)
+        for rail in self._rails:
+            for other in rail._peers.addresses_of(peer.engine_id):
+                rail._peers.disconnect(other)
 
     def close_connection(self, peer: PeerDescriptor) -> None:
         """End every connection this endpoint has with ``peer`` (ofi_rxm: the one its AV entry
@@ -197,28 +357,49 @@ class TransferEngine(TransferBackend):
         only wrote to us): ``disconnect`` with the address known. Afterwards nothing ``peer``
         posted before can be read from those connections (see ``closes_connections``); a later
         write or send either way opens a new one. What was already read is handled by the
-        progress thread within two rounds (``progress_mark`` / ``progressed``)."""
+        progress thread within two rounds (``progress_mark`` / ``progressed``). With several
+        rails, the connections of every endpoint of ``peer``'s engine known on any rail end too."""
         self._peers.close_connection(peer)
+        for rail in self._rails:
+            for other in rail._peers.addresses_of(peer.engine_id):
+                rail._peers.disconnect(other)
 
     def progress_mark(self) -> int:
-        """The progress thread's round counter now (for ``progressed``), after waking it."""
-        self._ep.poke()
-        return self._ep.generation
+        """A mark of every rail's progress round now (for ``progressed``), after waking them.
+        Opaque; the last _MAX_MARKS are remembered."""
+        rounds = []
+        for rail in self._rails:
+            rail._ep.poke()
+            rounds.append(rail._ep.generation)
+        with self._rails_lock:
+            self._mark_ids += 1
+            self._marks[self._mark_ids] = tuple(rounds)
+            while len(self._marks) > _MAX_MARKS:
+                self._marks.popitem(last=False)
+            return self._mark_ids
 
     def progressed(self, mark: int, rounds: int = 2) -> bool:
-        """True once the progress thread ran ``rounds`` full rounds since ``mark`` (so what had
-        arrived by then was handled), or it has stopped. Never blocks: for callers that poll, as
-        an asyncio loop does after ``peer_gone`` (the blocking ``wait_peer_gone`` does it itself)."""
-        if not self._ep.progress_alive():
+        """True once every rail's progress thread ran ``rounds`` full rounds since ``mark`` (so what
+        had arrived by then was handled), or has stopped (a forgotten mark: True). Never blocks:
+        for callers that poll, as an asyncio loop does after ``peer_gone`` (the blocking
+        ``wait_peer_gone`` does it itself)."""
+        with self._rails_lock:
+            at = self._marks.get(mark)
+        if at is None:
             return True
-        if self._ep.generation >= mark + rounds:
-            return True
-        self._ep.poke()
-        return False
+        # a rail opened after the mark had nothing to handle before it (strict=False)
+        behind = [r._ep for r, start in zip(self._rails, at, strict=False) if r._ep.progress_alive()
+                  and r._ep.generation < start + rounds]
+        for ep in behind:
+            ep.poke()
+        if not behind:
+            with self._rails_lock:
+                self._marks.pop(mark, None)
+        return not behind
 
     def peer_gone(self, peer: PeerDescriptor) -> bool:
-        """True if ``peer`` said goodbye, or (same host) its process has ended."""
-        return self._peers.peer_gone(peer)
+        """True if ``peer`` said goodbye (on any rail), or (same host) its process has ended."""
+        return any(rail._peers.peer_gone(peer) for rail in self._rails)
 
     def wait_peer_gone(self, peer: PeerDescriptor, timeout: float) -> bool:
         """Wait until no write from ``peer`` can land here any more.
@@ -228,9 +409,18 @@ class TransferEngine(TransferBackend):
         endpoint no longer exists); then what it had already sent has been
         drained by our progress thread. False when ``timeout`` passes while
         the peer still answers or cannot be judged: its writes may still land,
-        so memory it targets must stay reserved (or be deregistered).
+        so memory it targets must stay reserved (or be deregistered). With several rails the
+        probes go on rail 0 and, once the peer is gone, every other rail is drained too.
         """
-        return self._peers.wait_peer_gone(peer, timeout)
+        others = self._rails[1:]
+        if others and any(rail._peers.is_gone(peer.engine_id) for rail in others):
+            self._peers.mark_gone(peer.engine_id)   # its goodbye came on another rail
+        gone = self._peers.wait_peer_gone(peer, timeout)
+        if gone:
+            for rail in others:
+                rail._peers.mark_gone(peer.engine_id)
+                rail._peers.quiesce()
+        return gone
 
     # -------------------------------------------------------------- writes
 
@@ -256,9 +446,10 @@ class TransferEngine(TransferBackend):
         ``imm=None`` sends no immediate data. Exactly one of
         ``on_done()`` / ``on_error(FabricError)`` runs later on the progress
         thread. Everything is validated before anything is posted: bad
-        values raise ValueError, bad handles FabricError. Returns the batch id.
+        values raise ValueError, bad handles FabricError. Returns the batch id (unique across
+        rails). Posted on ``src_region``'s rail, to the endpoint ``dst`` names.
         """
-        return self._writes.write_pages(
+        return self._rail_of(src_region, "write_pages")._writes.write_pages(
             src_region, src_offsets, dst, dst_offsets, lengths, imm, on_done, on_error, imm_mode
         )
 
@@ -287,9 +478,9 @@ class TransferEngine(TransferBackend):
         the batch failed (nothing or part of it landed), or
         FabricError(FI_ETIMEDOUT) once ``timeout`` seconds pass (the batch
         then stays in flight and the region busy until it completes or
-        fails). Validation as in write_pages.
+        fails). Validation as in write_pages (and the rail: ``src_region``'s).
         """
-        return self._writes.write_pages_sync(
+        return self._rail_of(src_region, "write_pages_sync")._writes.write_pages_sync(
             src_region, src_offsets, dst, dst_offsets, lengths, imm, imm_mode, timeout, spin_us
         )
 
@@ -300,56 +491,40 @@ class TransferEngine(TransferBackend):
         self._ep.check_open()
         self._peers.send_control(peer, control.USER, 0, bytes(payload))
 
-    # ------------------------------------------------------------ progress
-
-    def _dispatch(self, ev) -> None:
-        """Route one native event to its part (progress thread, or a fail_* call's caller)."""
-        kind = ev.kind
-        try:
-            if kind == lib.PDF_EV_IMM:
-                self._imm.on_landed(int(ev.id), int(ev.count))
-            elif kind == lib.PDF_EV_BATCH_DONE:
-                self._writes.on_batch_done(ev)
-            elif kind == lib.PDF_EV_BATCH_FAILED:
-                self._writes.on_batch_failed(ev)
-            elif kind == lib.PDF_EV_RECV:
-                self._control.on_recv(ev)
-            elif kind in (lib.PDF_EV_SEND_DONE, lib.PDF_EV_SEND_FAILED):
-                self._channel.on_send_event(ev)
-            elif kind == lib.PDF_EV_PEER_FAILED:
-                self._peers.on_peer_failed(ev)
-            elif kind == lib.PDF_EV_CQ_ERROR:
-                logger.error("completion queue error: %s (prov_errno %d)", FabricError(ev.code, "fi_cq_read"), ev.count)
-        except Exception:  # a user callback raised: report it, keep progressing
-            logger.exception("fabric callback for event kind %d id %d raised", kind, int(ev.id))
-
     # ------------------------------------------------------------ shutdown
 
     def close(self) -> None:
-        """Drain for up to close_timeout_s, say goodbye, fail the rest, release everything."""
+        """Drain for up to close_timeout_s, say goodbye, fail the rest, release everything (every rail)."""
         ep = self._ep
         if ep.closed or ep.closing:
             return
-        if ep.on_progress_thread():
+        if any(r._ep.on_progress_thread() for r in self._rails):
             raise RuntimeError("TransferEngine.close() called from a fabric callback")
-        ep.closing = True
+        with self._rails_lock:   # no rail opens from now on
+            ep.closing = True
+            rails = list(self._rails)
+        for rail in rails[1:]:
+            rail._ep.closing = True
         deadline = time.monotonic() + self.config.close_timeout_s
-        while ep.outstanding() and time.monotonic() < deadline:
+        while self.outstanding() and time.monotonic() < deadline:
             time.sleep(_DRAIN_POLL_S)
-        for peer in self._peers.known_peers():
-            try:
-                self._peers.send_control(peer, control.BYE, 0)
-            except FabricError as exc:
-                logger.info("goodbye to %r not sent: %s", peer, exc)
+        for rail in rails:
+            for peer in rail._peers.known_peers():
+                try:
+                    rail._peers.send_control(peer, control.BYE, 0)
+                except FabricError as exc:
+                    logger.info("goodbye to %r not sent: %s", peer, exc)
         bye_deadline = time.monotonic() + min(_BYE_TIMEOUT_S, self.config.close_timeout_s)
-        while ep.outstanding() and time.monotonic() < bye_deadline:
+        while self.outstanding() and time.monotonic() < bye_deadline:
             time.sleep(_DRAIN_POLL_S)
-        ep.stop()
+        for rail in rails:
+            rail._ep.stop()
         stale.mark_engine_closed(self.engine_id)
-        ep.close_ep()  # the endpoint goes first, then the MRs it used
-        self._regions.close_all()
-        ep.release()
-        logger.info("engine %s closed", self.engine_id[:8])
+        for rail in rails:
+            rail._ep.close_ep()  # the endpoint goes first, then the MRs it used
+            rail._regions.close_all()
+            rail._ep.release()
+        logger.info("engine %s closed (%d rail%s)", self.engine_id[:8], len(rails), "s" if len(rails) > 1 else "")
 
     def __enter__(self) -> "TransferEngine":
         return self

@@ -37,6 +37,7 @@ class MemoryRegion:
     _keepalive: Any = field(default=None, repr=False)
     closed: bool = False
     inflight: int = 0
+    rail: int = 0  # the engine's endpoint it is registered on (TransferEngine.rails); writes from it post there
 
     def __reduce__(self):
         raise TypeError("MemoryRegion is a local handle; send region.descriptor to other processes")

@@ -10,7 +10,7 @@ resets them), which said goodbye or were judged gone, and which regions of their
 Liveness (``wait_peer_gone``): a peer is gone when it said goodbye, when its process ended
 (same host: pid and start time, fabric.liveness), or when a probe (PING) to it fails at the
 transport because its endpoint no longer exists. Then what it had already sent is drained by
-the progress thread (``_quiesce``) before the answer is True.
+the progress thread (``quiesce``) before the answer is True.
 
 Threads: every method may be called from any thread; ``on_*`` run on the progress thread.
 Blocking waits, each bounded:
@@ -20,7 +20,7 @@ Blocking waits, each bounded:
   yet, fabric.protocol).
 - ``wait_peer_gone``: at most ``timeout`` overall, in probes of at most 0.5 s each, with
   pauses of at most 50 ms between answered probes.
-- ``_quiesce``: 50 ms for a dead peer's bytes to surface, then at most 1 s for two full
+- ``quiesce``: 50 ms for a dead peer's bytes to surface, then at most 1 s for two full
   progress rounds.
 """
 
@@ -66,7 +66,7 @@ class PeerTable:
         self._gone: set[str] = set()  # engine ids that said goodbye or were judged gone
         self._revoked: set[tuple[str, int]] = set()  # (engine id, region id) revoked by their owner
         self._probes: dict[int, _Probe] = {}
-        self._handshaken: set[str] = set()
+        self._handshaken: set[tuple[str, bytes]] = set()  # (engine id, endpoint name) that answered our HELLO
 
     # ------------------------------------------------------------ queries
 
@@ -82,8 +82,20 @@ class PeerTable:
         """The transport failed this address (caller holds the endpoint lock for a consistent answer)."""
         return fi_addr in self._failed
 
-    def handshaken(self, engine_id: str) -> bool:
-        return engine_id in self._handshaken
+    def handshaken(self, peer: PeerDescriptor) -> bool:
+        """``peer``'s endpoint answered our HELLO. Per endpoint name, not per engine: an engine with
+        several rails (fabric.engine) has one endpoint per rail, each with its own AV, regions and
+        revocations to tell."""
+        return (peer.engine_id, peer.address) in self._handshaken
+
+    def addresses_of(self, engine_id: str) -> list[PeerDescriptor]:
+        """Every endpoint of engine ``engine_id`` in this AV (several when it has several rails)."""
+        with self._ep.lock:
+            return [p for p in self._peers.values() if p.engine_id == engine_id]
+
+    def mark_gone(self, engine_id: str) -> None:
+        """Another rail of this engine judged ``engine_id`` gone (TransferEngine.wait_peer_gone)."""
+        self._gone.add(engine_id)
 
     def peer_at(self, fi_addr: int) -> PeerDescriptor | None:
         """The peer inserted at AV address ``fi_addr`` (None: none, or PDF_ADDR_UNKNOWN)."""
@@ -171,7 +183,7 @@ class PeerTable:
         data = self._channel.encode(kind, value, payload)
         if stale.engine_closed(peer.engine_id) or peer.engine_id in self._gone:
             raise FabricError(lib.FI_ESHUTDOWN, f"send {control.KINDS[kind]}: {peer!r} is closed")
-        if kind == control.USER and not self.handshaken(peer.engine_id) and not self._ep.on_progress_thread():
+        if kind == control.USER and not self.handshaken(peer) and not self._ep.on_progress_thread():
             self.connect(peer)   # it knows our address before our first message arrives
         fi_addr = self.resolve(peer)
         self._channel.post(peer, fi_addr, kind, data, on_result)
@@ -183,7 +195,7 @@ class PeerTable:
         ep = self._ep
         ep.check_open()
         self.resolve(peer, hello=False, reset=True)
-        if peer.engine_id == ep.engine_id or peer.engine_id in self._handshaken:
+        if peer.engine_id == ep.engine_id or self.handshaken(peer):
             return
         if ep.on_progress_thread():
             self.send_control(peer, control.HELLO, 0)  # cannot wait for the answer here
@@ -200,7 +212,7 @@ class PeerTable:
                 self._probes.pop(nonce, None)
         if not answered or not probe.alive:
             raise FabricError(lib.FI_ETIMEDOUT, f"connect to {peer!r}: no answer within {timeout}s")
-        self._handshaken.add(peer.engine_id)
+        self._handshaken.add((peer.engine_id, peer.address))
 
     def disconnect(self, peer: PeerDescriptor) -> None:
         """Remove ``peer`` from the AV; its outstanding work is failed."""
@@ -239,7 +251,7 @@ class PeerTable:
         deadline = time.monotonic() + timeout
         while True:
             if self.peer_gone(peer):
-                self._quiesce()
+                self.quiesce()
                 self._gone.add(peer.engine_id)
                 return True
             remaining = deadline - time.monotonic()
@@ -247,7 +259,7 @@ class PeerTable:
                 return False
             probe = self._probe(peer, min(remaining, _PROBE_SLICE_S))
             if probe is not None and probe.failed:
-                self._quiesce()
+                self.quiesce()
                 self._gone.add(peer.engine_id)
                 return True
             if probe is not None and probe.alive:
@@ -280,7 +292,7 @@ class PeerTable:
             probe.failed = True
             probe.event.set()
 
-    def _quiesce(self) -> None:
+    def quiesce(self) -> None:
         """Let the progress thread drain what already arrived (two full passes)."""
         ep = self._ep
         time.sleep(_DRAIN_GRACE_S)  # bytes a dead peer left in our socket buffers become readable

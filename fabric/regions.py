@@ -62,7 +62,7 @@ class RegionTable:
         remote = RemoteDescriptor(peer=ep.me, region_id=region_id, base=base, key=int(key[0]), length=nbytes)
         region = MemoryRegion(
             engine_id=ep.engine_id, region_id=region_id, address=addr, length=nbytes, key=int(key[0]),
-            descriptor=remote, _desc=int(desc[0]), _mr=int(mr[0]), _keepalive=keepalive,
+            descriptor=remote, _desc=int(desc[0]), _mr=int(mr[0]), _keepalive=keepalive, rail=ep.rail,
         )
         with ep.lock:
             self._regions[region_id] = region
@@ -79,6 +79,9 @@ class RegionTable:
                 f"{what}: region {region.region_id} belongs to engine {region.engine_id[:8]}, "
                 f"not {self._ep.engine_id[:8]}",
             )
+        if region.rail != self._ep.rail:
+            raise FabricError(lib.FI_EINVAL, f"{what}: region {region.region_id} is on rail {region.rail}, "
+                                             f"not {self._ep.rail}")
         if region.closed:
             raise FabricError(lib.FI_ENOENT, f"{what}: region {region.region_id} is deregistered")
 

@@ -19,6 +19,9 @@ the nearest node by distance (ties: an RDMA device before an interface, then by 
 The libfabric domain is inferred where the provider's naming is known: verbs -> the RDMA device
 name, efa -> "<device>-rdm", tcp / sockets -> the interface name, shm -> "shm" (no NIC).
 
+`rail_node(provider, domain)`: the local address whose endpoint opens on `domain` (tcp: the
+interface's IPv4 address; verbs: that of the device's interface), for fabric.engine's rails.
+
 `numa_node_of(address, length)`: the NUMA node whose memory backs a range of this process, from
 the move_pages(2) query form (nodes=NULL: report, move nothing) on at most `max_pages` pages
 spread over it. A page this process has not mapped yet (status -ENOENT) is looked up in the page
@@ -31,8 +34,9 @@ no node holds more than half of those that are, or when the kernel has no NUMA s
 refuses the call (ENOSYS, EPERM from a seccomp profile); it never guesses.
 
 Malformed files raise TopologyError (a ValueError) naming the path and the text. Nothing here
-blocks: small sysfs reads, and for numa_node_of at most 2 move_pages calls, `max_pages` mincore
-calls and `max_pages` one-byte reads of pages already in memory (minor faults, no I/O).
+blocks: small sysfs reads, for rail_node one ioctl per interface, and for numa_node_of at most 2
+move_pages calls, `max_pages` mincore calls and `max_pages` one-byte reads of pages already in
+memory (minor faults, no I/O).
 """
 
 from __future__ import annotations
@@ -244,6 +248,45 @@ def choose(topology: Topology, numa_node: int, provider: str | None = None) -> P
     where = "on the memory's node" if nic.numa_node == numa_node else \
         f"on node {nic.numa_node}, distance {here.distances[ids.index(nic.numa_node)]}: the nearest"
     return Placement(numa_node, nic, nic.domain(provider), cpus, cpu_id, f"{nic.kind} NIC {nic.name} {where}")
+
+
+# --- the address that opens an endpoint on a domain -----------------------------------------------
+
+_SIOCGIFADDR = 0x8915   # <linux/sockios.h>: an interface's primary IPv4 address
+
+
+def interface_ipv4(name: str) -> str | None:
+    """The primary IPv4 address of network interface `name`, None when it has none or no such
+    interface exists (one ioctl on a throwaway UDP socket)."""
+    import fcntl
+    import socket
+    import struct
+
+    if not name or len(name.encode()) > 15:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            ifreq = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()))
+        except OSError:
+            return None
+    return socket.inet_ntoa(ifreq[20:24])
+
+
+def rail_node(provider: str, domain: str, root: str | os.PathLike = "/sys") -> str | None:
+    """The local address to bind `provider`'s endpoint to so that it opens on `domain`, where the
+    provider's domain naming allows (fi_getinfo with that node picks the domain that owns it):
+    tcp / sockets -> the IPv4 address of the interface `domain`; verbs -> that of the RDMA device
+    `domain`'s first network interface (device/net/ under `root`) that has one. None otherwise
+    (efa and others: their domain is chosen by name, which fabric's native open does not take)."""
+    core = (provider or "").split(";")[0]
+    if core in ("tcp", "sockets"):
+        return interface_ipv4(domain)
+    if core == "verbs":
+        net = Path(root) / "class" / "infiniband" / domain / "device" / "net"
+        for iface in sorted(p.name for p in net.iterdir()) if net.is_dir() else ():
+            if (ip := interface_ipv4(iface)) is not None:
+                return ip
+    return None
 
 
 # --- where a memory range lives -----------------------------------------------------------------

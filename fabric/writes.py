@@ -284,7 +284,7 @@ class WritePath:
         bad = lib.pdf_check_writes(src_c, dst_c, lens_c, n, src_region.length, dst.length, max_len, bad_what, total)
         if bad >= 0:
             _refuse(int(bad), int(bad_what[0]), src, dsto, lens, src_region, dst, max_len)
-        if not self._peers.handshaken(dst.peer.engine_id):
+        if not self._peers.handshaken(dst.peer):
             self._peers.connect(dst.peer)
             self.check_remote(dst)  # the handshake brings the peer's revocations
         fi_addr = self._peers.resolve(dst.peer)
