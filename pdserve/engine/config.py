@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 
+from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.kernels.ops.linear import MAX_ROWS as _SMALL_LINEAR_MAX_ROWS
 
 SchedulerType = Literal["fifo", "prefill_first"]
@@ -173,6 +174,8 @@ class EngineConfig:
         computes must agree). False (--no-tp-invariant): one block per rank; TP N then differs from
         TP 1 by float32 rounding (logprobs within 1e-3 on the default model:
         tests/integration/test_tensor_parallel.py). `tp_invariant_active` is the resolved choice.
+    speculative_config: speculative decoding (E20, pdserve.engine.spec_decode): a SpeculativeConfig,
+        or its dict / JSON form (vLLM's --speculative-config); None: off.
     """
 
     model: str | None = None
@@ -193,10 +196,16 @@ class EngineConfig:
                 "outputs and KV are bit-identical at every -tp (default: auto, on iff -tp > 1; --tp-invariant "
                 "on a TP 1 node that must match TP > 1 nodes of its cluster, e.g. a TP 1 decode node behind "
                 "TP 2 prefill nodes; --no-tp-invariant: one block per rank, within float32 rounding of TP 1)"})
+    speculative_config: SpeculativeConfig | None = field(default=None, metadata={
+        "help": "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (greedy output is unchanged; "
+                "pdserve/engine/spec_decode/config.py lists the methods)"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        # a dict or a JSON string (LLM(speculative_config=...), --speculative-config) becomes the config
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.tp_invariant is not None and not isinstance(self.tp_invariant, bool):
             raise ValueError(f"tp_invariant must be True, False or None (auto: on iff tensor_parallel_size > 1), "
                              f"got {self.tp_invariant!r}")

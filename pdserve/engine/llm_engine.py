@@ -23,6 +23,7 @@ thread for servers.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -55,9 +56,9 @@ from pdserve.engine.runner import (
     tp_shard_pools,
 )
 from pdserve.engine.sampling.detokenizer import IncrementalDetokenizer
-from pdserve.engine.sampling.sampler import SampleLogprobs, Sampler
+from pdserve.engine.sampling.sampler import SampleLogprobs, Sampler, token_seed
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import SchedulerOutput, make_scheduler
+from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput, make_scheduler
 from pdserve.engine.scheduler.preemption import Preemptor
 from pdserve.engine.sizing import (
     MemoryBudget,
@@ -67,6 +68,7 @@ from pdserve.engine.sizing import (
     module_nbytes,
     size_pool,
 )
+from pdserve.engine.spec_decode.speculator import make_speculator
 from pdserve.engine.stats import EngineInfo, EngineLoad, EngineMetrics
 from pdserve.kernels.attention import get_backend
 from pdserve.model.arch import ModelArch
@@ -170,6 +172,7 @@ class LLMEngine:
         self.preemptor = Preemptor(self.scheduler, self.cache_manager, self.swap)
         self.runner = ModelRunner(self.model, self.kv_cache, self.cache_manager, get_backend(config.attention_backend),
                                   tp=self.tp)
+        self.speculator = make_speculator(config.speculative_config, self.runner)
         self.sampler = Sampler()
         self._default_generator = torch.Generator().manual_seed(config.seed)
         self._tracked: dict[str, _Tracked] = {}
@@ -407,10 +410,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         self.preemptor.restore()
-        sched = self.scheduler.schedule()
+        drafts = self._drafts()
+        sched = self.scheduler.schedule(drafts)
         kv_waits = list(sched.kv_waits)
         if sched.is_empty and sched.stalled and not self.preemptor.relieve(sched.stalled).is_empty:
-            sched = self.scheduler.schedule()  # nothing could run: make room and retry in this step (E15)
+            sched = self.scheduler.schedule(drafts)  # nothing could run: make room and retry in this step (E15)
             kv_waits += sched.kv_waits
         if self._decode_conn is not None:
             for r in kv_waits:
@@ -419,6 +423,8 @@ class LLMEngine:
                                                     self._group_tables(r.request_id)))
         if sched.is_empty:
             return self._stalled()
+        if self.speculator is not None:
+            sched = self.speculator.fill(sched)   # a draft model drafts into its granted slots
         self.last_load = self.load()   # what runs now holds its pages: routing reads this during the pass
         conn = self._prefill_conn
         if conn is not None:
@@ -429,6 +435,13 @@ class LLMEngine:
             self.preemptor.relieve(sched.stalled)  # they run next step
         return results
 
+    def _drafts(self) -> dict[str, tuple[int, ...]] | None:
+        """Speculative proposals (E20) for the running requests whose next pass decodes."""
+        if self.speculator is None:
+            return None
+        return self.speculator.drafts([r for r in self.scheduler.running
+                                       if not r.prefill_only and r.num_remaining_tokens == 1])
+
     def _update(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
         self.num_steps += 1
         self.num_forward_tokens += sched.num_batched_tokens
@@ -437,21 +450,29 @@ class LLMEngine:
         sampling_chunks = [c for c in sched.chunks if c.samples]
         sampled = None
         if sampling_chunks:
-            rows = [out.chunk_rows[c.request_id] for c in sampling_chunks]
+            rows: list[int] = []
+            params: list[SamplingParams] = []
+            generators: list[torch.Generator] = []
+            for c in sampling_chunks:
+                first = out.chunk_rows[c.request_id]
+                rows.extend(range(first, first + c.num_sample_rows))
+                params.extend([c.request.sampling] * c.num_sample_rows)
+                generators.extend(self._generators(c))
             # logits: [R, V]; a decode step samples every row in order: no 6 MB gather copy then
             logits = out.logits if rows == list(range(out.logits.shape[0])) else out.logits[torch.tensor(rows)]
-            sampled = self.sampler.sample(
-                logits,
-                [c.request.sampling for c in sampling_chunks],
-                [c.request.sample_generator() or self._default_generator for c in sampling_chunks],
-            )
+            sampled = self.sampler.sample(logits, params, generators)
         results: list[RequestOutput] = []
         k = 0
         for c in sched.chunks:
             r = c.request
+            tracked = self._tracked[r.request_id]
+            if c.draft_token_ids:
+                n = c.num_sample_rows
+                results.append(self._verify(tracked, c, sampled.token_ids[k:k + n], sampled.logprobs[k:k + n]))
+                k += n
+                continue
             r.num_computed_tokens = c.end
             self.cache_manager.commit(r)  # its newly complete blocks join the prefix cache
-            tracked = self._tracked[r.request_id]
             if r.prefill_only and c.end == r.target_computed_tokens:
                 row = out.chunk_rows[r.request_id]
                 if self._prefill_conn is not None:
@@ -467,6 +488,49 @@ class LLMEngine:
             self.num_generated_tokens += 1
             results.append(self._append_token(tracked, token, lp))
         return results
+
+    def _generators(self, c: ScheduledChunk) -> list[torch.Generator]:
+        """One generator per sampled row of a chunk. A seeded request's row j draws as its output
+        token number (tokens so far + j) would in plain decoding (sampler.token_seed); unseeded
+        rows share the engine's generator, drawn in row order."""
+        r = c.request
+        first = r.sample_generator() or self._default_generator
+        if c.num_sample_rows == 1:
+            return [first]
+        if r.sampling.seed is None:
+            return [first] * c.num_sample_rows
+        base = r.sampling.rng_skip_tokens + len(r.output_token_ids)
+        return [first] + [torch.Generator().manual_seed(token_seed(r.sampling.seed, base + j))
+                          for j in range(1, c.num_sample_rows)]
+
+    def _verify(self, tracked: _Tracked, c: ScheduledChunk, sampled: list[int],
+                logprobs: list[SampleLogprobs | None]) -> RequestOutput:
+        """A verification chunk (E20): emit the drafts the target's samples confirm plus the next
+        sample, stopping where the request ends; then give back the pages past what it keeps."""
+        r = c.request
+        # KV of the known token is valid whatever the verdict: commit up to it first
+        r.num_computed_tokens = c.start + c.num_known
+        self.cache_manager.commit(r)
+        verdict = self.speculator.verify(c.draft_token_ids, sampled)
+        out: RequestOutput | None = None
+        new_ids: list[int] = []
+        new_lps: list[SampleLogprobs] = []
+        delta = ""
+        for i, token in enumerate(verdict.token_ids):
+            out = self._append_token(tracked, token, logprobs[i])
+            self.num_generated_tokens += 1
+            new_ids.extend(out.new_token_ids)
+            new_lps.extend(out.new_logprobs)
+            delta += out.delta_text
+            if out.finished:
+                break
+        assert out is not None
+        if not out.finished:
+            # KV is valid through the accepted drafts; the rejected ones' slots are reused
+            r.num_computed_tokens = c.start + c.num_known + verdict.num_accepted
+            self.cache_manager.commit(r)
+            self.cache_manager.truncate(r, r.num_tokens)
+        return dataclasses.replace(out, new_token_ids=tuple(new_ids), delta_text=delta, new_logprobs=tuple(new_lps))
 
     def _append_token(self, tracked: _Tracked, token: int, lp: SampleLogprobs | None) -> RequestOutput:
         r = tracked.request
@@ -617,7 +681,15 @@ class LLMEngine:
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_generated_tokens=self.num_generated_tokens,
             num_steps=self.num_steps,
+            **self._spec_metrics(),
         )
+
+    def _spec_metrics(self) -> dict[str, object]:
+        sp = self.speculator
+        if sp is None:
+            return {}
+        return dict(spec_num_drafts=sp.num_drafts, spec_num_draft_tokens=sp.num_draft_tokens,
+                    spec_num_accepted_tokens=sp.num_accepted_tokens, spec_accepted_per_pos=tuple(sp.accepted_per_pos))
 
     def check_integrity(self) -> None:
         """The pool balances (empty + used + cached == total; quarantined pages count as used),

@@ -47,12 +47,13 @@ SLIDING_GROUP = "sliding"
 
 @dataclass(frozen=True)
 class ModelOutput:
-    """Rows of `logits`/`hidden` belong to `chunks[i]` for i in `rows_for` (chunks that sample
-    or that end a prefill-only request)."""
+    """Rows of `logits`/`hidden` for the chunks that sample (ScheduledChunk.num_sample_rows rows
+    each: the last known position, then one per draft token) or that end a prefill-only request
+    (one row), in chunk order."""
 
     logits: torch.Tensor               # [S, V] float32
     hidden: torch.Tensor               # [S, hidden] final-norm hidden state of those positions
-    chunk_rows: dict[str, int]         # request_id -> row in logits/hidden
+    chunk_rows: dict[str, int]         # request_id -> its first row in logits/hidden
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,8 @@ class ModelRunner:
         num_decode = 0
         for c in chunks:
             r = c.request
-            tokens.extend(r.token_slice(c.start, c.end))
+            tokens.extend(r.token_slice(c.start, c.start + c.num_known))
+            tokens.extend(c.draft_token_ids)   # speculative: verified at their positions (E20)
             span = range(c.start, c.end)
             positions.extend(span)
             n_pages = -(-c.end // P)
@@ -152,7 +154,9 @@ class ModelRunner:
             ctx_lens.append(c.end)
             if c.num_tokens == 1 and num_decode == len(q_lens) - 1:
                 num_decode += 1
-            if c.samples or (r.prefill_only and c.end == r.target_computed_tokens):
+            if c.samples:   # the last known position, and every draft position after it
+                out_rows.extend(range(query_start[-1] - c.num_sample_rows, query_start[-1]))
+            elif r.prefill_only and c.end == r.target_computed_tokens:
                 out_rows.append(query_start[-1] - 1)
         positions_t = torch.tensor(positions, dtype=torch.int64)                # [T]
         offs_t = positions_t % P                                               # [T]
@@ -225,10 +229,26 @@ class ModelRunner:
         i = 0
         for c in sched.chunks:
             r = c.request
-            if c.samples or (r.prefill_only and c.end == r.target_computed_tokens):
+            if c.samples:
+                rows[r.request_id] = i
+                i += c.num_sample_rows
+            elif r.prefill_only and c.end == r.target_computed_tokens:
                 rows[r.request_id] = i
                 i += 1
         return ModelOutput(logits=logits, hidden=hidden, chunk_rows=rows)
+
+
+    def run_layers_prefix(self, chunks: tuple[ScheduledChunk, ...] | list[ScheduledChunk],
+                          num_layers: int) -> torch.Tensor:
+        """A pass of the model's first `num_layers` layers, final norm and lm_head (a self-draft,
+        pdserve.engine.spec_decode.speculator.SelfDraft) over single-token chunks; returns the
+        logits of every chunk's token, [len(chunks), V] float32. It writes those layers' K/V at
+        the chunks' positions. Leader only (the self-draft refuses tensor parallelism)."""
+        step = self.build_batches(tuple(chunks))
+        logits, _ = self.model(step.input_ids, step.positions, self.kv.k, self.kv.v, self.backend,
+                               self.plan(step.batches), torch.arange(len(step.input_ids)), None,
+                               num_layers=num_layers)
+        return logits
 
 
 # Families whose model classes take a tensor-parallel shard (pdserve/model/tp.py).

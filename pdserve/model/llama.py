@@ -131,8 +131,10 @@ class LlamaForCausalLM(nn.Module):
         plan: object,
         logits_indices: torch.Tensor,   # [S] rows whose next-token logits are wanted
         layer_hook: LayerHook | None = None,
+        num_layers: int | None = None,  # run only the first num_layers layers (a self-draft, E20)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [S, V] float32, final hidden [S, hidden]
-        h = self.forward_layers(input_ids, positions, k_pools, v_pools, backend, plan, layer_hook)  # [T, hidden]
+        h = self.forward_layers(input_ids, positions, k_pools, v_pools, backend, plan, layer_hook,
+                                num_layers)                                             # [T, hidden]
         last = self.norm.forward(h[logits_indices])                                    # [S, hidden]
         logits = linear(last, self.lm_head_weight).float()                   # [S, V]
         return logits, last
@@ -147,16 +149,17 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         plan: object,
         layer_hook: LayerHook | None = None,
+        num_layers: int | None = None,
     ) -> torch.Tensor:                  # h [T, hidden]: the residual stream after the last layer
         """The embedding and the decoder layers (what a tensor-parallel worker rank runs: the
-        leader alone applies the final norm and lm_head)."""
+        leader alone applies the final norm and lm_head); `num_layers`: only the first ones."""
         h = self.embed_tokens(input_ids)                                       # [T, hidden]
         cos_sin = self.rope.tables(positions)
         x = self.layers[0].input_layernorm.forward(h)                           # [T, hidden]
         c_ops = self._c_layer_ops(h)
         # few tokens, float32 on CPU: the same ops, called by address; else the modules' ops
         ops = c_ops.begin_pass(h, x, cos_sin) if c_ops is not None else ModuleLayerOps(self.layers, h, x, cos_sin)
-        self._run_layers(ops, k_pools, v_pools, backend, plan, layer_hook)   # h updated in place
+        self._run_layers(ops, k_pools, v_pools, backend, plan, layer_hook, num_layers)   # h updated in place
         return h
 
     def set_tp_comm(self, comm: TPComm) -> None:
@@ -174,11 +177,13 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         plan: object,
         layer_hook: LayerHook | None,
+        num_layers: int | None = None,
     ) -> None:
-        """The decoder layers, the one loop of both ops objects (pdserve/model/layer_ops.py)."""
+        """The decoder layers (the first `num_layers`, default all), the one loop of both ops
+        objects (pdserve/model/layer_ops.py)."""
         scale = self.layers[0].self_attn.scale  # every layer has the same head_dim
         qkv, attn_out, mlp, attention = ops.qkv, ops.attn_out, ops.mlp, backend.forward  # looked up once
-        for i in range(len(self.layers)):
+        for i in range(len(self.layers) if num_layers is None else num_layers):
             q, k, v = qkv(i)                                                   # [T, Hq|Hkv, D] of x
             a = attention(q, k, v, k_pools[i], v_pools[i], plan, scale)        # [T, Hq, D]
             attn_out(i, a)                                                     # o_proj

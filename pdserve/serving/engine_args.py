@@ -71,6 +71,7 @@ _FLAGS = (
     _Flag(CacheConfig, "cpu_offload_space", type=_offload_space, metavar="FRACTION|BYTES"),
     _Flag(EngineConfig, "tensor_parallel_size", metavar="N", aliases=("-tp",)),
     _Flag(EngineConfig, "tp_invariant", negatable=True),
+    _Flag(EngineConfig, "speculative_config", type=str, metavar="JSON"),
 )
 
 

@@ -149,6 +149,31 @@ class KVCacheManager:
             new_all.extend(new)
         return new_all
 
+    def truncate(self, request: Request, num_tokens: int) -> int:
+        """Free every group's trailing pages past the first `num_tokens` positions (speculative
+        lookahead that was rejected or not used, E20); returns how many blocks were freed.
+
+        Only pages allocated for positions >= num_tokens go: they hold no committed KV (commit
+        publishes complete blocks below num_computed_tokens <= num_tokens) and no other request
+        shares them, which is checked."""
+        if num_tokens < request.num_computed_tokens:
+            raise ValueError(f"truncate {request!r} to {num_tokens} tokens: below its computed tokens")
+        rid = request.request_id
+        keep = self.num_blocks_for(num_tokens)
+        freed: list[int] = []
+        for g in self.groups:
+            table = g.tables.get(rid)
+            if table is None or len(table) <= keep:
+                continue
+            tail = [b for b in table[keep:] if b != PADDING_BLOCK]
+            shared = [b for b in tail if self.pool.ref_count(b) != 1]
+            if shared:
+                raise CacheIntegrityError(f"truncate {request!r}: lookahead blocks {shared} are shared")
+            del table[keep:]
+            freed.extend(tail)
+        self.pool.free(freed)
+        return len(freed)
+
     def commit(self, request: Request) -> None:
         """The request's KV is valid up to num_computed_tokens: publish its complete full-table
         blocks to the prefix cache (no-op when prefix caching is off)."""

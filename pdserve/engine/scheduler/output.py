@@ -13,12 +13,26 @@ class ScheduledChunk:
 
     samples: the chunk reaches the end of the request's known tokens, so the pass samples the
     next token from its last position. A prefill chunk that stops short does not sample.
+    draft_token_ids: speculative decoding (E20): tokens proposed after the known ones; they are
+    the chunk's last len(draft_token_ids) tokens (num_tokens counts them), and the pass samples
+    the target at the last known position and at every draft position, to verify them.
     """
 
     request: Request
     start: int
     num_tokens: int
     samples: bool
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_known(self) -> int:
+        """Tokens of the request itself (the chunk's tokens before its drafts)."""
+        return self.num_tokens - len(self.draft_token_ids)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Positions the pass samples: 1 + drafts for a sampling chunk, 0 otherwise."""
+        return 1 + len(self.draft_token_ids) if self.samples else 0
 
     @property
     def end(self) -> int:

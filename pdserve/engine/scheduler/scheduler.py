@@ -24,6 +24,7 @@ import abc
 import logging
 import time
 from collections import deque
+from collections.abc import Mapping
 
 from pdserve.engine.cache.manager import KVCacheManager
 from pdserve.engine.config import SchedulerConfig
@@ -127,12 +128,16 @@ class Scheduler(abc.ABC):
 
     # --- the step ----------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[str, tuple[int, ...]] | None = None) -> SchedulerOutput:
+        """This step's chunks. `drafts`: speculative proposals (E20) by request id, for requests
+        that decode; each gets what the step has left once everything else is scheduled."""
         budget = _Budget(self.config.max_batch_tokens, self.config.max_requests_per_batch)
         chunks: list[ScheduledChunk] = []
         self._kv_waits = []
         self._stalled = []
         self._order(budget, chunks)
+        if drafts and not self._stalled:
+            self._grant_lookahead(chunks, drafts, budget)
         chunks.sort(key=lambda c: c.num_tokens != 1)  # decodes first; stable within each group
         return SchedulerOutput(chunks=tuple(chunks), stalled=tuple(self._stalled), kv_waits=tuple(self._kv_waits))
 
@@ -205,6 +210,31 @@ class Scheduler(abc.ABC):
         self.waiting_for_kv[request.request_id] = request
         self._kv_waits.append(request)
         return True
+
+    def _grant_lookahead(self, chunks: list[ScheduledChunk], drafts: Mapping[str, tuple[int, ...]],
+                         budget: "_Budget") -> None:
+        """Extend decode chunks by their drafts (verification: 1 + k query tokens, E20) with the
+        token budget and the blocks the step left over, in chunk order. Speculation takes only
+        what is spare: it never delays an admission, never stalls or preempts a request (a pool
+        with a stalled request gets none), and a draft that does not fit is cut or dropped (the
+        sequence decodes plainly). Blocks it takes past the accepted tokens are freed after the
+        pass (KVCacheManager.truncate)."""
+        for i, c in enumerate(chunks):
+            if budget.tokens < 1:
+                return
+            draft = drafts.get(c.request_id)
+            if not draft or c.num_tokens != 1 or not c.samples:
+                continue
+            draft = draft[:budget.tokens]
+            r = c.request
+            if self.cache.allocate_slots(r, 1 + len(draft)) is None:
+                fit = self._tokens_that_fit(r, 1 + len(draft))
+                if fit < 2 or self.cache.allocate_slots(r, fit) is None:
+                    continue
+                draft = draft[:fit - 1]
+            chunks[i] = ScheduledChunk(request=r, start=c.start, num_tokens=1 + len(draft), samples=True,
+                                       draft_token_ids=draft)
+            budget.tokens -= len(draft)
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
         start = request.num_computed_tokens
