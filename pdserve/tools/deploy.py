@@ -8,16 +8,33 @@
                                            # naming the files that differ (the drift test runs it)
 
 One `DeploySpec` (two `RoleSpec`s, prefill and decode) is rendered by `render(spec)` into plain
-dicts: the router Deployment and Service (gRPC 50051, HTTP 8000), one workload per role (a
-Deployment; a tensor-parallel node is one pod holding all its ranks, as the engine runs them today:
-ranks 1..N-1 are processes the leader starts and whose KV pools it maps in shared memory, D15; or,
-with `tp_layout="lws"`, a LeaderWorkerSet of one pod per rank, leader = rank 0, for when ranks can
-join across pods), a headless Service per role (the router resolves the decode Service's records, decode
-nodes the prefill Service's: `--decode dns:NAME:PORT`, `--prefill dns:NAME:PORT`, see
+dicts: the router Deployment and Service (gRPC 50051, HTTP 8000), one workload per role, a
+headless Service per role (the router resolves the decode Service's records, decode nodes the
+prefill Service's: `--decode dns:NAME:PORT`, `--prefill dns:NAME:PORT`, see
 pdserve.serving.discovery), a ConfigMap of engine flags (each container arg `--flag=$(VAR)` reads
 one key), PodDisruptionBudgets, a ServiceMonitor, autoscaling per role on queue depth (KEDA
 ScaledObjects, or HPAs on external metrics), and NetworkPolicies (only the router reaches decode
 nodes, only decode nodes reach prefill nodes; the fabric's TCP port range between the two roles).
+
+A role's workload is a Deployment at TP 1. A tensor-parallel node (TP N > 1) is a LeaderWorkerSet
+whose groups have size 1: each TP group is one leader pod, rank 0, which starts ranks 1..N-1 as
+local processes in its own container (pdserve.parallel.group) and asks for N ranks' CPU, memory and
+GPUs. The decision, and why: pdserve's ranks share their KV pools through shared memory that rank
+0's messenger maps and drives (D15: one messenger per node drives every shard's memory; /dev/shm
+segments, cuMem IPC handles on GPU), so every rank of a group must be a process on one host, in one
+pod's /dev/shm: a group of one pod per rank cannot run, and is not rendered. Size 1 still gives the
+group LWS semantics: group-wise rolling updates (maxSurge 1, maxUnavailable 0, like the
+Deployments), RecreateGroupOnPodRestart (a restarted container gets a new pod with a new /dev/shm: a
+Memory emptyDir outlives a container restart, and pool files a leader killed while starting left
+there would stay, counted against the pod's memory, since the next leader sweeps only files of pids
+that no longer run and is PID 1 again in its container), the leaderworkerset.sigs.k8s.io labels (the
+role's Service and PDB select worker-index 0, the leader), and the LWS scale subresource for the
+autoscalers. The LWS API takes a size-1 group with `workerTemplate` only (the field the CRD
+requires; the leader is made from it when `leaderTemplate` is absent, and the workers' StatefulSet
+has 0 replicas). Not set, as they mean nothing at size 1: `startupPolicy` (when workers start) and
+the exclusive-topology annotation (a one-pod group's placement is its pod's anti-affinity, already
+in the template: preferred, required under EFA). `tp_workload="deployment"` renders the same pod
+template as a Deployment instead, for clusters without the LWS controller.
 
 `tree()` writes `base/` (the spec of `BASE`) and one folder per `OVERLAYS` entry whose
 kustomization takes the base and JSON patches (RFC 6902) computed from the two renderings, so
@@ -60,7 +77,7 @@ READINESS_SERVICES = {"prefill": "pdserve.api.v1.PrefillService", "decode": "pds
                       "router": "pdserve.api.v1.GenerateService"}
 PROVIDERS = ("verbs;ofi_rxm", "tcp;ofi_rxm", "efa")
 AUTOSCALERS = ("keda", "hpa", "none")
-TP_LAYOUTS = ("pod", "lws")
+TP_WORKLOADS = ("lws", "deployment")   # how a TP > 1 node is deployed (the module docstring)
 PYTHON = "python"            # the image's venv python is first on PATH (deploy/Containerfile)
 MODEL_CACHE = "/var/cache/pdserve"   # PDSERVE_CACHE_DIR in the pods: the converted model lives here
 TLS_DIR = "/etc/pdserve/tls"         # the TLS Secret: tls.crt, tls.key, ca.crt (kubernetes.io/tls + ca.crt)
@@ -69,7 +86,11 @@ LWS_API = "leaderworkerset.x-k8s.io/v1"
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_ROLE = "app.kubernetes.io/component"   # prefill, decode or router
 LABEL_PART = "app.kubernetes.io/part-of"
-LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+# Labels the LWS controller puts on its pods (leaderworkerset.sigs.k8s.io/v1 API constants).
+LWS_NAME = "leaderworkerset.sigs.k8s.io/name"
+LWS_GROUP_INDEX = "leaderworkerset.sigs.k8s.io/group-index"
+LWS_GROUP_KEY = "leaderworkerset.sigs.k8s.io/group-key"
+LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"   # "0": the leader
 HEADER = "# Rendered by `pdserve deploy tree` from pdserve/tools/deploy.py: edit the spec there, not this file.\n"
 
 
@@ -93,8 +114,8 @@ def _pre_stop() -> dict[str, Any]:
 @dataclass(frozen=True)
 class RoleSpec:
     """One role's pods. replicas: node count (TP groups when tp > 1); tp: ranks per node (one pod
-    asking for `tp` ranks' resources, or a LeaderWorkerSet of `tp` pods: DeploySpec.tp_layout);
-    cpu / memory: per rank (requests = limits, so
+    holding every rank and asking for `tp` ranks' resources; a LeaderWorkerSet group when tp > 1,
+    DeploySpec.tp_workload); cpu / memory: per rank (requests = limits, so
     the pods are Guaranteed and can pin cores); gpus: nvidia.com/gpu per rank; max_replicas: the
     autoscaler's ceiling; queue_target: waiting requests per replica the autoscaler aims at;
     engine: engine flags of this role (flag without dashes -> value), through the ConfigMap."""
@@ -139,8 +160,9 @@ class DeploySpec:
     PersistentVolumeClaim holding the converted model (None: an emptyDir, converted at each
     start); startup_s: how long a node may take to load before the kubelet restarts it;
     prometheus: the server KEDA queries; monitoring_namespace: the namespace allowed to scrape;
-    tp_layout: "pod" (a TP node is one pod with every rank: what the engine runs today) or "lws"
-    (a LeaderWorkerSet of one pod per rank; its rank pods need ranks that join across pods);
+    tp_workload: how a TP > 1 node is deployed: "lws" (a LeaderWorkerSet of size-1 groups, leader
+    = rank 0 holding every rank; the module docstring says why) or "deployment" (the same pod in a
+    Deployment, for clusters without the LWS controller);
     tls_secret: a Secret (tls.crt, tls.key, ca.crt) that turns on mTLS between every process
     (S9): one certificate for all, with serverAuth and clientAuth usage and the DNS name
     `tls_server_name` (default NAME.NAMESPACE.svc), which every client checks instead of the pod
@@ -163,14 +185,14 @@ class DeploySpec:
     autoscaler: str = "keda"
     prometheus: str = "http://prometheus-operated.monitoring.svc:9090"
     monitoring_namespace: str = "monitoring"
-    tp_layout: str = "pod"
+    tp_workload: str = "lws"
     tls_secret: str | None = None
     token_secret: str | None = None
     tls_server_name: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tp_layout not in TP_LAYOUTS:
-            raise ValueError(f"tp_layout must be one of {TP_LAYOUTS}, got {self.tp_layout!r}")
+        if self.tp_workload not in TP_WORKLOADS:
+            raise ValueError(f"tp_workload must be one of {TP_WORKLOADS}, got {self.tp_workload!r}")
         if self.provider not in PROVIDERS:
             raise ValueError(f"provider must be one of {PROVIDERS}, got {self.provider!r}")
         if self.autoscaler not in AUTOSCALERS:
@@ -197,9 +219,15 @@ class DeploySpec:
     def server_name(self) -> str:
         return self.tls_server_name or f"{self.name}.{self.namespace}.svc"
 
-    def group_pods(self, role: str) -> bool:
-        """Whether a node of `role` is a LeaderWorkerSet group of one pod per rank."""
-        return self.role(role).tp > 1 and self.tp_layout == "lws"
+    def lws_group(self, role: str) -> bool:
+        """Whether the nodes of `role` are LeaderWorkerSet groups (size 1: the leader holds every rank)."""
+        return self.role(role).tp > 1 and self.tp_workload == "lws"
+
+    def workload_name(self, role: str) -> str:
+        """The role's Deployment or LeaderWorkerSet. A LeaderWorkerSet's name is not the role's
+        Service's: its controller makes a headless Service of the LWS's name (the pods' DNS
+        subdomain), or takes a Service that already has the name as it is."""
+        return f"{self.name}-{role}-group" if self.lws_group(role) else f"{self.name}-{role}"
 
     def service_host(self, role: str) -> str:
         """The headless Service's DNS name of a role (router, prefill or decode)."""
@@ -214,8 +242,7 @@ OVERLAYS: dict[str, DeploySpec] = {
     "1p3d": dataclasses.replace(BASE, decode=dataclasses.replace(BASE.decode, replicas=3)),
     "2p4d": dataclasses.replace(BASE, prefill=dataclasses.replace(BASE.prefill, replicas=2),
                                 decode=dataclasses.replace(BASE.decode, replicas=4)),
-    "tp2": dataclasses.replace(BASE, prefill=dataclasses.replace(BASE.prefill, tp=2)),
-    "tp2-lws": dataclasses.replace(BASE, tp_layout="lws", prefill=dataclasses.replace(BASE.prefill, tp=2)),
+    "tp2": dataclasses.replace(BASE, prefill=dataclasses.replace(BASE.prefill, tp=2)),   # a LeaderWorkerSet
     "efa": dataclasses.replace(BASE, provider="efa", rdma_resource=None, efa_devices=1, hugepages_2mi="2Gi",
                                decode=dataclasses.replace(BASE.decode, replicas=3)),
     "cpu-tcp": dataclasses.replace(BASE, provider="tcp;ofi_rxm", rdma_resource=None,
@@ -371,7 +398,7 @@ def _times(quantity: str, n: int) -> str:
 
 def _resources(spec: DeploySpec, role: str) -> dict[str, Any]:
     r = spec.role(role)
-    ranks = 1 if spec.group_pods(role) else r.tp   # one pod holds every rank of its node
+    ranks = r.tp   # one pod holds every rank of its node (D15)
     amounts: dict[str, Any] = {"cpu": _times(r.cpu, ranks), "memory": _times(r.memory, ranks)}
     if r.gpus:
         amounts["nvidia.com/gpu"] = r.gpus * ranks
@@ -419,7 +446,7 @@ def _affinity(spec: DeploySpec, role: str) -> dict[str, Any]:
         {"weight": 100, "podAffinityTerm": term}]}}
 
 
-def _node_pod(spec: DeploySpec, role: str, *, leader: bool = True) -> dict[str, Any]:
+def _node_pod(spec: DeploySpec, role: str) -> dict[str, Any]:
     port = ROLE_PORTS[role]
     volumes, mounts = _volumes(spec)
     container: dict[str, Any] = {
@@ -429,10 +456,8 @@ def _node_pod(spec: DeploySpec, role: str, *, leader: bool = True) -> dict[str, 
         "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": NODE_METRICS_PORT, "protocol": "TCP"}],
         "resources": _resources(spec, role), "volumeMounts": mounts, "securityContext": _security(spec, role),
+        **_probes(spec, role, port), "lifecycle": _pre_stop(),
     }
-    if leader:
-        container.update(_probes(spec, role, port))
-        container["lifecycle"] = _pre_stop()
     return {
         "metadata": {"labels": _labels(spec, role), "annotations": {"pdserve.dev/engine-config": _config_hash(spec)}},
         "spec": {
@@ -449,31 +474,38 @@ def _node_pod(spec: DeploySpec, role: str, *, leader: bool = True) -> dict[str, 
 
 def _node_workload(spec: DeploySpec, role: str) -> dict[str, Any]:
     r = spec.role(role)
-    selector = {"matchLabels": _labels(spec, role)}
-    if not spec.group_pods(role):
-        return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(spec, f"{spec.name}-{role}", role),
-                "spec": {"replicas": r.replicas, "selector": selector,
+    meta = _meta(spec, spec.workload_name(role), role)
+    if not spec.lws_group(role):
+        return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
+                "spec": {"replicas": r.replicas, "selector": {"matchLabels": _labels(spec, role)},
                          # one node at a time: a new pod must be SERVING before an old one drains
                          "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
                          "template": _node_pod(spec, role)}}
-    # A TP group of `tp` pods: the leader (worker index 0) is rank 0 and serves the node's gRPC API; the
-    # other pods are ranks 1..tp-1, with the same command (LWS_WORKER_INDEX and LWS_LEADER_ADDRESS say
-    # which). The engine does not join ranks across pods yet (its ranks share the leader's memory, D15):
-    # this layout renders and validates, and waits for that.
-    return {"apiVersion": LWS_API, "kind": "LeaderWorkerSet",
-            "metadata": _meta(spec, f"{spec.name}-{role}-group", role),
-            "spec": {"replicas": r.replicas, "startupPolicy": "LeaderReady",
+    # One TP group per replica, of size 1: its leader pod is rank 0 and starts ranks 1..tp-1 as
+    # processes of its container (they share its /dev/shm, D15). workerTemplate is the leader's template
+    # (no leaderTemplate); see the module docstring for the fields left out.
+    return {"apiVersion": LWS_API, "kind": "LeaderWorkerSet", "metadata": meta,
+            "spec": {"replicas": r.replicas,
+                     # group by group, like the Deployments: a new group SERVING before an old one drains
                      "rolloutStrategy": {"type": "RollingUpdate",
                                          "rollingUpdateConfiguration": {"maxUnavailable": 0, "maxSurge": 1}},
-                     "leaderWorkerTemplate": {"size": r.tp, "restartPolicy": "RecreateGroupOnPodRestart",
-                                              "leaderTemplate": _node_pod(spec, role),
-                                              "workerTemplate": _node_pod(spec, role, leader=False)}}}
+                     "leaderWorkerTemplate": {"size": 1, "restartPolicy": "RecreateGroupOnPodRestart",
+                                              "workerTemplate": _node_pod(spec, role)}}}
+
+
+def leader_template(workload: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The pod template a workload's serving pods are made from: a Deployment's, or a LeaderWorkerSet
+    group's leader (leaderTemplate, else workerTemplate, as the LWS controller does)."""
+    if workload["kind"] == "Deployment":
+        return workload["spec"]["template"]
+    lwt = workload["spec"]["leaderWorkerTemplate"]
+    return lwt.get("leaderTemplate") or lwt["workerTemplate"]
 
 
 def _headless_service(spec: DeploySpec, role: str) -> dict[str, Any]:
     selector = dict(_labels(spec, role))
-    if spec.group_pods(role):
-        selector[LWS_WORKER_INDEX] = "0"   # only a group's leader serves the node's API
+    if spec.lws_group(role):
+        selector[LWS_WORKER_INDEX] = "0"   # a group's leader (rank 0) serves the node's API
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(spec, f"{spec.name}-{role}", role),
             "spec": {"clusterIP": "None", "publishNotReadyAddresses": False, "selector": selector,
                      "ports": [{"name": "grpc", "port": ROLE_PORTS[role], "targetPort": "grpc", "protocol": "TCP"},
@@ -514,7 +546,7 @@ def _router(spec: DeploySpec) -> list[dict[str, Any]]:
 
 def _pdb(spec: DeploySpec, role: str) -> dict[str, Any]:
     selector = dict(_labels(spec, role))
-    if role != "router" and spec.group_pods(role):
+    if role != "router" and spec.lws_group(role):
         selector[LWS_WORKER_INDEX] = "0"
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
             "metadata": _meta(spec, f"{spec.name}-{role}", role),
@@ -546,9 +578,9 @@ def queue_queries(spec: DeploySpec, role: str) -> dict[str, str]:
 
 
 def _scale_target(spec: DeploySpec, role: str) -> dict[str, Any]:
-    if spec.group_pods(role):
-        return {"apiVersion": LWS_API, "kind": "LeaderWorkerSet", "name": f"{spec.name}-{role}-group"}
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"{spec.name}-{role}"}
+    # a LeaderWorkerSet scales by groups through its scale subresource (spec.replicas)
+    kind = (LWS_API, "LeaderWorkerSet") if spec.lws_group(role) else ("apps/v1", "Deployment")
+    return {"apiVersion": kind[0], "kind": kind[1], "name": spec.workload_name(role)}
 
 
 def _autoscaler(spec: DeploySpec, role: str) -> dict[str, Any]:
@@ -783,7 +815,7 @@ def spec_from_args(args: argparse.Namespace) -> DeploySpec:
         router_replicas=args.routers, provider=provider, rdma_resource=rdma,
         efa_devices=args.efa_devices if provider == "efa" else 0,
         hugepages_2mi=args.hugepages or ("2Gi" if provider == "efa" else None),
-        autoscaler=args.autoscaler, prometheus=args.prometheus, tp_layout=args.tp_layout,
+        autoscaler=args.autoscaler, prometheus=args.prometheus, tp_workload=args.tp_workload,
         tls_secret=args.tls_secret, tls_server_name=args.tls_server_name, token_secret=args.token_secret)
 
 
@@ -796,9 +828,10 @@ def add_deploy_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--decode", type=int, default=1, metavar="M", help="decode nodes (TP groups) (default 1)")
     r.add_argument("--prefill-tp", type=int, default=1, metavar="A", help="ranks per prefill node (default 1)")
     r.add_argument("--decode-tp", type=int, default=1, metavar="B", help="ranks per decode node (default 1)")
-    r.add_argument("--tp-layout", default=BASE.tp_layout, choices=TP_LAYOUTS,
-                   help="a TP node as one pod with every rank (pod, what the engine runs today) or a "
-                        "LeaderWorkerSet of one pod per rank (lws) (default: pod)")
+    r.add_argument("--tp-workload", default=BASE.tp_workload, choices=TP_WORKLOADS,
+                   help="a TP > 1 node (one pod with every rank) as a LeaderWorkerSet group of size 1, "
+                        "leader = rank 0 (lws), or in a Deployment for clusters without the LWS "
+                        f"controller (deployment) (default: {BASE.tp_workload})")
     r.add_argument("--provider", default=None, choices=PROVIDERS,
                    help=f"libfabric provider of every node (default {BASE.provider}; efa with --efa)")
     r.add_argument("--efa", action="store_true", help="AWS EFA: provider efa, EFA devices, IPC_LOCK, huge "
@@ -853,5 +886,5 @@ def _cmd_tree(args: argparse.Namespace) -> int:
 
 
 __all__ = ["BASE", "OVERLAYS", "DeploySpec", "RoleSpec", "add_deploy_parser", "drain_seconds", "json_patch",
-           "node_args", "object_key", "queue_queries", "render", "router_args", "security_args", "to_yaml", "tree",
-           "tree_drift", "write_tree"]
+           "leader_template", "node_args", "object_key", "queue_queries", "render", "router_args", "security_args",
+           "to_yaml", "tree", "tree_drift", "write_tree"]

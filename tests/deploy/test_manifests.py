@@ -8,6 +8,7 @@ real command-line parsers accept.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import json
 import shutil
@@ -22,7 +23,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from k8s_pods import invocation, parse, pod_templates
+from k8s_pods import invocation, lws_leader_labels, parse, pod_templates
 
 from pdserve.serving.engine_args import engine_config
 from pdserve.serving.node_server import DECODE_PORT, PREFILL_PORT
@@ -35,7 +36,7 @@ K8S = ROOT / "deploy" / "k8s"
 SCHEMAS = ROOT / "deploy" / "schemas"
 KUBERNETES_VERSION = "1.32.0"   # the oldest release the manifests target (native gRPC probes: GA in 1.27)
 # Each overlay's prefill:decode ratio, written out here rather than read from the spec it checks.
-RATIOS = {"1p1d": (1, 1), "1p3d": (1, 3), "2p4d": (2, 4), "tp2": (1, 1), "tp2-lws": (1, 1), "efa": (1, 3),
+RATIOS = {"1p1d": (1, 1), "1p3d": (1, 3), "2p4d": (2, 4), "tp2": (1, 1), "efa": (1, 3),
           "cpu-tcp": (1, 1), "hpa": (1, 3), "mtls": (1, 1)}
 FIELDS = {"metadata.name": "pod-0", "status.podIP": "127.0.0.1"}
 SERVICES = {"prefill": "pdserve.api.v1.PrefillService", "decode": "pdserve.api.v1.GenerateService",
@@ -116,12 +117,13 @@ def test_every_object_validates_strictly(overlay):
 @pytest.mark.parametrize(("kind", "where"), [
     ("Deployment", ("spec", "template", "spec", "containers", 0)),
     ("LeaderWorkerSet", ("spec", "leaderWorkerTemplate", "workerTemplate", "spec", "containers", 0)),
+    ("LeaderWorkerSet", ("spec", "leaderWorkerTemplate")),
     ("ScaledObject", ("spec", "triggers", 0, "metadata")),   # trigger metadata: free-form strings, allowed
     ("ScaledObject", ("spec", "scaleTargetRef")),
     ("ServiceMonitor", ("spec", "endpoints", 0)),
 ])
 def test_strict_validation_refuses_an_unknown_field(kind, where):
-    o = copy.deepcopy(next(o for o in deploy.render(deploy.OVERLAYS["tp2-lws"]) if o["kind"] == kind))
+    o = copy.deepcopy(next(o for o in deploy.render(deploy.OVERLAYS["tp2"]) if o["kind"] == kind))
     node = o
     for step in where:
         node = node[step]
@@ -175,13 +177,11 @@ def test_every_pod_runs_the_same_image_with_grpc_probes_on_the_right_services(ov
         images.add(container["image"])
         grace = pod["spec"]["terminationGracePeriodSeconds"]
         assert grace >= deploy.drain_seconds(), f"{where}: grace {grace} s is shorter than the drain"
-        if not where.endswith("worker"):   # a serving pod waits for its callers to drop it, then drains
-            hook = container["lifecycle"]["preStop"]["exec"]["command"]
-            assert hook[0] == "sleep" and int(hook[1]) + 20 <= grace, where
+        # every pod serves (no rank-only pods): it waits for its callers to drop it, then drains
+        assert not where.endswith("worker"), f"{where}: a pod that serves nothing"
+        hook = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert hook[0] == "sleep" and int(hook[1]) + 20 <= grace, where
         assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
-        if where.endswith("worker"):   # TP ranks 1..N-1 serve no gRPC API of their own
-            assert not any(k in container for k in ("readinessProbe", "livenessProbe", "startupProbe"))
-            continue
         port = {"prefill": PREFILL_PORT, "decode": DECODE_PORT, "router": deploy.ROUTER_PORT}[role]
         for probe, service in (("startupProbe", ""), ("readinessProbe", SERVICES[role]),
                                ("livenessProbe", "")):
@@ -217,31 +217,93 @@ def _cpus(quantity: str) -> float:
     return float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
 
 
+def _memory_gi(quantity: str) -> float:
+    assert quantity.endswith("Gi"), quantity
+    return float(quantity[:-2])
+
+
 @pytest.mark.parametrize("overlay", sorted(deploy.OVERLAYS))
 def test_tensor_parallel_nodes_request_as_many_ranks_as_their_tp_size(overlay):
+    """A node is one pod holding every rank (they share its /dev/shm, D15): it asks for TP ranks' CPU
+    and memory; a TP > 1 node is a LeaderWorkerSet group of size 1, its leader rank 0."""
     spec = deploy.OVERLAYS[overlay]
     w = workloads(objects_of(overlay))
+    any_tp = max(spec.role(x).tp for x in deploy.ROLES) > 1
     for role in deploy.ROLES:
-        tp, per_rank = spec.role(role).tp, _cpus(spec.role(role).cpu)
-        pods = [pod for _, pod in pod_templates([w[role]])]
-        for pod in pods:
-            args = pod["spec"]["containers"][0]["args"]
-            assert ("--tensor-parallel-size=%d" % tp in args) == (tp > 1), (overlay, role, args)
-            # any TP > 1 role: every node sums TP-invariantly, so TP 1 nodes match it bit for bit
-            any_tp = max(spec.role(x).tp for x in deploy.ROLES) > 1
-            assert ("--tp-invariant" in args) == any_tp, (overlay, role, args)
-        if w[role]["kind"] == "Deployment":   # one pod holds every rank: it asks for all of them
-            (container,) = pods[0]["spec"]["containers"]
-            assert _cpus(container["resources"]["limits"]["cpu"]) == tp * per_rank
-            assert container["resources"]["requests"] == container["resources"]["limits"]
-        else:   # one pod per rank
-            assert tp > 1 and spec.tp_layout == "lws"
-            assert w[role]["spec"]["leaderWorkerTemplate"]["size"] == tp
-            for pod in pods:
-                assert _cpus(pod["spec"]["containers"][0]["resources"]["limits"]["cpu"]) == per_rank
-    if overlay.startswith("tp2"):
+        r = spec.role(role)
+        (pod,) = [pod for _, pod in pod_templates([w[role]])]   # one pod per node, never one per rank
+        (container,) = pod["spec"]["containers"]
+        args = container["args"]
+        assert ("--tensor-parallel-size=%d" % r.tp in args) == (r.tp > 1), (overlay, role, args)
+        # any TP > 1 role: every node sums TP-invariantly, so TP 1 nodes match it bit for bit
+        assert ("--tp-invariant" in args) == any_tp, (overlay, role, args)
+        limits = container["resources"]["limits"]
+        assert _cpus(limits["cpu"]) == r.tp * _cpus(r.cpu), (overlay, role, limits)
+        assert _memory_gi(limits["memory"]) == r.tp * _memory_gi(r.memory), (overlay, role, limits)
+        assert container["resources"]["requests"] == limits
+        assert w[role]["kind"] == ("LeaderWorkerSet" if r.tp > 1 else "Deployment"), (overlay, role)
+        if r.tp > 1:
+            lwt = w[role]["spec"]["leaderWorkerTemplate"]
+            assert lwt["size"] == 1 and "leaderTemplate" not in lwt, (overlay, role)
+            assert lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
+            rolling = w[role]["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"]
+            assert (rolling["maxSurge"], rolling["maxUnavailable"]) == (1, 0)
+    if overlay == "tp2":
         assert spec.prefill.tp == 2 and spec.decode.tp == 1
-        assert w["prefill"]["kind"] == ("LeaderWorkerSet" if overlay == "tp2-lws" else "Deployment")
+
+
+def test_a_tp_group_asks_for_every_ranks_gpus():
+    spec = dataclasses.replace(deploy.BASE, prefill=dataclasses.replace(deploy.BASE.prefill, tp=4, gpus=1))
+    (pod,) = [pod for _, pod in pod_templates([workloads(deploy.render(spec))["prefill"]])]
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
+
+
+def test_the_leader_pods_of_a_tp_group_are_what_its_service_pdb_policies_and_autoscaler_select():
+    """tp2's prefill LeaderWorkerSet: its leader pods, with the labels the LWS controller gives them,
+    are the endpoints of the role's headless Service (which the ServiceMonitor scrapes), the pods of
+    its PDB and of its NetworkPolicies (as target and as the decode policy's source), and the KEDA
+    target is the LeaderWorkerSet itself; the LWS's own name is not the Service's, which the
+    controller would adopt."""
+    objects = objects_of("tp2")
+    lws = workloads(objects)["prefill"]
+    leaders = [lws_leader_labels(lws, group) for group in range(lws["spec"]["replicas"])]
+
+    def selects(selector: dict[str, str]) -> bool:
+        return all(selector.items() <= labels.items() for labels in leaders)
+
+    (service,) = [o for o in by_kind(objects, "Service") if o["metadata"]["name"] == "pdserve-prefill"]
+    assert selects(service["spec"]["selector"]) and service["spec"]["selector"][deploy.LWS_WORKER_INDEX] == "0"
+    assert service["metadata"]["name"] != lws["metadata"]["name"]
+    (sm,) = by_kind(objects, "ServiceMonitor")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (pdb,) = [o for o in by_kind(objects, "PodDisruptionBudget") if role_of(o) == "prefill"]
+    assert selects(pdb["spec"]["selector"]["matchLabels"])
+    policies = {p["metadata"]["labels"].get(deploy.LABEL_ROLE, "*"): p for p in by_kind(objects, "NetworkPolicy")}
+    assert selects(policies["prefill"]["spec"]["podSelector"]["matchLabels"])
+    decode_sources = [peer["podSelector"]["matchLabels"] for rule in policies["decode"]["spec"]["ingress"]
+                      for peer in rule.get("from", ()) if "podSelector" in peer]
+    assert any(selects(s) for s in decode_sources), "prefill leaders may not write KV to decode nodes"
+    (scaler,) = [a for a in by_kind(objects, "ScaledObject") if role_of(a) == "prefill"]
+    assert scaler["spec"]["scaleTargetRef"] == {"apiVersion": deploy.LWS_API, "kind": "LeaderWorkerSet",
+                                                "name": lws["metadata"]["name"]}
+
+
+def test_tp_workload_deployment_runs_the_same_pod_without_the_lws_controller():
+    """--tp-workload deployment: the same pod template as the LeaderWorkerSet's leader (so what the
+    run test runs for tp2 is what it deploys), in a Deployment the other objects point at."""
+    spec = dataclasses.replace(deploy.OVERLAYS["tp2"], tp_workload="deployment")
+    objects = deploy.render(spec)
+    w = workloads(objects)
+    assert w["prefill"]["kind"] == "Deployment" and w["prefill"]["metadata"]["name"] == "pdserve-prefill"
+    lws = workloads(deploy.render(deploy.OVERLAYS["tp2"]))["prefill"]
+    assert w["prefill"]["spec"]["template"] == deploy.leader_template(lws)
+    assert not by_kind(objects, "LeaderWorkerSet")
+    (service,) = [o for o in by_kind(objects, "Service") if o["metadata"]["name"] == "pdserve-prefill"]
+    assert service["spec"]["selector"] == w["prefill"]["spec"]["selector"]["matchLabels"]
+    (scaler,) = [a for a in by_kind(objects, "ScaledObject") if role_of(a) == "prefill"]
+    assert scaler["spec"]["scaleTargetRef"]["kind"] == "Deployment"
+    for o in objects:
+        validate(o)
 
 
 def test_efa_overlay_pins_memory_and_keeps_one_node_pod_per_host():
@@ -398,12 +460,13 @@ def test_render_command_makes_any_ratio():
     out = io.StringIO()
     with redirect_stdout(out):
         rc = pdserve_main(["deploy", "render", "--prefill", "3", "--decode", "5", "--decode-tp", "2",
-                           "--tp-layout", "lws", "--namespace", "llm", "--decode-engine", "num-blocks=4096"])
+                           "--namespace", "llm", "--decode-engine", "num-blocks=4096"])
     assert rc == 0
     objects = list(yaml.safe_load_all(out.getvalue()))
     w = workloads(objects)
     assert w["prefill"]["spec"]["replicas"] == 3 and w["prefill"]["kind"] == "Deployment"
-    assert w["decode"]["spec"]["replicas"] == 5 and w["decode"]["spec"]["leaderWorkerTemplate"]["size"] == 2
+    assert w["decode"]["spec"]["replicas"] == 5 and w["decode"]["kind"] == "LeaderWorkerSet"
+    assert w["decode"]["spec"]["leaderWorkerTemplate"]["size"] == 1
     assert all(o["metadata"].get("namespace", "llm") == "llm" for o in objects)
     (cm,) = by_kind(objects, "ConfigMap")
     assert cm["data"]["decode.num-blocks"] == "4096"
@@ -420,6 +483,8 @@ def test_spec_refuses_what_cannot_be_deployed():
         deploy.DeploySpec(provider="shm")   # one host only: never across pods
     with pytest.raises(ValueError, match="without dashes"):
         deploy.RoleSpec(engine=(("--num-blocks", "1"),))
+    with pytest.raises(ValueError, match="tp_workload"):
+        deploy.DeploySpec(tp_workload="pod-per-rank")   # ranks share one pod's memory (D15)
 
 
 def test_the_exec_probe_checks_a_real_mtls_server(tmp_path):

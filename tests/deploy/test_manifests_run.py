@@ -5,7 +5,10 @@ manifests say (gRPC health on the named service and port, within the startup bud
 ready, publishes it in its Services' records, which the router and the decode nodes resolve through
 the resolver seam (PDSERVE_RESOLVER_FILE: the headless Services' DNS records). Then a gRPC and an
 HTTP request go through the router Service, and decode pods are replaced by one at a new address:
-discovery picks it up without restarting anyone.
+discovery picks it up without restarting anyone. The tp2 overlay's prefill node is a LeaderWorkerSet
+group: its leader pod (the labels and LWS_* variables the LWS controller gives it, k8s_pods) runs as
+one process, rank 0, which starts rank 1 as its own child process sharing its /dev/shm; the prefill
+Service selects it as the group's leader, and it serves a TP 1 decode node over the fabric.
 
 What differs from a cluster, and only this: each pod gets its own loopback address (127.0.0.N) and
 binds there instead of 0.0.0.0 (pods have their own network namespace; these processes share one);
@@ -29,7 +32,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from k8s_pods import invocation
+from k8s_pods import invocation, lws_env, lws_leader_labels, lws_leader_name
 from support import prometheus
 from support.paths import ROOT, child_env
 from support.tiny_models import make_tiny_checkpoint
@@ -51,6 +54,8 @@ class Pod:
     ip: str
     template: dict[str, Any]
     workdir: Path
+    labels: dict[str, str] = field(default_factory=dict)     # the pod's: its template's and its controller's
+    injected: dict[str, str] = field(default_factory=dict)   # env its controller's webhook adds (LWS_*)
     proc: subprocess.Popen | None = None
     log: Path | None = None
     ready: bool = False
@@ -80,16 +85,22 @@ class LocalKubelet:
         self._publish()
 
     def new_pod(self, workload: dict[str, Any], index: int) -> Pod:
+        """Pod `index` of a Deployment, or the leader pod of group `index` of a LeaderWorkerSet."""
         ip = f"127.0.0.{self._next_ip}"
         self._next_ip += 1
-        template = workload["spec"]["template"]
-        name = f"{workload['metadata']['name']}-{index}"
-        pod = Pod(name, template["metadata"]["labels"][deploy.LABEL_ROLE], ip, template, self.root / name)
+        template = dict(deploy.leader_template(workload))
+        if workload["kind"] == "LeaderWorkerSet":
+            name, labels, injected = (lws_leader_name(workload, index), lws_leader_labels(workload, index),
+                                      lws_env(workload, index))
+        else:
+            name, labels, injected = f"{workload['metadata']['name']}-{index}", dict(template["metadata"]["labels"]), {}
+        pod = Pod(name, labels[deploy.LABEL_ROLE], ip, template, self.root / name, labels=labels, injected=injected)
         self.pods.append(pod)
         return pod
 
     def start(self, pod: Pod) -> None:
-        inv = invocation(pod.container, self.objects, {"metadata.name": pod.name, "status.podIP": pod.ip})
+        inv = invocation(pod.container, self.objects, {"metadata.name": pod.name, "status.podIP": pod.ip},
+                         pod.injected)
         mounts = {m["mountPath"]: m["name"] for m in pod.container.get("volumeMounts", ())}
 
         def local_path(value: str) -> str:
@@ -184,7 +195,7 @@ class LocalKubelet:
             selector = svc["spec"]["selector"]
             port = svc["spec"]["ports"][0]["port"]
             records[host] = sorted(f"{p.ip}:{port}" for p in self.pods
-                                   if p.ready and selector.items() <= p.template["metadata"]["labels"].items())
+                                   if p.ready and selector.items() <= p.labels.items())
         tmp = self.records_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(records))
         tmp.replace(self.records_file)   # readers never see half a file
@@ -227,6 +238,25 @@ def _replace_decode_pods(kubelet: LocalKubelet, pods: list[Pod], workload: dict[
     assert served >= 1, "the new decode pod served the request"
 
 
+def _check_leader_holds_its_ranks(leader: Pod, tp: int) -> None:
+    """The group's leader pod is rank 0: ranks 1..tp-1 are its child processes (in its pod, on its
+    /dev/shm), and its metrics place one KV shard per rank."""
+    assert leader.proc is not None and leader.labels[deploy.LWS_WORKER_INDEX] == "0"
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError):   # a process that exited meanwhile
+            continue
+        if int(fields[1]) == leader.proc.pid and b"pdserve.parallel.worker" in cmdline:
+            children.append(stat.parent.name)
+    assert len(children) == tp - 1, f"{leader.name}: rank processes {children}, want {tp - 1}"
+    metrics = prometheus.parse(prometheus.fetch(f"http://{leader.ip}:{leader.port('metrics')}/metrics")[0])
+    ranks = sorted(dict(labels)["rank"] for (name, labels) in metrics if name == "pdserve:kv_shard_placement_info")
+    assert ranks == [str(r) for r in range(tp)], f"{leader.name}: KV shard placements of ranks {ranks}"
+
+
 def _complete(client: Client, prompt: str, params: SamplingParams):
     """One completion; an error that no retry can cure fails at once (a refused KV layout)."""
     try:
@@ -244,8 +274,8 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("overlay", ["1p3d", "tp2"])
 def test_the_manifests_run_serve_and_follow_pods_that_move(overlay, tmp_path, tiny_llama):
-    """1p3d: serve, then replace the decode pods; tp2: a prefill node of 2 ranks in its pod serves a
-    decode node (TP 2 -> TP 1 over the fabric)."""
+    """1p3d: serve, then replace the decode pods; tp2: a prefill LeaderWorkerSet group, one leader pod
+    holding 2 ranks, serves a decode node (TP 2 -> TP 1 over the fabric)."""
     base = deploy.OVERLAYS[overlay]
     small = {"cpu": "1", "memory": "2Gi"}
     spec = dataclasses.replace(
@@ -254,9 +284,11 @@ def test_the_manifests_run_serve_and_follow_pods_that_move(overlay, tmp_path, ti
         decode=dataclasses.replace(base.decode, engine=base.decode.engine + (("num-blocks", "64"),), **small))
     objects = deploy.render(spec)
     ratio = {"1p3d": 3, "tp2": 1}[overlay]
-    assert [o["spec"]["replicas"] for o in objects if o["kind"] == "Deployment"] == [1, ratio, 1]
     kubelet = LocalKubelet(objects, tmp_path)
-    workloads = {o["metadata"]["labels"][deploy.LABEL_ROLE]: o for o in objects if o["kind"] == "Deployment"}
+    workloads = {o["metadata"]["labels"][deploy.LABEL_ROLE]: o for o in objects
+                 if o["kind"] in ("Deployment", "LeaderWorkerSet")}
+    assert [workloads[r]["spec"]["replicas"] for r in ("prefill", "decode", "router")] == [1, ratio, 1]
+    assert workloads["prefill"]["kind"] == {"1p3d": "Deployment", "tp2": "LeaderWorkerSet"}[overlay]
     try:
         pods = [kubelet.new_pod(w, i) for w in workloads.values() for i in range(w["spec"]["replicas"])]
         # Every pod starts at once (the model loads overlap), but the prefill pods join their
@@ -276,6 +308,8 @@ def test_the_manifests_run_serve_and_follow_pods_that_move(overlay, tmp_path, ti
         for pod in first:   # decode pods, then the router
             kubelet.wait_ready(pod)
         assert len(kubelet.records("decode")) == ratio and len(kubelet.records("prefill")) == 1
+        if overlay == "tp2":
+            _check_leader_holds_its_ranks(next(p for p in pods if p.role == "prefill"), spec.prefill.tp)
         (router,) = [p for p in pods if p.role == "router"]
         url = f"{router.ip}:{router.port('grpc')}"
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
