@@ -4,7 +4,9 @@ inputs, maps every rank's KV pool, and stops the ranks (E22, D15).
 `TensorParallelGroup.start(...)` (rank 0 = the calling process, the leader that owns the
 LLMEngine):
 
-1. creates one shared-memory pool file per worker rank (pdserve/parallel/shm.py) and maps it;
+1. creates one shared-memory pool file per worker rank (pdserve/parallel/shm.py) and maps it,
+   touching none of its pages (with GroupSpec.kv_populate the worker prefaults its own pool
+   after pinning itself, so that its pages sit on that rank's NUMA node: first touch, D16);
 2. opens the gloo rendezvous store on a free loopback port and starts ranks 1..N-1 as
    `python -m pdserve.parallel.worker` with a control pipe (its messages) and a status pipe;
    each worker is pinned to its own cores when the process may use at least N cores (rank r
@@ -141,7 +143,9 @@ class TensorParallelGroup:
                 f = new_pool_file(r, nbytes)
                 step = f"creating rank {r}'s KV pool {f.path} ({nbytes} bytes)"
                 files.append(f)
-                pool = SharedPool(f, create=True, populate=spec.kv_populate)
+                # never populated here: the worker faults its own pool in once pinned (worker.run),
+                # so that first touch puts the pages on its NUMA node, not on ours
+                pool = SharedPool(f, create=True)
                 pools.append(pool)
                 step = f"starting rank {r}'s process"
                 ctrl_r, ctrl_w = os.pipe()

@@ -3,9 +3,12 @@
 Started by the leader (pdserve/parallel/group.py) with two inherited pipe ends: `ctrl_fd` (the
 leader's messages: one StepMessage per forward pass, or stop) and `status_fd` (this rank writes
 one byte once its shard is loaded and its pool mapped, just before joining the gloo group).
-It loads its shard of the model, maps its KV pool from the leader's shared-memory file, joins the
-group, then for each step message runs the embedding and the decoder layers on its shard (the
-row-parallel folds are collectives with the other ranks); the leader alone samples. A hybrid
+It pins itself to its cores first (WorkerSpec.cpus), maps its KV pool from the leader's
+shared-memory file and, with GroupSpec.kv_populate, faults the whole pool in (MADV_POPULATE_WRITE)
+from those cores, so the pages sit on the rank's own NUMA node (first touch; the leader never
+touches them: D16), then loads its shard of the model, joins the group, then for each step
+message runs the embedding and the decoder layers on its shard (the row-parallel folds are
+collectives with the other ranks); the leader alone samples. A hybrid
 model's pass (Gemma 3: sliding and full layers) carries one attention batch per window; each layer
 runs on the batch of its window (`layer_plans`), as the leader's runner gives it.
 
@@ -138,10 +141,22 @@ def _watchdog(leader_pid: int) -> None:
             os._exit(EXIT_LEADER_GONE)
 
 
-def run(spec: WorkerSpec) -> int:
-    threading.Thread(target=_watchdog, args=(spec.leader_pid,), name="tp-watchdog", daemon=True).start()
+def map_pool(spec: WorkerSpec) -> SharedPool:
+    """This rank's KV pool, pinned first: the process moves to its cores (if it has any), then maps
+    the leader's file and, with kv_populate, faults every page in from there (first touch places
+    them on the node of those cores). RuntimeError if the process does not run on exactly its
+    cores when it populates."""
     if spec.cpus:
         os.sched_setaffinity(0, spec.cpus)
+        if set(os.sched_getaffinity(0)) != set(spec.cpus):
+            raise RuntimeError(f"tensor-parallel rank {spec.rank}: pinned to {sorted(os.sched_getaffinity(0))}, "
+                               f"not its cores {list(spec.cpus)}, before populating its KV pool")
+    return SharedPool(PoolFile(spec.pool_name, spec.pool_nbytes), create=False, populate=spec.group.kv_populate)
+
+
+def run(spec: WorkerSpec) -> int:
+    threading.Thread(target=_watchdog, args=(spec.leader_pid,), name="tp-watchdog", daemon=True).start()
+    pool = map_pool(spec)   # pinned, then populated
     torch.set_num_threads(spec.num_threads)
     g = spec.group
     source = resolve_model(g.model_path)
@@ -155,7 +170,6 @@ def run(spec: WorkerSpec) -> int:
     model.eval()
     kv_heads = len(shard.kv_heads)
     dims = (arch.num_layers, 2, g.num_blocks, kv_heads, g.page_size, arch.head_dim)
-    pool = SharedPool(PoolFile(spec.pool_name, spec.pool_nbytes), create=False)
     buffer = pool.tensor(DTYPES[g.kv_dtype], dims)      # [layers, 2, pages, kv_heads, page_size, head_dim]
     k_pools = [buffer[i, 0] for i in range(arch.num_layers)]
     v_pools = [buffer[i, 1] for i in range(arch.num_layers)]
