@@ -1,11 +1,25 @@
-"""What both connectors do with the engine's KV pool when it is handed over (register_kv_cache)."""
+"""What both connectors do with the engine's KV pool when it is handed over (register_kv_cache).
+
+D16 rails: each rank's pool is registered on the rail (TransferEngine endpoint) of the libfabric
+domain its placement names (kv_messenger.placement: the NIC nearest the pool's NUMA node), opened
+on first use (`TransferEngine.open_rail`); its descriptor then carries that rail's fabric address,
+so the decode side's ticket names each rank's rail (TransferTicket.kv_ranks) and the prefill
+side's writes of a rank post from its rail (fabric.engine: a write posts on its source region's
+rail). A rank whose placement names no domain (one NIC or none, a NIC of unknown locality: every
+test cluster), the domain rail 0 already has, or a domain no rail can open on (efa, shm,
+FabricConfig.multi_rail False; logged) stays on rail 0: with one NIC nothing changes.
+
+Bounds: `open_rail` opens a native endpoint (no peer involved, see fabric.engine); the rest is
+sysfs reads and registrations. Nothing here waits.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from fabric import MemoryRegion, TransferEngine
+from fabric import FabricError, MemoryRegion, TransferEngine
 from kv_messenger.context import ContextCodec, Staging
 from kv_messenger.placement import ShardPlacement, placement_summary, shard_placements
 from kv_messenger.plan import KvLayout, check_transferable, layout_of
@@ -56,21 +70,51 @@ def pool_shards(spec: KvCacheSpec) -> KvShards:
     return KvShards.from_rank_layouts(scheme, layouts)
 
 
-def register_pool(transport: TransferEngine, spec: KvCacheSpec, context_slots: int) -> RegisteredPool:
-    """Check the model can be moved, register every rank's pool and allocate `context_slots` context
-    slots; UnsupportedModelError (a ValueError) for sliding-window / hybrid models, ValueError for a
-    pool that is not one contiguous buffer or a split off the plan's head boundary."""
+Place = Callable[[KvCacheSpec, "str | None"], tuple[ShardPlacement, ...]]
+
+
+def register_pool(transport: TransferEngine, spec: KvCacheSpec, context_slots: int, *,
+                  place: Place | None = None) -> RegisteredPool:
+    """Check the model can be moved, register every rank's pool on its placement's rail (module
+    docstring) and allocate `context_slots` context slots (on rail 0, as the context travels to
+    and from the leader); UnsupportedModelError (a ValueError) for sliding-window / hybrid models,
+    ValueError for a pool that is not one contiguous buffer or a split off the plan's head boundary.
+    `place(spec, provider)`: the placements (default `locate_shards`: this host's /sys)."""
     check_transferable(spec)
     shards = pool_shards(spec)
     buffers = [p.buffer for p in spec.shards] if spec.shards else [spec.buffer]
-    regions = []
     for rank, buf in enumerate(buffers):
         if not buf.is_contiguous():
             raise ValueError(f"TP rank {rank}'s KV buffer must be contiguous to be registered as one region")
-        regions.append(transport.register(address=buf.data_ptr(), length=buf.numel() * buf.element_size()))
+    placements = (place or locate_shards)(spec, transport.provider)
+    rails = shard_rails(transport, placements, len(buffers))
+    regions = tuple(transport.register(address=buf.data_ptr(), length=buf.numel() * buf.element_size(), rail=rail)
+                    for buf, rail in zip(buffers, rails, strict=True))
+    if len(transport.rails) > 1:
+        logger.info("KV shard rails: %s", "; ".join(
+            f"rank {rank} rail {rail} ({transport.rails[rail].domain})" for rank, rail in enumerate(rails)))
     codec = ContextCodec(spec.hidden_size)
-    return RegisteredPool(shards.layout, shards, tuple(regions), codec,
-                          codec.alloc_staging(transport, slots=context_slots), locate_shards(spec, transport.provider))
+    return RegisteredPool(shards.layout, shards, regions, codec, codec.alloc_staging(transport, slots=context_slots),
+                          placements)
+
+
+def shard_rails(transport: TransferEngine, placements: Sequence[ShardPlacement], ranks: int) -> tuple[int, ...]:
+    """Each rank's rail: the one on its placement's domain (opened if need be), else 0 (module
+    docstring). `placements`: rank order, or () when unknown (every rank on rail 0)."""
+    out = []
+    refused: set[str] = set()
+    for rank in range(ranks):
+        domain = placements[rank].domain if rank < len(placements) else None
+        rail = transport.rail_for(domain)
+        if rail is None and domain not in refused:
+            try:
+                rail = transport.open_rail(domain)
+            except (ValueError, FabricError) as e:
+                refused.add(domain)
+                logger.warning("TP rank %d's KV pool stays on rail 0 (domain %s), not on its nearest domain %s: %s",
+                               rank, transport.domain, domain, e)
+        out.append(rail or 0)
+    return tuple(out)
 
 
 def locate_shards(spec: KvCacheSpec, provider: str | None) -> tuple[ShardPlacement, ...]:

@@ -4,10 +4,12 @@ that asked.
 `authorize_prefill(caller, decode_node_id, spec, own)` raises PermissionDeniedError (the call
 answers PERMISSION_DENIED) unless:
 - the KV and context descriptors name the same fabric engine as the request's peer (always: the
-  writes go to the descriptors' engine, the connect to the peer's);
+  writes go to the descriptors' engine, the connect to the peer's); a decode rank's KV may name
+  another endpoint (rail, D16) of that same engine, the context never;
 - with mTLS (the caller presented a certificate the CA signed), `decode_node_id` is one of the
   certificate's names (common name or DNS SAN), and the peer's fabric address is the caller's
-  own: for tcp-based providers the fabric address's IP equals the gRPC caller's; for shm the peer
+  own: for tcp-based providers the fabric address's IP (and every KV rail's) equals the gRPC
+  caller's, so a rail on another NIC is refused under mTLS; for shm the peer
   is on this host (same host id) and the caller called from an address of this host. Other
   providers' addresses (efa, verbs) carry no IP to compare; only the certificate is checked.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections import OrderedDict
+from dataclasses import replace
 
 import grpc
 
@@ -61,7 +64,8 @@ def authorize_prefill(caller: CallerIdentity, decode_node_id: str, spec: Prefill
     tp = t.sharding.tp_size
     memories = [("KV memory" + (f" of decode rank {r}" if tp > 1 else ""), t.rank_kv(r).peer) for r in range(tp)]
     for what, target in memories + [("context memory", t.context.peer)]:
-        if target.engine_id != peer.engine_id or target.address != peer.address:
+        # a decode rank's memory may sit on another rail (endpoint) of the same engine (D16, fabric.engine)
+        if replace(target, address=peer.address) != peer or (what == "context memory" and target != peer):
             raise PermissionDeniedError(f"request {rid}: the {what} belongs to fabric engine "
                                         f"{target.engine_id[:8]}, not to the requesting peer {peer.engine_id[:8]}")
     if not caller.authenticated:
@@ -77,13 +81,14 @@ def authorize_prefill(caller: CallerIdentity, decode_node_id: str, spec: Prefill
             raise PermissionDeniedError(f"request {rid}: decode node {decode_node_id!r} called from "
                                         f"{caller.host!r}, not from this host, but names an shm peer")
         return
-    ip = peer.ip_address()
-    if ip is None:
-        return   # no IP in this provider's addresses: the certificate is the check
-    if caller.host is None or not _same_ip(ip, caller.host):
-        raise PermissionDeniedError(f"request {rid}: decode node {decode_node_id!r} called from {caller.host!r} "
-                                    f"but its fabric endpoint is at {ip} (bind it to the address it calls from: "
-                                    f"--fabric-node)")
+    for what, target in [("fabric endpoint", peer)] + [(f"{w}'s fabric endpoint", m) for w, m in memories]:
+        ip = target.ip_address()
+        if ip is None:
+            continue   # no IP in this provider's addresses: the certificate is the check
+        if caller.host is None or not _same_ip(ip, caller.host):
+            raise PermissionDeniedError(f"request {rid}: decode node {decode_node_id!r} called from {caller.host!r} "
+                                        f"but its {what} is at {ip} (bind it to the address it calls from: "
+                                        f"--fabric-node; a rail on another NIC cannot be tied to the caller)")
 
 
 class PeerBindings:
