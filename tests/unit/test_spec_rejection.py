@@ -263,17 +263,19 @@ def test_generator_protocol_matches_the_batch_procedure():
         p = dirichlet(g, k + 1, vocab, zeros=2)
         q = dirichlet(g, k, vocab, zeros=1)
         d = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(k)]
-        out = rejection_sample(p, d, q, seeded_generators(seed=trial, first_index=10, count=k + 1))
-        again = rejection_sample(p, d, q, seeded_generators(seed=trial, first_index=10, count=k + 1))
-        assert out == again  # seeded: reproducible
-        gens = seeded_generators(seed=trial, first_index=10, count=k + 1)
-        uniforms = torch.stack([torch.rand((), generator=gens[i]) for i in range(k)]).unsqueeze(0)
-        n = out.num_accepted
-        noise = torch.empty(vocab).exponential_(generator=gens[n]).unsqueeze(0)
-        acc, last = rejection_sample_batch(p.unsqueeze(0), torch.tensor([d]), q.unsqueeze(0), uniforms, noise)
-        assert (int(acc), int(last)) == (n, out.token_ids[-1])
-        seen.add(n)
-    assert len(seen) >= 3  # the trials exercised rejections at several positions and the bonus
+        for draft_probs in (q, None):  # a draft with a distribution, and a deterministic one
+            out = rejection_sample(p, d, draft_probs, seeded_generators(seed=trial, first_index=10, count=k + 1))
+            again = rejection_sample(p, d, draft_probs, seeded_generators(seed=trial, first_index=10, count=k + 1))
+            assert out == again  # seeded: reproducible
+            gens = seeded_generators(seed=trial, first_index=10, count=k + 1)
+            uniforms = torch.stack([torch.rand((), generator=gens[i]) for i in range(k)]).unsqueeze(0)
+            n = out.num_accepted
+            noise = torch.empty(vocab).exponential_(generator=gens[n]).unsqueeze(0)
+            batch_q = None if draft_probs is None else draft_probs.unsqueeze(0)
+            acc, last = rejection_sample_batch(p.unsqueeze(0), torch.tensor([d]), batch_q, uniforms, noise)
+            assert (int(acc), int(last)) == (n, out.token_ids[-1])
+            seen.add((draft_probs is None, n))
+    assert len(seen) >= 6  # the trials exercised rejections at several positions and the bonus, both kinds
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8), SamplingParams(temperature=1.3, top_k=5),

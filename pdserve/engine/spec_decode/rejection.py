@@ -38,8 +38,9 @@ state. A seeded request reseeds per token index (`token_seed`, Request.sample_ge
 only on (seed, first_index, the inputs), never on the batch around it.
 
 `rejection_sample_batch` is the same procedure over a leading batch dimension with the randomness
-given as tensors (uniforms [N, K], noise [N, V]); `rejection_sample` uses its pieces, drawing the
-noise only for the one position that needs it. Nothing here blocks.
+given as tensors (uniforms [N, K], noise [N, V]); `rejection_sample` computes the same for one
+sequence, only for the row it needs, drawing the noise only for the one position that needs it (the
+tests check the two agree draw for draw). Nothing here blocks.
 """
 
 from __future__ import annotations
@@ -208,10 +209,18 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: Sequence[int],
             if not u * q_list[i] < p_list[i]:  # the same test as num_accepted
                 accepted = i
                 break
-    weights = _final_weights(target_probs.unsqueeze(0),
-                             torch.tensor([[int(t) for t in draft_token_ids]], dtype=torch.long, device=device),
-                             None if draft_probs is None else draft_probs.unsqueeze(0),
-                             torch.tensor([accepted], dtype=torch.long, device=device))  # weights: [1, V]
+    # what _final_weights computes, for the one row that is needed
+    p = target_probs[accepted : accepted + 1]  # p: [1, V]
+    if accepted == k:
+        weights = p
+    elif draft_probs is None:
+        # max(0, p - onehot(d)) is p with d zeroed, bit for bit; with no mass left, p
+        weights = p.clone()
+        weights[0, int(draft_token_ids[accepted])] = 0.0
+        if not float(weights.sum()) > 0.0:
+            weights = p
+    else:
+        weights = residual_weights(p, draft_probs[accepted : accepted + 1])  # weights: [1, V]
     if not float(weights.sum()) > 0.0:
         raise ValueError(f"target_probs row {accepted} has no probability mass")
     noise = _exponential(generators[accepted], vocab, device).unsqueeze(0)  # noise: [1, V]
