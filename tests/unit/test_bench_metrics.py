@@ -21,9 +21,9 @@ from pdserve.tools.bench.datasets import (
     random_requests,
 )
 from pdserve.tools.bench.metrics import LatencyStats, Slo, compute_metrics
-from pdserve.tools.bench.prometheus import Histogram
+from pdserve.tools.bench.prometheus import Histogram, SpecDecodeCounters
 from pdserve.tools.bench.records import StreamTrace, record_from_trace
-from pdserve.tools.bench.report import format_table, load_result, result_dict, write_json
+from pdserve.tools.bench.report import format_table, load_result, result_dict, spec_decode_rows, write_json
 
 T0 = 10.0  # the benchmark's start on the trace clock
 
@@ -209,6 +209,50 @@ def test_server_histograms_are_read_subtracted_and_located():
     assert run.neighbour_bounds(0.1, 0.5) == (0.0, 1.0) and run.neighbour_bounds(0.5, 1.0) == (0.1, math.inf)
     with pytest.raises(ValueError, match="no histogram 'nope'"):
         Histogram.from_text(EXPOSITION.format(a=1, b=1, c=1, d=1, s=0), "nope")
+
+
+SPEC_EXPOSITION = """# HELP pdserve:spec_decode_num_drafts_total Speculative drafts verified.
+# TYPE pdserve:spec_decode_num_drafts_total counter
+pdserve:spec_decode_num_drafts_total{{model_name="m"}} {drafts}
+# TYPE pdserve:spec_decode_num_draft_tokens_total counter
+pdserve:spec_decode_num_draft_tokens_total{{model_name="m"}} {tokens}
+pdserve:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}
+# TYPE pdserve:spec_decode_num_accepted_tokens_per_pos counter
+{per_pos}"""  # TYPE lines as the node writes them, one missing, one spelt without _total: all read alike
+
+
+def spec_text(drafts, tokens, accepted, per_pos):
+    lines = "".join(f'pdserve:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{i}"}} {c}\n'
+                    for i, c in enumerate(per_pos))
+    return SPEC_EXPOSITION.format(drafts=drafts, tokens=tokens, accepted=accepted, per_pos=lines)
+
+
+def test_spec_decode_counters_are_read_subtracted_and_reported():
+    before = SpecDecodeCounters.from_text(spec_text(5, 20, 10, (4, 3, 2, 1)))
+    after = SpecDecodeCounters.from_text(spec_text(25, 100, 70, (20, 19, 17, 14)))
+    run = after.minus(before)
+    assert run == SpecDecodeCounters(20, 80, 60, (16, 16, 15, 13))
+    assert run.acceptance_rate == pytest.approx(0.75)          # accepted / draft tokens
+    assert run.mean_acceptance_length == pytest.approx(4.0)    # 1 + accepted / drafts
+    assert run.per_position_rate == pytest.approx((0.8, 0.8, 0.75, 0.65))
+    # positions first counted between the scrapes, and a first scrape that had no counters at all
+    assert SpecDecodeCounters.from_text(spec_text(1, 2, 1, (1, 0))).minus(
+        SpecDecodeCounters.from_text(spec_text(0, 0, 0, ()))) == SpecDecodeCounters(1, 2, 1, (1, 0))
+    assert after.minus(None) == after
+    rows = dict(spec_decode_rows(run))
+    assert rows["Spec decode acceptance rate (accepted / drafted)"] == "0.750"
+    assert rows["Spec decode mean acceptance length (1+acc/drafts)"] == "4.000"
+    assert rows["Spec decode acceptance rate by position"] == "0.800 0.800 0.750 0.650"
+    table = format_table(compute_metrics(timeline(), 2.0), "t", footer=spec_decode_rows(run))
+    assert "Spec decode acceptance rate (accepted / drafted)" in table and "0.750" in table
+    assert run.to_json()["acceptance_rate"] == pytest.approx(0.75)
+    # a server without the counters (the router), or a run with no draft: nothing to report
+    router = EXPOSITION.format(a=1, b=1, c=2, d=2, s=1.0)
+    assert SpecDecodeCounters.from_text(router) is None
+    assert spec_decode_rows(None) == [] and spec_decode_rows(after.minus(after)) == []
+    assert "Spec decode" not in format_table(compute_metrics(timeline(), 2.0), "t")
+    zero = after.minus(after)
+    assert zero.acceptance_rate is None and zero.mean_acceptance_length is None and zero.per_position_rate == ()
 
 
 def test_the_table_and_the_result_json_round_trip(tmp_path):

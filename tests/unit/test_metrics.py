@@ -76,6 +76,33 @@ def test_engine_collector_exports_the_snapshot_and_nothing_before_it():
     assert len(GAUGES) + len(COUNTERS) == len({n for n, *_ in GAUGES + COUNTERS})  # no name twice
 
 
+def test_engine_collector_exports_spec_decode_counters_that_the_bench_reads():
+    from prometheus_client import generate_latest
+
+    from pdserve.tools.bench.prometheus import SpecDecodeCounters
+
+    registry = CollectorRegistry()
+    current: list[EngineMetrics | None] = [snapshot()]
+    registry.register(EngineCollector(lambda: current[0], "tiny"))
+    get = registry.get_sample_value
+    label = {"model_name": "tiny"}
+    # an engine that does not speculate: the counters read 0 and there is no position
+    assert get("pdserve:spec_decode_num_drafts_total", label) == 0
+    assert get("pdserve:spec_decode_num_accepted_tokens_per_pos_total", {**label, "position": "0"}) is None
+    current[0] = snapshot(spec_num_drafts=10, spec_num_draft_tokens=40, spec_num_accepted_tokens=25,
+                          spec_accepted_per_pos=(9, 7, 5, 4))
+    assert get("pdserve:spec_decode_num_drafts_total", label) == 10
+    assert get("pdserve:spec_decode_num_draft_tokens_total", label) == 40
+    assert get("pdserve:spec_decode_num_accepted_tokens_total", label) == 25
+    for pos, count in enumerate((9, 7, 5, 4)):
+        assert get("pdserve:spec_decode_num_accepted_tokens_per_pos_total", {**label, "position": str(pos)}) == count
+    text = generate_latest(registry).decode()
+    assert "# TYPE pdserve:spec_decode_num_drafts_total counter" in text
+    counters = SpecDecodeCounters.from_text(text)
+    assert counters == SpecDecodeCounters(10, 40, 25, (9, 7, 5, 4))
+    assert counters.acceptance_rate == pytest.approx(25 / 40) and counters.mean_acceptance_length == pytest.approx(3.5)
+
+
 def test_metrics_server_serves_the_registry_and_names_a_taken_port():
     async def go():
         request_metrics().success.labels(model_name="served-check", finished_reason="stop").inc()

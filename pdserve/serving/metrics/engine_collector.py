@@ -14,7 +14,13 @@ Exported (all labelled model_name):
     pdserve:prefix_cache_hit_rate (hit tokens / queried tokens since start),
     pdserve:prefix_cache_queries_total, pdserve:prefix_cache_hits_total (tokens),
     pdserve:prompt_tokens_total (prompt tokens computed), pdserve:generation_tokens_total,
-    pdserve:num_preemptions_total (soft resets), pdserve:num_offloads_total, pdserve:engine_steps_total.
+    pdserve:num_preemptions_total (soft resets), pdserve:num_offloads_total, pdserve:engine_steps_total,
+    speculative decoding (E20) with vLLM's names and meaning: pdserve:spec_decode_num_drafts_total (verified
+    proposals, one per speculating sequence per step), pdserve:spec_decode_num_draft_tokens_total,
+    pdserve:spec_decode_num_accepted_tokens_total (bonus tokens excluded) and
+    pdserve:spec_decode_num_accepted_tokens_per_pos_total{position="i"} (drafts whose token i, from 0, was
+    accepted; one sample per position the engine counts). They read 0 on an engine that does not speculate.
+    Acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts.
 """
 
 from __future__ import annotations
@@ -52,7 +58,13 @@ COUNTERS: tuple[tuple[str, str, Callable[[EngineMetrics], float]], ...] = (
      lambda m: m.num_soft_resets),
     ("pdserve:num_offloads", "Requests moved to the CPU swap pool.", lambda m: m.num_offloads),
     ("pdserve:engine_steps", "Forward passes run.", lambda m: m.num_steps),
+    ("pdserve:spec_decode_num_drafts", "Speculative drafts verified (one per speculating sequence per step).",
+     lambda m: m.spec_num_drafts),
+    ("pdserve:spec_decode_num_draft_tokens", "Draft tokens verified.", lambda m: m.spec_num_draft_tokens),
+    ("pdserve:spec_decode_num_accepted_tokens", "Draft tokens accepted (bonus tokens excluded).",
+     lambda m: m.spec_num_accepted_tokens),
 )
+SPEC_PER_POS = "pdserve:spec_decode_num_accepted_tokens_per_pos"  # labels model_name, position (0-based)
 
 
 class EngineCollector(Collector):
@@ -78,3 +90,9 @@ class EngineCollector(Collector):
             if m is not None:
                 family.add_metric(labels, float(value(m)))
             yield family
+        per_pos = CounterMetricFamily(SPEC_PER_POS, "Drafts whose token at this position was accepted.",
+                                      labels=["model_name", "position"])
+        if m is not None:
+            for pos, count in enumerate(m.spec_accepted_per_pos):
+                per_pos.add_metric([self._model_name, str(pos)], float(count))
+        yield per_pos

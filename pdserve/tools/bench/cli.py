@@ -88,7 +88,8 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                    help=f"server address (default: {DEFAULT_URLS['grpc']} for grpc, "
                         f"{DEFAULT_URLS['openai']} for openai)")
     p.add_argument("--metrics-url", default=None, metavar="URL",
-                   help="a server's Prometheus /metrics: its TTFT/ITL/E2E histograms over the run go into the result")
+                   help="a server's Prometheus /metrics: its TTFT/ITL/E2E histograms over the run go into the result, "
+                        "and a speculating node's acceptance rate and length into the output")
     add_security_args(p)   # a cluster with mTLS / a token (gRPC backend)
 
 
@@ -133,7 +134,7 @@ def _failures_exit_1(command: Callable[[argparse.Namespace], int]) -> Callable[[
 @_failures_exit_1
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.tools.bench.plots import latency_cdfs
-    from pdserve.tools.bench.report import format_table, write_json
+    from pdserve.tools.bench.report import format_table, spec_decode_rows, write_json
     from pdserve.tools.bench.serve import run_serve
 
     settings = _serve_settings(args)
@@ -143,7 +144,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                f"{settings.run.request_rate:g} / {settings.run.burstiness:g} / {settings.run.max_concurrency or '-'}")]
     if result.outcome.not_sent:
         header.append(("Not sent (duration cap)", str(result.outcome.not_sent)))
-    print(format_table(result.metrics, "pdserve bench serve", header))
+    print(format_table(result.metrics, "pdserve bench serve", header, spec_decode_rows(result.server_spec_decode)))
     if result.server_histograms_error:
         print(f"warning: {result.server_histograms_error}", file=sys.stderr)
     if args.result_json:

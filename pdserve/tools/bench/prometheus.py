@@ -6,6 +6,13 @@
 
 Histograms are summed over every label set (e.g. model_name). The delta of two scrapes isolates
 one run from whatever the server saw before it.
+
+A speculating engine's counters (E20, pdserve/serving/metrics/engine_collector.py) are read the same
+way: `SpecDecodeCounters.from_text(after).minus(SpecDecodeCounters.from_text(before))` gives the run's
+drafts, draft tokens and accepted tokens (summed over label sets, per position by the `position` label),
+whence acceptance rate = accepted / draft tokens and mean acceptance length = 1 + accepted / drafts
+(vLLM's definitions; the bonus token counts in the length). An exposition without these counters
+gives None: nothing to report.
 """
 
 from __future__ import annotations
@@ -19,6 +26,10 @@ from prometheus_client.parser import text_string_to_metric_families
 TTFT = "pdserve:time_to_first_token_seconds"
 ITL = "pdserve:inter_token_latency_seconds"
 E2E = "pdserve:e2e_request_latency_seconds"
+SPEC_DRAFTS = "pdserve:spec_decode_num_drafts"
+SPEC_DRAFT_TOKENS = "pdserve:spec_decode_num_draft_tokens"
+SPEC_ACCEPTED = "pdserve:spec_decode_num_accepted_tokens"
+SPEC_ACCEPTED_PER_POS = "pdserve:spec_decode_num_accepted_tokens_per_pos"
 
 
 def scrape(url: str, timeout: float = 10.0) -> str:
@@ -98,3 +109,70 @@ class Histogram:
     def to_json(self) -> dict:
         return {"name": self.name, "bounds": [str(b) if math.isinf(b) else b for b in self.bounds],
                 "counts": list(self.counts), "sum": self.total}
+
+
+@dataclass(frozen=True)
+class SpecDecodeCounters:
+    """A server's speculative-decoding counters (totals since it started, or a run's delta)."""
+
+    num_drafts: float
+    num_draft_tokens: float
+    num_accepted_tokens: float
+    accepted_per_pos: tuple[float, ...]   # [i]: drafts whose token i (from 0) was accepted
+
+    @classmethod
+    def from_text(cls, text: str) -> SpecDecodeCounters | None:
+        """The counters in an exposition, summed over label sets; None when it has none of them.
+
+        Matched by sample name (`<name>_total`), whatever family the parser groups a sample in (it
+        depends on how the exposition's TYPE line spells the name)."""
+        totals = {SPEC_DRAFTS + "_total": 0.0, SPEC_DRAFT_TOKENS + "_total": 0.0, SPEC_ACCEPTED + "_total": 0.0}
+        per_pos: dict[int, float] = {}
+        found = False
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name in totals:
+                    found = True
+                    totals[s.name] += s.value
+                elif s.name == SPEC_ACCEPTED_PER_POS + "_total":
+                    pos = int(s.labels["position"])
+                    per_pos[pos] = per_pos.get(pos, 0.0) + s.value
+        if not found:
+            return None
+        positions = tuple(per_pos.get(i, 0.0) for i in range(max(per_pos, default=-1) + 1))
+        return cls(totals[SPEC_DRAFTS + "_total"], totals[SPEC_DRAFT_TOKENS + "_total"],
+                   totals[SPEC_ACCEPTED + "_total"], positions)
+
+    def minus(self, earlier: SpecDecodeCounters | None) -> SpecDecodeCounters:
+        """What was counted since `earlier` (None: since the server started)."""
+        if earlier is None:
+            return self
+        # a position may first be counted between the scrapes: missing positions count 0
+        n = max(len(self.accepted_per_pos), len(earlier.accepted_per_pos))
+        now = self.accepted_per_pos + (0.0,) * (n - len(self.accepted_per_pos))
+        then = earlier.accepted_per_pos + (0.0,) * (n - len(earlier.accepted_per_pos))
+        return SpecDecodeCounters(self.num_drafts - earlier.num_drafts,
+                                  self.num_draft_tokens - earlier.num_draft_tokens,
+                                  self.num_accepted_tokens - earlier.num_accepted_tokens,
+                                  tuple(a - b for a, b in zip(now, then, strict=True)))
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / draft tokens; None before any draft token."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens > 0 else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """1 + accepted / drafts (tokens emitted per verified draft, the bonus included); None before any draft."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts > 0 else None
+
+    @property
+    def per_position_rate(self) -> tuple[float, ...]:
+        """[i]: the fraction of drafts whose token i was accepted; () before any draft."""
+        return tuple(c / self.num_drafts for c in self.accepted_per_pos) if self.num_drafts > 0 else ()
+
+    def to_json(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, "accepted_per_pos": list(self.accepted_per_pos),
+                "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length,
+                "per_position_rate": list(self.per_position_rate)}

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.tools.bench.metrics import BenchMetrics, LatencyStats
+from pdserve.tools.bench.prometheus import SpecDecodeCounters
 from pdserve.tools.bench.records import RequestRecord
 
 SCHEMA = "pdserve-bench/1"
@@ -50,8 +51,22 @@ def _num(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def format_table(m: BenchMetrics, title: str = "pdserve bench", header: Sequence[tuple[str, str]] = ()) -> str:
-    """The terminal summary of one run."""
+def spec_decode_rows(c: SpecDecodeCounters | None) -> list[tuple[str, str]]:
+    """The run's speculative decoding, as the server counted it; nothing when it exported no counters
+    or verified no draft in the run (the rates are then undefined)."""
+    if c is None or c.num_drafts <= 0:
+        return []
+    per_pos = " ".join(f"{r:.3f}" for r in c.per_position_rate) or "-"
+    return [("Spec decode drafts / draft tokens / accepted", f"{c.num_drafts:g} / {c.num_draft_tokens:g} / "
+             f"{c.num_accepted_tokens:g}"),
+            ("Spec decode acceptance rate (accepted / drafted)", _num(c.acceptance_rate, 3)),
+            ("Spec decode mean acceptance length (1+acc/drafts)", _num(c.mean_acceptance_length, 3)),
+            ("Spec decode acceptance rate by position", per_pos)]
+
+
+def format_table(m: BenchMetrics, title: str = "pdserve bench", header: Sequence[tuple[str, str]] = (),
+                 footer: Sequence[tuple[str, str]] = ()) -> str:
+    """The terminal summary of one run; `footer` rows (e.g. spec_decode_rows) follow the throughputs."""
     w = 54
     rows: list[tuple[str, str]] = list(header)
     reasons = ", ".join(f"{k} {v}" for k, v in m.finish_reasons.items()) or "-"
@@ -69,6 +84,7 @@ def format_table(m: BenchMetrics, title: str = "pdserve bench", header: Sequence
         slo = " ".join(f"{k}<={getattr(m.slo, f'{k}_ms'):g}ms" for k in ("ttft", "tpot", "e2el")
                        if getattr(m.slo, f"{k}_ms") is not None)
         rows.append((f"Goodput (req/s; {slo})", f"{_num(m.goodput, 3)} ({m.good_requests} of {m.completed})"))
+    rows += list(footer)
     lines = [f" {title} ".center(w + 40, "="), *(f"{k:<{w}}{v}" for k, v in rows)]
     lines.append(" latencies (ms) ".center(w + 40, "-"))
     lines.append(f"{'':<14}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}{'max':>10}{'count':>10}")

@@ -6,7 +6,9 @@
 With `metrics_url` set (a server's Prometheus /metrics, e.g. the router's), its TTFT, ITL and E2E
 histograms are scraped before and after the run and their difference is kept in the result, so
 the client's latencies can be checked against what the server measured (the warm-up requests
-come before the first scrape).
+come before the first scrape). When that exposition also holds a speculating engine's counters (a
+node's metrics port; the router has none), their difference is kept too: the run's acceptance rate and
+mean acceptance length (`ServeResult.server_spec_decode`, None when the server exports no such counters).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class ServeResult:
     machine_after: dict[str, Any]
     server_histograms: dict[str, prometheus.Histogram] | None = None
     server_histograms_error: str | None = None
+    server_spec_decode: prometheus.SpecDecodeCounters | None = None   # the run's delta, when exported
 
     def to_json(self, **extra: Any) -> dict[str, Any]:
         server = None if self.server_histograms is None else {k: h.to_json() for k, h in self.server_histograms.items()}
@@ -64,12 +67,21 @@ class ServeResult:
                            machine=self.machine_before, machine_after=self.machine_after,
                            planned=self.outcome.planned, not_sent=self.outcome.not_sent,
                            server_histograms=server, server_histograms_error=self.server_histograms_error,
+                           server_spec_decode=None if self.server_spec_decode is None
+                           else self.server_spec_decode.to_json(),
                            **extra)
 
 
-def _scrape_all(url: str, missing_ok: bool) -> dict[str, prometheus.Histogram]:
+@dataclass(frozen=True)
+class _Scrape:
+    histograms: dict[str, prometheus.Histogram]
+    spec_decode: prometheus.SpecDecodeCounters | None
+
+
+def _scrape_all(url: str, missing_ok: bool) -> _Scrape:
     text = prometheus.scrape(url)
-    return {name: prometheus.Histogram.from_text(text, name, missing_ok) for name in SERVER_HISTOGRAMS}
+    return _Scrape({name: prometheus.Histogram.from_text(text, name, missing_ok) for name in SERVER_HISTOGRAMS},
+                   prometheus.SpecDecodeCounters.from_text(text))
 
 
 async def serve(settings: ServeSettings, progress: bool = True, label: str = "") -> ServeResult:
@@ -81,15 +93,17 @@ async def serve(settings: ServeSettings, progress: bool = True, label: str = "")
         first = await asyncio.to_thread(_scrape_all, settings.metrics_url, True) if settings.metrics_url else None
         bar = Progress(len(requests), label, enabled=progress)
         outcome = await run_benchmark(backend, requests, settings.run, bar)
-    server = server_error = None
+    server = server_error = spec = None
     if first is not None and settings.metrics_url:
         try:  # the run's results are kept whatever the server's exposition holds
             last = await asyncio.to_thread(_scrape_all, settings.metrics_url, False)
-            server = {name: last[name].minus(first[name]) for name in SERVER_HISTOGRAMS}
+            if last.spec_decode is not None:
+                spec = last.spec_decode.minus(first.spec_decode)
+            server = {name: last.histograms[name].minus(first.histograms[name]) for name in SERVER_HISTOGRAMS}
         except (OSError, ValueError) as e:
             server_error = f"server histograms from {settings.metrics_url} unavailable: {e}"
     metrics = compute_metrics(outcome.records, outcome.duration_s, settings.slo)
-    return ServeResult(settings, outcome, metrics, before, machine_info(), server, server_error)
+    return ServeResult(settings, outcome, metrics, before, machine_info(), server, server_error, spec)
 
 
 def run_serve(settings: ServeSettings, progress: bool = True, label: str = "") -> ServeResult:
