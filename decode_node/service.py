@@ -109,7 +109,9 @@ Prefill response (PREFILL_RESPONSE_WAIT_S); with --kv-checksum, the count after 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -148,6 +150,29 @@ DRAIN_WAIT_S = 1.0           # then at most this for two progress rounds to hand
 POOL_REFRESH_S = 1.0         # GetNodeInfo of every prefill node, this often
 QUARANTINE_LOG_S = 30.0      # a hold still unanswered is logged (a warning) this often
 CHECKSUM_RETRIES_SAME_NODE = 1   # S7: checksum failures of a request that may retry on the same prefill node
+# TEST ONLY: "PREFIX:RANK:N[,...]": the Prefill calls of attempts 0 .. N-1 of request ids starting
+# with PREFIX name decode rank RANK's pool under a wrong memory key (see _test_bad_shard_key).
+TEST_BAD_SHARD_KEY_ENV = "PDSERVE_TEST_ONLY_BAD_SHARD_KEY"
+
+
+@dataclass(frozen=True)
+class BadShardKey:
+    """One entry of TEST_BAD_SHARD_KEY_ENV."""
+
+    prefix: str
+    rank: int
+    attempts: int
+
+
+def parse_bad_shard_keys(raw: str) -> tuple[BadShardKey, ...]:
+    """TEST_BAD_SHARD_KEY_ENV's entries; ValueError naming a malformed one."""
+    out = []
+    for entry in filter(None, (e.strip() for e in raw.split(","))):
+        parts = entry.rsplit(":", 2)
+        if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit():
+            raise ValueError(f"{TEST_BAD_SHARD_KEY_ENV}: expected PREFIX:RANK:N entries, got {entry!r}")
+        out.append(BadShardKey(parts[0], int(parts[1]), int(parts[2])))
+    return tuple(out)
 
 # One AbortPrefill's outcome (DecodeNode._abort_confirmed).
 ABORT_CONFIRMED, ABORT_ENDED_UNFENCED, ABORT_NOT_YET = "confirmed", "ended-unfenced", "not-yet"
@@ -272,6 +297,10 @@ class DecodeNode(ReceiverEvents):
         self._conn_closes: dict[str, int] = {}       # prefill engine id -> closes of our connection to it begun
         self._close_locks: dict[str, asyncio.Lock] = {}
         self.closing = False
+        self._test_bad_keys = parse_bad_shard_keys(os.environ.get(TEST_BAD_SHARD_KEY_ENV, ""))
+        if self._test_bad_keys:
+            logger.warning("TEST ONLY: %s=%r: those requests' attempts are sent a wrong memory key for one decode "
+                           "rank's pool", TEST_BAD_SHARD_KEY_ENV, os.environ[TEST_BAD_SHARD_KEY_ENV])
         if config.colocated:
             self.engine = EngineThread(LLMEngine(config.engine))
         else:
@@ -657,6 +686,7 @@ class DecodeNode(ReceiverEvents):
         timeout = self.config.prefill_timeout_s
         req = ticket.to_pb(list(t.token_ids), self.transport.peer_descriptor, "", timeout)
         req.decode_node_id = self.config.node_id   # under mTLS, checked against our certificate (S9)
+        self._test_bad_shard_key(req, ticket)
         node.sent_tokens += len(t.token_ids)
         call_start = time.monotonic()
         call = asyncio.ensure_future(node.prefill.Prefill(req, timeout=timeout))
@@ -707,6 +737,21 @@ class DecodeNode(ReceiverEvents):
             if not call.done():
                 call.cancel()
             node.sent_tokens -= len(t.token_ids)
+
+    def _test_bad_shard_key(self, req: prefill_pb2.PrefillRequest, ticket: TransferTicket) -> None:
+        """TEST ONLY (TEST_BAD_SHARD_KEY_ENV): name one decode rank's pool under a key nothing
+        registered, so that (tcp;ofi_rxm: the target checks keys) that rank's writes are refused
+        while the other ranks' land: one shard of the transfer fails mid-way. No effect unset."""
+        for bad in self._test_bad_keys:
+            if not ticket.request_id.startswith(bad.prefix) or ticket.attempt >= bad.attempts:
+                continue
+            if bad.rank >= len(req.kv_memory):
+                raise ValueError(f"{TEST_BAD_SHARD_KEY_ENV}: rank {bad.rank}, but this node has "
+                                 f"{len(req.kv_memory)} KV ranks")
+            good = ticket.rank_kv(bad.rank)
+            req.kv_memory[bad.rank].descriptor = remote_to_bytes(dataclasses.replace(good, key=good.key ^ 0x5A5A5A))
+            logger.warning("TEST ONLY (%s): request %s attempt %d: decode rank %d's pool sent under a wrong key",
+                           TEST_BAD_SHARD_KEY_ENV, ticket.request_id, ticket.attempt, bad.rank)
 
     # --- the loop: quarantine holds ----------------------------------------------------------------
 
