@@ -9,13 +9,21 @@ Primitives (D6-D8, D11-D13):
   attempt, D20), never by the decode node's request id alone.
 - `fence(dst, tag)`: one small write carrying `tag` into `dst`, posted after the writes of a
   transfer completed locally, on the same connection: the decode side counts it to know that
-  every earlier write of that connection has landed (FI_ORDER_WAW; see AbortPrefill).
+  every earlier write of that connection has landed (FI_ORDER_WAW; see AbortPrefill). Refused
+  (FabricError) for a decode engine whose tickets name more than one endpoint (its ranks on
+  several rails, D16): the transfer's writes then travelled on several connections, and a fence
+  on one proves nothing of the others (with several rails here, TransferEngine.writes_ordered is
+  False and no fence is asked for at all).
 - tensor parallelism (D14, D15): the engine hands over every rank's pool (KvCacheSpec.shards, mapped
   in this process); each is registered with the one transport, and every transfer follows its shard
   plan (`shard_plan.plan_transfer` of this node's split and the ticket's decode split, the source
   replica of each run drawn at random per request): per layer, one `write_pages` call per (prefill
   rank, decode rank) pair of the plan, from that rank's registration into that decode rank's
   descriptor. TP 1 on both sides is the one-run plan: every page of a layer and side one entry.
+- rails (D16, kv_messenger.pool): each rank's pool is registered on the rail of the NIC nearest
+  its memory, so a (prefill rank, decode rank) pair's writes post from the prefill rank's rail to
+  the endpoint the decode rank's descriptor names (its own rail there); the context and fences
+  use rail 0. One NIC or none: one rail, as before.
 - hybrid models (E8, Gemma 3): every attention group travels; a layer's pages are its group's
   (the tables `on_schedule` hands over), and a sliding layer sends only the request pages from
   the ticket's `first_page` on (its window at the decode side's first step); the engine keeps
@@ -52,6 +60,7 @@ at most CLOSE_JOIN_S.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import logging
 import random
 import threading
@@ -67,7 +76,7 @@ from kv_messenger import checksum
 from kv_messenger.context import ContextCodec, SlotPool, StagingFullError
 from kv_messenger.placement import ShardPlacement, pin_thread_to
 from kv_messenger.plan import KvLayout, completed_pages
-from kv_messenger.pool import register_pool
+from kv_messenger.pool import Place, register_pool
 from kv_messenger.shard_plan import KvShards, ShardPlan, plan_transfer
 from kv_messenger.ticket import TransferTicket
 from pdserve.engine.kv_connector import KvCacheSpec, PrefillConnector, PrefillDone
@@ -140,9 +149,14 @@ class KvSender(PrefillConnector):
     """The prefill side's connector: give it to the engine (`LLMEngine(config, kv_connector=sender)`),
     then `add` a ticket per request before the engine sees the request."""
 
-    def __init__(self, transport: TransferEngine, staging_slots: int = STAGING_SLOTS) -> None:
+    def __init__(self, transport: TransferEngine, staging_slots: int = STAGING_SLOTS, *,
+                 place: Place | None = None) -> None:
+        """`place(spec, provider)`: where each rank's pool is (kv_messenger.pool; default: this
+        host's /sys)."""
         self.transport = transport
         self._staging_slots = staging_slots
+        self._place = place
+        self._multi_endpoint: set[str] = set()   # decode engines whose tickets named several endpoints
         self.kv_region: MemoryRegion | None = None   # set by register_kv_cache: rank 0's pool
         self.kv_regions: tuple[MemoryRegion, ...] = ()   # every TP rank's pool, rank order
         self.layout: KvLayout | None = None              # kv_heads: the model's total
@@ -168,7 +182,8 @@ class KvSender(PrefillConnector):
         self._thread.start()
 
     def register_kv_cache(self, spec: KvCacheSpec) -> None:
-        pool = register_pool(self.transport, spec, self._staging_slots)   # ValueError: cannot be moved
+        # ValueError: cannot be moved
+        pool = register_pool(self.transport, spec, self._staging_slots, place=self._place)
         self.layout, self.kv_region, self.codec, self._staging = pool.layout, pool.region, pool.codec, pool.context
         self.kv_regions, self.shards = pool.regions, pool.shards
         self.placements = pool.placements
@@ -223,9 +238,12 @@ class KvSender(PrefillConnector):
                                  "is not in host memory (the hash reads it on the CPU)")
             sums = [np.zeros((len(plan.runs), 2, len(d)), dtype=np.uint32) for _, d in targets]
         fut: concurrent.futures.Future = concurrent.futures.Future()
+        endpoints = {target.rank_kv(r).peer.address for r in range(target.sharding.tp_size)}
         with self._lock:
             if key in self._transfers:
                 raise ValueError(f"transfer {key!r} already exists")
+            if len(endpoints | {target.context.peer.address}) > 1:   # D16: its ranks on several rails
+                self._multi_endpoint.add(target.context.peer.engine_id)
             self._transfers[key] = _Transfer(target, fut, plan, key=key, checksums=sums, layer_targets=targets)
         return fut
 
@@ -243,6 +261,12 @@ class KvSender(PrefillConnector):
         the future resolves with None once it completed locally, or fails with FabricError."""
         if self._fence_region is None:
             raise RuntimeError("KvSender.fence before the engine registered its KV cache")
+        with self._lock:
+            several = dst.peer.engine_id in self._multi_endpoint
+        if several:
+            raise FabricError(errno.EOPNOTSUPP, f"fence into engine {dst.peer.engine_id[:8]}: its KV ranks sit on "
+                                                "several endpoints (rails), so a transfer's writes used several "
+                                                "connections and a fence on one proves nothing of the others")
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def failed(err: FabricError) -> None:

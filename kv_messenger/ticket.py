@@ -78,6 +78,8 @@ class TransferTicket:
     kv_checksum: bool = False      # S7: the sender hashes every run it writes (PrefillResponse.kv_checksums)
     # Under decode TP (sharding.tp_size > 1): every decode rank's registered KV pool, in rank order
     # (kv_ranks[0] == kv); each holds its ranks' heads (`decode_shards.rank_layout(r)`). () at TP 1.
+    # Each names its own endpoint (RemoteDescriptor.peer): the rail of its rank's NIC (D16,
+    # kv_messenger.pool), the same engine as `kv`'s; one NIC: all the same endpoint, as before rails.
     kv_ranks: tuple[RemoteDescriptor, ...] = ()
     # A hybrid model's other attention groups; `dst_pages` are then the "full" group's, written in
     # the layers no group here lists. () for a model whose layers are all full attention.
