@@ -255,6 +255,45 @@ def test_spec_decode_counters_are_read_subtracted_and_reported():
     assert zero.acceptance_rate is None and zero.mean_acceptance_length is None and zero.per_position_rate == ()
 
 
+def test_spec_decode_counters_are_summed_over_the_scraped_endpoints():
+    """Two nodes' /metrics on loopback (and the router's, without counters) add up; each URL once."""
+    import http.server
+    import threading
+
+    from pdserve.tools.bench.serve import ServeSettings, _scrape_spec
+
+    pages = {"/a": spec_text(4, 16, 8, (3, 2, 2, 1)), "/b": spec_text(6, 12, 9, (5, 4, 0)),
+             "/router": EXPOSITION.format(a=1, b=1, c=2, d=2, s=1.0)}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = pages[self.path].encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        nodes = (f"{base}/a", f"{base}/b", f"{base}/a")
+        settings = ServeSettings("grpc", "x:1", DatasetSpec("random", 1, LengthRange(4), LengthRange(2)),
+                                 metrics_url=f"{base}/router", spec_metrics_urls=nodes)
+        assert settings.spec_urls == (f"{base}/router", f"{base}/a", f"{base}/b")
+        assert _scrape_spec(settings.spec_urls) == SpecDecodeCounters(10, 28, 17, (8, 6, 2, 1))
+        assert _scrape_spec((f"{base}/router",)) is None
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
 def test_the_table_and_the_result_json_round_trip(tmp_path):
     records = timeline()
     m = compute_metrics(records, 2.0, Slo(ttft_ms=600))

@@ -90,6 +90,9 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-url", default=None, metavar="URL",
                    help="a server's Prometheus /metrics: its TTFT/ITL/E2E histograms over the run go into the result, "
                         "and a speculating node's acceptance rate and length into the output")
+    p.add_argument("--spec-metrics-url", action="append", default=[], metavar="URL",
+                   help="another /metrics whose speculative-decoding counters are added to --metrics-url's (e.g. "
+                        "each decode node's, when --metrics-url is the router's); repeatable")
     add_security_args(p)   # a cluster with mTLS / a token (gRPC backend)
 
 
@@ -114,7 +117,7 @@ def _serve_settings(args: argparse.Namespace):
 
     return ServeSettings(args.backend, args.url or DEFAULT_URLS[args.backend], dataset_from_args(args),
                          run_config_from_args(args), Slo.parse(args.goodput), args.metrics_url,
-                         security_from_args(args))
+                         security_from_args(args), tuple(args.spec_metrics_url))
 
 
 def _failures_exit_1(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -170,7 +173,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 def _cmd_compare(args: argparse.Namespace) -> int:
     from pdserve.tools.bench.compare import CompareSettings, comparison_rows, format_comparison, run_compare
     from pdserve.tools.bench.plots import latency_cdfs
-    from pdserve.tools.bench.report import format_table, write_json
+    from pdserve.tools.bench.report import format_table, spec_decode_rows, write_json
 
     settings = CompareSettings(
         dataset=dataset_from_args(args), run=run_config_from_args(args), slo=Slo.parse(args.goodput),
@@ -186,7 +189,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     result = run_compare(settings, progress=not args.no_progress, on_result=keep)  # ClusterStartError: exit 1
     for name, res in result.results.items():
         modules = ", ".join(c.split(" -m ")[1].split()[0] for c in result.clusters[name])
-        print(format_table(res.metrics, f"{name} ({modules})"))
+        print(format_table(res.metrics, f"{name} ({modules})", footer=spec_decode_rows(res.server_spec_decode)))
     rows = comparison_rows(result.results["colocated"].metrics, result.results["disaggregated"].metrics)
     table = format_comparison(rows, result.targets)
     print(table)

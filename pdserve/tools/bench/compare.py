@@ -170,7 +170,9 @@ def run_setup(settings: CompareSettings, setup: str, progress: bool = True) -> t
         if url is None:
             raise RuntimeError(f"the {setup} cluster has no HTTP API for backend {settings.backend}")
         metrics_url = cluster.metrics_urls.get("router")
-        serve = ServeSettings(settings.backend, url, settings.dataset, settings.run, settings.slo, metrics_url)
+        nodes = tuple(u for name, u in cluster.metrics_urls.items() if name != "router")  # spec-decode counters
+        serve = ServeSettings(settings.backend, url, settings.dataset, settings.run, settings.slo, metrics_url,
+                              spec_metrics_urls=nodes)
         logger.info("%s cluster serving on %s; running the workload", setup, url)
         result = run_serve(serve, progress, label=setup)
         return result, [spec.command for spec in cluster.specs]

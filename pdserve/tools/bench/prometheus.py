@@ -156,6 +156,17 @@ class SpecDecodeCounters:
                                   self.num_accepted_tokens - earlier.num_accepted_tokens,
                                   tuple(a - b for a, b in zip(now, then, strict=True)))
 
+    @classmethod
+    def total(cls, parts: list[SpecDecodeCounters]) -> SpecDecodeCounters:
+        """The sum of several servers' counters (positions aligned from 0)."""
+        n = max((len(c.accepted_per_pos) for c in parts), default=0)
+        per_pos = [0.0] * n
+        for c in parts:
+            for i, v in enumerate(c.accepted_per_pos):
+                per_pos[i] += v
+        return cls(sum(c.num_drafts for c in parts), sum(c.num_draft_tokens for c in parts),
+                   sum(c.num_accepted_tokens for c in parts), tuple(per_pos))
+
     @property
     def acceptance_rate(self) -> float | None:
         """Accepted / draft tokens; None before any draft token."""

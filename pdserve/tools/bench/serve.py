@@ -6,9 +6,10 @@
 With `metrics_url` set (a server's Prometheus /metrics, e.g. the router's), its TTFT, ITL and E2E
 histograms are scraped before and after the run and their difference is kept in the result, so
 the client's latencies can be checked against what the server measured (the warm-up requests
-come before the first scrape). When that exposition also holds a speculating engine's counters (a
-node's metrics port; the router has none), their difference is kept too: the run's acceptance rate and
-mean acceptance length (`ServeResult.server_spec_decode`, None when the server exports no such counters).
+come before the first scrape). A speculating engine's counters are scraped the same way, summed over
+`metrics_url` and `spec_metrics_urls` (a cluster's nodes: the router exports none), and their
+difference is kept: the run's acceptance rate and mean acceptance length
+(`ServeResult.server_spec_decode`, None when no endpoint exports such counters).
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ class ServeSettings:
     slo: Slo = field(default_factory=Slo)
     metrics_url: str | None = None
     security: ChannelSecurity = PLAINTEXT   # the gRPC backend's channel (never in the result JSON)
+    spec_metrics_urls: tuple[str, ...] = ()  # more /metrics with speculative-decoding counters (nodes)
+
+    @property
+    def spec_urls(self) -> tuple[str, ...]:
+        """Every endpoint whose spec-decode counters are summed, each once."""
+        urls = ((self.metrics_url,) if self.metrics_url else ()) + self.spec_metrics_urls
+        return tuple(dict.fromkeys(urls))
 
     def to_json(self) -> dict[str, Any]:
         r = self.run
@@ -47,7 +55,7 @@ class ServeSettings:
                 "seed": r.seed, "num_warmups": r.num_warmups, "temperature": r.send.temperature,
                 "ignore_eos": r.send.ignore_eos, "request_timeout_s": r.send.timeout_s, "model": r.send.model,
                 "slo": {"ttft_ms": self.slo.ttft_ms, "tpot_ms": self.slo.tpot_ms, "e2el_ms": self.slo.e2el_ms},
-                "metrics_url": self.metrics_url}
+                "metrics_url": self.metrics_url, "spec_metrics_urls": list(self.spec_metrics_urls)}
 
 
 @dataclass(frozen=True)
@@ -72,16 +80,15 @@ class ServeResult:
                            **extra)
 
 
-@dataclass(frozen=True)
-class _Scrape:
-    histograms: dict[str, prometheus.Histogram]
-    spec_decode: prometheus.SpecDecodeCounters | None
-
-
-def _scrape_all(url: str, missing_ok: bool) -> _Scrape:
+def _scrape_all(url: str, missing_ok: bool) -> dict[str, prometheus.Histogram]:
     text = prometheus.scrape(url)
-    return _Scrape({name: prometheus.Histogram.from_text(text, name, missing_ok) for name in SERVER_HISTOGRAMS},
-                   prometheus.SpecDecodeCounters.from_text(text))
+    return {name: prometheus.Histogram.from_text(text, name, missing_ok) for name in SERVER_HISTOGRAMS}
+
+
+def _scrape_spec(urls: tuple[str, ...]) -> prometheus.SpecDecodeCounters | None:
+    """The spec-decode counters summed over `urls` (None when none exports them)."""
+    found = [c for c in (prometheus.SpecDecodeCounters.from_text(prometheus.scrape(u)) for u in urls) if c is not None]
+    return prometheus.SpecDecodeCounters.total(found) if found else None
 
 
 async def serve(settings: ServeSettings, progress: bool = True, label: str = "") -> ServeResult:
@@ -91,17 +98,22 @@ async def serve(settings: ServeSettings, progress: bool = True, label: str = "")
         if settings.run.num_warmups:
             await warm_up(backend, settings.dataset.warmup_requests(settings.run.num_warmups), settings.run.send)
         first = await asyncio.to_thread(_scrape_all, settings.metrics_url, True) if settings.metrics_url else None
+        spec_first = await asyncio.to_thread(_scrape_spec, settings.spec_urls) if settings.spec_urls else None
         bar = Progress(len(requests), label, enabled=progress)
         outcome = await run_benchmark(backend, requests, settings.run, bar)
     server = server_error = spec = None
     if first is not None and settings.metrics_url:
         try:  # the run's results are kept whatever the server's exposition holds
             last = await asyncio.to_thread(_scrape_all, settings.metrics_url, False)
-            if last.spec_decode is not None:
-                spec = last.spec_decode.minus(first.spec_decode)
-            server = {name: last.histograms[name].minus(first.histograms[name]) for name in SERVER_HISTOGRAMS}
+            server = {name: last[name].minus(first[name]) for name in SERVER_HISTOGRAMS}
         except (OSError, ValueError) as e:
             server_error = f"server histograms from {settings.metrics_url} unavailable: {e}"
+    if settings.spec_urls:
+        try:
+            spec_last = await asyncio.to_thread(_scrape_spec, settings.spec_urls)
+            spec = None if spec_last is None else spec_last.minus(spec_first)
+        except (OSError, ValueError) as e:
+            server_error = "; ".join(filter(None, (server_error, f"spec-decode counters unavailable: {e}")))
     metrics = compute_metrics(outcome.records, outcome.duration_s, settings.slo)
     return ServeResult(settings, outcome, metrics, before, machine_info(), server, server_error, spec)
 
