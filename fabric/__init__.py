@@ -9,7 +9,8 @@ registers (the engine owns its KV pool: pdserve.engine.cache.hostmem).
 Public API (the only names other packages import):
     TransferEngine(config) -> register / deregister / connect / disconnect /
         write_pages / write_pages_sync / send / wait_peer_gone / close, plus
-        .imm_counter and stats()
+        .imm_counter and stats(); open_rail(domain) / rails: one endpoint per NIC
+        domain, a region registered on one (D16)
     FabricConfig, FabricError, MemoryRegion, RemoteDescriptor, PeerDescriptor,
     ImmCounter, IMM_TAG_MAX (the largest immediate-data tag)
     fabric.topology: the host's NUMA nodes and NIC locality from /sys,
