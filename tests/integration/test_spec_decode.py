@@ -1,0 +1,166 @@
+"""Speculative decoding (E20) on the default model: greedy output is transformers' token for token.
+
+One engine serves every case; each test installs the speculator it needs (the engine builds one
+from EngineConfig.speculative_config the same way, `make_speculator`). Prompts are the shared
+reference set: short prose, code, numbers, French, and repetition-heavy long prompts (which the
+n-gram proposer drafts well), alone and in a batch of 16 mixed lengths; max_batch_tokens=64 makes
+verification chunks share passes with chunked prefills and cuts drafts to the budget left.
+
+The oracle: a self-draft of every layer IS the target, so every draft is accepted and every
+verification emits K + 1 tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+from support.reference import REFERENCE_PROMPTS, hf_greedy
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.spec_decode.speculator import make_speculator
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(num_blocks=600, page_size=16, max_batch_tokens=64, max_requests_per_batch=16, num_threads=2)
+
+
+@pytest.fixture(scope="module")
+def reference(hf_default, llm):
+    return [hf_greedy(hf_default, llm.tokenizer, p, MAX_NEW) for p in REFERENCE_PROMPTS]
+
+
+def speculate(llm: LLM, **config: object):
+    """Install a speculator on the module's engine (idle between tests) and return it."""
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    engine.speculator = make_speculator(SpeculativeConfig(**config), engine.runner)
+    return engine.speculator
+
+
+def greedy(n: int = MAX_NEW, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def check_idle(llm: LLM) -> None:
+    llm.engine.check_integrity()
+    assert llm.engine.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_ngram_batch_of_16_matches_transformers(llm, reference, k):
+    spec = speculate(llm, method="ngram", num_speculative_tokens=k)
+    prompts = REFERENCE_PROMPTS + REFERENCE_PROMPTS[::-1]
+    outs = llm.generate(prompts, greedy())
+    for i, (o, ref) in enumerate(zip(outs, reference + reference[::-1], strict=True)):
+        assert list(o.token_ids) == ref, f"prompt {i} differs with n-gram K={k}"
+    # speculation really ran, and accepted drafts on the repetition-heavy prompts
+    assert spec.num_drafts > 0 and spec.num_accepted_tokens > 0, vars(spec)
+    assert len(spec.accepted_per_pos) == k
+    check_idle(llm)
+
+
+@pytest.mark.parametrize("i", [1, 5, 7])
+def test_ngram_alone_matches_transformers(llm, reference, i):
+    speculate(llm, method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+    out = llm.generate(REFERENCE_PROMPTS[i], greedy())[0]
+    assert list(out.token_ids) == reference[i]
+    check_idle(llm)
+
+
+def test_self_draft_of_every_layer_is_the_oracle(llm, reference):
+    k = 4
+    layers = llm.engine.arch.num_layers
+    spec = speculate(llm, method="draft_model", self_draft_layers=layers, num_speculative_tokens=k)
+    steps = llm.engine.num_steps
+    out = llm.generate(REFERENCE_PROMPTS[0], greedy(1 + 3 * (k + 1)))[0]
+    assert list(out.token_ids) == reference[0][:1 + 3 * (k + 1)]
+    # acceptance exactly 1.0; the prefill emits token 1, then three steps of K + 1 tokens each
+    assert spec.num_draft_tokens == spec.num_accepted_tokens == 3 * k
+    assert spec.accepted_per_pos == [3] * k
+    assert llm.engine.num_steps - steps == 1 + 3
+    check_idle(llm)
+
+
+def test_shallow_self_draft_matches_transformers_in_a_batch(llm, reference):
+    spec = speculate(llm, method="draft_model", self_draft_layers=6, num_speculative_tokens=3)
+    outs = llm.generate(REFERENCE_PROMPTS[:4], greedy(12))
+    for o, ref in zip(outs, reference[:4], strict=True):
+        assert list(o.token_ids) == ref[:12]
+    assert spec.num_draft_tokens > 0
+    check_idle(llm)
+
+
+def test_prefix_cache_hits_with_speculation(llm, reference):
+    speculate(llm, method="ngram", num_speculative_tokens=4)
+    hits = llm.engine.metrics().prefix_cache_hits
+    outs = llm.generate(REFERENCE_PROMPTS[5:], greedy())
+    assert llm.engine.metrics().prefix_cache_hits > hits   # earlier tests left these prompts' blocks cached
+    for o, ref in zip(outs, reference[5:], strict=True):
+        assert list(o.token_ids) == ref
+    check_idle(llm)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3])
+def test_max_tokens_without_room_for_lookahead(llm, reference, max_tokens):
+    spec = speculate(llm, method="ngram", num_speculative_tokens=8, prompt_lookup_min=1)
+    out = llm.generate(REFERENCE_PROMPTS[7], greedy(max_tokens))[0]
+    assert list(out.token_ids) == reference[7][:max_tokens]
+    assert out.finish_reason == "length"
+    # drafts never run past max_tokens: at most max_tokens - 2 drafts per verification
+    assert spec.num_draft_tokens <= max(0, max_tokens - 2) * max_tokens
+    check_idle(llm)
+
+
+def test_stop_string_inside_accepted_drafts(llm):
+    prompt = REFERENCE_PROMPTS[7]
+    llm.engine.speculator = None
+    plain = llm.generate(prompt, greedy(30))[0]
+    stop = plain.text[10:18]
+    llm.engine.speculator = None
+    want = llm.generate(prompt, greedy(30, stop=[stop]))[0]
+    speculate(llm, method="ngram", num_speculative_tokens=8, prompt_lookup_min=1)
+    got = llm.generate(prompt, greedy(30, stop=[stop]))[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+    assert got.finish_reason == "stop" and len(got.token_ids) < 30
+    check_idle(llm)
+
+
+def test_seeded_sampling_and_logprobs_equal_plain_decoding(llm):
+    """Verification samples each position with the draws plain decoding makes there, so a seeded
+    request gives the same tokens with and without speculation, with the same logprobs."""
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True, logprobs=2)
+    prompts = [REFERENCE_PROMPTS[6], REFERENCE_PROMPTS[7]]
+    llm.engine.speculator = None
+    plain = llm.generate(prompts, params)
+    spec = speculate(llm, method="ngram", num_speculative_tokens=4, prompt_lookup_min=1)
+    got = llm.generate(prompts, params)
+    assert spec.num_drafts > 0
+    for a, b in zip(got, plain, strict=True):
+        assert a.token_ids == b.token_ids
+        assert [lp.sampled.token_id for lp in a.logprobs] == list(a.token_ids)
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert abs(x.sampled.logprob - y.sampled.logprob) < 1e-3
+            assert [t.token_id for t in x.top] == [t.token_id for t in y.top]
+    check_idle(llm)
+
+
+def test_preemption_with_speculation_matches_plain_decoding(llm, reference):
+    """A pool too small for the batch: requests are soft-reset or offloaded and recomputed while
+    others speculate; outputs equal plain decoding in a pool that holds them all (whose first
+    MAX_NEW tokens are transformers'; at 40 tokens one of these prompts meets a float32 near-tie
+    where the engine and transformers part, with or without speculation) and the pool balances."""
+    picked = (0, 1, 2, 3, 4, 7)
+    prompts = [REFERENCE_PROMPTS[i] for i in picked]
+    llm.engine.speculator = None
+    expected = [list(o.token_ids) for o in llm.generate(prompts, greedy(40))]
+    assert [e[:MAX_NEW] for e in expected] == [reference[i] for i in picked]
+    small = LLM(num_blocks=20, page_size=16, max_batch_tokens=64, max_requests_per_batch=8, num_threads=2,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    outs = small.generate(prompts, greedy(40))
+    assert small.engine.num_soft_resets + small.engine.num_offloads > 0
+    assert [list(o.token_ids) for o in outs] == expected
+    assert small.engine.speculator.num_accepted_tokens > 0
+    check_idle(small)
