@@ -90,6 +90,24 @@ can land and the pages are freed at once, unused and never committed to the pref
 request is re-prefilled in fresh pages (on the same node once, CHECKSUM_RETRIES_SAME_NODE, then
 on others) or fails naming the mismatch.
 
+Who may write (S9, issue 15 item 6): an attempt's write count and an abort's fence are bound to
+the fabric engine of the prefill process the attempt was dispatched to (KvReceiver.address's
+prefill_engine, expect_fence's writer: the engine id from GetNodeInfo). Where the provider names
+the writer of each write (fabric.imm: efa), a write from any other engine, or from an address
+not in our AV, never counts toward either (nor toward a quarantine): it is counted stale
+(pdserve:kv_stale_writes_total, logged naming both engines), so a third engine that learned the
+pool's key and a live tag cannot make a request schedulable or release a quarantine. shm and
+tcp;ofi_rxm (libfabric 1.17) do not name the writers of remote writes, so there the check is off
+and every write with the tag counts, as before; what stops a stranger there is the memory key
+(tcp checks it; rotating it is the plan above), or, on shm, nothing (same host: it can write our
+memory anyway).
+
+TEST ONLY: $PDSERVE_TEST_ONLY_BAD_SHARD_KEY="PREFIX:RANK:N[,...]" makes the Prefill calls of
+attempts 0 .. N-1 of request ids starting with PREFIX name decode rank RANK's pool under a wrong
+memory key (logged as a warning), so that on tcp;ofi_rxm the target refuses that shard's writes
+while the other ranks' land (tests/integration/test_disagg_tp_faults.py). Unset (always, outside
+that test): no effect.
+
 Per request, one `RequestState` (while its Generate handler runs) holds when it was admitted, its
 transfer, where it was prefilled and how that went.
 
@@ -636,7 +654,7 @@ class DecodeNode(ReceiverEvents):
                 return
             assert node.peer is not None   # choose() offers only nodes whose fabric engine we know
             try:   # the write count follows from that node's TP split into ours (D14)
-                ticket = self.receiver.address(ticket, node.tp_size)
+                ticket = self.receiver.address(ticket, node.tp_size, prefill_engine=node.peer.engine_id)
             except ValueError as e:
                 msg = f"request {rid} cannot be prefilled on {node.address} (tp_size {node.tp_size}): {e}"
                 logger.warning(msg)
@@ -883,7 +901,8 @@ class DecodeNode(ReceiverEvents):
         assert self.receiver is not None and self.loop is not None
         loop = self.loop
         fenced = asyncio.Event()
-        tag, region = self.receiver.expect_fence(lambda: loop.call_soon_threadsafe(fenced.set))
+        tag, region = self.receiver.expect_fence(lambda: loop.call_soon_threadsafe(fenced.set),
+                                                 writer=q.prefill_engine_id or None)
         try:
             req = prefill_pb2.AbortPrefillRequest(
                 request_id=q.request_id, decode_engine_id=q.decode_engine_id, attempt=q.attempt,

@@ -60,7 +60,7 @@ from fabric.config import FabricConfig
 from fabric.descriptors import PeerDescriptor, RemoteDescriptor
 from fabric.endpoint import Endpoint
 from fabric.errors import FabricError
-from fabric.imm import ImmCounter
+from fabric.imm import ImmCounter, provider_names_writers, writer_id
 from fabric.memory import MemoryRegion
 from fabric.peers import PeerTable
 from fabric.protocol import ControlChannel, ControlProtocol
@@ -112,7 +112,9 @@ class _Rail:
         kind = ev.kind
         try:
             if kind == lib.PDF_EV_IMM:
-                self._imm.on_landed(int(ev.id), int(ev.count))
+                # the writer, where the provider names it (fabric.imm): the peer at its source address
+                self._imm.on_landed(int(ev.id), int(ev.count),
+                                    writer_id(self._peers.peer_at(int(ev.aux))) if self._imm.names_writers else None)
             elif kind == lib.PDF_EV_BATCH_DONE:
                 self._writes.on_batch_done(ev)
             elif kind == lib.PDF_EV_BATCH_FAILED:
@@ -158,7 +160,7 @@ class TransferEngine(TransferBackend):
         self.delivery_complete: bool = ep.delivery_complete
         self.tx_order: frozenset[str] = ep.tx_order   # FI_ORDER_* granted (csrc open_info asks SAS + WAW)
         self.rx_order: frozenset[str] = ep.rx_order
-        self._imm = ImmCounter()
+        self._imm = ImmCounter(names_writers=provider_names_writers(ep.provider, ep.source_addr))
         rail0 = _Rail(ep, self._imm, on_message)
         # rail 0's parts under their own names (fabric's tests look at them)
         self._regions, self._channel, self._peers = rail0._regions, rail0._channel, rail0._peers

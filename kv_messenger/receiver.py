@@ -13,8 +13,9 @@ Primitives:
   prefill node of tensor-parallel size `prefill_tp`: the ImmCounter is told how many writes to
   expect, which the shard plan of that node's split into ours fixes (D14). `prefill_tp=None`
   leaves the ticket unaddressed (what `on_kv_wait` hands over: the prefill node is not chosen
-  yet); `address(ticket, prefill_tp)` addresses it once it is, before the ticket is sent (writes
-  that land before it anyway still count: the ImmCounter keeps them, and they are not stale).
+  yet); `address(ticket, prefill_tp, prefill_engine)` addresses it once it is, before the ticket is
+  sent (writes that land before it anyway still count: the ImmCounter keeps them, and they are not
+  stale).
   When the count completes, `ReceiverEvents.kv_landed(request_id)` is
   called (on the fabric progress thread: it must only hand the news to the engine thread).
 - hybrid models (E8, Gemma 3): every attention group travels; the ticket names the sliding
@@ -44,6 +45,16 @@ Primitives:
   landed page (layer 0, page 0, K, the top byte of its first element), logged as a warning: it
   stands for corruption on the wire or in memory, for the tests that prove detection
   (tests/integration/test_kv_checksum.py). Unset (always, outside those tests): no effect.
+
+Who wrote (S9, issue 15 item 6): `address(..., prefill_engine=ENGINE_ID)` and
+`expect_fence(..., writer=ENGINE_ID)` bind the attempt's count (its fence's) to the fabric engine
+it was dispatched to. Where the transport names the writer of each write
+(`ImmCounter.names_writers`, fabric.imm: efa; not shm or tcp;ofi_rxm, whose remote-write
+completions carry no usable source, so there every write with the tag counts as before), a write
+from any other engine, or from an address in no AV entry, never counts toward the attempt (nor
+toward a fence, a quarantine or a write kept before addressing): it is a stale write, counted
+and logged naming both engines. The writes still land (the target cannot refuse them: the memory
+key is the pool's); the attempt's count stays short, so the request is never scheduled on them.
 
 Tombstones: a tag that finished, was abandoned or released is cancelled in the ImmCounter (which
 remembers the last 65536 cancelled tags), so a later write never counts toward anything; every
@@ -105,6 +116,7 @@ class _Wait:
     attempt: int
     pages: tuple[int, ...] = ()
     plan: ShardPlan | None = None   # set when addressed: the prefill node's split into ours
+    writer: str | None = None       # set when addressed: the prefill engine only whose writes count
     layer_pages: tuple[tuple[int, ...], ...] = ()   # per layer, the destination pages written there
 
 
@@ -181,14 +193,16 @@ class KvReceiver(DecodeConnector):
         self._by_request: dict[str, _Wait] = {}
         self._tags_in_use: set[int] = set()           # waiting requests, quarantines, fences
         self._quarantined: dict[int, int] = {}        # tag -> context slot kept
+        self._writers: dict[int, str | None] = {}     # quarantine / fence tag -> the engine whose writes it expects
         self._fences: set[int] = set()
-        self._retired_fences: OrderedDict[int, None] = OrderedDict()   # a late fence is not stale
+        self._retired_fences: OrderedDict[int, str | None] = OrderedDict()   # a late fence is not stale: -> its writer
         self._attempts: OrderedDict[str, int] = OrderedDict()          # request id -> last attempt
         self._fence_buf = bytearray(FENCE_BUFFER_BYTES)
         self.fence_region: MemoryRegion | None = None
         self.stale_writes = 0          # writes for tags nothing holds (must stay 0)
         self.quarantined_writes = 0    # writes that landed in quarantined pages (harmless)
         transport.imm_counter.on_orphan = self._orphan
+        transport.imm_counter.on_foreign = self._foreign
 
     def register_kv_cache(self, spec: KvCacheSpec) -> None:
         if self.kv_checksum and spec.buffer.device.type != "cpu":
@@ -278,11 +292,13 @@ class KvReceiver(DecodeConnector):
             out.append(GroupTarget(g.name, tuple(g.layers), g.sliding_window, first, tuple(tables[i][first:n_pages])))
         return tuple(out)
 
-    def address(self, ticket: TransferTicket, prefill_tp: int) -> TransferTicket:
+    def address(self, ticket: TransferTicket, prefill_tp: int, prefill_engine: str | None = None) -> TransferTicket:
         """Address an unaddressed ticket to a prefill node of tensor-parallel size `prefill_tp`: its
         expected count is the shard plan's from that split into ours, and the ImmCounter waits for
-        it from now on. Call before the ticket leaves this node. ValueError when the split cannot be
-        planned (naming both sides) or the attempt no longer waits here (it was abandoned)."""
+        it from now on, counting only writes of fabric engine `prefill_engine` where writers are
+        named (None: anyone's; see the module docstring). Call before the ticket leaves this node.
+        ValueError when the split cannot be planned (naming both sides) or the attempt no longer
+        waits here (it was abandoned)."""
         rid = ticket.request_id
         src = KvShards.of(self.layout, prefill_tp)   # the prefill node's split, by the engine's rule
         plan = plan_transfer(src, self.shards, random.Random(0))   # counts never depend on the draw
@@ -293,9 +309,10 @@ class KvReceiver(DecodeConnector):
                 raise ValueError(f"request {rid!r} attempt {ticket.attempt} no longer waits for KV here")
             if entry.plan is not None:
                 raise ValueError(f"request {rid!r} attempt {ticket.attempt} is already addressed")
-            self._by_request[rid] = dataclasses.replace(entry, plan=plan)
+            self._by_request[rid] = dataclasses.replace(entry, plan=plan, writer=prefill_engine)
         self.transport.imm_counter.expect(ticket.imm_tag, count,
-                                          lambda tag, rid=rid: self.events.kv_landed_tag(rid, tag))
+                                          lambda tag, rid=rid: self.events.kv_landed_tag(rid, tag),
+                                          writer=prefill_engine)
         return dataclasses.replace(ticket, expected_writes=count)
 
     def context(self, request_id: str) -> Context:
@@ -377,6 +394,7 @@ class KvReceiver(DecodeConnector):
             if entry is None:
                 return None
             self._quarantined[entry.tag] = entry.slot
+            self._writers[entry.tag] = entry.writer
         self.transport.imm_counter.cancel(entry.tag)   # later writes: dropped, counted as quarantined
         return entry.tag
 
@@ -386,16 +404,19 @@ class KvReceiver(DecodeConnector):
             slot = self._quarantined.pop(tag, None)
             if slot is None:
                 return
+            self._writers.pop(tag, None)
             self._free_slots.append(slot)
         self._tombstone(tag)
 
-    def expect_fence(self, on_landed: Callable[[], None]) -> tuple[int, RemoteDescriptor]:
+    def expect_fence(self, on_landed: Callable[[], None], writer: str | None = None) -> tuple[int, RemoteDescriptor]:
         """A fresh tag for one fence write into the fence buffer; `on_landed()` runs (progress
-        thread) when it lands. Call `retire_fence(tag)` once it is no longer waited for."""
+        thread) when it lands, written by fabric engine `writer` where writers are named (None:
+        anyone). Call `retire_fence(tag)` once it is no longer waited for."""
         with self._lock:
             tag = self._new_tag()
             self._fences.add(tag)
-        self.transport.imm_counter.expect(tag, 1, lambda _tag: on_landed())
+            self._writers[tag] = writer
+        self.transport.imm_counter.expect(tag, 1, lambda _tag: on_landed(), writer=writer)
         return tag, self.fence_region.descriptor
 
     def retire_fence(self, tag: int) -> None:
@@ -403,7 +424,7 @@ class KvReceiver(DecodeConnector):
             if tag not in self._fences:
                 return
             self._fences.discard(tag)
-            self._retired_fences[tag] = None
+            self._retired_fences[tag] = self._writers.pop(tag, None)
             while len(self._retired_fences) > REMEMBERED_ATTEMPTS:
                 self._retired_fences.popitem(last=False)
         self._tombstone(tag)
@@ -413,19 +434,41 @@ class KvReceiver(DecodeConnector):
         with self._lock:
             self._tags_in_use.discard(tag)
 
-    def _orphan(self, tag: int, count: int) -> None:
-        """Progress thread: `count` writes landed for `tag` with no expectation waiting."""
+    def _orphan(self, tag: int, count: int, writer: str | None = None) -> None:
+        """Progress thread: `count` writes landed for `tag` with no expectation waiting; `writer`:
+        the engine that wrote them where the transport names writers (fabric.imm), else None."""
         with self._lock:
-            if tag in self._quarantined:
-                self.quarantined_writes += count
-                return
-            if tag in self._fences or tag in self._retired_fences:
-                return   # a fence that landed after its wait ended: into the fence buffer, harmless
             if tag in self._unaddressed_tags():
                 return   # landed before `address` set its count: the ImmCounter keeps it until then
+            held_by = None
+            if tag in self._quarantined:
+                held_by = "quarantine"
+                expected = self._writers.get(tag)
+            elif tag in self._fences or tag in self._retired_fences:
+                held_by = "fence"
+                expected = self._writers.get(tag) if tag in self._fences else self._retired_fences[tag]
+            if held_by is not None and (writer is None or expected is None or writer == expected):
+                if held_by == "quarantine":
+                    self.quarantined_writes += count   # into pages nothing reads: harmless
+                return   # a fence that landed after its wait ended: into the fence buffer, harmless
             self.stale_writes += count
-        logger.error("%d KV writes landed for tag %d, which no transfer holds (stale)", count, tag)
-        self.transport.imm_counter.cancel(tag)   # tombstoned: an unknown tag is not kept forever
+        if held_by is not None:
+            logger.error("%d KV writes landed for tag %d (a %s expecting prefill engine %s) from engine %s (stale)",
+                         count, tag, held_by, expected, writer)
+        else:
+            logger.error("%d KV writes landed for tag %d, which no transfer holds (stale%s)", count, tag,
+                         f"; written by engine {writer}" if writer is not None else "")
+            self.transport.imm_counter.cancel(tag)   # tombstoned: an unknown tag is not kept forever
+        self.events.kv_stale_write(tag, count)
+
+    def _foreign(self, tag: int, count: int, writer: str, expected: str) -> None:
+        """Progress thread (or address()'s caller, for writes kept before it): `count` writes of the
+        attempt or fence with `tag` came from engine `writer`, not from `expected`, the prefill
+        engine it was dispatched to. They never count toward it: stale."""
+        with self._lock:
+            self.stale_writes += count
+        logger.error("%d KV writes for tag %d came from engine %s, not from prefill engine %s that the transfer "
+                     "was dispatched to (stale: not counted)", count, tag, writer, expected)
         self.events.kv_stale_write(tag, count)
 
     def _unaddressed_tags(self) -> set[int]:

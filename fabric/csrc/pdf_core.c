@@ -327,19 +327,23 @@ static void ev_push(evbuf *b, uint32_t kind, int32_t code, uint64_t id, uint64_t
     x->aux = aux;
 }
 
-static void ev_imm(evbuf *b, uint64_t data)
+/* One write's immediate data landed; `src` is its writer's address as the provider reports it
+ * (fi_cq_readfrom; PDF_ADDR_UNKNOWN without FI_SOURCE). Our AV's fi_addr for the writer only
+ * where the provider names the writers of remote writes: not shm or rxm (fabric/imm.py). */
+static void ev_imm(evbuf *b, uint64_t data, uint64_t src)
 {
     uint64_t tag = (data & 0xffffffffull) >> PDF_IMM_UNIT_BITS;
     uint64_t units = data & PDF_IMM_UNIT_MAX;
-    /* Aggregate: writes of one tag tend to land together. */
+    /* Aggregate: writes of one tag from one writer tend to land together (never merged across
+     * writers: the receiver counts a write only from the engine it expects). */
     int lo = b->n > 8 ? b->n - 8 : 0;
     for (int i = b->n - 1; i >= lo; i--) {
-        if (b->ev[i].kind == PDF_EV_IMM && b->ev[i].id == tag) {
+        if (b->ev[i].kind == PDF_EV_IMM && b->ev[i].id == tag && b->ev[i].aux == src) {
             b->ev[i].count += units;
             return;
         }
     }
-    ev_push(b, PDF_EV_IMM, 0, tag, units, 0);
+    ev_push(b, PDF_EV_IMM, 0, tag, units, src);
 }
 
 /* --------------------------------------------------------------- failure */
@@ -793,7 +797,7 @@ static int poll_cq(pdf_engine *e, evbuf *out)
         for (ssize_t i = 0; i < r; i++) {
             struct fi_cq_data_entry *c = &ent[i];
             if (c->flags & FI_REMOTE_CQ_DATA) {
-                ev_imm(out, c->data);
+                ev_imm(out, c->data, (uint64_t)src[i]);
                 if (!(c->flags & FI_RECV))
                     continue;
             }

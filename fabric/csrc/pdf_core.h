@@ -22,7 +22,9 @@ typedef struct pdf_engine pdf_engine;
 /* Events pdf_progress / pdf_fail_peer / pdf_fail_all return (pdf_event.kind). */
 #define PDF_EV_BATCH_DONE 1   /* id: batch */
 #define PDF_EV_BATCH_FAILED 2 /* id: batch, code, count: writes not completed, aux: writes */
-#define PDF_EV_IMM 3          /* id: tag, count: units landed (immediate data received) */
+#define PDF_EV_IMM 3          /* id: tag, count: units landed (immediate data received), aux: the
+                                 writer's fi_addr as the provider reports it (PDF_ADDR_UNKNOWN: not
+                                 in the AV, or no FI_SOURCE; fabric/imm.py: who names writers) */
 #define PDF_EV_RECV 4         /* id: receive slot, count: bytes (pdf_recv_buf, then pdf_recv_release),
                                  aux: the sender's fi_addr (PDF_ADDR_UNKNOWN: not in the AV, or no
                                  FI_SOURCE) */
