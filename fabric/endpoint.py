@@ -20,6 +20,8 @@ Threads and waits:
 - ``stop`` joins the thread for at most _JOIN_TIMEOUT_S; a thread still inside a blocking
   callback by then makes ``stop`` raise (the native endpoint is then left open, since freeing
   it under a running thread would be a use after free).
+- ``pin`` moves the progress thread to given CPUs at the start of its next round (a rail's thread
+  to the CPUs nearest its NIC, fabric.engine.pin_rail); it never waits for that.
 - ``lock`` guards the Python bookkeeping of every part (batches, regions, peers, probes,
   sends, stats); it is held only around dictionary and counter updates, never across a wait.
 """
@@ -153,6 +155,8 @@ class Endpoint:
         self.closed = False
         self._generation = 0  # progress rounds completed (wait_peer_gone's drain fence)
         self._dispatch: Dispatch | None = None
+        self._pin: tuple[int, ...] | None = None   # CPUs the progress thread moves to at its next round
+        self.pinned: tuple[int, ...] = ()          # the CPUs it was pinned to (): never pinned
         name = f"fabric-progress-{self.engine_id[:8]}" + (f"-rail{rail}" if rail else "")
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -183,12 +187,32 @@ class Endpoint:
     def _run(self) -> None:
         evs = ffi.new("pdf_event[]", EVENT_CAP)
         while True:
+            if self._pin is not None:
+                self._apply_pin()
             n = lib.pdf_progress(self.h, evs, EVENT_CAP, _PROGRESS_SLICE_US)
             for i in range(n):
                 self._dispatch(evs[i])
             self._generation += 1
             if self.closed:
                 return
+
+    def pin(self, cpus: tuple[int, ...]) -> None:
+        """Move the progress thread to ``cpus`` (those of them it may use now: a pin never widens
+        what the process was given) before its next round; () or none in common: left alone."""
+        self._pin = tuple(cpus)
+        self.poke()
+
+    def _apply_pin(self) -> None:
+        cpus, self._pin = self._pin, None
+        target = set(cpus) & os.sched_getaffinity(0)
+        if not target:
+            logger.info("engine %s rail %d: progress thread not pinned: CPUs %s not among its allowed %s",
+                        self.engine_id[:8], self.rail, sorted(cpus), sorted(os.sched_getaffinity(0)))
+            return
+        os.sched_setaffinity(0, target)   # this thread only (Linux: per thread)
+        self.pinned = tuple(sorted(target))
+        logger.info("engine %s rail %d: progress thread pinned to CPUs %s", self.engine_id[:8], self.rail,
+                    list(self.pinned))
 
     def poke(self) -> None:
         """Make the progress thread run one more round now."""

@@ -29,16 +29,17 @@ endpoint the destination descriptor names; a rail shakes hands with each remote 
 writes to (per endpoint name). What concerns a peer engine as a whole covers every rail:
 ``disconnect`` and ``close_connection`` end the connections of all its known endpoints on all
 rails, ``wait_peer_gone`` drains every rail, ``close`` closes them all. Control messages
-(``send``, ``connect``) use rail 0 unless told. With one domain (one NIC, or none) only rail 0
-exists and everything is as it was.
+(``send``, ``connect``) use rail 0 unless told. ``pin_rail(rail, cpus)`` moves a rail's progress
+thread (it posts the rail's writes and reads its completions) to the CPUs nearest its NIC. With
+one domain (one NIC, or none) only rail 0 exists and everything is as it was.
 
 Threads: each rail's progress thread (fabric.endpoint) runs the callbacks of its own writes,
 sends and landings (so with several rails, callbacks and ImmCounter completions come from more
 than one thread); the public methods may be called from any thread (fabric.backend's rules).
 Blocking waits, each bounded: ``connect`` and the first write from a rail to a remote endpoint
 (the handshake, ``timeout`` / 5 s), ``open_rail`` (the native open: fi_getinfo and endpoint setup,
-no peer involved), ``wait_peer_gone`` (its ``timeout``, then at most 1.05 s of draining per other
-rail, fabric.peers), ``write_pages_sync`` (its ``timeout``, see fabric.writes), ``close``
+no peer involved; ``pin_rail`` never waits), ``wait_peer_gone`` (its ``timeout``, then at most
+1.05 s of draining per other rail, fabric.peers), ``write_pages_sync`` (its ``timeout``, see fabric.writes), ``close``
 (outstanding work of all rails: config.close_timeout_s; the goodbyes: min(1 s,
 close_timeout_s); each progress thread's stop: fabric.endpoint).
 """
@@ -87,6 +88,7 @@ class RailInfo:
     domain: str               # its libfabric domain (tcp: the interface; verbs: the device)
     node: str | None          # the address it was bound to (None: the provider's choice)
     peer: PeerDescriptor      # its endpoint, as regions registered on it name it
+    cpus: tuple[int, ...] = ()   # the CPUs its progress thread was pinned to (pin_rail); (): not pinned
 
 
 class _Rail:
@@ -105,7 +107,7 @@ class _Rail:
 
     def info(self) -> RailInfo:
         ep = self._ep
-        return RailInfo(ep.rail, ep.domain, ep.node, ep.me)
+        return RailInfo(ep.rail, ep.domain, ep.node, ep.me, ep.pinned)
 
     def dispatch(self, ev) -> None:
         """Route one native event to its part (progress thread, or a fail_* call's caller)."""
@@ -245,6 +247,12 @@ class TransferEngine(TransferBackend):
             raise FabricError(lib.FI_EINVAL, f"{what}: region {region.region_id} belongs to engine "
                                              f"{region.engine_id[:8]} rail {region.rail}, not to {self.engine_id[:8]}")
         return self._rails[region.rail]
+
+    def pin_rail(self, rail: int, cpus: tuple[int, ...]) -> None:
+        """Run ``rail``'s progress thread (which posts its writes and reads its completions) on
+        ``cpus``, those nearest its NIC (kv_messenger.pool), from its next round on; CPUs outside
+        what the process may use are dropped, and none left leaves it where it is."""
+        self._rail(rail)._ep.pin(tuple(cpus))
 
     def rail_for(self, domain: str | None) -> int | None:
         """The index of the open rail on ``domain`` (None: none open there; ``domain`` None: 0)."""

@@ -2,7 +2,8 @@
 
 D16 rails: each rank's pool is registered on the rail (TransferEngine endpoint) of the libfabric
 domain its placement names (kv_messenger.placement: the NIC nearest the pool's NUMA node), opened
-on first use (`TransferEngine.open_rail`); its descriptor then carries that rail's fabric address,
+on first use (`TransferEngine.open_rail`, its progress thread pinned to the placement's CPUs:
+`pin_rail`); its descriptor then carries that rail's fabric address,
 so the decode side's ticket names each rank's rail (TransferTicket.kv_ranks) and the prefill
 side's writes of a rank post from its rail (fabric.engine: a write posts on its source region's
 rail). A rank whose placement names no domain (one NIC or none, a NIC of unknown locality: every
@@ -109,6 +110,8 @@ def shard_rails(transport: TransferEngine, placements: Sequence[ShardPlacement],
         if rail is None and domain not in refused:
             try:
                 rail = transport.open_rail(domain)
+                # its progress thread (posting, completions) next to its NIC, as the placement says
+                transport.pin_rail(rail, placements[rank].cpus)
             except (ValueError, FabricError) as e:
                 refused.add(domain)
                 logger.warning("TP rank %d's KV pool stays on rail 0 (domain %s), not on its nearest domain %s: %s",

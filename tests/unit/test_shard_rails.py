@@ -11,8 +11,10 @@ of a ticket whose decode rank 1 sits on another rail of the requesting engine.""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,10 +38,11 @@ def _second_interface() -> str | None:
     return next((n for _, n in socket.if_nameindex() if n != "lo" and interface_ipv4(n) is not None), None)
 
 
-def two_nics_host(root: Path, second: str) -> Path:
-    """Node 0 (CPUs 0-1) with NIC lo, node 1 (CPUs 2-3) with NIC `second` (both PCI devices here)."""
-    node(root, 0, "0-1", "10 21")
-    node(root, 1, "2-3", "21 10")
+def two_nics_host(root: Path, second: str, cpus: tuple[str, str] = ("0-1", "2-3")) -> Path:
+    """Node 0 (CPUs cpus[0]) with NIC lo, node 1 (CPUs cpus[1]) with NIC `second` (both PCI devices
+    here)."""
+    node(root, 0, cpus[0], "10 21")
+    node(root, 1, cpus[1], "21 10")
     for i, name in enumerate(("lo", second)):
         dev = root / f"devices/pci0000:00/0000:00:0{i + 1}.0"
         write(dev / "numa_node", f"{i}\n")
@@ -58,7 +61,8 @@ def test_two_numa_nodes_two_nics_give_two_rails(tmp_path, engine):
     second = _second_interface()
     if second is None:
         pytest.skip("no interface besides lo with an IPv4 address")
-    topo = read_topology(two_nics_host(tmp_path, second))
+    allowed = sorted(os.sched_getaffinity(0))   # the fake nodes' CPUs are CPUs this process has
+    topo = read_topology(two_nics_host(tmp_path, second, (str(allowed[0]), str(allowed[-1]))))
     pools = [torch.ones(1, 2, 4, 1, 4, 8), torch.ones(1, 2, 4, 1, 4, 8)]
     where = on_nodes({pools[0].data_ptr(): 0, pools[1].data_ptr(): 1})
     pool = register_pool(engine, spec_of(pools), 4,
@@ -71,6 +75,13 @@ def test_two_numa_nodes_two_nics_give_two_rails(tmp_path, engine):
     assert pool.regions[1].descriptor.peer == engine.rails[1].peer
     assert pool.regions[1].descriptor.peer.ip_address() == interface_ipv4(second)
     assert pool.context.region.rail == 0
+    # rail 1's progress thread runs on node 1's CPUs (from its next round on); rail 0's stays put
+    thread = engine._rails[1]._ep._thread
+    deadline = time.monotonic() + 5
+    while not engine.rails[1].cpus and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.rails[1].cpus == (allowed[-1],) and engine.rails[0].cpus == ()
+    assert os.sched_getaffinity(thread.native_id) == {allowed[-1]}
 
 
 def test_one_numa_node_is_one_rail_and_todays_descriptors(tmp_path, engine):
