@@ -10,6 +10,8 @@ invalid RMA key shuts that connection down at the target, tcpx_ep_disable) while
 Whether the prefill side learns it is a race: on tcp a write "completes" once handed to the
 socket, so writes posted before the reset came back complete (its Prefill may answer ok), a write
 posted after it fails the fabric peer there (its Prefill fails once no sibling write is in flight).
+Prefill chunks of 16 tokens (--max-batch-tokens) make the second the usual side: the later chunks'
+writes are posted after the reset (and no KV_LANDED_WAIT_S passes).
 What decode_node/service.py says must follow, asserted here whichever way the race went:
 - the landed count stays short, so the request is never made schedulable on those pages; the
   attempt fails (its Prefill fails, or its count does not complete within KV_LANDED_WAIT_S), its
@@ -62,7 +64,8 @@ def cluster(tmp_path_factory):
     try:
         with running_cluster(tmp_path_factory, "tp-shard-fault", model=str(path), prefill=2, decode=1, port=0,
                              provider="tcp;ofi_rxm", prefill_tp=2, decode_tp=2, num_blocks=48,
-                             threads_per_node=1, engine_args=("--max-model-len", "256"), startup_timeout_s=150,
+                             threads_per_node=1, engine_args=("--max-model-len", "256", "--max-batch-tokens", "16"),
+                             startup_timeout_s=150,
                              router_health_interval_s=0.5) as c:
             yield c
     finally:
