@@ -65,7 +65,7 @@ import logging
 import random
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -87,6 +87,7 @@ logger = logging.getLogger(__name__)
 STAGING_SLOTS = 256     # context records that may wait for their write at once
 FENCE_BYTES = 8         # one fence write (AbortPrefill's delivery fence)
 CLOSE_JOIN_S = 5.0      # close(): how long to wait for the messenger thread to stop
+MULTI_ENDPOINT_ENGINES = 4096   # decode engines remembered as taking KV on several endpoints (fence refused)
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,8 @@ class KvSender(PrefillConnector):
         self.transport = transport
         self._staging_slots = staging_slots
         self._place = place
-        self._multi_endpoint: set[str] = set()   # decode engines whose tickets named several endpoints
+        # decode engines whose tickets named several endpoints (the last MULTI_ENDPOINT_ENGINES)
+        self._multi_endpoint: OrderedDict[str, None] = OrderedDict()
         self.kv_region: MemoryRegion | None = None   # set by register_kv_cache: rank 0's pool
         self.kv_regions: tuple[MemoryRegion, ...] = ()   # every TP rank's pool, rank order
         self.layout: KvLayout | None = None              # kv_heads: the model's total
@@ -243,7 +245,10 @@ class KvSender(PrefillConnector):
             if key in self._transfers:
                 raise ValueError(f"transfer {key!r} already exists")
             if len(endpoints | {target.context.peer.address}) > 1:   # D16: its ranks on several rails
-                self._multi_endpoint.add(target.context.peer.engine_id)
+                self._multi_endpoint[target.context.peer.engine_id] = None
+                self._multi_endpoint.move_to_end(target.context.peer.engine_id)
+                while len(self._multi_endpoint) > MULTI_ENDPOINT_ENGINES:
+                    self._multi_endpoint.popitem(last=False)
             self._transfers[key] = _Transfer(target, fut, plan, key=key, checksums=sums, layer_targets=targets)
         return fut
 
