@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -134,3 +135,28 @@ def test_rail_arguments_are_checked(pair):
         with pytest.raises(ValueError, match="provider shm has one domain"):
             shm.open_rail("eth0")
         assert shm.open_rail(shm.domain) == 0 and len(shm.rails) == 1
+
+
+def test_a_closed_peer_is_gone_on_every_rail(pair):
+    _, b, second = pair
+    c = TransferEngine(FabricConfig(provider=PROVIDER, node="127.0.0.1"))
+    try:
+        assert c.open_rail(second) == 1
+        src, dst = alloc_buffer(PAGES * PAGE), alloc_buffer(PAGES * PAGE)
+        src.numpy()[:] = 7
+        s1, d1 = c.register(src.view, rail=1), b.register(dst.view, rail=1)
+        landed = _Count()
+        b.imm_counter.expect(102, 2, landed)
+        _write(c, s1, d1, [3, 4], 102)           # c's rail 1 -> b's rail 1 only
+        assert landed.wait(102) and (dst.numpy()[3 * PAGE : 5 * PAGE] == 7).all()
+        assert [len(r._peers.addresses_of(c.engine_id)) for r in b._rails] == [0, 1]
+    finally:
+        c.close()
+    # c said goodbye on its rail 1 only (the only one that knew b): b judges it gone whichever rail heard
+    deadline = time.monotonic() + 5   # the goodbye left c; b's rail-1 thread handles it soon
+    while not b.peer_gone(c.peer_descriptor) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert b.peer_gone(c.peer_descriptor)
+    assert b.wait_peer_gone(c.peer_descriptor, 5.0)
+    assert all(r._peers.is_gone(c.engine_id) for r in b._rails)
+    b.deregister(d1)
