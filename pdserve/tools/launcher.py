@@ -40,6 +40,14 @@ TP 1, and a TP 1 decode node behind TP 2 prefill nodes must sum as they do for t
 and the KV it computes to agree (EngineConfig.tp_invariant). `pin_cores` still gives each node
 `threads_per_node` cores; a TP N node's worker ranks are not pinned apart from them.
 
+Speculative decoding (E20): `speculative_config` (`--speculative-config JSON`, vLLM's form, e.g.
+'{"method": "ngram", "num_speculative_tokens": 4}') is parsed with SpeculativeConfig.parse when the
+ClusterConfig is made, so a bad one is a ValueError (its own message) before any process starts (what
+needs the model, e.g. self_draft_layers beyond its depth, fails that node's start: ClusterStartError
+with its log), and is passed as `--speculative-config` to every decode and colocated node, never to a
+prefill node (it never decodes). engine_args go to every node, so `--speculative-config` there is refused (a
+ValueError pointing here) rather than also reaching the prefill nodes; there is one way to give it.
+
 Security (S9): with `tls`, the start makes a throwaway CA and one certificate per child (named
 after it: prefill-0, decode-0, router) plus one for clients ("client"), in `<log_dir>/security/`
 (pdserve.tools.certs; the CA key is deleted once they are signed), and every child serves mTLS
@@ -75,6 +83,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.serving.channels import PLAINTEXT, TOKEN_ENV, ChannelSecurity, open_sync_channel, security_argv
 from pdserve.serving.logs import FORMATS
 from pdserve.tools.certs import make_pki
@@ -83,6 +92,7 @@ from router.policy import POLICIES
 logger = logging.getLogger(__name__)
 
 PROVIDERS = ("shm", "tcp;ofi_rxm", "tcp")
+SPEC_FLAG = "--speculative-config"  # the engine flag (pdserve.serving.engine_args) a decoding node gets
 _LOG_TAIL_LINES = 30
 
 
@@ -103,7 +113,9 @@ class ClusterConfig:
     auth_token: a shared token on every gRPC call (see Security). prefill_tp / decode_tp: each
     prefill / decode (or colocated) node's tensor_parallel_size (`-tp N`; None: engine_args or 1);
     see Tensor parallelism. kv_checksum: decode nodes verify the CRC32C of every landed KV run
-    before scheduling (`--kv-checksum`, S7)."""
+    before scheduling (`--kv-checksum`, S7). speculative_config: speculative decoding on every decode and
+    colocated node (a SpeculativeConfig, its dict or its JSON; parsed and validated here, kept as a
+    SpeculativeConfig; see Speculative decoding)."""
 
     prefill: int | None = None
     decode: int | None = None
@@ -130,9 +142,16 @@ class ClusterConfig:
     prefill_tp: int | None = None
     decode_tp: int | None = None
     kv_checksum: bool = False
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine_args", tuple(self.engine_args))
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        given = [a for a in self.engine_args if a == SPEC_FLAG or a.startswith(SPEC_FLAG + "=")]
+        if given:
+            raise ValueError(f"engine_args go to every node, prefill nodes included, and give {given[0]!r}: pass "
+                             "speculative_config (pdserve up --speculative-config JSON) instead, which goes to the "
+                             "decode and colocated nodes only")
         object.__setattr__(self, "router_args", tuple(self.router_args))
         if self.colocated and (self.prefill or self.decode):
             raise ValueError(f"colocated nodes replace prefill/decode nodes: got colocated={self.colocated} "
@@ -280,6 +299,12 @@ def _engine_flags(config: ClusterConfig) -> list[str]:
     return flags + list(config.engine_args)
 
 
+def _spec_flags(config: ClusterConfig) -> list[str]:
+    """`--speculative-config JSON` for a decode or colocated node (none without a speculative_config)."""
+    spec = config.speculative_config
+    return [] if spec is None else [SPEC_FLAG, spec.to_json()]
+
+
 def _tp_flags(tp: int | None) -> list[str]:
     return [] if tp is None else ["-tp", str(tp)]
 
@@ -341,7 +366,7 @@ def plan(config: ClusterConfig, ports: Sequence[int] | None = None,
             port = next(it)
             name = f"colocated-{i}"
             argv = [py, "-m", "decode_node", *common, "--port", str(port), "--node-id", name, "--colocated",
-                    *_tp_flags(config.decode_tp), *engine,
+                    *_tp_flags(config.decode_tp), *engine, *_spec_flags(config),
                     *_security_flags(config, security_dir, name)]
             nodes.append((name, "colocated", port, argv))
     else:
@@ -359,7 +384,7 @@ def plan(config: ClusterConfig, ports: Sequence[int] | None = None,
             name = f"decode-{i}"
             argv = [py, "-m", "decode_node", *common, "--port", str(port), "--node-id", name, *fabric,
                     "--prefill", prefill_addrs, "--prefill-routing", config.routing, *_tp_flags(config.decode_tp),
-                    *(["--kv-checksum"] if config.kv_checksum else []), *engine,
+                    *(["--kv-checksum"] if config.kv_checksum else []), *engine, *_spec_flags(config),
                     *_security_flags(config, security_dir, name)]
             nodes.append((name, "decode", port, argv))
     router_port = config.port or next(it)
@@ -731,6 +756,11 @@ def add_up_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=None, metavar="N",
                    help="tensor-parallel size of every node (--prefill-tp and --decode-tp override it)")
     p.add_argument("--max-batch-tokens", type=int, default=None, metavar="N", help="query tokens per forward pass")
+    p.add_argument(SPEC_FLAG, default=None, metavar="JSON",
+                   help="speculative decoding on every decode and colocated node (never a prefill node), vLLM's "
+                        "JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' or '{\"method\": "
+                        "\"draft_model\", \"self_draft_layers\": 8, \"num_speculative_tokens\": 4}'; checked "
+                        "before anything starts; greedy output is unchanged (not allowed in --engine-args)")
     p.add_argument("--engine-args", default="", metavar="'FLAGS'",
                    help="more engine flags for every node, as one shell-quoted string (e.g. '--page-size 32')")
     p.add_argument("--routing", default="least-loaded", choices=POLICIES,
@@ -764,6 +794,7 @@ def config_from_args(args: argparse.Namespace) -> ClusterConfig:
         log_dir=args.log_dir, startup_timeout_s=args.startup_timeout, pin_cores=args.pin_cores,
         node_metrics=args.node_metrics, routing=args.routing, log_format=args.log_format,
         tls=args.tls, auth_token=args.auth_token, kv_checksum=args.kv_checksum,
+        speculative_config=args.speculative_config,
         prefill_tp=args.prefill_tp if args.prefill_tp is not None else args.tp,
         decode_tp=args.decode_tp if args.decode_tp is not None else args.tp,
     )

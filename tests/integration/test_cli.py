@@ -49,5 +49,6 @@ def test_help_says_where_the_model_cache_is():
 
 def test_up_help_names_the_http_api_metrics_and_pinning():
     out = subprocess.run(PDSERVE + ["up", "--help"], capture_output=True, text=True, check=True, timeout=60).stdout
-    for flag in ("--http-port", "/v1/chat/completions", "--node-metrics", "--pin-cores", "--threads-per-node"):
+    for flag in ("--http-port", "/v1/chat/completions", "--node-metrics", "--pin-cores", "--threads-per-node",
+                 "--speculative-config"):
         assert flag in out, flag
