@@ -77,3 +77,18 @@ def hf_default(default_source):
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_pretrained(default_source.path, dtype=torch.float32).eval()
+
+
+REFERENCE_NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="session")
+def hf_reference(hf_default, default_source):
+    """transformers' greedy ids (REFERENCE_NEW_TOKENS each) for support.reference.REFERENCE_PROMPTS,
+    computed once for every test module that compares against them."""
+    from support.reference import REFERENCE_PROMPTS, hf_greedy
+
+    from pdserve.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(default_source)
+    return [hf_greedy(hf_default, tokenizer, p, REFERENCE_NEW_TOKENS) for p in REFERENCE_PROMPTS]

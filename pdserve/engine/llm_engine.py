@@ -172,7 +172,8 @@ class LLMEngine:
         self.preemptor = Preemptor(self.scheduler, self.cache_manager, self.swap)
         self.runner = ModelRunner(self.model, self.kv_cache, self.cache_manager, get_backend(config.attention_backend),
                                   tp=self.tp)
-        self.speculator = make_speculator(config.speculative_config, self.runner)
+        self.speculator = make_speculator(config.speculative_config, self.runner, self.tokenizer, self.max_model_len,
+                                          dtype, config.small_batch_max_tokens, sched.max_batch_tokens)
         self.sampler = Sampler()
         self._default_generator = torch.Generator().manual_seed(config.seed)
         self._tracked: dict[str, _Tracked] = {}

@@ -25,6 +25,8 @@ its KV heads of both groups' pages into its own pool, whose layout is the same
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -238,16 +240,18 @@ class ModelRunner:
         return ModelOutput(logits=logits, hidden=hidden, chunk_rows=rows)
 
 
-    def run_layers_prefix(self, chunks: tuple[ScheduledChunk, ...] | list[ScheduledChunk],
-                          num_layers: int) -> torch.Tensor:
-        """A pass of the model's first `num_layers` layers, final norm and lm_head (a self-draft,
-        pdserve.engine.spec_decode.speculator.SelfDraft) over single-token chunks; returns the
-        logits of every chunk's token, [len(chunks), V] float32. It writes those layers' K/V at
-        the chunks' positions. Leader only (the self-draft refuses tensor parallelism)."""
+    def forward_chunks(self, chunks: Sequence[ScheduledChunk], logits_of: Sequence[int],
+                       num_layers: int | None = None) -> torch.Tensor:
+        """A pass over `chunks` outside the engine's schedule (a draft model's, E20): writes their
+        K/V and returns the logits of the last token of chunks[i] for i in `logits_of`,
+        [len(logits_of), V] float32. `num_layers`: only the model's first layers (a self-draft),
+        then its final norm and lm_head. Leader only: drafting refuses tensor parallelism."""
         step = self.build_batches(tuple(chunks))
+        ends = list(itertools.accumulate(c.num_tokens for c in chunks))
+        rows = torch.tensor([ends[i] - 1 for i in logits_of], dtype=torch.int64)           # [S]
+        only = {} if num_layers is None else {"num_layers": num_layers}
         logits, _ = self.model(step.input_ids, step.positions, self.kv.k, self.kv.v, self.backend,
-                               self.plan(step.batches), torch.arange(len(step.input_ids)), None,
-                               num_layers=num_layers)
+                               self.plan(step.batches), rows, None, **only)
         return logits
 
 

@@ -23,8 +23,9 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def reference(hf_default, llm):
-    return [hf_greedy(hf_default, llm.tokenizer, p, MAX_NEW) for p in REFERENCE_PROMPTS]
+def reference(hf_reference):
+    assert all(len(r) == MAX_NEW for r in hf_reference)
+    return hf_reference
 
 
 def test_long_prompts_really_are_chunked_and_paged(llm):

@@ -13,7 +13,7 @@ verification emits K + 1 tokens.
 from __future__ import annotations
 
 import pytest
-from support.reference import REFERENCE_PROMPTS, hf_greedy
+from support.reference import REFERENCE_PROMPTS
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.spec_decode.config import SpeculativeConfig
@@ -28,15 +28,20 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def reference(hf_default, llm):
-    return [hf_greedy(hf_default, llm.tokenizer, p, MAX_NEW) for p in REFERENCE_PROMPTS]
+def reference(hf_reference):
+    assert all(len(r) == MAX_NEW for r in hf_reference)
+    return hf_reference
 
 
 def speculate(llm: LLM, **config: object):
-    """Install a speculator on the module's engine (idle between tests) and return it."""
+    """Install a speculator on the module's engine (idle between tests) and return it, built as
+    the engine builds its own."""
     engine = llm.engine
     assert not engine.has_unfinished_requests()
-    engine.speculator = make_speculator(SpeculativeConfig(**config), engine.runner)
+    c = engine.config
+    engine.speculator = make_speculator(SpeculativeConfig(**config), engine.runner, engine.tokenizer,
+                                        engine.max_model_len, small_batch_max_tokens=c.small_batch_max_tokens,
+                                        catch_up_tokens=c.scheduler.max_batch_tokens)
     return engine.speculator
 
 
@@ -147,16 +152,26 @@ def test_seeded_sampling_and_logprobs_equal_plain_decoding(llm):
     check_idle(llm)
 
 
-def test_preemption_with_speculation_matches_plain_decoding(llm, reference):
+TIGHT_PICKED = (0, 1, 2, 3, 4, 7)
+
+
+@pytest.fixture(scope="module")
+def tight_pool_workload(llm, reference):
+    """Prompts that do not fit a 20-block pool together, and plain decoding's 40 tokens for each
+    (in the module's pool, which holds them all; their first MAX_NEW are transformers')."""
+    prompts = [REFERENCE_PROMPTS[i] for i in TIGHT_PICKED]
+    llm.engine.speculator = None
+    expected = [list(o.token_ids) for o in llm.generate(prompts, greedy(40))]
+    assert [e[:MAX_NEW] for e in expected] == [reference[i] for i in TIGHT_PICKED]
+    return prompts, expected
+
+
+def test_preemption_with_speculation_matches_plain_decoding(llm, tight_pool_workload):
     """A pool too small for the batch: requests are soft-reset or offloaded and recomputed while
     others speculate; outputs equal plain decoding in a pool that holds them all (whose first
     MAX_NEW tokens are transformers'; at 40 tokens one of these prompts meets a float32 near-tie
     where the engine and transformers part, with or without speculation) and the pool balances."""
-    picked = (0, 1, 2, 3, 4, 7)
-    prompts = [REFERENCE_PROMPTS[i] for i in picked]
-    llm.engine.speculator = None
-    expected = [list(o.token_ids) for o in llm.generate(prompts, greedy(40))]
-    assert [e[:MAX_NEW] for e in expected] == [reference[i] for i in picked]
+    prompts, expected = tight_pool_workload
     small = LLM(num_blocks=20, page_size=16, max_batch_tokens=64, max_requests_per_batch=8, num_threads=2,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
     outs = small.generate(prompts, greedy(40))
@@ -164,3 +179,60 @@ def test_preemption_with_speculation_matches_plain_decoding(llm, reference):
     assert [list(o.token_ids) for o in outs] == expected
     assert small.engine.speculator.num_accepted_tokens > 0
     check_idle(small)
+
+
+def test_ngram_under_tensor_parallelism_matches_transformers(reference):
+    """Verification chunks are ordinary passes to the ranks: TP 2 speculates exactly too."""
+    picked = (0, 6, 7)
+    with LLM(num_blocks=64, page_size=16, max_batch_tokens=64, num_threads=1, tensor_parallel_size=2,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}) as tp:
+        outs = tp.generate([REFERENCE_PROMPTS[i] for i in picked], greedy())
+        assert [list(o.token_ids) for o in outs] == [reference[i] for i in picked]
+        assert tp.engine.speculator.num_accepted_tokens > 0
+        check_idle(tp)
+
+
+def test_bad_configs_fail_at_start_naming_the_value(llm):
+    with pytest.raises(ValueError, match="self_draft_layers=99 but the model has 30 layers"):
+        make_speculator(SpeculativeConfig(method="draft_model", self_draft_layers=99, num_speculative_tokens=2),
+                        llm.engine.runner)
+
+
+def test_draft_checkpoint_equal_to_the_target_is_the_oracle(llm, reference, default_source):
+    """A separate draft model (its own KV pool, indexed by the target's block ids) that is the
+    target's own checkpoint: every draft is accepted, in a batch with chunked prefills."""
+    spec = speculate(llm, method="draft_model", model=str(default_source.path), num_speculative_tokens=3)
+    outs = llm.generate(REFERENCE_PROMPTS, greedy())
+    assert [list(o.token_ids) for o in outs] == reference
+    assert spec.num_drafts > 0 and spec.num_accepted_tokens == spec.num_draft_tokens
+    check_idle(llm)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    from support.tiny_models import make_tiny_checkpoint
+
+    return str(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("spec_draft") / "llama"))
+
+
+def test_random_draft_model_through_preemption_matches_plain_decoding(tight_pool_workload, tiny_draft):
+    """Exactness does not depend on the draft's quality: a random tiny draft (same tokenizer) in a
+    pool too small for the batch, whose requests are soft-reset or offloaded and come back (the
+    draft's pages move with the target's; its progress restarts) gives plain decoding's tokens."""
+    prompts, expected = tight_pool_workload
+    small = LLM(num_blocks=20, page_size=16, max_batch_tokens=64, max_requests_per_batch=8, num_threads=2,
+                speculative_config={"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 2})
+    outs = small.generate(prompts, greedy(40))
+    assert small.engine.num_soft_resets + small.engine.num_offloads > 0
+    assert [list(o.token_ids) for o in outs] == expected
+    assert small.engine.speculator.num_draft_tokens > 0
+    check_idle(small)
+
+
+def test_draft_with_another_vocabulary_is_refused(llm, tmp_path):
+    from support.tiny_models import make_tiny_checkpoint
+
+    other = make_tiny_checkpoint("llama", tmp_path / "small_vocab", vocab_size=1000)
+    with pytest.raises(ValueError, match="vocabulary of 1000 tokens, the target 49152"):
+        make_speculator(SpeculativeConfig(method="draft_model", model=str(other), num_speculative_tokens=2),
+                        llm.engine.runner, llm.tokenizer, llm.engine.max_model_len)

@@ -25,15 +25,20 @@ Threading: owned by the engine thread. Nothing here waits.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
+
+import torch
 
 from pdserve.engine.request import Request
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.scheduler.output import ScheduledChunk, SchedulerOutput
 from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.kernels.ops.norm_act import argmax_rows
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -109,7 +114,9 @@ class Speculator:
 
     def fill(self, sched: SchedulerOutput) -> SchedulerOutput:
         """The scheduled pass with real drafts in the chunks whose slots were granted (a
-        `needs_slots` proposer runs here, before the target pass); others pass through."""
+        `needs_slots` proposer runs here, before the target pass); others pass through. A chunk
+        whose proposer drafted fewer tokens than its slots shrinks (the slots it leaves are
+        freed after the pass like rejected ones); one with none decodes plainly."""
         if not self.proposer.needs_slots:
             return sched
         idx = [i for i, c in enumerate(sched.chunks) if c.draft_token_ids]
@@ -119,10 +126,11 @@ class Speculator:
         chunks = list(sched.chunks)
         for i, d in zip(idx, drafts, strict=True):
             c = chunks[i]
-            if len(d) != len(c.draft_token_ids):
+            if len(d) > len(c.draft_token_ids):
                 raise RuntimeError(f"{type(self.proposer).__name__} drafted {len(d)} tokens for "
                                    f"{c.request_id!r}, {len(c.draft_token_ids)} slots were granted")
-            chunks[i] = dataclasses.replace(c, draft_token_ids=tuple(d))
+            chunks[i] = dataclasses.replace(c, num_tokens=c.num_known + len(d), draft_token_ids=tuple(d))
+        chunks.sort(key=lambda c: c.num_tokens != 1)  # decodes first, as the scheduler orders them
         return dataclasses.replace(sched, chunks=tuple(chunks))
 
     def verify(self, draft: tuple[int, ...], sampled: Sequence[int]) -> Verdict:
@@ -140,6 +148,29 @@ class Speculator:
             for i in range(a):
                 self.accepted_per_pos[i] += 1
         return Verdict(token_ids=tuple(sampled[: a + 1]), num_accepted=a)
+
+
+def _draft_greedily(runner: ModelRunner, chunks: Sequence[ScheduledChunk], first: torch.Tensor,
+                    want: Sequence[int], num_layers: int | None = None) -> list[tuple[int, ...]]:
+    """Greedy drafts: chunks[i] gets want[i] tokens, the first the argmax of first[i] ([N, V]: the
+    draft's logits after the chunk's last known token), each next one from a single-token pass of
+    the draft over the one before it (all sequences batched, one pass per draft position)."""
+    out: list[list[int]] = [[] for _ in chunks]
+    nxt = argmax_rows(first).tolist()
+    active = [i for i in range(len(chunks)) if want[i] > 0]
+    pos = {i: chunks[i].start + chunks[i].num_known for i in active}     # where each next token goes
+    while active:
+        for j, i in enumerate(active):
+            out[i].append(nxt[j] if len(nxt) == len(active) else nxt[i])
+        active = [i for i in active if len(out[i]) < want[i]]
+        if not active:
+            break
+        step = [ScheduledChunk(request=chunks[i].request, start=pos[i], num_tokens=1, samples=False,
+                               draft_token_ids=(out[i][-1],)) for i in active]
+        for i in active:
+            pos[i] += 1
+        nxt = argmax_rows(runner.forward_chunks(step, range(len(step)), num_layers)).tolist()  # [A]
+    return [tuple(d) for d in out]
 
 
 class SelfDraft(Proposer):
@@ -174,32 +205,145 @@ class SelfDraft(Proposer):
         self.runner = runner
 
     def draft(self, chunks: Sequence[ScheduledChunk]) -> list[tuple[int, ...]]:
-        want = [len(c.draft_token_ids) for c in chunks]
-        out: list[list[int]] = [[] for _ in chunks]
-        # the token each sequence feeds next, at its position: first its last known token
-        feed = [c.request.token_slice(c.start, c.start + 1)[0] for c in chunks]
-        pos = [c.start for c in chunks]
-        active = list(range(len(chunks)))
-        while active:
-            step = [ScheduledChunk(request=chunks[i].request, start=pos[i], num_tokens=1, samples=False,
-                                   draft_token_ids=(feed[i],)) for i in active]
-            logits = self.runner.run_layers_prefix(step, self.num_layers)      # [len(active), V]
-            nxt = argmax_rows(logits).tolist()
-            for j, i in enumerate(active):
-                out[i].append(nxt[j])
-                feed[i] = nxt[j]
-                pos[i] += 1
-            active = [i for i in active if len(out[i]) < want[i]]
-        return [tuple(d) for d in out]
+        # pass 1 feeds each sequence's last known token at its position (the target will
+        # recompute it in the verification pass; the draft's layers get the same K/V)
+        first = [ScheduledChunk(request=c.request, start=c.start, num_tokens=1, samples=False,
+                                draft_token_ids=tuple(c.request.token_slice(c.start, c.start + 1))) for c in chunks]
+        logits = self.runner.forward_chunks(first, range(len(first)), self.num_layers)      # [N, V]
+        return _draft_greedily(self.runner, chunks, logits, [len(c.draft_token_ids) for c in chunks],
+                               self.num_layers)
 
 
-def make_speculator(config: SpeculativeConfig | None, runner: ModelRunner) -> Speculator | None:
-    """The engine's speculator (None: off); ValueError naming what does not fit the model."""
+@dataclass
+class _DraftProgress:
+    """How far a separate draft model's KV of one request is valid."""
+
+    request: Request
+    computed: int              # positions [0, computed) hold the draft's K/V of the request's tokens
+    epoch: tuple[int, int]     # (num_preemptions, num_offloads) when it was valid: a change moved the pages
+
+
+class DraftModel(Proposer):
+    """A separate, smaller checkpoint that shares the target's tokenizer drafts K greedy tokens
+    (`{"method": "draft_model", "model": PATH}`).
+
+    Its own KV pool has the target's page count and page size and is indexed by the target's
+    block ids: a request's draft K/V lives in the same block numbers as its target K/V, so the
+    target's allocation, freeing, preemption and truncation are the draft's too, and no second
+    allocator can disagree with the first. What the draft's pages hold is tracked per request
+    (`_DraftProgress.computed`): before drafting, a request catches up on the tokens its draft has
+    not run (the whole prompt the first time, e.g. after a remote prefill on a decode node; the
+    accepted tokens after each step), at most `catch_up_tokens` per step over all requests (a
+    request still behind drafts nothing that step). Pages that moved (a soft reset, an offload
+    and restore) restart the count at 0; a prefix-cache hit reads blocks whose draft K/V another
+    request wrote from the same tokens, and is recomputed anyway (the count starts at 0), so a
+    stale page is never trusted. Drafts are the draft's argmax (q one-hot: exact verification by
+    equality, module docstring)."""
+
+    needs_slots = True
+
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, draft_runner: ModelRunner,
+                 catch_up_tokens: int) -> None:
+        self.config = config
+        self.target = runner
+        self.runner = draft_runner
+        self.catch_up_tokens = catch_up_tokens
+        self._progress: dict[str, _DraftProgress] = {}
+
+    def draft(self, chunks: Sequence[ScheduledChunk]) -> list[tuple[int, ...]]:
+        self._progress = {rid: p for rid, p in self._progress.items() if not p.request.finished}
+        budget = self.catch_up_tokens
+        catch: list[ScheduledChunk] = []     # the draft's pass 1: what each sequence has not run yet
+        ready: list[int] = []                # chunks whose draft reaches their last known token
+        which: list[int] = []                # the catch-up chunk of each ready one
+        for i, c in enumerate(chunks):
+            r = c.request
+            epoch = (r.num_preemptions, r.num_offloads)
+            p = self._progress.get(r.request_id)
+            if p is None or p.epoch != epoch or p.request is not r:
+                p = self._progress[r.request_id] = _DraftProgress(r, 0, epoch)
+            p.computed = min(p.computed, r.num_computed_tokens)
+            end = c.start + c.num_known                   # through the last known token
+            n = min(end - p.computed, budget)
+            if n < 1:
+                continue
+            catch.append(ScheduledChunk(request=r, start=p.computed, num_tokens=n, samples=False))
+            budget -= n
+            p.computed += n
+            if p.computed == end:
+                ready.append(i)
+                which.append(len(catch) - 1)
+        if not catch:
+            return [() for _ in chunks]
+        logits = self.runner.forward_chunks(catch, which)                          # [len(ready), V]
+        out: list[tuple[int, ...]] = [() for _ in chunks]
+        if ready:
+            picked = [chunks[i] for i in ready]
+            drafted = _draft_greedily(self.runner, picked, logits, [len(c.draft_token_ids) for c in picked])
+            for i, d in zip(ready, drafted, strict=True):
+                out[i] = d
+                # the draft ran the known tokens and every draft but the last: those that are accepted
+                # stay valid (the count is cut to num_computed_tokens before the next use)
+                self._progress[chunks[i].request_id].computed += len(d) - 1
+        return out
+
+
+def _load_draft(config: SpeculativeConfig, runner: ModelRunner, tokenizer, max_model_len: int,
+                dtype: torch.dtype, small_batch_max_tokens: int) -> ModelRunner:
+    """The draft checkpoint with its KV pool (the target's page count and page size), or
+    ValueError naming what differs from the target."""
+    from pdserve.engine.cache.kv_cache import KVCacheShape, PagedKVCache
+    from pdserve.model.arch import ModelArch
+    from pdserve.model.loader import iter_weights, load_config, load_tokenizer, resolve_model
+    from pdserve.model.registry import build_model
+
+    source = resolve_model(config.model)
+    hf_config = load_config(source)
+    arch = ModelArch.from_hf_config(hf_config)
+    target = runner.model.arch
+    if arch.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative config: draft model {config.model!r} has a vocabulary of {arch.vocab_size} "
+                         f"tokens, the target {target.vocab_size}; a draft must share the target's tokenizer")
+    theirs = load_tokenizer(source).get_vocab()
+    ours = tokenizer.get_vocab()
+    if theirs != ours:
+        differ = sorted(set(theirs.items()) ^ set(ours.items()))[:3]
+        raise ValueError(f"speculative config: draft model {config.model!r} has a different tokenizer than the "
+                         f"target ({len(theirs)} vs {len(ours)} tokens; e.g. {differ}); a draft must share it")
+    if any(t != target.layer_types[0] for t in arch.layer_types) or arch.sliding_window is not None:
+        raise ValueError(f"speculative config: draft model {config.model!r} has sliding-window layers; a draft "
+                         f"model must use full attention only")
+    if arch.max_position_embeddings < max_model_len:
+        raise ValueError(f"speculative config: draft model {config.model!r} takes {arch.max_position_embeddings} "
+                         f"positions, the target serves max_model_len {max_model_len}")
+    model = build_model(arch, hf_config, dtype, max_model_len, small_batch_max_tokens=small_batch_max_tokens)
+    model.load_weights(iter_weights(source))
+    model.eval()
+    s = runner.kv.shape
+    kv = PagedKVCache(KVCacheShape(arch.num_layers, s.num_pages, arch.num_kv_heads, s.page_size, arch.head_dim),
+                      runner.kv.dtype)
+    logger.info("draft model %s: %d layers, KV pool of %d pages (%.2f GiB) indexed by the target's block ids",
+                source.name, arch.num_layers, s.num_pages, kv.buffer.numel() * kv.buffer.element_size() / 2**30)
+    return ModelRunner(model, kv, runner.cache_manager, runner.backend, padding_block=runner.padding_block)
+
+
+def make_speculator(config: SpeculativeConfig | None, runner: ModelRunner, tokenizer=None, max_model_len: int = 0,
+                    dtype: torch.dtype = torch.float32, small_batch_max_tokens: int = 0,
+                    catch_up_tokens: int = 512) -> Speculator | None:
+    """The engine's speculator (None: off); ValueError naming what does not fit the model.
+    A separate draft model (config.model) is loaded here: `tokenizer` (the target's, to compare),
+    `max_model_len`, `dtype` and `small_batch_max_tokens` are the engine's; `catch_up_tokens`
+    bounds the draft's catch-up per step (the engine passes max_batch_tokens)."""
     if config is None:
         return None
     if config.method == "ngram":
         return Speculator(config, NgramDrafts(config))
     if config.self_draft_layers is not None:
         return Speculator(config, SelfDraft(config, runner))
-    raise ValueError(f"speculative config: a draft model from a checkpoint ({config.model!r}) is not built yet; "
-                     f"use self_draft_layers (the target's own first layers) or method 'ngram'")
+    if runner.tp is not None:
+        raise ValueError("speculative config: a draft model does not run under tensor parallelism yet "
+                         f"(tensor_parallel_size {runner.tp.plan.tp_size}); use method 'ngram'")
+    if tokenizer is None:
+        raise ValueError("speculative config: a draft model needs the target's tokenizer to compare with")
+    draft_runner = _load_draft(config, runner, tokenizer, max_model_len, dtype, small_batch_max_tokens)
+    return Speculator(config, DraftModel(config, runner, draft_runner, catch_up_tokens))
