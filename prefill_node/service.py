@@ -184,6 +184,7 @@ class _Job:
     request_id: str                          # the engine's: key.engine_request_id
     key: TransferKey
     epoch: int                               # the peer's connection generation when it started
+    peer: PeerDescriptor                     # the decode fabric peer it writes to (disconnected on failure)
     future: concurrent.futures.Future        # the sender's, resolves with a TransferResult
     received: float                          # time.monotonic() of the RPC's receipt
     transfer_done: asyncio.Future            # resolves (with None) once `future` is done
@@ -314,7 +315,8 @@ class PrefillNode:
         future = self.sender.add(spec.target, rid)     # before the engine sees the request
         # Once nothing of the transfer is in flight, free the request's held blocks (D11).
         future.add_done_callback(lambda _f, rid=rid: self._on_release(rid))
-        job = _Job(rid, key, self._epochs.get(key.decode_engine_id, 0), future, received, self._bridge(future))
+        job = _Job(rid, key, self._epochs.get(key.decode_engine_id, 0), spec.peer, future, received,
+                   self._bridge(future))
         self._active[rid] = job
         job.engine_task = asyncio.create_task(self._run_engine(job, spec.token_ids), name=f"prefill-{rid}")
         try:
@@ -451,7 +453,7 @@ class PrefillNode:
             if job is not None:
                 await job.queued.wait()    # its engine add is queued before our abort/release
                 if isinstance(job.future.exception(), FabricError):
-                    self._retire_peer(job.key.decode_engine_id)   # before its source pages are freed
+                    self._retire_peer(job.peer)   # before its source pages are freed
             if await self.engine.abort(request_id):
                 logger.info("request %s: stopped its prefill (transfer ended before the prefill did)", request_id)
             freed = await self.engine.call(lambda: self._release_blocks(request_id))
@@ -465,14 +467,15 @@ class PrefillNode:
                 del self._active[request_id]
                 job.released.set()
 
-    def _retire_peer(self, engine_id: str) -> None:
+    def _retire_peer(self, peer: PeerDescriptor) -> None:
         """A transfer to this decode peer failed at the fabric: disconnect it (its connection and
         whatever the provider still queued on it go), so that nothing more is sent from the
-        transfer's source pages; the next Prefill from it connects afresh."""
+        transfer's source pages; the next Prefill from it connects afresh. The job's own peer is
+        disconnected even when `_peers` forgot it meanwhile (REMEMBERED_PEERS): forgetting a peer
+        does not close its connection."""
+        engine_id = peer.engine_id
         self._epochs[engine_id] = self._epochs.get(engine_id, 0) + 1
-        peer = self._peers.pop(engine_id, None)
-        if peer is None:
-            return
+        self._peers.pop(engine_id, None)
         try:
             self.transport.disconnect(peer)
         except FabricError as e:

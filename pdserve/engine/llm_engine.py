@@ -1,8 +1,14 @@
 """The engine every pdserve node runs: one step = schedule -> run -> update.
 
-    sched = scheduler.schedule()          # which tokens of which requests (E2-E6, E10, E11)
+    sched = scheduler.schedule(drafts)    # which tokens of which requests (E2-E6, E10, E11)
     out = runner.execute(sched)           # one forward pass over all of them
     return self._update(sched, out)       # sample, append, detokenize, stop, free
+
+Speculative decoding (E20, pdserve.engine.spec_decode): with a speculator, `drafts` are the
+proposals for the sequences that decode; the scheduler grants each a prefix of its draft from
+what the step has left; a drafting model fills its granted slots (`Speculator.fill`); the pass
+verifies them as extra query tokens of their sequence, and `_verify` emits the accepted drafts
+plus the next sample, then truncates the pages past what the request keeps.
 
 Memory (issue 4): the cache manager keeps one block table per attention group (E8) and the prefix
 cache (E12, E13); `_update` publishes newly complete blocks after each pass. Around the three
