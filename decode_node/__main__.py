@@ -51,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "fence (after a long partition) by closing this node's connection to it; off by default: "
                         "libfabric 1.17's rxm can crash closing a connection with a write half received "
                         "(decode_node.service)")
+    g.add_argument("--rotate-key-after", type=float, default=None, metavar="SECONDS",
+                   help="tcp;ofi_rxm: when a quarantine is this old and its prefill node has answered nothing for "
+                        "--prefill-stall seconds (a dead or partitioned host), register the KV pool under a new "
+                        "memory key, close the old one and every fabric connection, and release every quarantine "
+                        "held under it; every transfer then in flight, from any prefill node, fails over and is "
+                        "prefilled again (counted in pdserve:kv_key_rotations_total). Ignored on shm (its target "
+                        "checks no key). Default: off (such quarantines stay held)")
     add_engine_args(p)
     return p
 
@@ -63,7 +70,8 @@ def make(args: argparse.Namespace) -> NodeServer:
         provider=args.provider, fabric_node=args.fabric_node, prefill_timeout_s=args.prefill_timeout,
         stall_s=args.prefill_stall, local_prefill_fallback=args.local_prefill_fallback,
         prefill_routing=args.prefill_routing, max_waiting_requests=args.max_waiting_requests,
-        kv_checksum=args.kv_checksum, release_unfenced_by_close=args.release_unfenced_by_close)
+        kv_checksum=args.kv_checksum, release_unfenced_by_close=args.release_unfenced_by_close,
+        rotate_key_after_s=args.rotate_key_after)
     return node_server(config, options)
 
 

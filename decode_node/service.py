@@ -68,17 +68,34 @@ of them is left -- rxm's own shutdown path, not av_remove, closes them.
 
 A prefill host that dies silently (or stays partitioned) never answers: its quarantines are held
 for ever (S5 over S2), visible as pdserve:kv_quarantine_oldest_seconds{peer} (the oldest hold's
-age, as of its latest round) and a warning every QUARANTINE_LOG_S. Not built, because nothing
-cheaper is sound: closing our connection is not enough (a live but partitioned process may still
-post the key's writes after the heal, on a new connection), and a lease the prefill side checks
-before each post has a check-then-post window no lock closes (a process paused between the check
-and the post, e.g. a frozen VM, posts after the lease ran out; its monotonic clock did not run).
-The plan, sound because the target enforces it: rotate the KV memory registration -- register
-the KV pool again under a new key, send new Prefills the new descriptor, fi_close the old MR
-(rxm/tcp checks a write's key as it arrives; verbs/efa invalidate it in the NIC), then close every
-connection (a write whose key was checked before the close may still be copying) and drain:
-then no write under the old key can land, and every quarantine at once is released. Its cost:
-every transfer in flight under the old key, from every prefill node, fails over.
+age, as of its latest round) and a warning every QUARANTINE_LOG_S -- unless key rotation is on.
+Closing our connection alone is not enough (a live but partitioned process may still post the
+key's writes after the heal, on a new connection), and a lease the prefill side checks before
+each post has a check-then-post window no lock closes (a process paused between the check and
+the post, e.g. a frozen VM, posts after the lease ran out; its monotonic clock did not run).
+Key rotation (`DecodeNodeConfig.rotate_key_after_s`, --rotate-key-after; OFF by default: it
+fails over every transfer in flight from every prefill node, so an operator opts into that cost)
+is sound because the target enforces it: when a hold is that old and its prefill node answered
+no GetNodeInfo for `stall_s`, the node (`_rotate_keys`) registers the KV pool (every rank), the
+context landing area and the fence buffer again under new keys (KvReceiver.rotate_keys, on the
+engine thread, so each ticket names one generation; tickets prepared from then on carry the new
+descriptors), fails over every transfer of an older generation still in flight (its Prefill call
+is cancelled at its next progress poll; one not yet sent is never sent: a new attempt in fresh
+pages, the node not counted as tried), closes the old registrations (fi_close: tcp checks a
+write's key as its header arrives, so a write whose header comes later is refused there and never
+lands -- measured: tests/fabric/test_key_rotation_sockets.py), then ends every fabric connection
+open now, because a write whose key was checked before the close goes on being copied in as its
+bytes arrive (measured there too): each TCP socket of our fabric endpoints is shut down
+(decode_node.fabric_sockets: shutdown(2) from outside libfabric; later data is answered with a
+reset; the provider reads end-of-stream and closes it as for a dead peer; fi_av_remove would
+crash rxm 1.17 in exactly this half-received state), the rotation waits until the provider closed
+them all (ROTATE_CLOSE_WAIT_S, else it is retried next round), and drains. Then no write under an
+old key can land any more, and every hold of an older generation is released at once (its next
+poll), counted in pdserve:kv_key_rotations_total; a stopped process that resumes finds its
+connection reset and its later writes refused. Only on tcp;ofi_rxm: on shm (no key is checked)
+the flag is ignored with a warning, as a rotation would prove nothing there (same-host death is
+already detected); verbs/efa (the NIC invalidates a closed key, no sockets to end) are not
+measured here, so ignored as well.
 
 S7 (`DecodeNodeConfig.kv_checksum`, --kv-checksum): the Prefill asks for checksums; the landed
 count no longer makes the request schedulable by itself: once the count completed AND the
@@ -99,7 +116,7 @@ not in our AV, never counts toward either (nor toward a quarantine): it is count
 pool's key and a live tag cannot make a request schedulable or release a quarantine. shm and
 tcp;ofi_rxm (libfabric 1.17) do not name the writers of remote writes, so there the check is off
 and every write with the tag counts, as before; what stops a stranger there is the memory key
-(tcp checks it; rotating it is the plan above), or, on shm, nothing (same host: it can write our
+(tcp checks it; key rotation above), or, on shm, nothing (same host: it can write our
 memory anyway).
 
 TEST ONLY: $PDSERVE_TEST_ONLY_BAD_SHARD_KEY="PREFIX:RANK:N[,...]" makes the Prefill calls of
@@ -118,7 +135,10 @@ STALL_POLL_S); the write count after a successful Prefill (KV_LANDED_WAIT_S); on
 engine (its lock: the closes before it, each one fi_av_remove plus a drain); a quarantine's hold: unbounded by design
 (S5: pages no write may land in are never reused), in rounds HOLD_BACKOFF_S doubling to
 HOLD_BACKOFF_MAX_S, the endpoint's death looked at every HOLD_POLL_S, then its arrivals drained
-(DRAIN_GRACE_S + at most DRAIN_WAIT_S); an attempt whose only untried prefill nodes are marked
+(DRAIN_GRACE_S + at most DRAIN_WAIT_S); a key rotation: its registrations on the engine
+thread (one engine step's wait), the fi_close of each old one (a worker thread), the provider's
+close of the shut-down sockets (ROTATE_CLOSE_WAIT_S, polled) and a drain as above, the holds
+looked at every ROTATE_POLL_S; an attempt whose only untried prefill nodes are marked
 down waits for their retry (prefill_pool.RETRY_DOWN_AFTER_S); a finished request's wait for its
 Prefill response (PREFILL_RESPONSE_WAIT_S); with --kv-checksum, the count after the response
 (KV_LANDED_WAIT_S) and one verification (a hash of the request's pages, in a worker thread).
@@ -135,6 +155,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from decode_node.fabric_sockets import endpoint_of, fabric_sockets, open_inodes, shut_down
 from decode_node.prefill_pool import PREFILL_ROUTING, PrefillNode, PrefillPool, PrefixAffinity
 from fabric import FabricConfig, TransferEngine
 from kv_messenger import KvReceiver, ReceiverEvents, TransferTicket
@@ -167,6 +188,8 @@ DRAIN_GRACE_S = 0.05         # a gone peer's bytes in our socket buffers become 
 DRAIN_WAIT_S = 1.0           # then at most this for two progress rounds to handle them
 POOL_REFRESH_S = 1.0         # GetNodeInfo of every prefill node, this often
 QUARANTINE_LOG_S = 30.0      # a hold still unanswered is logged (a warning) this often
+ROTATE_POLL_S = 0.5          # --rotate-key-after: the holds are looked at this often
+ROTATE_CLOSE_WAIT_S = 5.0    # a rotation's shut-down fabric sockets are closed within this, or it retries
 CHECKSUM_RETRIES_SAME_NODE = 1   # S7: checksum failures of a request that may retry on the same prefill node
 # TEST ONLY: "PREFIX:RANK:N[,...]": the Prefill calls of attempts 0 .. N-1 of request ids starting
 # with PREFIX name decode rank RANK's pool under a wrong memory key (see _test_bad_shard_key).
@@ -217,6 +240,7 @@ class DecodeNodeConfig:
     max_waiting_requests: int = 2048          # requests held before their first token; more: RESOURCE_EXHAUSTED (S8)
     release_unfenced_by_close: bool = False   # ended-unfenced holds released by closing our connection (see above)
     kv_checksum: bool = False                 # S7: verify CRC32C of every landed run before scheduling
+    rotate_key_after_s: float | None = None   # a hold this old, its prefill node silent: rotate the KV key (None: off)
 
     def __post_init__(self) -> None:
         if self.prefill_routing not in PREFILL_ROUTING:
@@ -227,6 +251,8 @@ class DecodeNodeConfig:
             raise ValueError(f"prefill_timeout_s must be > 0, got {self.prefill_timeout_s!r}")
         if not self.stall_s > 0:
             raise ValueError(f"stall_s must be > 0, got {self.stall_s!r}")
+        if self.rotate_key_after_s is not None and not self.rotate_key_after_s > 0:
+            raise ValueError(f"rotate_key_after_s must be > 0 (or None: off), got {self.rotate_key_after_s!r}")
         if self.colocated and self.prefill_addresses:
             raise ValueError(f"a colocated node uses no prefill nodes, got {list(self.prefill_addresses)}")
 
@@ -256,6 +282,8 @@ class Transfer:
     landed: asyncio.Event = field(default_factory=asyncio.Event)   # S7: the count completed, not verified yet
     corrupt: bool = False                     # S7: its checksums did not match (or could not be checked)
     started: bool = False                     # its task began running (a task cancelled before that never does)
+    key_gen: int = 0                          # the memory-key generation its ticket names (key rotation)
+    rotated: bool = False                     # failed over because a key rotation closed its key
 
 
 @dataclass
@@ -275,6 +303,7 @@ class Quarantine:
     blocks: int = 0                           # pages quarantined; -1: none (the request had ended)
     rounds: int = 0
     closes_at_answer: int = 0                 # closes of our connection to its engine begun by its last answer
+    key_gen: int = 0                          # the memory-key generation its attempt's ticket named
     logged: float = 0.0                       # time.monotonic() of its last "still quarantined" warning
 
 
@@ -314,6 +343,12 @@ class DecodeNode(ReceiverEvents):
         self._aged: set[str] = set()                 # prefill addresses the age gauge has a value for
         self._conn_closes: dict[str, int] = {}       # prefill engine id -> closes of our connection to it begun
         self._close_locks: dict[str, asyncio.Lock] = {}
+        # Key rotation: tickets prepared now name generation _key_gen (written on the engine thread);
+        # every generation below _keys_dead_below has its registrations closed and every fabric
+        # connection open at that close ended, so no write under its keys can land any more.
+        self._key_gen = 0
+        self._keys_dead_below = 0
+        self._retired_regions: list = []             # registrations replaced by a rotation, not closed yet
         self.closing = False
         self._test_bad_keys = parse_bad_shard_keys(os.environ.get(TEST_BAD_SHARD_KEY_ENV, ""))
         if self._test_bad_keys:
@@ -363,6 +398,14 @@ class DecodeNode(ReceiverEvents):
             self._refreshers = [asyncio.create_task(self._refresh_loop(n)) for n in self.pool.nodes]
             if self.pool.members.dynamic:   # dns: prefill targets, resolved again (pdserve.serving.discovery)
                 self._refreshers.append(asyncio.create_task(self._discover_loop()))
+            if cfg.rotate_key_after_s is not None:
+                assert self.transport is not None
+                if self.transport.closes_connections and self.transport.provider.startswith("tcp"):
+                    self._refreshers.append(asyncio.create_task(self._rotate_loop()))
+                else:   # shm checks no key; verbs/efa: not measured here (module docstring)
+                    logger.warning("--rotate-key-after is ignored on provider %s: only on tcp;ofi_rxm is it measured "
+                                   "that a closed key and our ended connections stop every old write (shm checks "
+                                   "no key at all); a dead host's quarantines stay held", self.transport.provider)
 
     def readiness(self) -> str:
         """'' when this node can take requests, else why not (pdserve.serving.node_server's readiness:
@@ -458,7 +501,8 @@ class DecodeNode(ReceiverEvents):
         if state is not None and not state.admitted:
             state.admitted = time.monotonic()
         assert self.loop is not None
-        self.loop.call_soon_threadsafe(self._start_transfer, rid, token_ids, ticket)
+        # the generation of the keys `prepare` just put in the ticket (both on this thread)
+        self.loop.call_soon_threadsafe(self._start_transfer, rid, token_ids, ticket, self._key_gen)
 
     def ticket_refused(self, request_id: str, error: str) -> None:
         self.engine.submit(lambda: self._fail_waiting(request_id, error))
@@ -565,8 +609,8 @@ class DecodeNode(ReceiverEvents):
 
     # --- the loop: transfers ---------------------------------------------------------------------
 
-    def _start_transfer(self, rid: str, tokens: tuple[int, ...], ticket: TransferTicket) -> None:
-        t = Transfer(tokens, attempt=ticket.attempt, tag=ticket.imm_tag)
+    def _start_transfer(self, rid: str, tokens: tuple[int, ...], ticket: TransferTicket, key_gen: int) -> None:
+        t = Transfer(tokens, attempt=ticket.attempt, tag=ticket.imm_tag, key_gen=key_gen)
         state = self.requests.get(rid)
         if state is None:   # its handler is gone already: the transfer still runs, to end safely
             state = self.requests[rid] = RequestState(rid, handler_done=True)
@@ -670,6 +714,8 @@ class DecodeNode(ReceiverEvents):
             if t.corrupt:   # S7: landed but wrong; nothing more can land, so no quarantine
                 self._checksum_failed_attempt(state, ticket, node, err)
                 return
+            if t.rotated:   # not the node's fault: it may take the next attempt
+                state.tried.discard(node.address)
             state.errors.append(f"{node.address}: {err}")
             msg = f"prefill on {node.address} failed ({err})"
             logger.warning("request %s attempt %d: %s; its pages are quarantined%s", rid, ticket.attempt, msg,
@@ -692,7 +738,7 @@ class DecodeNode(ReceiverEvents):
         q = Quarantine(request_id=state.request_id, attempt=ticket.attempt,
                        quarantine_id=f"{state.request_id}#{ticket.attempt}", node=node,
                        decode_engine_id=self.transport.engine_id, prefill_engine_id=t.prefill_engine_id,
-                       peer=node.peer, since=time.monotonic())
+                       peer=node.peer, since=time.monotonic(), key_gen=t.key_gen)
         self.engine.submit(lambda: self._quarantine_attempt(q, retry, error))
 
     async def _prefill_on(self, node: PrefillNode, state: RequestState, ticket: TransferTicket) -> tuple[bool, str]:
@@ -705,6 +751,9 @@ class DecodeNode(ReceiverEvents):
         req = ticket.to_pb(list(t.token_ids), self.transport.peer_descriptor, "", timeout)
         req.decode_node_id = self.config.node_id   # under mTLS, checked against our certificate (S9)
         self._test_bad_shard_key(req, ticket)
+        if t.key_gen < self._key_gen:   # prepared before a rotation: its keys are closed, never sent
+            t.rotated = True
+            return False, "its memory key was rotated before it was sent"
         node.sent_tokens += len(t.token_ids)
         call_start = time.monotonic()
         call = asyncio.ensure_future(node.prefill.Prefill(req, timeout=timeout))
@@ -718,6 +767,10 @@ class DecodeNode(ReceiverEvents):
                 n = self.receiver.landed(state.request_id)
                 if n != landed or t.ready.is_set() or t.landed.is_set():
                     landed, progress = n, now
+                if t.key_gen < self._key_gen and not t.ready.is_set():
+                    call.cancel()   # its writes are refused from now on: fail over at once
+                    t.rotated = True
+                    return False, "this node's memory key was rotated (a prefill host stopped answering)"
                 if now - max(progress, node.last_answer) > self.config.stall_s:
                     call.cancel()
                     self.pool.mark_down(node, f"stalled: no write landed and no GetNodeInfo answer for "
@@ -806,6 +859,9 @@ class DecodeNode(ReceiverEvents):
         q.node.holds += 1   # keeps the node's channel open should discovery retire it meanwhile
         try:
             while True:
+                if self._key_dead(q):
+                    how = "its memory key was rotated (closed, every connection open then ended)"
+                    break
                 try:
                     answer = await self._abort_confirmed(q)
                 except Exception as e:   # never let the hold die: its pages would stay quarantined unseen
@@ -831,6 +887,8 @@ class DecodeNode(ReceiverEvents):
                                    "confirmed its abort (round %d)", q.request_id, q.attempt, max(q.blocks, 0),
                                    time.monotonic() - q.since, q.node.address, q.rounds)
                 if await self._peer_gone_within(q, delay):
+                    if self._key_dead(q):
+                        continue   # said at the top of the loop
                     await self._drain_arrivals()
                     how = "prefill endpoint gone"
                     break
@@ -846,11 +904,12 @@ class DecodeNode(ReceiverEvents):
         self.engine.submit(lambda: self._release_quarantine(q))
 
     async def _peer_gone_within(self, q: Quarantine, seconds: float) -> bool:
-        """Sleep `seconds`, looking every HOLD_POLL_S whether the prefill endpoint is gone."""
+        """Sleep `seconds`, looking every HOLD_POLL_S whether the prefill endpoint is gone (or q's
+        memory key was rotated)."""
         assert self.transport is not None
         end = time.monotonic() + seconds
         while True:
-            if q.peer is not None and self.transport.peer_gone(q.peer):
+            if q.peer is not None and self.transport.peer_gone(q.peer) or self._key_dead(q):
                 return True
             left = end - time.monotonic()
             if left <= 0:
@@ -867,6 +926,77 @@ class DecodeNode(ReceiverEvents):
         end = time.monotonic() + DRAIN_WAIT_S
         while not self.transport.progressed(mark) and time.monotonic() < end:
             await asyncio.sleep(0.002)
+
+    # --- the loop: key rotation (--rotate-key-after) -------------------------------------------------
+
+    def _key_dead(self, q: Quarantine) -> bool:
+        """No write under the keys q's attempt was sent can land any more (a rotation finished)."""
+        return q.key_gen < self._keys_dead_below
+
+    def _rotation_due(self) -> Quarantine | None:
+        """A hold that asks for a rotation: older than rotate_key_after_s, its prefill node
+        unanswering for stall_s, and its keys still live (or a rotation left unfinished)."""
+        after = self.config.rotate_key_after_s
+        assert after is not None
+        now = time.monotonic()
+        for q in self._held.values():
+            if not self._key_dead(q) and now - q.since >= after and now - q.node.last_answer > self.config.stall_s:
+                return q
+        return None
+
+    async def _rotate_loop(self) -> None:
+        while True:
+            await asyncio.sleep(ROTATE_POLL_S)
+            q = self._rotation_due()
+            if q is None:
+                continue
+            try:
+                await self._rotate_keys(q)
+            except Exception as e:   # never let the loop die: the holds would stay unanswered unseen
+                logger.error("KV key rotation for the hold of request %s attempt %d failed (%s: %s); retrying in "
+                             "%.1f s", q.request_id, q.attempt, type(e).__name__, e, ROTATE_POLL_S)
+
+    def _swap_keys(self) -> tuple:
+        """Engine thread (where tickets are prepared): new registrations, the next generation."""
+        assert self.receiver is not None
+        old = self.receiver.rotate_keys()
+        self._key_gen += 1
+        return old
+
+    async def _rotate_keys(self, q: Quarantine) -> None:
+        """Make every write under the keys up to now unable to land (module docstring): register
+        the pool again (new tickets name it), fail over the transfers in flight under the old keys,
+        close the old registrations (the target refuses a write under a closed key as it arrives),
+        then end every fabric connection open now (a write whose key was checked before the close
+        may still be copying) and drain; then every hold of those generations is released."""
+        assert self.transport is not None and self.pool is not None
+        if self._key_gen == self._keys_dead_below:   # else a rotation is unfinished: finish it
+            self._retired_regions.extend(await self.engine.call(self._swap_keys))
+            logger.warning("rotating the KV memory key (generation %d): request %s attempt %d has been quarantined "
+                           "%.1f s and prefill node %s answers nothing; every transfer in flight under the old key "
+                           "fails over", self._key_gen, q.request_id, q.attempt, time.monotonic() - q.since,
+                           q.node.address)
+        target = self._key_gen
+        while self._retired_regions:
+            await asyncio.to_thread(self.transport.deregister, self._retired_regions[0])   # fi_close
+            self._retired_regions.pop(0)
+        own = {e for e in (endpoint_of(r.peer.address) for r in self.transport.rails) if e is not None}
+        peers = {e for e in (endpoint_of(n.peer.address) for n in self.pool.nodes if n.peer is not None)
+                 if e is not None}
+        socks = await asyncio.to_thread(fabric_sockets, own, peers)
+        inodes = await asyncio.to_thread(shut_down, socks)
+        end = time.monotonic() + ROTATE_CLOSE_WAIT_S
+        while left := open_inodes(inodes):
+            if time.monotonic() > end:
+                logger.warning("KV key rotation: %d of %d fabric sockets still open %.0f s after their shutdown; "
+                               "retrying", len(left), len(inodes), ROTATE_CLOSE_WAIT_S)
+                return
+            await asyncio.sleep(0.01)
+        await self._drain_arrivals()
+        self._keys_dead_below = target
+        self.metrics.kv_key_rotations.inc()
+        logger.warning("KV memory key rotated (generation %d): old registrations closed, %d fabric connections "
+                       "ended; the quarantines held under the old keys are released", target, len(inodes))
 
     def _can_close(self, q: Quarantine) -> bool:
         """Closing our connection to q's prefill node refuses what it still sends (ofi_rxm)."""
@@ -910,8 +1040,8 @@ class DecodeNode(ReceiverEvents):
             call = asyncio.ensure_future(q.node.prefill.AbortPrefill(req, timeout=ABORT_RPC_TIMEOUT_S))
             while not call.done():   # a dead endpoint ends the wait at once
                 await asyncio.wait({call}, timeout=HOLD_POLL_S)
-                if not call.done() and q.peer is not None and self.transport is not None \
-                        and self.transport.peer_gone(q.peer):
+                if not call.done() and (q.peer is not None and self.transport is not None
+                                        and self.transport.peer_gone(q.peer) or self._key_dead(q)):
                     call.cancel()
                     return ABORT_NOT_YET
             try:

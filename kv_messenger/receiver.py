@@ -216,6 +216,34 @@ class KvReceiver(DecodeConnector):
         self.placements = pool.placements   # D16 (the fabric's progress thread serves the landings)
         self.fence_region = self.transport.register(self._fence_buf)
 
+    def rotate_keys(self) -> tuple[MemoryRegion, ...]:
+        """Register the KV pool (every rank, on its rail), the context landing area and the fence
+        buffer again, under new memory keys; tickets and fences from now on name the new
+        registrations. Returns the old ones, still registered: the caller closes them
+        (`TransferEngine.deregister`) once nothing may be sent them (decode_node.service's key
+        rotation). Call on the engine thread (where `prepare` runs), so a ticket names one
+        generation's regions. FabricError if a registration fails (the old ones stay in use)."""
+        assert self._landing is not None and self.fence_region is not None
+        new: list[MemoryRegion] = []
+        try:
+            for r in (*self.kv_regions, self._landing.region):
+                new.append(self.transport.register(address=r.address, length=r.length, rail=r.rail))
+            new.append(self.transport.register(self._fence_buf))
+        except BaseException:
+            for r in new:
+                self.transport.deregister(r)
+            raise
+        old = (*self.kv_regions, self._landing.region, self.fence_region)
+        n = len(self.kv_regions)
+        self.kv_regions, self.kv_region = tuple(new[:n]), new[0]
+        self._landing = dataclasses.replace(self._landing, region=new[n])
+        self.fence_region = new[n + 1]
+        return old
+
+    def current_key(self, ticket: TransferTicket) -> bool:
+        """Whether `ticket` names the pool's current registration (not one `rotate_keys` replaced)."""
+        return ticket.kv == self.kv_regions[0].descriptor
+
     def on_kv_wait(self, wait: KvWait) -> None:
         try:
             ticket = self.prepare(wait.request_id, len(wait.prompt_token_ids), list(wait.block_ids), prefill_tp=None,

@@ -129,6 +129,7 @@ class ClusterConfig:
     num_blocks: int | None = None
     engine_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()    # extra flags of every decode node only (e.g. --rotate-key-after 2)
     log_dir: str | None = None
     router_health_interval_s: float = 1.0
     startup_timeout_s: float = 180.0
@@ -385,7 +386,7 @@ def plan(config: ClusterConfig, ports: Sequence[int] | None = None,
             argv = [py, "-m", "decode_node", *common, "--port", str(port), "--node-id", name, *fabric,
                     "--prefill", prefill_addrs, "--prefill-routing", config.routing, *_tp_flags(config.decode_tp),
                     *(["--kv-checksum"] if config.kv_checksum else []), *engine, *_spec_flags(config),
-                    *_security_flags(config, security_dir, name)]
+                    *_security_flags(config, security_dir, name), *config.decode_args]
             nodes.append((name, "decode", port, argv))
     router_port = config.port or next(it)
     http_port = config.http_port if config.http_port != 0 else next(it)

@@ -61,6 +61,7 @@ class NodeMetrics:
     kv_stale_writes: Counter      # pdserve:kv_stale_writes_total: writes landed for no live transfer (S5)
     incompatible_peers: Gauge     # pdserve:incompatible_peers{peer}: 1 while a prefill node is skipped for skew
     kv_quarantine_oldest: Gauge   # pdserve:kv_quarantine_oldest_seconds{peer}: age of the oldest quarantine held
+    kv_key_rotations: Counter     # pdserve:kv_key_rotations_total: KV memory-key rotations done (--rotate-key-after)
     kv_checksums_verified: Counter   # pdserve:kv_checksums_verified_total: transfers verified (S7, --kv-checksum)
     kv_checksum_failures: Counter    # pdserve:kv_checksum_failures_total: transfers whose landed bytes differed
     kv_shard_placement: Gauge        # pdserve:kv_shard_placement_info{rank, numa_node, nic, domain, cpus}: 1 (D16)
@@ -133,6 +134,11 @@ def node_metrics(registry: CollectorRegistry) -> NodeMetrics:
                                    "quarantines for the prefill node at `peer` (absent when none): one that "
                                    "keeps growing is a prefill host that never answers (S5 keeps the pages).",
                                    ["peer"], registry=registry),
+        kv_key_rotations=Counter("pdserve:kv_key_rotations",
+                                 "Rotations of this decode node's KV memory key that finished (--rotate-key-after): "
+                                 "the pool registered again, the old key closed and every fabric connection "
+                                 "ended, so the quarantines held under it were released; each one failed over "
+                                 "every transfer then in flight.", registry=registry),
         kv_checksums_verified=Counter("pdserve:kv_checksums_verified",
                                       "Transfers whose landed KV pages and context this decode node hashed and "
                                       "compared with the prefill node's checksums (S7, --kv-checksum), "
