@@ -26,8 +26,13 @@ the peer's transmit endpoint at peer_fail already.
 AbortPrefill (S5), bound to this process: a request naming another prefill engine id (a restart
 at the same address) is WRONG_ENGINE, never confirmed. An active transfer is aborted and waited
 for (ABORT_WAIT_S). A FINISHED key is confirmed with a delivery fence: one write carrying the
-decode node's fence tag, posted on the same connection after every write of the transfer
-completed locally (`KvSender.fence`); the connection delivers writes in order (FI_ORDER_WAW,
+decode node's fence tag, posted between the same pair of endpoints after every write of the
+transfer completed locally (`KvSender.fence`). It may travel on a newer connection than the
+writes (rxm reconnects by itself after a reset), which is sound: rxm 1.17 accepts a connection
+from an endpoint only once the previous one is closed at the target, so each earlier write has
+landed before the fence or never will (tests/fabric/test_fence_reconnect.py); the connection
+epoch (`_epochs`) covers only the connections this process closed (`_retire_peer`). Writes
+between one pair of endpoints are delivered in order (FI_ORDER_WAW,
 which fabric's hints ask for and tcp;ofi_rxm and shm grant in libfabric 1.17; a fence is posted
 only where it was granted, TransferEngine.writes_ordered: else a delivery-complete endpoint
 confirms without one, and any other answers FINISHED unconfirmed), so once the decode node
