@@ -147,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_topology_parser(sub)
 
+    from pdserve.tools.draft_train import add_draft_parser
+
+    add_draft_parser(sub)
+
     s = sub.add_parser("simulate", help="run the real scheduler without a model: static vs continuous batching")
     s.add_argument("--output-lengths", default="5,50,8,12,40,3,30,7", help="comma-separated output lengths")
     s.add_argument("--slots", type=int, default=4, help="sequences per batch")
