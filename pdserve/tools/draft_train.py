@@ -195,17 +195,22 @@ def build_corpus(cfg: DraftTrainConfig, target_path: pathlib.Path, target_hash: 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch.float32,
                                                               local_files_only=True)
     model.eval()
-    hidden: list[torch.Tensor] = []
-    with torch.inference_mode():
-        for t in texts:
-            # last_hidden_state: after the final norm, as the engine's ModelOutput.hidden
-            hidden.append(model.model(input_ids=torch.tensor([t])).last_hidden_state[0].float())  # [n, H]
+    hidden = [target_hidden_states(model, t) for t in texts]
     del model
     lengths = torch.tensor([0] + [len(t) for t in texts])
     return Corpus(tokens=torch.tensor([x for t in texts for x in t], dtype=torch.long),
                   hidden=torch.cat(hidden).contiguous(), offsets=lengths.cumsum(0),
                   heldout=torch.tensor([(s % cfg.heldout_every) == cfg.heldout_every - 1 for s in range(len(texts))]),
                   recipe=_recipe(cfg, target_hash, prompts))
+
+
+def target_hidden_states(model: Any, ids: Sequence[int]) -> torch.Tensor:  # [n, H] float32
+    """A transformers causal LM's final-norm hidden state at every position of ids: its
+    `model.model(...).last_hidden_state` is taken after the final norm, the engine's ModelOutput.hidden."""
+    import torch
+
+    with torch.inference_mode():
+        return model.model(input_ids=torch.tensor([list(ids)])).last_hidden_state[0].float()
 
 
 def save_corpus(c: Corpus, path: pathlib.Path) -> None:
