@@ -56,7 +56,8 @@ STATE_FILE = "train_state.pt"
 LOSSES = ("kl", "ce")
 CHAT_MODES = ("both", "raw", "chat")
 # fields of DraftTrainConfig that may differ between a run and its --resume
-_RESUMABLE_CHANGES = ("steps", "checkpoint_every", "resume", "progress")
+# (the result is bit-exact when --num-threads is the same too)
+_RESUMABLE_CHANGES = ("steps", "checkpoint_every", "resume", "progress", "num_threads")
 
 
 @dataclass(frozen=True)

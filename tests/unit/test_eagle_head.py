@@ -134,6 +134,11 @@ def test_config_validation(vocab):
         EagleConfig.from_json({**good.to_json(), "extra": 1})
     with pytest.raises(ValueError, match="version"):
         EagleConfig.from_json({**good.to_json(), "format_version": 99})
+    hf = {"hidden_size": H, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+          "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}
+    c = EagleConfig.for_target(hf, vocab.identity)
+    assert (c.rope_theta, c.head_dim, c.num_kv_heads, c.rms_norm_eps) == (100000.0, 16, 2, 1e-5)
+    assert EagleConfig.for_target({**hf, "rope_parameters": None, "rope_theta": 5e5}, vocab.identity).rope_theta == 5e5
     with pytest.raises(ValueError, match=r"\[49152, 64\]"):
         EagleHead(good, vocab.embed[:100], vocab.lm_head)
 

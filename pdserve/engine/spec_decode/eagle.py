@@ -217,7 +217,7 @@ class EagleConfig:
                    head_dim=int(head_dim),  # type: ignore[call-overload]
                    intermediate_size=int(hf_config["intermediate_size"]),  # type: ignore[call-overload]
                    rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),  # type: ignore[arg-type]
-                   rope_theta=float(hf_config.get("rope_theta") or 10000.0),  # type: ignore[arg-type]
+                   rope_theta=float(_rope_theta(hf_config)),
                    dtype=dtype, target=target)
 
     def to_json(self) -> dict[str, object]:
@@ -238,6 +238,14 @@ class EagleConfig:
         stats = body.get("train_stats")
         body["train_stats"] = None if stats is None else EagleTrainStats(**stats)  # type: ignore[arg-type]
         return cls(**body)  # type: ignore[arg-type]
+
+
+def _rope_theta(hf_config: Mapping[str, object]) -> float:
+    """The target's RoPE base (transformers 5 nests it in rope_parameters). The head applies plain
+    RoPE with that base; a scaling the target may use (llama3, yarn) is not copied."""
+    params = hf_config.get("rope_parameters")
+    theta = params.get("rope_theta") if isinstance(params, Mapping) else None
+    return float(theta or hf_config.get("rope_theta") or 10000.0)  # type: ignore[arg-type]
 
 
 class _RMSNorm(nn.Module):
