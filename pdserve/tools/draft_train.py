@@ -134,9 +134,7 @@ class Corpus:
 class TrainResult:
     step: int
     losses: tuple[float, ...]       # per step, from step 1 (including steps before a resume)
-    top1_agreement: float
-    top1_agreement_step2: float | None
-    heldout_tokens: int
+    agreement: Agreement
     out: pathlib.Path
 
 
@@ -301,12 +299,21 @@ def _step_loss(head: EagleHead, cfg: DraftTrainConfig, tok: torch.Tensor, hid: t
     return total / cfg.unroll
 
 
-def evaluate(head: EagleHead, c: Corpus, seq_len: int) -> tuple[float, float | None, int]:
-    """Teacher-forced top-1 agreement with the target on held-out texts: (step 1, step 2, rows)."""
+@dataclass(frozen=True)
+class Agreement:
+    """Teacher-forced top-1 agreement of the head with the target on held-out text."""
+
+    step1: float               # first draft token, the head attending over up to --seq-len rows of history
+    step2: float | None        # second token, drafted from the head's own hidden state
+    no_history: float          # first token with no head history at all (a head run without its own KV)
+    rows: int
+
+
+def evaluate(head: EagleHead, c: Corpus, seq_len: int) -> Agreement:
     import torch
 
-    hits = [0, 0]
-    rows = [0, 0]
+    hits = [0, 0, 0]
+    rows = [0, 0, 0]
     with torch.no_grad():
         for s in c.texts(heldout=True):
             a, n = int(c.offsets[s]), c.length(s)
@@ -325,9 +332,14 @@ def evaluate(head: EagleHead, c: Corpus, seq_len: int) -> tuple[float, float | N
                     hits[j] += int((logits.argmax(-1) == target).sum())
                     rows[j] += target.numel()
                     feats = out
+            # every row alone: [n-1, 1] rows of one token each
+            logits, _ = head(tok[0, 1:, None], hid[0, :-1, None], torch.arange(1, n)[:, None])
+            target = head.logits(hid[0, 1:]).argmax(-1)                       # [n-1]
+            hits[2] += int((logits[:, 0].argmax(-1) == target).sum())
+            rows[2] += target.numel()
     if rows[0] == 0:
         raise ValueError("draft train: no held-out text to evaluate (lower --heldout-every or add prompts)")
-    return hits[0] / rows[0], (hits[1] / rows[1] if rows[1] else None), rows[0]
+    return Agreement(hits[0] / rows[0], hits[1] / rows[1] if rows[1] else None, hits[2] / rows[2], rows[0])
 
 
 def _atomic_torch_save(obj: Any, path: pathlib.Path) -> None:
@@ -413,11 +425,12 @@ def train(cfg: DraftTrainConfig) -> TrainResult:
             checkpoint()
     bar.close()
     head.eval()
-    a1, a2, n = evaluate(head, corpus, cfg.seq_len)
-    head.save(out, EagleTrainStats(steps=step, loss=losses[-1] if losses else float("nan"), top1_agreement=a1,
-                                   top1_agreement_step2=a2, heldout_tokens=n,
+    ag = evaluate(head, corpus, cfg.seq_len)
+    head.save(out, EagleTrainStats(steps=step, loss=losses[-1] if losses else float("nan"),
+                                   top1_agreement=ag.step1, top1_agreement_step2=ag.step2,
+                                   top1_agreement_no_history=ag.no_history, heldout_tokens=ag.rows,
                                    train_tokens=sum(corpus.length(s) for s in train_texts)))
-    return TrainResult(step, tuple(losses), a1, a2, n, out)
+    return TrainResult(step, tuple(losses), ag, out)
 
 
 class _Progress:
@@ -495,12 +508,13 @@ def cmd_draft_train(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, heldout_every=args.heldout_every, corpus=args.corpus,
         num_threads=args.num_threads, resume=args.resume, progress=not args.no_progress)
     r = train(cfg)
-    a2 = None if r.top1_agreement_step2 is None else round(r.top1_agreement_step2, 4)
-    step2 = "n/a" if a2 is None else f"{a2:.3f}"
+    ag = r.agreement
     print(json.dumps({"out": str(r.out), "step": r.step, "loss": r.losses[-1] if r.losses else None,
-                      "top1_agreement": round(r.top1_agreement, 4), "top1_agreement_step2": a2,
-                      "heldout_tokens": r.heldout_tokens}))
-    print(f"draft head in {r.out}: held-out top-1 agreement {r.top1_agreement:.3f} (step 2: {step2}) "
-          f"over {r.heldout_tokens} rows", file=sys.stderr)
+                      **{f"top1_agreement{k}": None if v is None else round(v, 4)
+                         for k, v in (("", ag.step1), ("_step2", ag.step2), ("_no_history", ag.no_history))},
+                      "heldout_tokens": ag.rows}))
+    step2 = "n/a" if ag.step2 is None else f"{ag.step2:.3f}"
+    print(f"draft head in {r.out}: held-out top-1 agreement {ag.step1:.3f} (second token {step2}, "
+          f"without head history {ag.no_history:.3f}) over {ag.rows} rows", file=sys.stderr)
     return 0
 

@@ -118,4 +118,5 @@ def test_loss_decreases(setup):
     first, last = sum(r.losses[:5]) / 5, sum(r.losses[-5:]) / 5
     assert last < 0.8 * first, (first, last, r.losses)
     stats = read_config(root / "long").train_stats
-    assert stats.top1_agreement == r.top1_agreement and json.dumps(stats.loss)
+    assert stats.top1_agreement == r.agreement.step1 and stats.top1_agreement_no_history == r.agreement.no_history
+    assert 0 <= r.agreement.step2 <= 1 and r.agreement.rows > 0 and json.dumps(stats.loss)

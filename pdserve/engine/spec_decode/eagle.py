@@ -161,12 +161,14 @@ class EagleTrainStats:
     """What training measured, recorded in the checkpoint's config.json.
     top1_agreement: on held-out text, teacher-forced, the fraction of rows where the head's argmax
     equals the target's (the acceptance rate of the first greedy draft token); top1_agreement_step2:
-    the same for the second draft token, drafted from the head's own hidden state."""
+    the same for the second draft token, drafted from the head's own hidden state;
+    top1_agreement_no_history: the first token with the head seeing no earlier rows of its own."""
 
     steps: int
     loss: float
     top1_agreement: float | None = None
     top1_agreement_step2: float | None = None
+    top1_agreement_no_history: float | None = None
     heldout_tokens: int = 0
     train_tokens: int = 0
 
@@ -471,6 +473,7 @@ def atomic_write(path: pathlib.Path, write: object) -> None:
     os.close(fd)
     try:
         write(pathlib.Path(tmp))  # type: ignore[operator]
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a head is shipped and read by other users
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
