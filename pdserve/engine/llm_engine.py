@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,7 +63,7 @@ from pdserve.engine.runner import (
     tp_shard_pools,
 )
 from pdserve.engine.sampling.detokenizer import IncrementalDetokenizer
-from pdserve.engine.sampling.sampler import SampleLogprobs, Sampler, token_seed
+from pdserve.engine.sampling.sampler import SampleLogprobs, Sampler, compute_logprobs, filtered_probs, token_seed
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput, make_scheduler
 from pdserve.engine.scheduler.preemption import Preemptor
@@ -74,7 +75,7 @@ from pdserve.engine.sizing import (
     module_nbytes,
     size_pool,
 )
-from pdserve.engine.spec_decode.speculator import make_speculator
+from pdserve.engine.spec_decode.speculator import Verdict, make_speculator
 from pdserve.engine.stats import EngineInfo, EngineLoad, EngineMetrics
 from pdserve.kernels.attention import get_backend
 from pdserve.model.arch import ModelArch
@@ -430,6 +431,7 @@ class LLMEngine:
                                                     self._group_tables(r.request_id)))
         if sched.is_empty:
             return self._stalled()
+        began = time.perf_counter()
         if self.speculator is not None:
             sched = self.speculator.fill(sched)   # a draft model drafts into its granted slots
         self.last_load = self.load()   # what runs now holds its pages: routing reads this during the pass
@@ -437,6 +439,8 @@ class LLMEngine:
         if conn is not None:
             conn.on_schedule(sched, {c.request_id: self._group_tables(c.request_id) for c in sched.chunks})
         out = self.runner.execute(sched, conn.on_layer_done if conn is not None else None)
+        if self.speculator is not None:   # what speculation's control weighs drafts against
+            self.speculator.observe(sched.num_batched_tokens, time.perf_counter() - began)
         results = self._update(sched, out)
         if sched.stalled:
             self.preemptor.relieve(sched.stalled)  # they run next step
@@ -454,7 +458,9 @@ class LLMEngine:
         self.num_forward_tokens += sched.num_batched_tokens
         self.num_prompt_tokens_computed += sum(
             max(0, min(c.end, c.request.num_prompt_tokens) - c.start) for c in sched.chunks)
-        sampling_chunks = [c for c in sched.chunks if c.samples]
+        # chunks whose drafts were sampled from a draft distribution are verified by rejection
+        # sampling (`_verify_sampled`); every other sampling row goes through the sampler at once
+        sampling_chunks = [c for c in sched.chunks if c.samples and c.draft_probs is None]
         sampled = None
         if sampling_chunks:
             rows: list[int] = []
@@ -473,6 +479,9 @@ class LLMEngine:
         for c in sched.chunks:
             r = c.request
             tracked = self._tracked[r.request_id]
+            if c.draft_probs is not None:
+                results.append(self._verify_sampled(tracked, c, out))
+                continue
             if c.draft_token_ids:
                 n = c.num_sample_rows
                 results.append(self._verify(tracked, c, sampled.token_ids[k:k + n], sampled.logprobs[k:k + n]))
@@ -510,15 +519,33 @@ class LLMEngine:
         return [first] + [torch.Generator().manual_seed(token_seed(r.sampling.seed, base + j))
                           for j in range(1, c.num_sample_rows)]
 
+    def _verify_sampled(self, tracked: _Tracked, c: ScheduledChunk, out: ModelOutput) -> RequestOutput:
+        """A verification of drafts the draft model sampled (E20): speculative rejection sampling
+        of the target's filtered distributions at the chunk's rows against the draft's."""
+        r = c.request
+        first = out.chunk_rows[r.request_id]
+        logits = out.logits[first:first + c.num_sample_rows]                  # [K+1, V]
+        params = [r.sampling] * c.num_sample_rows
+        target = filtered_probs(logits, params)                               # [K+1, V]
+        gens = self._generators(c)
+        verdict = self.speculator.verify_sampled(r.request_id, c.draft_token_ids, target, c.draft_probs, gens)
+        n = len(verdict.token_ids)
+        lps = compute_logprobs(logits[:n], params[:n], verdict.token_ids)
+        return self._emit(tracked, c, verdict, lps)
+
     def _verify(self, tracked: _Tracked, c: ScheduledChunk, sampled: list[int],
                 logprobs: list[SampleLogprobs | None]) -> RequestOutput:
         """A verification chunk (E20): emit the drafts the target's samples confirm plus the next
         sample, stopping where the request ends; then give back the pages past what it keeps."""
+        verdict = self.speculator.verify(c.request_id, c.draft_token_ids, sampled)
+        return self._emit(tracked, c, verdict, logprobs)
+
+    def _emit(self, tracked: _Tracked, c: ScheduledChunk, verdict: Verdict,
+              logprobs: Sequence[SampleLogprobs | None]) -> RequestOutput:
         r = c.request
         # KV of the known token is valid whatever the verdict: commit up to it first
         r.num_computed_tokens = c.start + c.num_known
         self.cache_manager.commit(r)
-        verdict = self.speculator.verify(c.draft_token_ids, sampled)
         out: RequestOutput | None = None
         new_ids: list[int] = []
         new_lps: list[SampleLogprobs] = []

@@ -78,7 +78,7 @@ def test_ngram_alone_matches_transformers(llm, reference, i):
 def test_self_draft_of_every_layer_is_the_oracle(llm, reference):
     k = 4
     layers = llm.engine.arch.num_layers
-    spec = speculate(llm, method="draft_model", self_draft_layers=layers, num_speculative_tokens=k)
+    spec = speculate(llm, method="draft_model", self_draft_layers=layers, num_speculative_tokens=k, adaptive=False)
     steps = llm.engine.num_steps
     out = llm.generate(REFERENCE_PROMPTS[0], greedy(1 + 3 * (k + 1)))[0]
     assert list(out.token_ids) == reference[0][:1 + 3 * (k + 1)]
@@ -236,3 +236,21 @@ def test_draft_with_another_vocabulary_is_refused(llm, tmp_path):
     with pytest.raises(ValueError, match="vocabulary of 1000 tokens, the target 49152"):
         make_speculator(SpeculativeConfig(method="draft_model", model=str(other), num_speculative_tokens=2),
                         llm.engine.runner, llm.tokenizer, llm.engine.max_model_len)
+
+
+def test_sampled_drafts_are_verified_by_rejection_sampling(llm, default_source):
+    """Under temperature > 0 a draft model samples its drafts from its own (filtered)
+    distribution and the target accepts each with probability min(1, p/q): a draft that is the
+    target itself (q == p) has every draft accepted, and a seeded request gives the same tokens
+    and logprobs on every run (the distribution itself: tests/unit/test_spec_rejection.py)."""
+    spec = speculate(llm, method="draft_model", model=str(default_source.path), num_speculative_tokens=3,
+                     adaptive=False)
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=7, max_tokens=16, ignore_eos=True,
+                            logprobs=1)
+    prompts = REFERENCE_PROMPTS[:3]
+    first = llm.generate(prompts, params)
+    again = llm.generate(prompts, params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert [[lp.sampled.token_id for lp in o.logprobs] for o in first] == [list(o.token_ids) for o in first]
+    assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens == spec.num_draft_tokens
+    check_idle(llm)

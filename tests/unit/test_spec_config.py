@@ -45,6 +45,7 @@ def test_engine_config_takes_dict_json_or_config():
     ('{"method": "draft_model", "num_speculative_tokens": 2, "self_draft_layers": 0}', "self_draft_layers must be"),
     ('{"method": "draft_model", "num_speculative_tokens": 2, "model": "/x", "prompt_lookup_max": 2}',
      "apply to method 'ngram' only"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "adaptive": 1}', "adaptive must be true or false"),
     ("[1, 2", "not valid JSON"),
     ("[1, 2]", "must be a JSON object"),
 ])

@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 # Temperatures below this are sampled greedily: dividing logits by them overflows float32.
 _GREEDY_EPS = 1e-5
+GREEDY_EPS = _GREEDY_EPS   # public: what counts as a greedy row (speculative drafting)
 _MASK64 = (1 << 64) - 1
 
 
@@ -277,3 +278,19 @@ def _compute_logprobs(
         sampled = TokenLogprob(token_id=chosen_l[j], logprob=chosen_lp_l[j], rank=chosen_rank_l[j])
         out[i] = SampleLogprobs(sampled=sampled, top=top)
     return out
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution a sampled row draws from (temperature, top-k, top-p, min-p applied), for
+    speculative verification (pdserve.engine.spec_decode.rejection). logits: [m, V] -> [m, V]."""
+    return _filtered_probs(logits.float(), list(params))
+
+
+def compute_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
+                     token_ids: Sequence[int]) -> list[SampleLogprobs | None]:
+    """The raw-distribution logprobs plain sampling reports, for tokens chosen elsewhere (a
+    speculative verification). logits: [m, V]; one token per row."""
+    if all(p.logprobs is None for p in params):
+        return [None] * len(params)
+    return _compute_logprobs(logits.float(), params, torch.tensor(list(token_ids), dtype=torch.long))
+

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from pdserve.engine.request import Request
 
@@ -23,6 +25,9 @@ class ScheduledChunk:
     num_tokens: int
     samples: bool
     draft_token_ids: tuple[int, ...] = ()
+    # the draft's distribution of each draft token when it was sampled (a draft model under
+    # temperature > 0): [len(draft_token_ids), V]; None: deterministic drafts (n-gram, greedy)
+    draft_probs: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_known(self) -> int:

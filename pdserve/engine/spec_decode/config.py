@@ -12,6 +12,9 @@ method "draft_model": a smaller model drafts K tokens autoregressively. `self_dr
     is the built-in draft: the target's own first k decoder layers, its final norm and its
     lm_head (pdserve.engine.spec_decode.self_draft). `model: PATH` names a separate checkpoint.
 num_speculative_tokens (K): draft tokens verified per sequence per step, 1..MAX_SPECULATIVE_TOKENS.
+adaptive (pdserve's, default true): verify only the draft tokens expected to pay for their share
+    of the pass (pdserve.engine.spec_decode.control), so speculation turns itself down where it
+    costs (large batches, drafts that are rejected); false verifies every proposal in full.
 
 Every invalid value raises ValueError naming it; unknown keys are refused, listing the accepted.
 """
@@ -41,8 +44,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     model: str | None = None
     self_draft_layers: int | None = None
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative config: adaptive must be true or false, got {self.adaptive!r}")
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative config: unknown method {self.method!r}; known: {', '.join(SPEC_METHODS)}")
         _int_at_least("num_speculative_tokens", self.num_speculative_tokens, 1)

@@ -34,8 +34,11 @@ import torch
 
 from pdserve.engine.request import Request
 from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampling.sampler import GREEDY_EPS, filtered_probs, token_seed
 from pdserve.engine.scheduler.output import ScheduledChunk, SchedulerOutput
 from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.spec_decode.control import SpeculationControl
+from pdserve.engine.spec_decode.rejection import rejection_sample
 from pdserve.kernels.ops.norm_act import argmax_rows
 
 logger = logging.getLogger(__name__)
@@ -70,8 +73,8 @@ class Proposer:
         """At most k tokens to follow the request's tokens; () for none."""
         raise NotImplementedError(f"{type(self).__name__} drafts after scheduling (needs_slots)")
 
-    def draft(self, chunks: Sequence[ScheduledChunk]) -> list[tuple[int, ...]]:
-        """Exactly len(c.draft_token_ids) tokens for each granted chunk (its drafts are placeholders)."""
+    def draft(self, chunks: Sequence[ScheduledChunk]) -> list["Drafted"]:
+        """At most len(c.draft_token_ids) tokens for each granted chunk (its drafts are placeholders)."""
         raise NotImplementedError(f"{type(self).__name__} drafts before scheduling (propose)")
 
 
@@ -97,9 +100,11 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * k
+        self.control = SpeculationControl() if config.adaptive else None
 
     def drafts(self, decoding: Sequence[Request]) -> dict[str, tuple[int, ...]]:
-        """Proposals for requests whose next pass is a decode step (1 token left to feed)."""
+        """Proposals for requests whose next pass is a decode step (1 token left to feed), cut to
+        what the control expects to pay off (`SpeculativeConfig.adaptive`)."""
         out: dict[str, tuple[int, ...]] = {}
         k = self.config.num_speculative_tokens
         for r in decoding:
@@ -110,7 +115,16 @@ class Speculator:
             draft = (0,) * room if self.proposer.needs_slots else self.proposer.propose(r, room)[:room]
             if draft:
                 out[r.request_id] = draft
+        if self.control is not None:
+            self.control.forget({r.request_id for r in decoding})
+            keep = self.control.choose({rid: len(d) for rid, d in out.items()}, len(decoding))
+            out = {rid: out[rid][:n] for rid, n in keep.items()}
         return out
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """A pass of `num_tokens` query tokens took `seconds`, drafting included (the control's cost fit)."""
+        if self.control is not None:
+            self.control.observe(num_tokens, seconds)
 
     def fill(self, sched: SchedulerOutput) -> SchedulerOutput:
         """The scheduled pass with real drafts in the chunks whose slots were granted (a
@@ -126,14 +140,16 @@ class Speculator:
         chunks = list(sched.chunks)
         for i, d in zip(idx, drafts, strict=True):
             c = chunks[i]
-            if len(d) > len(c.draft_token_ids):
-                raise RuntimeError(f"{type(self.proposer).__name__} drafted {len(d)} tokens for "
+            n = len(d.token_ids)
+            if n > len(c.draft_token_ids):
+                raise RuntimeError(f"{type(self.proposer).__name__} drafted {n} tokens for "
                                    f"{c.request_id!r}, {len(c.draft_token_ids)} slots were granted")
-            chunks[i] = dataclasses.replace(c, num_tokens=c.num_known + len(d), draft_token_ids=tuple(d))
+            chunks[i] = dataclasses.replace(c, num_tokens=c.num_known + n, draft_token_ids=d.token_ids,
+                                            draft_probs=d.probs if n else None)
         chunks.sort(key=lambda c: c.num_tokens != 1)  # decodes first, as the scheduler orders them
         return dataclasses.replace(sched, chunks=tuple(chunks))
 
-    def verify(self, draft: tuple[int, ...], sampled: Sequence[int]) -> Verdict:
+    def verify(self, request_id: str, draft: tuple[int, ...], sampled: Sequence[int]) -> Verdict:
         """Accept the drafts that equal the target's samples at their positions (len(sampled) =
         1 + len(draft)); record the counters."""
         if len(sampled) != len(draft) + 1:
@@ -141,36 +157,100 @@ class Speculator:
         a = 0
         while a < len(draft) and draft[a] == sampled[a]:
             a += 1
+        return self.record(request_id, draft, Verdict(token_ids=tuple(sampled[: a + 1]), num_accepted=a))
+
+    def verify_sampled(self, request_id: str, draft: tuple[int, ...], target_probs: torch.Tensor,
+                       draft_probs: torch.Tensor, generators: Sequence[torch.Generator]) -> Verdict:
+        """Speculative rejection sampling of drafts the draft model sampled (target_probs:
+        [K+1, V] filtered as the sampler filters; draft_probs: [K, V]); record the counters."""
+        out = rejection_sample(target_probs, draft, draft_probs, generators)
+        return self.record(request_id, draft, Verdict(token_ids=out.token_ids, num_accepted=out.num_accepted))
+
+    def record(self, request_id: str, draft: tuple[int, ...], verdict: Verdict) -> Verdict:
+        a = verdict.num_accepted
         if draft:
             self.num_drafts += 1
             self.num_draft_tokens += len(draft)
             self.num_accepted_tokens += a
             for i in range(a):
                 self.accepted_per_pos[i] += 1
-        return Verdict(token_ids=tuple(sampled[: a + 1]), num_accepted=a)
+            if self.control is not None:
+                self.control.verified(request_id, len(draft), a)
+        return verdict
 
 
-def _draft_greedily(runner: ModelRunner, chunks: Sequence[ScheduledChunk], first: torch.Tensor,
-                    want: Sequence[int], num_layers: int | None = None) -> list[tuple[int, ...]]:
-    """Greedy drafts: chunks[i] gets want[i] tokens, the first the argmax of first[i] ([N, V]: the
-    draft's logits after the chunk's last known token), each next one from a single-token pass of
-    the draft over the one before it (all sequences batched, one pass per draft position)."""
-    out: list[list[int]] = [[] for _ in chunks]
-    nxt = argmax_rows(first).tolist()
+_DRAFT_SEED_SALT = 0x5D5A_17E9_D12A_F7B3   # a seeded request's draft draws: a stream apart from its own
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """One sequence's drafts: tokens, and the draft's distribution of each when it was sampled
+    ([len(token_ids), V]; None when every token was the draft's argmax: a greedy request)."""
+
+    token_ids: tuple[int, ...]
+    probs: torch.Tensor | None = None
+
+
+class DraftPicker:
+    """How a draft model picks each draft token: the argmax for a greedy request (q one-hot:
+    verified by equality); for a sampled one, a draw from the draft's distribution under the
+    request's own filters (temperature, top-k, top-p, min-p), verified by rejection sampling
+    against the target's (pdserve.engine.spec_decode.rejection), which keeps the target's
+    distribution whatever the draft's. A seeded request's draw for its output token n comes
+    from a generator seeded by (seed, n) in a stream of its own, so it is reproducible."""
+
+    def __init__(self) -> None:
+        self._gen = torch.Generator().manual_seed(0x5EED)
+
+    def pick(self, logits: torch.Tensor, requests: Sequence[Request], offsets: Sequence[int]
+             ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """logits: [A, V] the draft's, row a for requests[a]'s draft token number offsets[a]."""
+        tokens = argmax_rows(logits).tolist()
+        probs: list[torch.Tensor | None] = [None] * len(requests)
+        for a, r in enumerate(requests):
+            params = r.sampling
+            if params.temperature < GREEDY_EPS:
+                continue
+            q = filtered_probs(logits[a:a + 1], [params])[0]                          # [V]
+            if params.seed is None:
+                gen = self._gen
+            else:
+                index = params.rng_skip_tokens + len(r.output_token_ids) + offsets[a]
+                gen = torch.Generator().manual_seed(token_seed(params.seed ^ _DRAFT_SEED_SALT, index))
+            noise = torch.empty_like(q).exponential_(generator=gen).clamp_(min=torch.finfo(q.dtype).tiny)
+            tokens[a] = int((q / noise).argmax())
+            probs[a] = q
+        return tokens, probs
+
+
+def _draft_tokens(runner: ModelRunner, chunks: Sequence[ScheduledChunk], first: torch.Tensor,
+                  want: Sequence[int], picker: DraftPicker, num_layers: int | None = None) -> list[Drafted]:
+    """chunks[i] gets want[i] draft tokens: the first picked from first[i] ([N, V]: the draft's
+    logits after the chunk's last known token), each next one from a single-token pass of the
+    draft over the one before it (all sequences batched, one pass per draft position)."""
+    toks: list[list[int]] = [[] for _ in chunks]
+    qs: list[list[torch.Tensor | None]] = [[] for _ in chunks]
     active = [i for i in range(len(chunks)) if want[i] > 0]
+    logits = first[torch.tensor(active, dtype=torch.long)] if len(active) != len(chunks) else first  # [A, V]
     pos = {i: chunks[i].start + chunks[i].num_known for i in active}     # where each next token goes
     while active:
+        picked, probs = picker.pick(logits, [chunks[i].request for i in active], [len(toks[i]) for i in active])
         for j, i in enumerate(active):
-            out[i].append(nxt[j] if len(nxt) == len(active) else nxt[i])
-        active = [i for i in active if len(out[i]) < want[i]]
+            toks[i].append(picked[j])
+            qs[i].append(probs[j])
+        active = [i for i in active if len(toks[i]) < want[i]]
         if not active:
             break
         step = [ScheduledChunk(request=chunks[i].request, start=pos[i], num_tokens=1, samples=False,
-                               draft_token_ids=(out[i][-1],)) for i in active]
+                               draft_token_ids=(toks[i][-1],)) for i in active]
         for i in active:
             pos[i] += 1
-        nxt = argmax_rows(runner.forward_chunks(step, range(len(step)), num_layers)).tolist()  # [A]
-    return [tuple(d) for d in out]
+        logits = runner.forward_chunks(step, range(len(step)), num_layers)                  # [A, V]
+    out = []
+    for t, q in zip(toks, qs, strict=True):
+        sampled = [x for x in q if x is not None]
+        out.append(Drafted(tuple(t), torch.stack(sampled) if sampled and len(sampled) == len(q) else None))
+    return out
 
 
 class SelfDraft(Proposer):
@@ -203,15 +283,16 @@ class SelfDraft(Proposer):
                              f"group, not {runner.model.arch.family!r} with {len(runner.batch_keys)}")
         self.num_layers = k
         self.runner = runner
+        self.picker = DraftPicker()
 
-    def draft(self, chunks: Sequence[ScheduledChunk]) -> list[tuple[int, ...]]:
+    def draft(self, chunks: Sequence[ScheduledChunk]) -> list[Drafted]:
         # pass 1 feeds each sequence's last known token at its position (the target will
         # recompute it in the verification pass; the draft's layers get the same K/V)
         first = [ScheduledChunk(request=c.request, start=c.start, num_tokens=1, samples=False,
                                 draft_token_ids=tuple(c.request.token_slice(c.start, c.start + 1))) for c in chunks]
         logits = self.runner.forward_chunks(first, range(len(first)), self.num_layers)      # [N, V]
-        return _draft_greedily(self.runner, chunks, logits, [len(c.draft_token_ids) for c in chunks],
-                               self.num_layers)
+        return _draft_tokens(self.runner, chunks, logits, [len(c.draft_token_ids) for c in chunks],
+                             self.picker, self.num_layers)
 
 
 @dataclass
@@ -248,9 +329,10 @@ class DraftModel(Proposer):
         self.target = runner
         self.runner = draft_runner
         self.catch_up_tokens = catch_up_tokens
+        self.picker = DraftPicker()
         self._progress: dict[str, _DraftProgress] = {}
 
-    def draft(self, chunks: Sequence[ScheduledChunk]) -> list[tuple[int, ...]]:
+    def draft(self, chunks: Sequence[ScheduledChunk]) -> list[Drafted]:
         self._progress = {rid: p for rid, p in self._progress.items() if not p.request.finished}
         budget = self.catch_up_tokens
         catch: list[ScheduledChunk] = []     # the draft's pass 1: what each sequence has not run yet
@@ -273,18 +355,19 @@ class DraftModel(Proposer):
             if p.computed == end:
                 ready.append(i)
                 which.append(len(catch) - 1)
+        out = [Drafted(()) for _ in chunks]
         if not catch:
-            return [() for _ in chunks]
+            return out
         logits = self.runner.forward_chunks(catch, which)                          # [len(ready), V]
-        out: list[tuple[int, ...]] = [() for _ in chunks]
         if ready:
             picked = [chunks[i] for i in ready]
-            drafted = _draft_greedily(self.runner, picked, logits, [len(c.draft_token_ids) for c in picked])
+            drafted = _draft_tokens(self.runner, picked, logits, [len(c.draft_token_ids) for c in picked],
+                                    self.picker)
             for i, d in zip(ready, drafted, strict=True):
                 out[i] = d
                 # the draft ran the known tokens and every draft but the last: those that are accepted
                 # stay valid (the count is cut to num_computed_tokens before the next use)
-                self._progress[chunks[i].request_id].computed += len(d) - 1
+                self._progress[chunks[i].request_id].computed += len(d.token_ids) - 1
         return out
 
 

@@ -1,0 +1,149 @@
+"""How many draft tokens each sequence verifies this step, so speculation pays for itself (E20).
+
+A verification pass is one forward pass with more query tokens: its time grows with them. At
+batch 1 on a CPU a pass reads every weight whatever its token count, so drafts are nearly free;
+at batch 16 the extra tokens cost compute, and drafts that are rejected are a loss. The control
+keeps two estimates and chooses the drafts that maximise tokens emitted per second:
+
+- pass time t(T) = a + b * T for T query tokens: a least-squares line through the engine's own
+  recent passes (`observe`, exponentially forgotten, FORGET per pass). Until the passes have
+  varied enough to fit a line with a > 0 and b >= 0, nothing is cut.
+- per-token acceptance alpha of each sequence: accepted / (accepted + rejected) over its recent
+  verifications (FORGET_SEQ per verification), smoothed towards the acceptance of all sequences
+  (PRIOR_WEIGHT pseudo-counts). A draft's j-th token is then accepted with probability alpha^j
+  (a rejection ends the draft).
+
+Choice: every decoding sequence emits at least one token (E = D, t = a + b * D for D sequences);
+the draft token with the highest expected gain alpha_i^j goes next while it raises E / t, that is
+while gain >= b * E / t, then E += gain and t += b. A sequence that drafted nothing for
+PROBE_AFTER steps is given one token (a probe), so a sequence whose text turns repetitive, or a
+cost that falls, is noticed. `SpeculativeConfig.adaptive=False` turns the control off (every
+proposal verified in full, as far as the step's budget goes).
+
+Owned by the engine thread; nothing here waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+FORGET = 0.97            # weight of the fit's past per pass observed
+FORGET_SEQ = 0.8         # weight of a sequence's past per verification
+FORGET_ALL = 0.98        # weight of the global acceptance's past per verification
+PRIOR_WEIGHT = 2.0       # pseudo-verifications of the global acceptance in each sequence's estimate
+PROBE_AFTER = 16         # steps without drafts before a sequence is given one probe token
+MIN_SPREAD = 4.0         # the fit needs passes whose token counts spread at least this much (std)
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """t(T) = fixed_s + per_token_s * T, from the engine's passes."""
+
+    fixed_s: float
+    per_token_s: float
+
+
+@dataclass
+class _Acceptance:
+    accepted: float = 0.0
+    rejected: float = 0.0
+    idle_steps: int = 0
+
+
+class SpeculationControl:
+    def __init__(self) -> None:
+        self._w = self._wt = self._wtt = self._wy = self._wty = 0.0
+        self._seqs: dict[str, _Acceptance] = {}
+        self._all = _Acceptance(accepted=1.0, rejected=1.0)
+
+    # --- observations ------------------------------------------------------------------------
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """One pass of `num_tokens` query tokens took `seconds` (its forward pass and drafting)."""
+        f = FORGET
+        t, y = float(num_tokens), float(seconds)
+        self._w = f * self._w + 1.0
+        self._wt = f * self._wt + t
+        self._wtt = f * self._wtt + t * t
+        self._wy = f * self._wy + y
+        self._wty = f * self._wty + t * y
+
+    def verified(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+        """A verification of `num_draft` tokens of which the first `num_accepted` were kept."""
+        rejected = 1.0 if num_accepted < num_draft else 0.0
+        s = self._seqs.setdefault(request_id, _Acceptance())
+        s.accepted = FORGET_SEQ * s.accepted + num_accepted
+        s.rejected = FORGET_SEQ * s.rejected + rejected
+        g = self._all
+        g.accepted = FORGET_ALL * g.accepted + num_accepted
+        g.rejected = FORGET_ALL * g.rejected + rejected
+
+    def forget(self, live: set[str]) -> None:
+        """Drop the estimates of requests that are no longer running."""
+        for rid in [r for r in self._seqs if r not in live]:
+            del self._seqs[rid]
+
+    # --- estimates ---------------------------------------------------------------------------
+
+    def cost(self) -> PassCost | None:
+        """The fitted line, or None while the passes seen do not determine one."""
+        if self._w < 2.0:
+            return None
+        mean_t = self._wt / self._w
+        var_t = self._wtt / self._w - mean_t * mean_t
+        if var_t < MIN_SPREAD * MIN_SPREAD:
+            return None
+        mean_y = self._wy / self._w
+        b = (self._wty / self._w - mean_t * mean_y) / var_t
+        a = mean_y - b * mean_t
+        if a <= 0.0 or b < 0.0:
+            return None
+        return PassCost(fixed_s=a, per_token_s=b)
+
+    @property
+    def global_acceptance(self) -> float:
+        g = self._all
+        return g.accepted / (g.accepted + g.rejected)
+
+    def acceptance(self, request_id: str) -> float:
+        """Per-token acceptance estimate of a sequence's drafts, in (0, 1)."""
+        prior = self.global_acceptance
+        s = self._seqs.get(request_id)
+        if s is None:
+            return prior
+        return (s.accepted + PRIOR_WEIGHT * prior) / (s.accepted + s.rejected + PRIOR_WEIGHT)
+
+    # --- the choice --------------------------------------------------------------------------
+
+    def choose(self, proposals: Mapping[str, int], num_decoding: int) -> dict[str, int]:
+        """How many tokens of each sequence's proposal (request id -> proposed length) to verify,
+        for `num_decoding` sequences that decode this step; ids with 0 are left out."""
+        cost = self.cost()
+        if cost is None:
+            chosen = dict(proposals)
+        else:
+            gains: list[tuple[float, str]] = []
+            for rid, n in proposals.items():
+                alpha = self.acceptance(rid)
+                gains.extend((alpha ** j, rid) for j in range(1, n + 1))
+            gains.sort(key=lambda g: -g[0])
+            emitted = float(max(1, num_decoding))
+            t = cost.fixed_s + cost.per_token_s * emitted
+            chosen = dict.fromkeys(proposals, 0)
+            for gain, rid in gains:
+                if gain < cost.per_token_s * emitted / t:
+                    break
+                chosen[rid] += 1
+                emitted += gain
+                t += cost.per_token_s
+        for rid, n in proposals.items():
+            s = self._seqs.setdefault(rid, _Acceptance())
+            if chosen.get(rid, 0) == 0:
+                s.idle_steps += 1
+                if s.idle_steps >= PROBE_AFTER and n > 0:
+                    chosen[rid] = 1
+                    s.idle_steps = 0
+            else:
+                s.idle_steps = 0
+        return {rid: n for rid, n in chosen.items() if n > 0}

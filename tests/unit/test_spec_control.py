@@ -1,0 +1,68 @@
+"""SpeculationControl (E20): drafts are verified only where they are expected to pay for their pass."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.spec_decode.control import PROBE_AFTER, SpeculationControl
+
+
+def fitted(fixed_s: float, per_token_s: float) -> SpeculationControl:
+    c = SpeculationControl()
+    for t in (1, 5, 16, 40, 80, 3, 24, 64):
+        c.observe(t, fixed_s + per_token_s * t)
+    return c
+
+
+def test_the_pass_cost_line_is_fitted_from_the_passes():
+    cost = fitted(0.010, 0.0005).cost()
+    assert cost.fixed_s == pytest.approx(0.010) and cost.per_token_s == pytest.approx(0.0005)
+
+
+def test_without_a_fit_every_proposal_passes():
+    c = SpeculationControl()
+    assert c.cost() is None
+    for _ in range(5):
+        c.observe(5, 0.02)          # one token count only: no line through it
+    assert c.cost() is None
+    assert c.choose({"a": 4, "b": 2}, 2) == {"a": 4, "b": 2}
+
+
+def test_batch_one_on_weight_bound_passes_speculates_even_with_modest_acceptance():
+    c = fitted(0.050, 0.0002)       # a pass reads the weights: tokens nearly free
+    for _ in range(5):
+        c.verified("a", 4, 1)       # per-token acceptance ~0.4
+    assert c.choose({"a": 4}, 1) == {"a": 4}
+
+
+def test_a_compute_bound_batch_drops_drafts_that_are_mostly_rejected():
+    c = fitted(0.002, 0.002)        # every token costs as much as the fixed part
+    for rid in "abcdefghijklmnop":
+        for _ in range(5):
+            c.verified(rid, 4, 0)
+    assert c.choose({rid: 4 for rid in "abcdefghijklmnop"}, 16) == {}
+
+
+def test_well_accepted_drafts_are_kept_in_the_same_batch():
+    c = fitted(0.002, 0.002)
+    for _ in range(8):
+        c.verified("good", 4, 4)
+        c.verified("bad", 4, 0)
+    chosen = c.choose({"good": 4, "bad": 4}, 16)
+    assert chosen.get("good", 0) >= 1 and "bad" not in chosen
+
+
+def test_an_idle_sequence_is_probed_with_one_token():
+    c = fitted(0.002, 0.002)
+    for _ in range(5):
+        c.verified("a", 4, 0)
+    for _ in range(PROBE_AFTER - 1):
+        assert c.choose({"a": 4}, 16) == {}
+    assert c.choose({"a": 4}, 16) == {"a": 1}
+
+
+def test_finished_requests_are_forgotten():
+    c = SpeculationControl()
+    c.verified("a", 2, 2)
+    c.forget(set())
+    assert c.acceptance("a") == c.global_acceptance
