@@ -8,11 +8,14 @@ at batch 16 with and without each method, paired and alternating in one process.
 One engine (float32, --threads torch threads, the prefix cache on, the pool faulted in) serves
 every configuration: between runs, while it is idle, the bench installs the configuration's
 speculator, `engine.speculator = make_speculator(SpeculativeConfig(...), engine.runner)` (what the
-engine builds from `speculative_config`), a fresh one per run so its counters are the run's.
+engine builds from `speculative_config`), one per configuration, built on its first run and kept
+(its adaptive control, on by default, learns pass costs and acceptance across runs as a server's
+does); each run reads the counters as differences.
 Configurations: plain (none); n-gram prompt lookup K in {2, 4, 8} x prompt_lookup_min in {1, 2}
-(prompt_lookup_max 4); the self-draft (the target's first k of its 30 layers, its norm and
-lm_head) k in {4, 8, 15} x K in {2, 4}; with --draft-model PATH also that checkpoint as the draft,
-K in {2, 4}.
+(prompt_lookup_max 4), and K in {4, 8}, n=1 with the control off ("adaptive": false: every
+proposal verified in full); the self-draft (the target's first k of its 30 layers, its norm and
+lm_head) k in {4, 8, 15} x K in {2, 4}; with --draft-model PATH that checkpoint as the draft and
+with --eagle-head DIR that head (`pdserve draft train`), K in {2, 4} each.
 
 Workloads (token ids built once; chat prompts through the model's chat template):
 - repetition: code with repeated lines and text repeated verbatim (tests/support/reference.py
@@ -102,13 +105,17 @@ class BenchConfig:
     label: str                       # for the tables
 
 
-def all_configs(num_layers: int, draft_model: str | None) -> list[BenchConfig]:
+def all_configs(num_layers: int, draft_model: str | None, eagle_head: str | None) -> list[BenchConfig]:
     out = [BenchConfig("plain", None, "plain")]
     for k in (2, 4, 8):
         for n in (1, 2):
             out.append(BenchConfig(f"ngram-k{k}-n{n}", SpeculativeConfig(
                 method="ngram", num_speculative_tokens=k, prompt_lookup_min=n, prompt_lookup_max=4),
                 f"n-gram K={k}, n={n}..4"))
+    for k in (4, 8):   # the control off: every proposal verified in full (what the control saves)
+        out.append(BenchConfig(f"ngram-k{k}-n1-fixed", SpeculativeConfig(
+            method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=4, adaptive=False),
+            f"n-gram K={k}, n=1..4, adaptive off"))
     for layers in (4, 8, 15):
         if layers > num_layers:
             continue
@@ -121,6 +128,11 @@ def all_configs(num_layers: int, draft_model: str | None) -> list[BenchConfig]:
             out.append(BenchConfig(f"draft-K{k}", SpeculativeConfig(
                 method="draft_model", model=draft_model, num_speculative_tokens=k),
                 f"draft {os.path.basename(draft_model.rstrip('/'))}, K={k}"))
+    if eagle_head is not None:
+        for k in (2, 4):
+            out.append(BenchConfig(f"eagle-K{k}", SpeculativeConfig(
+                method="eagle", model=eagle_head, num_speculative_tokens=k),
+                f"eagle head {os.path.basename(eagle_head.rstrip('/'))}, K={k}"))
     return out
 
 
@@ -196,17 +208,25 @@ class StepTimer:
         self.label: tuple[str, ...] = ("untimed",)
         self.records: dict[tuple[str, ...], list[StepRecord]] = defaultdict(list)
         self._draft_s = 0.0
+        self._specs: dict[str, Speculator | None] = {}
 
     def install(self, config: BenchConfig) -> Speculator | None:
-        """A fresh speculator of `config` on the idle engine (its counters start at 0)."""
+        """`config`'s speculator on the idle engine, built as the engine builds its own on first
+        use and kept for the later runs (its control learns pass costs and acceptance across
+        runs, as a server's does); a run reads its counters as differences."""
         if self.engine.has_unfinished_requests():
             raise RuntimeError("the engine must be idle to change its speculator")
-        spec = make_speculator(config.spec, self.engine.runner) if config.spec is not None else None
-        if spec is not None:
-            spec.drafts = self._timed(spec.drafts)  # type: ignore[method-assign]
-            spec.fill = self._timed(spec.fill)      # type: ignore[method-assign]
-        self.engine.speculator = spec
-        return spec
+        if config.name not in self._specs:
+            e, c = self.engine, self.engine.config
+            spec = None if config.spec is None else make_speculator(
+                config.spec, e.runner, e.tokenizer, e.max_model_len, c.torch_dtype, c.small_batch_max_tokens,
+                c.scheduler.max_batch_tokens, str(e.source.path))
+            if spec is not None:
+                spec.drafts = self._timed(spec.drafts)  # type: ignore[method-assign]
+                spec.fill = self._timed(spec.fill)      # type: ignore[method-assign]
+            self._specs[config.name] = spec
+        self.engine.speculator = self._specs[config.name]
+        return self.engine.speculator
 
     def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*a: Any, **kw: Any) -> Any:
@@ -260,6 +280,8 @@ def run(engine: LLMEngine, timer: StepTimer, config: BenchConfig, prompts: Seque
         label: tuple[str, ...], tag: str) -> RunResult:
     """All `prompts` added at once, stepped to completion under `config`."""
     spec = timer.install(config)
+    before = (0, 0, 0, []) if spec is None else (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                                                 list(spec.accepted_per_pos))
     timer.label = label
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     first = len(timer.records[label])
@@ -289,8 +311,9 @@ def run(engine: LLMEngine, timer: StepTimer, config: BenchConfig, prompts: Seque
         decode_s, decode_tokens = sum(s.wall_s for s in steps), sum(s.tokens for s in steps)
     res = RunResult(tokens, t_end - t0, decode_s, decode_tokens)
     if spec is not None:
-        res.drafts, res.draft_tokens, res.accepted = spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens
-        res.accepted_per_pos = list(spec.accepted_per_pos)
+        res.drafts, res.draft_tokens, res.accepted = (spec.num_drafts - before[0], spec.num_draft_tokens - before[1],
+                                                      spec.num_accepted_tokens - before[2])
+        res.accepted_per_pos = [a - b for a, b in zip(spec.accepted_per_pos, before[3], strict=True)]
     return res
 
 
@@ -650,6 +673,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default=None, help="comma list of config names (default: all; plain always runs)")
     p.add_argument("--draft-model", default=None,
                    help="a checkpoint sharing the target's tokenizer: adds configs draft-K2, draft-K4")
+    p.add_argument("--eagle-head", default=None,
+                   help="a draft head trained for the target (pdserve draft train): adds configs eagle-K2, eagle-K4")
     p.add_argument("--workloads", default=None, help="comma list of repetition, prose (default: both)")
     p.add_argument("--update", action="store_true", help=f"write {os.path.relpath(RESULTS, REPO_ROOT)}.md/.json")
     args = p.parse_args(argv)
@@ -670,7 +695,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     llm = LLM(dtype="float32", num_threads=args.threads, num_blocks=64 * args.batch, max_batch_tokens=512,
               max_requests_per_batch=max(16, args.batch), kv_prefault=True)
     num_layers = llm.engine.arch.num_layers
-    configs = all_configs(num_layers, args.draft_model)
+    configs = all_configs(num_layers, args.draft_model, args.eagle_head)
     if args.configs:
         want = {"plain", *(s.strip() for s in args.configs.split(",") if s.strip())}
         unknown = sorted(want - {c.name for c in configs})
