@@ -532,10 +532,13 @@ class DecodeNode(ReceiverEvents):
         assert self.receiver is not None and self.loop is not None
         if self.receiver.tag_of(rid) != tag:
             return   # an attempt quarantined meanwhile: its pages are released by its hold
+        spec = self.llm.speculator
+        # a draft head starts from the prefill node's hidden state (D17): read it before the slot goes
+        hidden = self.receiver.context(rid).hidden if spec is not None and spec.uses_hidden else None
         self.receiver.finish(rid)
         r = self.llm.get_request(rid)
         if r is not None and r.status is RequestStatus.WAITING_FOR_KV:
-            self.llm.kv_ready(rid)
+            self.llm.kv_ready(rid, context_hidden=hidden)
         elif self.llm.is_held(rid):
             self.llm.release_blocks(rid)  # aborted while its KV was landing: now nothing can land
         self.loop.call_soon_threadsafe(self._mark_ready, rid)

@@ -180,7 +180,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.cache_manager, get_backend(config.attention_backend),
                                   tp=self.tp)
         self.speculator = make_speculator(config.speculative_config, self.runner, self.tokenizer, self.max_model_len,
-                                          dtype, config.small_batch_max_tokens, sched.max_batch_tokens)
+                                          dtype, config.small_batch_max_tokens, sched.max_batch_tokens,
+                                          str(self.source.path))
         self.sampler = Sampler()
         self._default_generator = torch.Generator().manual_seed(config.seed)
         self._tracked: dict[str, _Tracked] = {}
@@ -293,13 +294,18 @@ class LLMEngine:
         reason = FinishReason.ERROR if error is not None else FinishReason.ABORT
         return self._finish(tracked, reason, new_ids=(), delta="", error=error)
 
-    def kv_ready(self, request_id: str) -> None:
+    def kv_ready(self, request_id: str, context_hidden: torch.Tensor | None = None) -> None:
         """All of a remote-prefill request's KV writes have landed: schedule its first decode.
 
-        From now on its complete prompt blocks are valid, so they join the prefix cache."""
+        From now on its complete prompt blocks are valid, so they join the prefix cache.
+        context_hidden: the prefill node's final-norm hidden state of the position before the
+        last prompt token ([hidden], D12/D17): a draft head starts from it, so the first decode
+        step already verifies drafts."""
         request = self._tracked[request_id].request
         self.scheduler.kv_ready(request)
         self.cache_manager.commit(request)
+        if context_hidden is not None and self.speculator is not None and self.speculator.uses_hidden:
+            self.speculator.note(request, context_hidden, request.num_computed_tokens - 1)
 
     def kv_abandoned(self, request_id: str, prefill_locally: bool, error: str) -> RequestOutput | None:
         """The remote prefill of a request waiting for its KV failed (S3, S5).
@@ -484,7 +490,7 @@ class LLMEngine:
                 continue
             if c.draft_token_ids:
                 n = c.num_sample_rows
-                results.append(self._verify(tracked, c, sampled.token_ids[k:k + n], sampled.logprobs[k:k + n]))
+                results.append(self._verify(tracked, c, sampled.token_ids[k:k + n], sampled.logprobs[k:k + n], out))
                 k += n
                 continue
             r.num_computed_tokens = c.end
@@ -501,6 +507,8 @@ class LLMEngine:
             token = sampled.token_ids[k]
             lp = sampled.logprobs[k]
             k += 1
+            if self.speculator is not None and self.speculator.uses_hidden:
+                self.speculator.note(r, out.hidden[out.chunk_rows[r.request_id]], c.end - 1)
             self.num_generated_tokens += 1
             results.append(self._append_token(tracked, token, lp))
         return results
@@ -531,17 +539,17 @@ class LLMEngine:
         verdict = self.speculator.verify_sampled(r.request_id, c.draft_token_ids, target, c.draft_probs, gens)
         n = len(verdict.token_ids)
         lps = compute_logprobs(logits[:n], params[:n], verdict.token_ids)
-        return self._emit(tracked, c, verdict, lps)
+        return self._emit(tracked, c, verdict, lps, out)
 
     def _verify(self, tracked: _Tracked, c: ScheduledChunk, sampled: list[int],
-                logprobs: list[SampleLogprobs | None]) -> RequestOutput:
+                logprobs: list[SampleLogprobs | None], out: ModelOutput) -> RequestOutput:
         """A verification chunk (E20): emit the drafts the target's samples confirm plus the next
         sample, stopping where the request ends; then give back the pages past what it keeps."""
         verdict = self.speculator.verify(c.request_id, c.draft_token_ids, sampled)
-        return self._emit(tracked, c, verdict, logprobs)
+        return self._emit(tracked, c, verdict, logprobs, out)
 
     def _emit(self, tracked: _Tracked, c: ScheduledChunk, verdict: Verdict,
-              logprobs: Sequence[SampleLogprobs | None]) -> RequestOutput:
+              logprobs: Sequence[SampleLogprobs | None], model_out: ModelOutput) -> RequestOutput:
         r = c.request
         # KV of the known token is valid whatever the verdict: commit up to it first
         r.num_computed_tokens = c.start + c.num_known
@@ -564,6 +572,9 @@ class LLMEngine:
             r.num_computed_tokens = c.start + c.num_known + verdict.num_accepted
             self.cache_manager.commit(r)
             self.cache_manager.truncate(r, r.num_tokens)
+            if self.speculator.uses_hidden:   # the row its latest token was sampled from
+                row = model_out.chunk_rows[r.request_id] + verdict.num_accepted
+                self.speculator.note(r, model_out.hidden[row], r.num_computed_tokens - 1)
         return dataclasses.replace(out, new_token_ids=tuple(new_ids), delta_text=delta, new_logprobs=tuple(new_lps))
 
     def _append_token(self, tracked: _Tracked, token: int, lp: SampleLogprobs | None) -> RequestOutput:

@@ -13,6 +13,7 @@ verification emits K + 1 tokens.
 from __future__ import annotations
 
 import pytest
+import torch
 from support.reference import REFERENCE_PROMPTS
 
 from pdserve import LLM, SamplingParams
@@ -41,7 +42,8 @@ def speculate(llm: LLM, **config: object):
     c = engine.config
     engine.speculator = make_speculator(SpeculativeConfig(**config), engine.runner, engine.tokenizer,
                                         engine.max_model_len, small_batch_max_tokens=c.small_batch_max_tokens,
-                                        catch_up_tokens=c.scheduler.max_batch_tokens)
+                                        catch_up_tokens=c.scheduler.max_batch_tokens,
+                                        target_path=str(engine.source.path))
     return engine.speculator
 
 
@@ -253,4 +255,30 @@ def test_sampled_drafts_are_verified_by_rejection_sampling(llm, default_source):
     assert [o.token_ids for o in first] == [o.token_ids for o in again]
     assert [[lp.sampled.token_id for lp in o.logprobs] for o in first] == [list(o.token_ids) for o in first]
     assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens == spec.num_draft_tokens
+    check_idle(llm)
+
+
+@pytest.fixture(scope="module")
+def random_head(tmp_path_factory, default_source):
+    """An untrained (seeded random) eagle head for the default model: exactness must not depend
+    on the head's quality."""
+    import json
+
+    from pdserve.engine.spec_decode.eagle import EagleConfig, EagleHead, load_target_vocab
+
+    vocab = load_target_vocab(default_source.path)
+    hf = json.loads((default_source.path / "config.json").read_text())
+    head = EagleHead(EagleConfig.for_target(hf, vocab.identity), vocab.embed, vocab.lm_head)
+    head.reset_parameters(torch.Generator().manual_seed(0))
+    out = tmp_path_factory.mktemp("eagle") / "head"
+    head.save(out)
+    return str(out)
+
+
+def test_eagle_head_drafts_from_the_hidden_state_and_output_is_exact(llm, reference, random_head):
+    spec = speculate(llm, method="eagle", model=random_head, num_speculative_tokens=3, adaptive=False)
+    outs = llm.generate(REFERENCE_PROMPTS, greedy())
+    assert [list(o.token_ids) for o in outs] == reference
+    # every decode step after the first sample had a hidden state to draft from
+    assert spec.num_drafts >= len(REFERENCE_PROMPTS) * (MAX_NEW - 2) // 2
     check_idle(llm)

@@ -4,6 +4,7 @@ Its JSON form is vLLM's `--speculative-config`:
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"method": "draft_model", "self_draft_layers": 8, "num_speculative_tokens": 4}
+    {"method": "eagle", "model": "/path/to/head", "num_speculative_tokens": 3}
 
 method "ngram": prompt lookup over the sequence's own tokens (prompt and output so far);
     prompt_lookup_max / prompt_lookup_min bound the n-gram that is matched (defaults 4 and 2; when
@@ -11,6 +12,8 @@ method "ngram": prompt lookup over the sequence's own tokens (prompt and output 
 method "draft_model": a smaller model drafts K tokens autoregressively. `self_draft_layers: k`
     is the built-in draft: the target's own first k decoder layers, its final norm and its
     lm_head (pdserve.engine.spec_decode.self_draft). `model: PATH` names a separate checkpoint.
+method "eagle": a draft head (`pdserve draft train`; pdserve.engine.spec_decode.eagle) drafts from
+    the target's own last hidden state: `model: DIR` names the head, trained for this target.
 num_speculative_tokens (K): draft tokens verified per sequence per step, 1..MAX_SPECULATIVE_TOKENS.
 adaptive (pdserve's, default true): verify only the draft tokens expected to pay for their share
     of the pass (pdserve.engine.spec_decode.control), so speculation turns itself down where it
@@ -25,7 +28,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "eagle")
 MAX_SPECULATIVE_TOKENS = 16        # a verification chunk is 1 + K query tokens of one sequence
 DEFAULT_LOOKUP_MAX = 4
 DEFAULT_LOOKUP_MIN = 2
@@ -73,6 +76,14 @@ class SpeculativeConfig:
                                  f"prompt_lookup_max ({hi})")
             object.__setattr__(self, "prompt_lookup_max", hi)
             object.__setattr__(self, "prompt_lookup_min", lo)
+        elif self.method == "eagle":
+            if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None or \
+                    self.self_draft_layers is not None:
+                raise ValueError("speculative config: method 'eagle' takes only model (a draft head directory, "
+                                 "`pdserve draft train`) and num_speculative_tokens")
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError(f"speculative config: method 'eagle' needs model: the draft head's directory, "
+                                 f"got {self.model!r}")
         else:
             if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
                 raise ValueError("speculative config: prompt_lookup_max / prompt_lookup_min apply to method "

@@ -68,14 +68,60 @@ class Proposer:
     scheduler granted, so it can only run once they exist)."""
 
     needs_slots: ClassVar[bool] = False
+    uses_hidden: ClassVar[bool] = False   # wants the target's hidden state of each sampled position (`note`)
 
     def propose(self, request: Request, k: int) -> tuple[int, ...]:
         """At most k tokens to follow the request's tokens; () for none."""
         raise NotImplementedError(f"{type(self).__name__} drafts after scheduling (needs_slots)")
 
+    def propose_batch(self, requests: Sequence[Request], ks: Sequence[int]) -> list[tuple[int, ...]]:
+        """`propose` for many requests at once (a proposer that batches overrides it)."""
+        return [self.propose(r, k) for r, k in zip(requests, ks, strict=True)]
+
+    def note(self, request: Request, hidden: torch.Tensor, position: int) -> None:
+        """The target's final-norm hidden state at `position` of `request` ([hidden]), the one its
+        next token was sampled from (uses_hidden proposers keep it)."""
+
     def draft(self, chunks: Sequence[ScheduledChunk]) -> list["Drafted"]:
         """At most len(c.draft_token_ids) tokens for each granted chunk (its drafts are placeholders)."""
         raise NotImplementedError(f"{type(self).__name__} drafts before scheduling (propose)")
+
+
+class EagleDrafts(Proposer):
+    """A draft head (`{"method": "eagle", "model": DIR}`; pdserve.engine.spec_decode.eagle) drafts
+    from the target's hidden state at the position before the token the next pass feeds: the
+    one noted after the last sampled position (or, on a decode node, the prefill node's context
+    record, D17), and that token. The head keeps no KV of its own yet: each draft step attends
+    over the step's own draft rows only (EagleHead.draft_batch). Drafts are the head's argmax
+    (q one-hot: exact verification by equality). A request with no hidden state for its
+    position (after a soft reset, before its first sample) drafts nothing that step."""
+
+    uses_hidden = True
+
+    def __init__(self, head: object) -> None:
+        self.head = head
+        self._hidden: dict[str, tuple[Request, int, torch.Tensor]] = {}   # rid -> (request, position, h)
+
+    def note(self, request: Request, hidden: torch.Tensor, position: int) -> None:
+        self._hidden[request.request_id] = (request, position, hidden.detach().float().clone())
+
+    def propose_batch(self, requests: Sequence[Request], ks: Sequence[int]) -> list[tuple[int, ...]]:
+        self._hidden = {rid: e for rid, e in self._hidden.items() if not e[0].finished}
+        out: list[tuple[int, ...]] = [() for _ in requests]
+        use = []
+        for i, r in enumerate(requests):
+            e = self._hidden.get(r.request_id)
+            if e is not None and e[0] is r and e[1] == r.num_computed_tokens - 1 and ks[i] > 0:
+                use.append(i)
+        if not use:
+            return out
+        h = torch.stack([self._hidden[requests[i].request_id][2] for i in use])             # [B, H]
+        nc = [requests[i].num_computed_tokens for i in use]
+        nxt = torch.tensor([requests[i].token_slice(n, n + 1)[0] for i, n in zip(use, nc, strict=True)])  # [B]
+        drafts = self.head.draft_batch(h, nxt, max(ks[i] for i in use), torch.tensor(nc)).tolist()  # [B, K]
+        for j, i in enumerate(use):
+            out[i] = tuple(drafts[j][: ks[i]])
+        return out
 
 
 class NgramDrafts(Proposer):
@@ -107,19 +153,27 @@ class Speculator:
         what the control expects to pay off (`SpeculativeConfig.adaptive`)."""
         out: dict[str, tuple[int, ...]] = {}
         k = self.config.num_speculative_tokens
-        for r in decoding:
-            room = draft_room(r, k)
-            if room < 1:
-                continue
+        rooms = [(r, draft_room(r, k)) for r in decoding]
+        rooms = [(r, n) for r, n in rooms if n > 0]
+        if self.proposer.needs_slots:
             # a drafting model reserves its slots first: placeholders, replaced by `fill`
-            draft = (0,) * room if self.proposer.needs_slots else self.proposer.propose(r, room)[:room]
-            if draft:
-                out[r.request_id] = draft
+            out = {r.request_id: (0,) * n for r, n in rooms}
+        elif rooms:
+            proposed = self.proposer.propose_batch([r for r, _ in rooms], [n for _, n in rooms])
+            out = {r.request_id: d[:n] for (r, n), d in zip(rooms, proposed, strict=True) if d}
         if self.control is not None:
             self.control.forget({r.request_id for r in decoding})
             keep = self.control.choose({rid: len(d) for rid, d in out.items()}, len(decoding))
             out = {rid: out[rid][:n] for rid, n in keep.items()}
         return out
+
+    @property
+    def uses_hidden(self) -> bool:
+        return self.proposer.uses_hidden
+
+    def note(self, request: Request, hidden: torch.Tensor, position: int) -> None:
+        """The target's hidden state at `position` (where the request's latest token was sampled)."""
+        self.proposer.note(request, hidden, position)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """A pass of `num_tokens` query tokens took `seconds`, drafting included (the control's cost fit)."""
@@ -412,7 +466,7 @@ def _load_draft(config: SpeculativeConfig, runner: ModelRunner, tokenizer, max_m
 
 def make_speculator(config: SpeculativeConfig | None, runner: ModelRunner, tokenizer=None, max_model_len: int = 0,
                     dtype: torch.dtype = torch.float32, small_batch_max_tokens: int = 0,
-                    catch_up_tokens: int = 512) -> Speculator | None:
+                    catch_up_tokens: int = 512, target_path: str | None = None) -> Speculator | None:
     """The engine's speculator (None: off); ValueError naming what does not fit the model.
     A separate draft model (config.model) is loaded here: `tokenizer` (the target's, to compare),
     `max_model_len`, `dtype` and `small_batch_max_tokens` are the engine's; `catch_up_tokens`
@@ -421,6 +475,15 @@ def make_speculator(config: SpeculativeConfig | None, runner: ModelRunner, token
         return None
     if config.method == "ngram":
         return Speculator(config, NgramDrafts(config))
+    if config.method == "eagle":
+        from pdserve.engine.spec_decode.eagle import EagleHead, load_target_vocab
+
+        if target_path is None:
+            raise ValueError("speculative config: an eagle head needs the target checkpoint's path to check it")
+        head = EagleHead.load(config.model, load_target_vocab(target_path))
+        head.eval()
+        logger.info("eagle draft head %s: %d parameters", config.model, head.num_parameters())
+        return Speculator(config, EagleDrafts(head))
     if config.self_draft_layers is not None:
         return Speculator(config, SelfDraft(config, runner))
     if runner.tp is not None:
