@@ -24,6 +24,7 @@ Threading: owned by the engine thread. Nothing here waits.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -62,32 +63,36 @@ def draft_room(request: Request, k: int) -> int:
     return max(0, min(k, room))
 
 
-class Proposer:
-    """Drafts tokens for sequences that decode: before scheduling (`propose`, from the tokens
-    alone), or, `needs_slots`, after it (`draft`: a draft model writes its KV into the slots the
-    scheduler granted, so it can only run once they exist)."""
+class Proposer(abc.ABC):
+    """Drafts tokens for sequences that decode. Two kinds: a TokenProposer drafts before
+    scheduling, from what it knows of each sequence; a SlotProposer (`needs_slots`) drafts after
+    it, because a draft model writes its KV into the slots the scheduler granted."""
 
-    needs_slots: ClassVar[bool] = False
+    needs_slots: ClassVar[bool]
     uses_hidden: ClassVar[bool] = False   # wants the target's hidden state of each sampled position (`note`)
 
-    def propose(self, request: Request, k: int) -> tuple[int, ...]:
-        """At most k tokens to follow the request's tokens; () for none."""
-        raise NotImplementedError(f"{type(self).__name__} drafts after scheduling (needs_slots)")
-
-    def propose_batch(self, requests: Sequence[Request], ks: Sequence[int]) -> list[tuple[int, ...]]:
-        """`propose` for many requests at once (a proposer that batches overrides it)."""
-        return [self.propose(r, k) for r, k in zip(requests, ks, strict=True)]
-
-    def note(self, request: Request, hidden: torch.Tensor, position: int) -> None:
+    def note(self, request: Request, hidden: torch.Tensor, position: int) -> None:  # noqa: B027
         """The target's final-norm hidden state at `position` of `request` ([hidden]), the one its
-        next token was sampled from (uses_hidden proposers keep it)."""
+        latest token was sampled from; kept by proposers that draft from it, ignored by others."""
 
-    def draft(self, chunks: Sequence[ScheduledChunk]) -> list["Drafted"]:
+
+class TokenProposer(Proposer):
+    needs_slots = False
+
+    @abc.abstractmethod
+    def propose_batch(self, requests: Sequence[Request], ks: Sequence[int]) -> list[tuple[int, ...]]:
+        """At most ks[i] tokens to follow requests[i]'s tokens; () for none."""
+
+
+class SlotProposer(Proposer):
+    needs_slots = True
+
+    @abc.abstractmethod
+    def draft(self, chunks: Sequence[ScheduledChunk]) -> list[Drafted]:
         """At most len(c.draft_token_ids) tokens for each granted chunk (its drafts are placeholders)."""
-        raise NotImplementedError(f"{type(self).__name__} drafts before scheduling (propose)")
 
 
-class EagleDrafts(Proposer):
+class EagleDrafts(TokenProposer):
     """A draft head (`{"method": "eagle", "model": DIR}`; pdserve.engine.spec_decode.eagle) drafts
     from the target's hidden state at the position before the token the next pass feeds: the
     one noted after the last sampled position (or, on a decode node, the prefill node's context
@@ -124,7 +129,7 @@ class EagleDrafts(Proposer):
         return out
 
 
-class NgramDrafts(Proposer):
+class NgramDrafts(TokenProposer):
     """Prompt lookup over the request's prompt and output so far (pdserve.engine.spec_decode.ngram)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
@@ -133,8 +138,9 @@ class NgramDrafts(Proposer):
         assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
         self._ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
-    def propose(self, request: Request, k: int) -> tuple[int, ...]:
-        return tuple(self._ngram.propose(request.prompt_token_ids + request.output_token_ids, k))
+    def propose_batch(self, requests: Sequence[Request], ks: Sequence[int]) -> list[tuple[int, ...]]:
+        return [tuple(self._ngram.propose(r.prompt_token_ids + r.output_token_ids, k))
+                for r, k in zip(requests, ks, strict=True)]
 
 
 class Speculator:
@@ -307,7 +313,7 @@ def _draft_tokens(runner: ModelRunner, chunks: Sequence[ScheduledChunk], first: 
     return out
 
 
-class SelfDraft(Proposer):
+class SelfDraft(SlotProposer):
     """The target's first k decoder layers, its final norm and lm_head as the draft model
     (`{"method": "draft_model", "self_draft_layers": k}`): K greedy single-token passes over the
     granted chunks (one pass per draft position, all sequences batched).
@@ -320,8 +326,6 @@ class SelfDraft(Proposer):
     writes every layer there, and rejected slots are truncated or overwritten, never read as
     computed. Drafts are the draft's argmax (q one-hot), so verification by equality is exact
     for greedy and sampled requests alike (module docstring)."""
-
-    needs_slots = True
 
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner) -> None:
         layers = runner.model.arch.num_layers
@@ -358,7 +362,7 @@ class _DraftProgress:
     epoch: tuple[int, int]     # (num_preemptions, num_offloads) when it was valid: a change moved the pages
 
 
-class DraftModel(Proposer):
+class DraftModel(SlotProposer):
     """A separate, smaller checkpoint that shares the target's tokenizer drafts K greedy tokens
     (`{"method": "draft_model", "model": PATH}`).
 
@@ -374,8 +378,6 @@ class DraftModel(Proposer):
     request wrote from the same tokens, and is recomputed anyway (the count starts at 0), so a
     stale page is never trusted. Drafts are the draft's argmax (q one-hot: exact verification by
     equality, module docstring)."""
-
-    needs_slots = True
 
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner, draft_runner: ModelRunner,
                  catch_up_tokens: int) -> None:
