@@ -77,32 +77,44 @@ class Endpoint:
     """An open native endpoint: handle, identity, attributes and the progress thread.
 
     Attributes (set once at open): rail (its index in its TransferEngine), node (the bind address
-    asked for, None: the provider's choice), provider, domain, mr_mode, tx_credits, max_msg_size,
+    asked for, None: the provider's choice), asked_domain (the domain name asked for, None: the
+    provider's choice), provider, domain (the one it opened on), mr_mode, tx_credits, max_msg_size,
     wait_mode ("fd", "bell" or "sleep"), delivery_complete (granted, see FabricConfig), source_addr
     (FI_SOURCE granted: receive completions name their sender), tx_order / rx_order (the FI_ORDER_*
     names granted, e.g. "SAS", "WAW"),
     engine_id, me (this endpoint's PeerDescriptor), max_write (the largest single write).
     """
 
-    def __init__(self, config: FabricConfig, *, node: str | None = None, engine_id: str | None = None,
-                 ids: Iterator[int] | None = None, rail: int = 0) -> None:
+    def __init__(self, config: FabricConfig, *, node: str | None = None, domain: str | None = None,
+                 engine_id: str | None = None, ids: Iterator[int] | None = None, rail: int = 0) -> None:
         """Open the endpoint. A TransferEngine's first endpoint (rail 0) takes only ``config``;
-        its further rails (fabric.engine) pass the bind address ``node`` that selects their
-        domain, and share rail 0's ``engine_id`` and id counter ``ids`` (one identity, and
-        region, batch and send ids unique across the engine's rails)."""
+        its further rails (fabric.engine) pass the libfabric ``domain`` name (the native open asks
+        fi_getinfo for it and takes only an entry of that name: efa, verbs) and, where the
+        provider also needs one, the bind address ``node`` (tcp: the interface's IPv4 address,
+        which picks the IPv4 entry among the domain's); given a domain, ``node`` is exactly what
+        is passed (no fallback to config.node, whose address is rail 0's). They share rail 0's
+        ``engine_id`` and id counter ``ids`` (one identity, and region, batch and send ids unique
+        across the engine's rails). FabricError when it does not open (no domain of that name:
+        the message names it and the provider's domains)."""
         self.config = config
         self.rail = rail
         provider = config.resolved_provider()
-        node = (node or config.node) if provider != "shm" else None
+        if domain is not None and (not isinstance(domain, str) or not domain or provider == "shm"):
+            raise ValueError(f"Endpoint: domain={domain!r}: expected a domain name (and a provider other than shm, "
+                             f"not {provider!r})")
+        if domain is None:
+            node = (node or config.node) if provider != "shm" else None
         self.node = node
+        self.asked_domain = domain
         self.engine_id = engine_id or uuid.uuid4().hex
         shmclean.sweep()  # files of killed processes: memory, and pid clashes for shm
         me = PeerDescriptor(provider, b"", self.engine_id, host_id(), os.getpid(), process_start_time(os.getpid()))
         out = ffi.new("pdf_engine **")
-        errbuf = ffi.new("char[256]")
+        errbuf = ffi.new("char[384]")
         rc = lib.pdf_open(
             provider.encode(),
             node.encode() if node else ffi.NULL,
+            domain.encode() if domain else ffi.NULL,
             config.tx_depth,
             config.control_slots,
             config.control_msg_size,
@@ -118,7 +130,8 @@ class Endpoint:
             len(errbuf),
         )
         if rc:
-            raise FabricError(rc, f"opening provider {provider!r} (node={node!r}) failed at "
+            where = f"node={node!r}" + (f", domain={domain!r}" if domain else "")
+            raise FabricError(rc, f"opening provider {provider!r} ({where}) failed at "
                                   f"{ffi.string(errbuf).decode()}")
         self.h = out[0]
         info = ffi.new("pdf_info *")

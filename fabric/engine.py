@@ -17,21 +17,26 @@ write_pages_sync, send, wait_peer_gone, close; plus the receiver's ImmCounter an
 
 Rails (D16): an engine has one endpoint per libfabric domain (NIC) it is asked for, each a
 ``_Rail`` with all the parts above and its own progress thread. Rail 0 is the endpoint opened as
-the config says (today's only one); ``open_rail(domain)`` opens another, bound to the address
-that selects that domain (fabric.topology.rail_node: tcp's interface address, verbs' device
-interface; efa and other domains chosen by name only are refused, since the native open takes a
-bind address and no domain name). Every rail shares the engine's identity (engine id, host,
-pid; its PeerDescriptor differs only in the endpoint name), its id counter (region ids are unique
-across rails, so revocations name regions unambiguously) and its ImmCounter (a receiver counts
-what lands on any rail). A region is registered on one rail (``register(..., rail=i)``, its
-descriptor names that rail's endpoint) and every write from it posts on that rail, to whatever
-endpoint the destination descriptor names; a rail shakes hands with each remote endpoint it
-writes to (per endpoint name). What concerns a peer engine as a whole covers every rail:
-``disconnect`` and ``close_connection`` end the connections of all its known endpoints on all
-rails, ``wait_peer_gone`` drains every rail, ``close`` closes them all. Control messages
-(``send``, ``connect``) use rail 0 unless told. ``pin_rail(rail, cpus)`` moves a rail's progress
-thread (it posts the rail's writes and reads its completions) to the CPUs nearest its NIC. With
-one domain (one NIC, or none) only rail 0 exists and everything is as it was.
+the config says (today's only one); ``open_rail(domain)`` opens another on the libfabric domain
+of that name: the native open asks fi_getinfo for it (hints->domain_attr->name) and takes only
+an entry of that name (libfabric 1.17's tcp ignores the hint and lists every interface's domain,
+so the name is checked there, not trusted to the provider). efa ("rdmap0s6-rdm") and any
+provider whose domain has no address are opened by the name alone; tcp / sockets are also bound
+to the interface's IPv4 address (fabric.topology.rail_node: a tcp domain lists an entry per
+address family, and the endpoint must be the IPv4 one), verbs to its device interface's where it
+has one (else by name only). Only shm is refused: one host, one domain. Every rail shares the
+engine's identity (engine id, host, pid; its PeerDescriptor differs only in the endpoint name),
+its id counter (region ids are unique across rails, so revocations name regions unambiguously)
+and its ImmCounter (a receiver counts what lands on any rail). A region is registered on one
+rail (``register(..., rail=i)``, its descriptor names that rail's endpoint) and every write from
+it posts on that rail, to whatever endpoint the destination descriptor names; a rail shakes
+hands with each remote endpoint it writes to (per endpoint name). What concerns a peer engine as
+a whole covers every rail: ``disconnect`` and ``close_connection`` end the connections of all
+its known endpoints on all rails, ``wait_peer_gone`` drains every rail, ``close`` closes them
+all. Control messages (``send``, ``connect``) use rail 0 unless told. ``pin_rail(rail, cpus)``
+moves a rail's progress thread (it posts the rail's writes and reads its completions) to the
+CPUs nearest its NIC. With one domain (one NIC, or none) only rail 0 exists and everything is as
+it was.
 
 Threads: each rail's progress thread (fabric.endpoint) runs the callbacks of its own writes,
 sends and landings (so with several rails, callbacks and ImmCounter completions come from more
@@ -264,11 +269,12 @@ class TransferEngine(TransferBackend):
         return None
 
     def open_rail(self, domain: str) -> int:
-        """The rail on libfabric domain ``domain``, opening it (an endpoint bound to the address
-        that selects the domain, fabric.topology.rail_node) unless one is open there already;
-        rail 0 when it is rail 0's. ValueError when the provider's domains cannot be chosen by a
-        bind address (shm, efa) or ``domain`` has no address; FabricError when the endpoint opens
-        on another domain or does not open."""
+        """The rail on libfabric domain ``domain``, opening it unless one is open there already
+        (an endpoint on the domain of that name, bound where the provider needs it to the address
+        fabric.topology.rail_node gives: the module docstring); rail 0 when it is rail 0's.
+        ValueError for shm (one domain), multi_rail=False, or a tcp / sockets ``domain`` that is no
+        interface with an IPv4 address; FabricError when the provider has no domain of that name
+        (naming it and the ones it has) or the endpoint does not open."""
         if not isinstance(domain, str) or not domain:
             raise ValueError(f"open_rail: domain={domain!r}: expected a domain name")
         with self._rails_lock:
@@ -282,23 +288,23 @@ class TransferEngine(TransferBackend):
                                  f"on {self.domain!r})")
             if provider == "shm":
                 raise ValueError(f"open_rail({domain!r}): provider shm has one domain (rail 0's, {self.domain!r})")
-            node = topology.rail_node(provider, domain)
-            if node is None:
+            node = topology.rail_node(provider, domain)   # None for efa: chosen by name alone
+            if node is None and provider.split(";")[0] in ("tcp", "sockets"):
                 raise ValueError(f"open_rail({domain!r}): no local address opens provider {provider!r} on domain "
-                                 f"{domain!r} (tcp: an interface with an IPv4 address; verbs: a device whose "
-                                 "interface has one; other providers' domains are not chosen by address)")
+                                 f"{domain!r} (tcp: an interface with an IPv4 address)")
             index = len(self._rails)
-            ep = Endpoint(self.config, node=node, engine_id=self.engine_id, ids=self._ep.ids, rail=index)
+            ep = Endpoint(self.config, node=node, domain=domain, engine_id=self.engine_id, ids=self._ep.ids,
+                          rail=index)
             if ep.domain != domain or ep.provider != provider:
                 got = (ep.provider, ep.domain)
                 ep.close_ep()
                 ep.release()
-                raise FabricError(lib.FI_EINVAL, f"open_rail({domain!r}): bound to {node}, provider {provider!r} "
+                raise FabricError(lib.FI_EINVAL, f"open_rail({domain!r}): node {node}, provider {provider!r} "
                                                  f"opened {got[0]!r} on domain {got[1]!r}")
             rail = _Rail(ep, self._imm, self._on_message)
             self._rails.append(rail)
             ep.start(rail.dispatch)
-        logger.info("engine %s: rail %d on domain %s (bound to %s)", self.engine_id[:8], index, domain, node)
+        logger.info("engine %s: rail %d on domain %s (node %s)", self.engine_id[:8], index, domain, node)
         return index
 
     # --------------------------------------------------------------- memory

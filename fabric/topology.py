@@ -19,8 +19,9 @@ the nearest node by distance (ties: an RDMA device before an interface, then by 
 The libfabric domain is inferred where the provider's naming is known: verbs -> the RDMA device
 name, efa -> "<device>-rdm", tcp / sockets -> the interface name, shm -> "shm" (no NIC).
 
-`rail_node(provider, domain)`: the local address whose endpoint opens on `domain` (tcp: the
-interface's IPv4 address; verbs: that of the device's interface), for fabric.engine's rails.
+`rail_node(provider, domain)`: the local address a rail on `domain` is bound to besides being
+asked for by name (tcp: the interface's IPv4 address; verbs: that of the device's interface;
+efa: none), for fabric.engine's rails.
 
 `numa_node_of(address, length)`: the NUMA node whose memory backs a range of this process, from
 the move_pages(2) query form (nodes=NULL: report, move nothing) on at most `max_pages` pages
@@ -273,11 +274,11 @@ def interface_ipv4(name: str) -> str | None:
 
 
 def rail_node(provider: str, domain: str, root: str | os.PathLike = "/sys") -> str | None:
-    """The local address to bind `provider`'s endpoint to so that it opens on `domain`, where the
-    provider's domain naming allows (fi_getinfo with that node picks the domain that owns it):
-    tcp / sockets -> the IPv4 address of the interface `domain`; verbs -> that of the RDMA device
-    `domain`'s first network interface (device/net/ under `root`) that has one. None otherwise
-    (efa and others: their domain is chosen by name, which fabric's native open does not take)."""
+    """The local address to bind `provider`'s endpoint on `domain` to, besides asking for the
+    domain by name (fabric.engine.open_rail): tcp / sockets -> the IPv4 address of the interface
+    `domain` (a tcp domain lists an entry per address family; the bind picks the IPv4 one);
+    verbs -> that of the RDMA device `domain`'s first network interface (device/net/ under `root`)
+    that has one. None otherwise (efa and others: chosen by the domain name alone)."""
     core = (provider or "").split(";")[0]
     if core in ("tcp", "sockets"):
         return interface_ipv4(domain)

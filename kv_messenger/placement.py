@@ -14,7 +14,9 @@ and its `reason` says why. On a one-node host without an RDMA device (this devel
 virtio NIC whose sysfs numa_node is -1) every shard reads "numa 0 nic none".
 
 The placements decide each rank's rail (kv_messenger.pool: its pool is registered on the
-TransferEngine endpoint of its placement's domain) and where the sender's messenger thread runs.
+TransferEngine endpoint of its placement's domain, which `open_rail` asks libfabric for by that
+name: efa "<device>-rdm", verbs the device, tcp the interface) and where the sender's messenger
+thread runs.
 
 `placement_info` is the same as label strings, one frozen record per rank, for an info gauge
 (`pdserve:kv_shard_placement_info{rank, numa_node, nic, domain, cpus} 1`).

@@ -7,8 +7,11 @@ on first use (`TransferEngine.open_rail`, its progress thread pinned to the plac
 so the decode side's ticket names each rank's rail (TransferTicket.kv_ranks) and the prefill
 side's writes of a rank post from its rail (fabric.engine: a write posts on its source region's
 rail). A rank whose placement names no domain (one NIC or none, a NIC of unknown locality: every
-test cluster), the domain rail 0 already has, or a domain no rail can open on (efa, shm,
-FabricConfig.multi_rail False; logged) stays on rail 0: with one NIC nothing changes.
+test cluster), the domain rail 0 already has, or a domain no rail can open on (shm's single
+domain, FabricConfig.multi_rail False, a domain the provider does not list; logged) stays on
+rail 0: with one NIC nothing changes. efa and verbs rails are opened by domain name (efa's
+"<device>-rdm", verbs' device), tcp's by name and interface address (fabric.engine.open_rail),
+so on a multi-NIC EFA host each rank's pool goes to its nearest NIC's rail.
 
 Bounds: `open_rail` opens a native endpoint (no peer involved, see fabric.engine); the rest is
 sysfs reads and registrations. Nothing here waits.

@@ -862,7 +862,7 @@ static void ring_peers(pdf_engine *e)
 
 /* ------------------------------------------------------------ public API */
 
-static struct fi_info *make_hints(const char *prov, int delivery_complete, int source, int waw)
+static struct fi_info *make_hints(const char *prov, const char *domain, int delivery_complete, int source, int waw)
 {
     struct fi_info *hints = fi_allocinfo();
     if (!hints)
@@ -888,6 +888,11 @@ static struct fi_info *make_hints(const char *prov, int delivery_complete, int s
         hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE; /* default for fi_write/fi_writedata/fi_send */
     if (prov && prov[0])
         hints->fabric_attr->prov_name = strdup(prov);
+    /* the domain (NIC) by name, e.g. efa's "rdmap0s6-rdm", verbs' "mlx5_0" (freed by fi_freeinfo) */
+    if (domain && domain[0] && !(hints->domain_attr->name = strdup(domain))) {
+        fi_freeinfo(hints);
+        return NULL;
+    }
     return hints;
 }
 
@@ -917,13 +922,55 @@ static int open_cq(pdf_engine *e, struct fi_cq_attr *attr, int *cq_fd)
 
 static void engine_destroy(pdf_engine *e);
 
+/* 1 if `name` is one of the ", "-separated names in `names`. */
+static int listed(const char *names, const char *name)
+{
+    size_t len = strlen(name);
+    for (const char *p = names; *p;) {
+        const char *end = strstr(p, ", ");
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        if (n == len && strncmp(p, name, len) == 0)
+            return 1;
+        if (!end)
+            break;
+        p = end + 2;
+    }
+    return 0;
+}
+
+/* The first entry of `list` in the domain named `domain`, as a copy of its own (NULL: none, or no
+ * memory, *nomem then set); `names` gets the domain names seen ("lo, eth0, ..."), truncated. */
+static struct fi_info *pick_domain(struct fi_info *list, const char *domain, char *names, size_t nlen, int *nomem)
+{
+    size_t used = 0;
+    names[0] = '\0';
+    *nomem = 0;
+    for (struct fi_info *i = list; i; i = i->next) {
+        const char *name = i->domain_attr && i->domain_attr->name ? i->domain_attr->name : "";
+        if (strcmp(name, domain) == 0) {
+            struct fi_info *one = fi_dupinfo(i);
+            *nomem = one == NULL;
+            return one;
+        }
+        if (used + 1 < nlen && !listed(names, name)) {
+            int w = snprintf(names + used, nlen - used, "%s%s", used ? ", " : "", name);
+            used = w < 0 ? nlen : used + (size_t)w;
+        }
+    }
+    return NULL;
+}
+
 /* fi_getinfo for an RDM endpoint with what we need (FI_DELIVERY_COMPLETE where the provider
  * accepts it: a local write completion then means the data is in the target's memory), the
- * MR modes we support, and the tx credit budget (tx_cap if lower than the provider's). */
-static int open_info(pdf_engine *e, const char *prov, const char *node, int delivery_complete, uint32_t tx_cap,
-                     char *what, size_t wlen)
+ * MR modes we support, and the tx credit budget (tx_cap if lower than the provider's).
+ * With `domain`, only an entry of that name is taken (pick_domain). */
+static int open_info(pdf_engine *e, const char *prov, const char *node, const char *domain, int delivery_complete,
+                     uint32_t tx_cap, char *what, size_t wlen)
 {
     const char *n = (node && node[0]) ? node : NULL;
+    const char *d = (domain && domain[0]) ? domain : NULL;
+    char names[160] = "";
+    int missing = 0; /* some attempt found entries, none in domain `d` */
     int ret = -FI_ENODATA;
     /* the most wanted first: write-after-write order, then delivery complete (if asked), then
      * FI_SOURCE; each given up in turn (WAW last to go: it is what makes a fence sound) */
@@ -933,13 +980,27 @@ static int open_info(pdf_engine *e, const char *prov, const char *node, int deli
         int src = attempt % 2 == 0;
         if (!delivery_complete && attempt % 4 >= 2)
             continue;
-        struct fi_info *hints = make_hints(prov, dc, src, waw);
+        struct fi_info *hints = make_hints(prov, d, dc, src, waw);
         if (!hints) {
             snprintf(what, wlen, "fi_allocinfo");
             return -FI_ENOMEM;
         }
         ret = fi_getinfo(FI_VERSION(1, 17), n, NULL, n ? FI_SOURCE : 0, hints, &e->info);
         fi_freeinfo(hints);
+        if (ret == 0 && d) {
+            int nomem = 0;
+            struct fi_info *one = pick_domain(e->info, d, names, sizeof(names), &nomem);
+            fi_freeinfo(e->info);
+            e->info = one;
+            if (nomem) {
+                snprintf(what, wlen, "fi_dupinfo");
+                return -FI_ENOMEM;
+            }
+            if (!one) {
+                missing = 1;
+                ret = -FI_ENODATA;
+            }
+        }
         if (ret == 0) {
             e->delivery_complete = dc && (e->info->tx_attr->op_flags & FI_DELIVERY_COMPLETE);
             e->source_addr = src && (e->info->caps & FI_SOURCE);
@@ -949,8 +1010,14 @@ static int open_info(pdf_engine *e, const char *prov, const char *node, int deli
                 e->source_addr = 0;
         }
     }
+    if (ret && missing) {
+        snprintf(what, wlen, "fi_getinfo(provider=%s, node=%s): no domain named '%s' (the provider's: %s)",
+                 prov ? prov : "", node ? node : "", d, names);
+        return ret;
+    }
     if (ret) {
-        snprintf(what, wlen, "fi_getinfo(provider=%s, node=%s)", prov ? prov : "", node ? node : "");
+        snprintf(what, wlen, "fi_getinfo(provider=%s, node=%s%s%s)", prov ? prov : "", node ? node : "",
+                 d ? ", domain=" : "", d ? d : "");
         return ret;
     }
     e->mr_mode = e->info->domain_attr->mr_mode;
@@ -1102,10 +1169,10 @@ static int start_watchdog(pdf_engine *e, char *what, size_t wlen)
     return 0;
 }
 
-int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv, uint32_t msg_size,
-             uint32_t spin_us, uint32_t busy_spin_us, uint32_t sleep_max_us, uint32_t peer_timeout_ms,
-             int delivery_complete, int busy_poll,
-             const char *bell_name, pdf_engine **out, char *err, size_t errlen)
+int pdf_open(const char *prov, const char *node, const char *domain, uint32_t tx_cap, uint32_t nrecv,
+             uint32_t msg_size, uint32_t spin_us, uint32_t busy_spin_us, uint32_t sleep_max_us,
+             uint32_t peer_timeout_ms, int delivery_complete, int busy_poll, const char *bell_name,
+             pdf_engine **out, char *err, size_t errlen)
 {
     *out = NULL;
     pdf_engine *e = (pdf_engine *)calloc(1, sizeof(*e));
@@ -1115,8 +1182,8 @@ int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv
     e->waiter.event_fd = -1;
     e->next_key = 1;
 
-    char what[256] = "";
-    int ret = open_info(e, prov, node, delivery_complete, tx_cap, what, sizeof(what));
+    char what[384] = "";
+    int ret = open_info(e, prov, node, domain, delivery_complete, tx_cap, what, sizeof(what));
     if (!ret)
         ret = open_domain(e, what, sizeof(what));
     if (!ret)

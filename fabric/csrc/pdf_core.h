@@ -101,12 +101,16 @@ typedef struct pdf_sync_result {
 /* fi_strerror of either sign of a libfabric error code. */
 const char *pdf_strerror(int code);
 
-/* Open an engine on provider `prov` (bound to `node` if not NULL): fabric, domain, AV, CQ,
- * endpoint, the control message pools (nrecv slots of msg_size bytes) and, for shm, the
- * watchdog.  tx_cap: most writes posted at once (0: the provider's tx size).  The waits and
- * timeouts are FabricConfig's (fabric/config.py).  bell_name: this engine's doorbell (shm).
- * Returns 0 with *out set, or a negative error with `err` naming the step that failed. */
-int pdf_open(const char *prov, const char *node, uint32_t tx_cap, uint32_t nrecv,
+/* Open an engine on provider `prov` (bound to `node` if not NULL) in the libfabric domain named
+ * `domain` (if not NULL: asked of fi_getinfo as hints->domain_attr->name, and the first returned
+ * entry of that name taken, since some providers, e.g. tcp in libfabric 1.17, ignore the hint;
+ * NULL: the provider's first entry, as before): fabric, domain, AV, CQ, endpoint, the control
+ * message pools (nrecv slots of msg_size bytes) and, for shm, the watchdog.  tx_cap: most writes
+ * posted at once (0: the provider's tx size).  The waits and timeouts are FabricConfig's
+ * (fabric/config.py).  bell_name: this engine's doorbell (shm).  Returns 0 with *out set, or a
+ * negative error with `err` naming the step that failed (no such domain: -FI_ENODATA, `err`
+ * naming it and the domains the provider has). */
+int pdf_open(const char *prov, const char *node, const char *domain, uint32_t tx_cap, uint32_t nrecv,
              uint32_t msg_size, uint32_t spin_us, uint32_t busy_spin_us, uint32_t sleep_max_us,
              uint32_t peer_timeout_ms, int delivery_complete, int busy_poll, const char *bell_name,
              pdf_engine **out, char *err, size_t errlen);

@@ -5,6 +5,11 @@ rail 0 bound to 127.0.0.1 (domain "lo") and rail 1 on the first other interface 
 address (this machine: eth0), so the two rails are two different domains. Pages go from a region
 on rail 1 to a peer region on rail 1 and from rail 0 to rail 0; the bytes and the immediate-data
 counts are checked, and each write is seen on the rail it was posted on.
+
+A rail is asked for by its domain NAME (hints->domain_attr->name, the name checked in pdf_open:
+libfabric 1.17's tcp ignores the hint); tcp is also bound to the interface's IPv4 address. The
+name-only open (node None) is the call efa ("rdmap0s6-rdm") and an address-less verbs device get;
+efa and verbs cannot run on this machine, so it is exercised here with the tcp provider string.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import numpy as np
 import pytest
 
 from fabric import FabricConfig, FabricError, TransferEngine
+from fabric.endpoint import Endpoint
 from fabric.topology import interface_ipv4
 from pdserve.engine.cache.hostmem import alloc_buffer
 
@@ -160,3 +166,27 @@ def test_a_closed_peer_is_gone_on_every_rail(pair):
     assert b.wait_peer_gone(c.peer_descriptor, 5.0)
     assert all(r._peers.is_gone(c.engine_id) for r in b._rails)
     b.deregister(d1)
+
+
+def test_a_rail_is_asked_for_by_domain_name(pair):
+    a, b, second = pair
+    # the rails of the pair were opened by name (open_rail passes it to pdf_open), rail 0 without one
+    assert [r._ep.asked_domain for r in a._rails] == [None, second]
+    config = FabricConfig(provider=PROVIDER, node="127.0.0.1")
+    # a name the provider lacks: a FabricError naming it and the domains fi_getinfo listed
+    with pytest.raises(FabricError, match=r"no domain named 'nosuch0' \(the provider's: [^)]*\blo\b") as err:
+        Endpoint(config, domain="nosuch0")
+    listed = str(err.value).split("the provider's: ")[1].split(")")[0].split(", ")
+    assert {"lo", second} <= set(listed)
+    # by the name alone (efa's call: no bind address), on each domain fi_info names; config.node
+    # (rail 0's 127.0.0.1) is not used then
+    for name in ("lo", second):
+        ep = Endpoint(config, node=None, domain=name, engine_id=a.engine_id, rail=2)
+        try:
+            assert (ep.node, ep.asked_domain, ep.domain, ep.provider) == (None, name, name, PROVIDER)
+            assert ep.me.ip_address() == interface_ipv4(name)
+        finally:
+            ep.close_ep()
+            ep.release()
+    with pytest.raises(ValueError, match="domain=''"):
+        Endpoint(config, domain="")
