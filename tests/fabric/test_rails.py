@@ -190,3 +190,38 @@ def test_a_rail_is_asked_for_by_domain_name(pair):
             ep.release()
     with pytest.raises(ValueError, match="domain=''"):
         Endpoint(config, domain="")
+
+
+def test_a_rail_opened_by_name_alone_carries_writes(monkeypatch):
+    """open_rail as it runs for efa (Endpoint(node=None, domain=name)): its tcp bind address is
+    dropped on the way to the real endpoint, so the domain name alone picks the rail."""
+    second = _second_domain()
+    if second is None:
+        pytest.skip("no interface besides lo with an IPv4 address: one tcp domain only")
+    import fabric.engine
+
+    opened = []
+
+    def by_name(config, *, node=None, domain=None, **kw):
+        opened.append((node, domain))
+        return Endpoint(config, node=None, domain=domain, **kw)
+
+    monkeypatch.setattr(fabric.engine, "Endpoint", by_name)
+    config = FabricConfig(provider=PROVIDER, node="127.0.0.1")
+    with TransferEngine(config) as a, TransferEngine(config) as b:
+        assert a.open_rail(second) == 1 and b.open_rail(second) == 1
+        assert opened[-2:] == [(interface_ipv4(second), second)] * 2
+        assert [(r.domain, r.node, r.peer.ip_address()) for r in a.rails][1] == (second, None, interface_ipv4(second))
+        src, dst = alloc_buffer(PAGES * PAGE), alloc_buffer(PAGES * PAGE)
+        src.numpy()[:] = np.random.default_rng(17).integers(0, 256, PAGES * PAGE, dtype=np.uint8)
+        s1, d1 = a.register(src.view, rail=1), b.register(dst.view, rail=1)
+        landed = _Count()
+        pages = [2, 9, 10, 13]
+        b.imm_counter.expect(103, len(pages), landed)
+        _write(a, s1, d1, pages, 103)
+        assert landed.wait(103)
+        got, want = dst.numpy().reshape(PAGES, PAGE), src.numpy().reshape(PAGES, PAGE)
+        assert np.array_equal(got[pages], want[pages]) and not got[sorted(set(range(PAGES)) - set(pages))].any()
+        assert (a.rail_stats(1).entries, a.rail_stats(0).entries) == (len(pages), 0)
+        a.deregister(s1)
+        b.deregister(d1)
