@@ -50,10 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tcp;ofi_rxm: release a quarantine whose transfer ended on the prefill node without a "
                         "fence (after a long partition) by closing this node's connection to it; off by default: "
                         "libfabric 1.17's rxm can crash closing a connection with a write half received "
-                        "(decode_node.service)")
+                        "(decode_node.service); --rotate-key-after releases such quarantines without that risk")
     g.add_argument("--rotate-key-after", type=float, default=None, metavar="SECONDS",
                    help="tcp;ofi_rxm: when a quarantine is this old and its prefill node has answered nothing for "
-                        "--prefill-stall seconds (a dead or partitioned host), register the KV pool under a new "
+                        "--prefill-stall seconds (a dead or partitioned host) or its transfer ended there without a "
+                        "fence (a fabric-only partition, heavy loss), register the KV pool under a new "
                         "memory key, close the old one and every fabric connection, and release every quarantine "
                         "held under it; every transfer then in flight, from any prefill node, fails over and is "
                         "prefilled again (counted in pdserve:kv_key_rotations_total). Ignored on shm (its target "

@@ -36,7 +36,14 @@ ordered, or the fence did not land within FENCE_WAIT_S, or ours are not ordered,
 TransferEngine.writes_ordered). "Ended" means nothing more will ever be posted for the key and
 every posted write completed there, in error or not; but "completed" on tcp;ofi_rxm is "handed to
 the socket", and a socket the prefill side closed may still be flushing (an orphan in its
-kernel). Where the provider carries writes on connections (TransferEngine.closes_connections,
+kernel). With --rotate-key-after (below) such a hold, once it is rotate_key_after_s old, asks for
+a key rotation, which releases it: the answer said nothing more will be posted for the key, and
+what was posted before is under the old memory key, which the rotation closes (checked as each
+write arrives: later bytes refused), then it ends every fabric connection and drains -- so no
+byte of it can land after the release, whatever the order of the answer and the rotation. This
+is the crash-free release of an unfenced end, and the way a fabric-only partition with gRPC up
+(the node keeps answering GetNodeInfo, so it is never "silent") gets its pages back. The older
+option: where the provider carries writes on connections (TransferEngine.closes_connections,
 ofi_rxm) the hold then closes OUR side: `close_connection` (fi_av_remove with
 FI_AV_REMOVE_CLEANUP: rxm closes every connection of that address), then drains what the
 progress thread already read, then releases. Why that is sound: every byte of the key was posted
@@ -55,16 +62,17 @@ with bytes lost here (its write count never completes -> KV_LANDED_WAIT_S -> qua
 fence cannot land -> ended unfenced -> a close). Either way it fails over to a fresh attempt and
 its pages are released only by a proof of its own, never by this close; holds whose fences were
 in flight are answered the same way; quarantines of other prefill engines are not touched.
-On shm (no connection to close) an unfenced end keeps the pages held, re-asked with backoff.
-OFF BY DEFAULT (DecodeNodeConfig.release_unfenced_by_close, --release-unfenced-by-close): with
+On shm (no connection to close, no key checked) an unfenced end keeps the pages held, re-asked
+with backoff. The close is OFF BY DEFAULT (DecodeNodeConfig.release_unfenced_by_close,
+--release-unfenced-by-close; it stays as the older option, and when both are on the close comes
+first, as the hold's answer arrives): with
 libfabric 1.17, fi_av_remove of a peer whose connection has a write half received (a partition
 struck mid-message, the normal case here) segfaults inside rxm (SIGSEGV in its ECANCELED handling
 under pdf_av_remove: 4 of 5 probes, and a decode node in test_network_faults' fabric partition);
-a close before a burst starts is fine (tests/fabric/test_connection_close.py). Without it an
-unfenced end stays held, like a dead host below. Sound and crash-free, to build next: record the
-kernel sockets (inodes in /proc/self/net/tcp) we have to that prefill address when the answer
-arrives, provoke a reset on them (a PING: the prefill side closed them), and release once none
-of them is left -- rxm's own shutdown path, not av_remove, closes them.
+a close before a burst starts is fine (tests/fabric/test_connection_close.py). Without it, an
+unfenced end is released by a key rotation (--rotate-key-after: sockets shut down from outside
+libfabric, rxm's own close path, never av_remove) or, with neither flag, stays held, like a dead
+host below.
 
 A prefill host that dies silently (or stays partitioned) never answers: its quarantines are held
 for ever (S5 over S2), visible as pdserve:kv_quarantine_oldest_seconds{peer} (the oldest hold's
@@ -75,8 +83,10 @@ each post has a check-then-post window no lock closes (a process paused between 
 the post, e.g. a frozen VM, posts after the lease ran out; its monotonic clock did not run).
 Key rotation (`DecodeNodeConfig.rotate_key_after_s`, --rotate-key-after; OFF by default: it
 fails over every transfer in flight from every prefill node, so an operator opts into that cost)
-is sound because the target enforces it: when a hold is that old and its prefill node answered
-no GetNodeInfo for `stall_s`, the node (`_rotate_keys`) registers the KV pool (every rank), the
+is sound because the target enforces it: when a hold is that old and either its prefill node
+answered no GetNodeInfo for `stall_s` (a silent death) or its abort ended there unfenced (above),
+the node (`_rotate_keys`, one at a time; one rotation for every hold that asks at once, and it
+releases every hold of an older generation, asked or not) registers the KV pool (every rank), the
 context landing area and the fence buffer again under new keys (KvReceiver.rotate_keys, on the
 engine thread, so each ticket names one generation; tickets prepared from then on carry the new
 descriptors), fails over every transfer of an older generation still in flight (its Prefill call
@@ -240,7 +250,7 @@ class DecodeNodeConfig:
     max_waiting_requests: int = 2048          # requests held before their first token; more: RESOURCE_EXHAUSTED (S8)
     release_unfenced_by_close: bool = False   # ended-unfenced holds released by closing our connection (see above)
     kv_checksum: bool = False                 # S7: verify CRC32C of every landed run before scheduling
-    rotate_key_after_s: float | None = None   # a hold this old, its prefill node silent: rotate the KV key (None: off)
+    rotate_key_after_s: float | None = None   # a hold this old, prefill silent or end unfenced: rotate the key
 
     def __post_init__(self) -> None:
         if self.prefill_routing not in PREFILL_ROUTING:
@@ -304,6 +314,7 @@ class Quarantine:
     rounds: int = 0
     closes_at_answer: int = 0                 # closes of our connection to its engine begun by its last answer
     key_gen: int = 0                          # the memory-key generation its attempt's ticket named
+    ended_unfenced: bool = False              # its prefill process answered the key ended, unfenced (sticky)
     logged: float = 0.0                       # time.monotonic() of its last "still quarantined" warning
 
 
@@ -874,6 +885,8 @@ class DecodeNode(ReceiverEvents):
                 if answer == ABORT_CONFIRMED:
                     how = "abort confirmed"
                     break
+                if answer == ABORT_ENDED_UNFENCED:
+                    q.ended_unfenced = True   # terminal there: with --rotate-key-after a rotation may release it
                 if answer == ABORT_ENDED_UNFENCED and self._can_close(q):
                     await self._close_prefill_connection(q, q.closes_at_answer)
                     how = "its key ended on the prefill node, unfenced; our connection to it closed"
@@ -936,28 +949,34 @@ class DecodeNode(ReceiverEvents):
         """No write under the keys q's attempt was sent can land any more (a rotation finished)."""
         return q.key_gen < self._keys_dead_below
 
-    def _rotation_due(self) -> Quarantine | None:
-        """A hold that asks for a rotation: older than rotate_key_after_s, its prefill node
-        unanswering for stall_s, and its keys still live (or a rotation left unfinished)."""
+    def _rotation_due(self) -> list[Quarantine]:
+        """The holds that ask for a rotation: older than rotate_key_after_s, their keys still live
+        (or a rotation left unfinished), and either their prefill node unanswering for stall_s (a
+        silent death) or their abort ended there unfenced (a fabric-only partition, heavy loss: the
+        node answers, but no fence can prove delivery). One rotation releases them all: every hold
+        of an older generation is released by it, not only the ones that asked."""
         after = self.config.rotate_key_after_s
         assert after is not None
         now = time.monotonic()
-        for q in self._held.values():
-            if not self._key_dead(q) and now - q.since >= after and now - q.node.last_answer > self.config.stall_s:
-                return q
-        return None
+        return [q for q in self._held.values()
+                if not self._key_dead(q) and now - q.since >= after
+                and (q.ended_unfenced or now - q.node.last_answer > self.config.stall_s)]
 
     async def _rotate_loop(self) -> None:
+        """One rotation at a time (awaited here, never started twice): a hold that asks while
+        one is under way is released by it or, if it was prepared under the new key, asks the
+        next round."""
         while True:
             await asyncio.sleep(ROTATE_POLL_S)
-            q = self._rotation_due()
-            if q is None:
+            due = self._rotation_due()
+            if not due:
                 continue
             try:
-                await self._rotate_keys(q)
+                await self._rotate_keys(due)
             except Exception as e:   # never let the loop die: the holds would stay unanswered unseen
-                logger.error("KV key rotation for the hold of request %s attempt %d failed (%s: %s); retrying in "
-                             "%.1f s", q.request_id, q.attempt, type(e).__name__, e, ROTATE_POLL_S)
+                logger.error("KV key rotation for %d holds (request %s attempt %d first) failed (%s: %s); retrying in "
+                             "%.1f s", len(due), due[0].request_id, due[0].attempt, type(e).__name__, e,
+                             ROTATE_POLL_S)
 
     def _swap_keys(self) -> tuple:
         """Engine thread (where tickets are prepared): new registrations, the next generation."""
@@ -966,7 +985,7 @@ class DecodeNode(ReceiverEvents):
         self._key_gen += 1
         return old
 
-    async def _rotate_keys(self, q: Quarantine) -> None:
+    async def _rotate_keys(self, due: list[Quarantine]) -> None:
         """Make every write under the keys up to now unable to land (module docstring): register
         the pool again (new tickets name it), fail over the transfers in flight under the old keys,
         close the old registrations (the target refuses a write under a closed key as it arrives),
@@ -975,10 +994,12 @@ class DecodeNode(ReceiverEvents):
         assert self.transport is not None and self.pool is not None
         if self._key_gen == self._keys_dead_below:   # else a rotation is unfinished: finish it
             self._retired_regions.extend(await self.engine.call(self._swap_keys))
-            logger.warning("rotating the KV memory key (generation %d): request %s attempt %d has been quarantined "
-                           "%.1f s and prefill node %s answers nothing; every transfer in flight under the old key "
-                           "fails over", self._key_gen, q.request_id, q.attempt, time.monotonic() - q.since,
-                           q.node.address)
+            now = time.monotonic()
+            why = "; ".join(f"request {q.request_id} attempt {q.attempt} quarantined {now - q.since:.1f} s, prefill "
+                            f"node {q.node.address} " + ("ended it unfenced" if q.ended_unfenced else "answers nothing")
+                            for q in due[:4]) + (f"; and {len(due) - 4} more" if len(due) > 4 else "")
+            logger.warning("rotating the KV memory key (generation %d) for %d holds (%s); every transfer in flight "
+                           "under the old key fails over", self._key_gen, len(due), why)
         target = self._key_gen
         while self._retired_regions:
             await asyncio.to_thread(self.transport.deregister, self._retired_regions[0])   # fi_close

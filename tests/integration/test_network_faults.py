@@ -15,9 +15,11 @@ prefill node has one in flight, and asserts, never assumes:
 - the fault undid itself (no rule or qdisc left on the wire).
 
 The cluster: 1 prefill (across the wire) + 1 decode (--local-prefill-fallback: with one prefill
-node on two cores, a partition longer than the stall bound is survived by prefilling locally) +
-router, small pools. Recovery seconds (fault end to a fresh request's success) are printed, never
-asserted; bench/faults.py tabulates them with the 1% / 20% loss rows.
+node on two cores, a partition longer than the stall bound is survived by prefilling locally;
+--rotate-key-after 2: a hold whose abort ended unfenced, or whose prefill node went silent, is
+released by a key rotation, counted in pdserve:kv_key_rotations_total) + router, small pools.
+Recovery seconds (fault end to a fresh request's success) are printed, never asserted;
+bench/faults.py tabulates them with the 1% / 20% loss rows.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"network-fault harne
 PARTITION_SHORT_S = nf.STALL_S / 2        # shorter than the decode node's stall bound
 PARTITION_LONG_S = nf.STALL_S * 3         # three stall bounds
 FABRIC_PARTITION_S = nf.STALL_S * 2       # gRPC stays up: no health silence, only writes stop
+ROTATE_KEY_AFTER_S = 2.0                  # the decode node's --rotate-key-after (an unfenced hold's release)
 @pytest.fixture(scope="module")
 def net():
     with nf.fault_net() as n:
@@ -42,7 +45,8 @@ def net():
 @pytest.fixture(scope="module")
 def cluster(net, tmp_path_factory):
     with nf.NetCluster(net, prefill=1, decode=1, port=0, num_blocks=160, threads_per_node=1,
-                       engine_args=("--max-batch-tokens", "32"), decode_args=("--local-prefill-fallback",),
+                       engine_args=("--max-batch-tokens", "32"),
+                       decode_args=("--local-prefill-fallback", "--rotate-key-after", str(ROTATE_KEY_AFTER_S)),
                        log_dir=str(tmp_path_factory.mktemp("netfaults")), startup_timeout_s=150,
                        router_health_interval_s=0.5) as c:
         yield c
@@ -106,34 +110,46 @@ def test_bandwidth_squeeze_completes(fresh, net, ref):
     _check(out, net, all_complete=True)
 
 
-# An unfenced end (the prefill side's connection failed) keeps its pages quarantined: releasing
-# them by closing our side of the connection is sound but off by default, because libfabric 1.17's
-# rxm can segfault in fi_av_remove when a write is half received (decode_node/service.py docstring,
-# --release-unfenced-by-close). Everything else (nothing lost, no stale write, greedy output) is
-# still asserted before the leftovers check, which alone may fail.
-UNFENCED_HELD = pytest.mark.xfail(raises=nf.LeftoversError, strict=False,
-                                  reason="unfenced quarantine held until the crash-free close release lands")
+# An unfenced end (the prefill side's connection failed) kept its pages quarantined unless our side
+# of the connection was closed (--release-unfenced-by-close: off by default, libfabric 1.17's rxm can
+# segfault in fi_av_remove when a write is half received). The cluster runs with --rotate-key-after:
+# a hold that ended unfenced, or whose prefill node went silent, is released by a key rotation
+# (decode_node/service.py docstring).
 
 
-@UNFENCED_HELD
+def _rotations(cluster) -> float:
+    """pdserve:kv_key_rotations_total summed over the decode nodes."""
+    values = [nf._metric(url, "pdserve:kv_key_rotations_total") for name, url in cluster.metrics_urls.items()
+              if cluster.processes[name].role == "decode"]
+    assert all(v is not None for v in values), "a decode node exports no pdserve:kv_key_rotations_total"
+    return sum(values)
+
+
 @pytest.mark.timeout(200)
-def test_fabric_port_partition_with_grpc_up(fresh, net, ref):
+def test_fabric_port_partition_with_grpc_up_is_released_by_one_key_rotation(fresh, net, ref):
+    """gRPC answers throughout, so no hold is ever "silent": the held quarantine's abort ends
+    unfenced and one key rotation (not a close, not a restart) releases it."""
     cluster = fresh
     prefill = cluster.processes["prefill-0"].address
+    before = _rotations(cluster)
     out = nf.strike(cluster, "fabric-partition", lambda: nf.fabric_partition(net), FABRIC_PARTITION_S, ref,
                     during=lambda: health_status(prefill, timeout=2.0))
     assert out.during == "SERVING", f"gRPC did not stay up under a fabric-port partition: {out.during}"
-    _check(out, net, all_complete=False)
+    rotations = _rotations(cluster) - before
+    _check(out, net, all_complete=True)
+    assert rotations == 1, f"{rotations:.0f} key rotations released the fabric partition's holds, expected 1"
 
 
-@UNFENCED_HELD
 @pytest.mark.timeout(200)
 def test_partition_longer_than_the_stall_bound_falls_back_or_fails_explicitly(fresh, net, ref):
     cluster = fresh
+    before = _rotations(cluster)
     # the decode node's local fallback should complete them all; an explicit error is also an
     # honest end (asserted: none lost), never a hang or a leak
     out = nf.strike(cluster, "partition-long", lambda: nf.partition(net), PARTITION_LONG_S, ref)
-    _check(out, net, all_complete=False)
+    rotations = _rotations(cluster) - before
+    _check(out, net, all_complete=False)   # leftovers included: the silent node's holds were released
+    assert rotations >= 1, "the silent prefill node's holds were released without a key rotation"
 
 
 def test_the_fault_network_is_removed_even_after_a_failure():
