@@ -23,7 +23,9 @@ their tag and context slot) and the request is admitted again at once into fresh
 attempt on a prefill node it has not tried (or prefilled here with `local_prefill_fallback`).
 The quarantine is held, on the loop, until the prefill side has provably stopped: the process
 the attempt was sent to (its fabric engine id) confirms AbortPrefill and the delivery fence it
-posts on the same fabric connection lands here (on tcp;ofi_rxm a write "completed locally" is
+posts between the same pair of endpoints lands here (possibly on a newer rxm connection: rxm
+1.17 accepts one only once the previous one is closed here, so an earlier write lands before the
+fence or never, tests/fabric/test_fence_reconnect.py; on tcp;ofi_rxm a write "completed locally" is
 not delivered; the connection delivers in order, FI_ORDER_WAW), or its endpoint is gone (it said
 goodbye or, same host, its process ended; what it sent before is drained first). AbortPrefill is
 re-sent with backoff until then; a restarted process at the same address never confirms. Only
