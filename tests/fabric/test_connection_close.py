@@ -14,16 +14,15 @@ burst was in flight (nothing of it landed before the close), the partition dropp
 from __future__ import annotations
 
 import base64
-import json
 import os
 import pickle
-import selectors
 import subprocess
 import sys
 import time
 
 import pytest
 from support import netfault as nf
+from support.line_proc import ask
 
 from fabric import FabricConfig, TransferEngine
 from pdserve.engine.cache.hostmem import alloc_buffer
@@ -38,23 +37,6 @@ import close_peer as cp  # noqa: E402
 WARM = 4 << 20          # grows the writer's socket send buffer before the partition
 BURST = 12 << 20
 HEALED_WAIT_S = 3.0     # after the heal: the orphan's next retransmission (a ~1 s partition) reaches us within this
-
-
-def _line(proc: subprocess.Popen, timeout: float) -> dict:
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    if not sel.select(timeout):
-        raise TimeoutError(f"writer: no output within {timeout} s")
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"writer exited ({proc.wait(5)}): {proc.stderr.read()[-2000:]}")
-    return json.loads(line)
-
-
-def _ask(proc: subprocess.Popen, cmd: dict, timeout: float = 30.0) -> dict:
-    proc.stdin.write(json.dumps(cmd) + "\n")
-    proc.stdin.flush()
-    return _line(proc, timeout)
 
 
 def _landed(pool) -> int:
@@ -81,16 +63,16 @@ def test_orphaned_bytes_land_unless_we_close_our_side(net, close_here: bool) -> 
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             writer = pickle.loads(base64.b64decode(
-                _ask(proc, {"descriptor": base64.b64encode(pickle.dumps(region.descriptor)).decode()})["peer"]))
-            assert _ask(proc, {"warm": WARM}) == {"warm": True}
+                ask(proc, {"descriptor": base64.b64encode(pickle.dumps(region.descriptor)).decode()})["peer"]))
+            assert ask(proc, {"warm": WARM}) == {"warm": True}
             deadline = time.monotonic() + 10.0   # completed there means handed to its socket
             while bytes(pool[:WARM]).count(cp.PATTERN) < WARM and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert bytes(pool[:WARM]).count(cp.PATTERN) == WARM
             with nf.partition(net) as hits:
-                assert _ask(proc, {"burst": BURST})["posted"] == BURST // cp.PIECE
+                assert ask(proc, {"burst": BURST})["posted"] == BURST // cp.PIECE
                 time.sleep(0.5)
-                assert _ask(proc, {"drop": 1}) == {"dropped": True}
+                assert ask(proc, {"drop": 1}) == {"dropped": True}
                 time.sleep(0.2)
                 if close_here:
                     engine.close_connection(writer)
@@ -108,7 +90,7 @@ def test_orphaned_bytes_land_unless_we_close_our_side(net, close_here: bool) -> 
                 time.sleep(0.1)
             after = _landed(pool)
             first_s = time.monotonic() - healed
-            settled = _ask(proc, {"wait": 10})
+            settled = ask(proc, {"wait": 10})
             print(f"\nclose_here={close_here}: burst bytes landed before the heal {before}, after {after} "
                   f"of {BURST} ({first_s:.1f} s after the heal); writer: {settled}; partition hits {hits.count}")
             if close_here:

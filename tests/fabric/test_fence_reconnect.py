@@ -34,7 +34,6 @@ import base64
 import json
 import os
 import pickle
-import selectors
 import subprocess
 import sys
 import threading
@@ -128,26 +127,14 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402
 from support import netfault as nf  # noqa: E402
+from support.line_proc import ask as ask_line  # noqa: E402
 
 REASON = nf.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"network-fault harness unavailable: {REASON}")
 
 
-def _line(proc: subprocess.Popen, timeout: float) -> dict:
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    if not sel.select(timeout):
-        raise TimeoutError(f"writer: no answer within {timeout} s")
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"writer exited ({proc.wait(5)}): {proc.stderr.read()[-2000:]}")
-    return json.loads(line)
-
-
-def _ask(proc: subprocess.Popen, cmd: dict) -> dict:
-    proc.stdin.write(json.dumps(cmd) + "\n")
-    proc.stdin.flush()
-    return _line(proc, WRITER_ANSWER_S)
+def ask(proc: subprocess.Popen, cmd: dict) -> dict:
+    return ask_line(proc, cmd, WRITER_ANSWER_S)
 
 
 def _c1_port(net: nf.FaultNet) -> int:
@@ -203,8 +190,8 @@ def test_fence_on_a_new_connection_lands_after_the_old_connections_bytes(net) ->
         rules: list[tuple[str, ...]] = []
         try:
             descs = (region.descriptor, fence_region.descriptor)
-            assert "peer" in _ask(proc, {"target": base64.b64encode(pickle.dumps(descs)).decode()})
-            assert _ask(proc, {"warm": 1}) == {"warm": True}
+            assert "peer" in ask(proc, {"target": base64.b64encode(pickle.dumps(descs)).decode()})
+            assert ask(proc, {"warm": 1}) == {"warm": True}
             deadline = time.monotonic() + 10.0   # completed there means handed to its socket
             while bytes(pool[:WARM]).count(PATTERN) < WARM and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -216,13 +203,13 @@ def test_fence_on_a_new_connection_lands_after_the_old_connections_bytes(net) ->
                      ("-p", "tcp", "--syn", "-s", net.far_addr, "-d", net.near_addr, "-j", "ACCEPT")]
             for rule in rules:
                 nf.in_ns(net.wire_ns, "iptables", "-w", "5", "-I", "FORWARD", *rule)
-            burst = _ask(proc, {"burst": 1})
+            burst = ask(proc, {"burst": 1})
             assert burst["done"] >= 1, f"no burst write completed locally while C1 was held: {burst}"
             held = burst_bytes()
             assert held < burst["done"] * PIECE, (f"the {burst['done']} locally completed writes all landed "
                                                   f"({held} bytes): nothing of them was held in the writer's kernel")
-            assert _ask(proc, {"drop": 1}) == {"dropped": True}   # C1 closed there: an orphaned socket
-            assert _ask(proc, {"fence": 1}) == {"fence_posted": True}   # opens C2
+            assert ask(proc, {"drop": 1}) == {"dropped": True}   # C1 closed there: an orphaned socket
+            assert ask(proc, {"fence": 1}) == {"fence_posted": True}   # opens C2
             landed_while_held = fenced.wait(BLOCKED_S)
             counts = _counters(net)
             assert counts.get("DROP", 0) > 0, f"the wire dropped nothing of C1: {counts}"
@@ -237,7 +224,7 @@ def test_fence_on_a_new_connection_lands_after_the_old_connections_bytes(net) ->
             assert fenced.wait(FENCE_WITHIN_S), f"the fence never landed after C1 was let through ({burst})"
             time.sleep(AFTER_FENCE_S)
             final_bytes, final_writes = burst_bytes(), engine.imm_counter.landed(BURST_TAG)
-            settled = _ask(proc, {"wait": 10})
+            settled = ask(proc, {"wait": 10})
             print(f"\nburst {burst}; bytes landed while held {before}, at the fence {seen['burst_bytes']} "
                   f"({seen['burst_writes']} writes), final {final_bytes} ({final_writes}); writer {settled}; "
                   f"wire {counts}")

@@ -20,16 +20,15 @@ Every wait is bounded; timings are printed, never asserted.
 from __future__ import annotations
 
 import base64
-import json
 import os
 import pickle
-import selectors
 import subprocess
 import sys
 import time
 
 import pytest
 from support import netfault as nf
+from support.line_proc import ask
 
 from decode_node.fabric_sockets import endpoint_of, fabric_sockets, open_inodes, shut_down
 from fabric import FabricConfig, TransferEngine
@@ -46,23 +45,6 @@ WARM = 1 << 20
 BURST = 12 << 20        # ~2.5 s through a 40 mbit squeeze
 STARTED = 256 << 10     # this much of the burst landed: it is streaming in
 AFTER_WAIT_S = 2.0      # looked at this long after the rotation, squeezed, and again after the squeeze
-
-
-def _line(proc: subprocess.Popen, timeout: float) -> dict:
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    if not sel.select(timeout):
-        raise TimeoutError(f"writer: no output within {timeout} s")
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"writer exited ({proc.wait(5)}): {proc.stderr.read()[-2000:]}")
-    return json.loads(line)
-
-
-def _ask(proc: subprocess.Popen, cmd: dict, timeout: float = 30.0) -> dict:
-    proc.stdin.write(json.dumps(cmd) + "\n")
-    proc.stdin.flush()
-    return _line(proc, timeout)
 
 
 def _landed(pool) -> int:
@@ -106,14 +88,14 @@ def test_a_write_streaming_in_under_the_old_key_stops_landing_once_rotated(net, 
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             writer = pickle.loads(base64.b64decode(
-                _ask(proc, {"descriptor": base64.b64encode(pickle.dumps(old.descriptor)).decode()})["peer"]))
-            assert _ask(proc, {"warm": WARM}) == {"warm": True}
+                ask(proc, {"descriptor": base64.b64encode(pickle.dumps(old.descriptor)).decode()})["peer"]))
+            assert ask(proc, {"warm": WARM}) == {"warm": True}
             deadline = time.monotonic() + 10.0
             while bytes(pool[:WARM]).count(cp.PATTERN) < WARM and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert bytes(pool[:WARM]).count(cp.PATTERN) == WARM
             with nf.squeeze(net, rate="40mbit") as hits:
-                assert _ask(proc, {"burst": BURST})["posted"] == BURST // cp.PIECE
+                assert ask(proc, {"burst": BURST})["posted"] == BURST // cp.PIECE
                 deadline = time.monotonic() + 10.0
                 while _landed(pool) < STARTED and time.monotonic() < deadline:
                     time.sleep(0.005)
@@ -127,7 +109,7 @@ def test_a_write_streaming_in_under_the_old_key_stops_landing_once_rotated(net, 
                 squeezed = _landed(pool)
             time.sleep(AFTER_WAIT_S)
             after = _landed(pool)
-            settled = _ask(proc, {"wait": 10})
+            settled = ask(proc, {"wait": 10})
             print(f"\nrotate={rotate}: burst bytes landed at the rotation {before}, {AFTER_WAIT_S:g} s later "
                   f"{squeezed}, after the squeeze {after} of {BURST}; rotation {rotate_s * 1e3:.0f} ms, {ended} "
                   f"sockets ended; writer {settled}; squeeze overlimits {hits.count}")
