@@ -57,11 +57,14 @@ def check_idle(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
-def test_ngram_batch_of_16_matches_transformers(llm, reference, k):
+def test_ngram_batch_matches_transformers(llm, reference, k):
+    """K = 4 in a batch of 16 mixed lengths (every prompt twice), K = 1 and 8 in a batch of 8."""
     spec = speculate(llm, method="ngram", num_speculative_tokens=k)
-    prompts = REFERENCE_PROMPTS + REFERENCE_PROMPTS[::-1]
+    twice = k == 4
+    prompts = REFERENCE_PROMPTS + REFERENCE_PROMPTS[::-1] if twice else REFERENCE_PROMPTS
+    expected = reference + reference[::-1] if twice else reference
     outs = llm.generate(prompts, greedy())
-    for i, (o, ref) in enumerate(zip(outs, reference + reference[::-1], strict=True)):
+    for i, (o, ref) in enumerate(zip(outs, expected, strict=True)):
         assert list(o.token_ids) == ref, f"prompt {i} differs with n-gram K={k}"
     # speculation really ran, and accepted drafts on the repetition-heavy prompts
     assert spec.num_drafts > 0 and spec.num_accepted_tokens > 0, vars(spec)
@@ -204,8 +207,9 @@ def test_draft_checkpoint_equal_to_the_target_is_the_oracle(llm, reference, defa
     """A separate draft model (its own KV pool, indexed by the target's block ids) that is the
     target's own checkpoint: every draft is accepted, in a batch with chunked prefills."""
     spec = speculate(llm, method="draft_model", model=str(default_source.path), num_speculative_tokens=3)
-    outs = llm.generate(REFERENCE_PROMPTS, greedy())
-    assert [list(o.token_ids) for o in outs] == reference
+    picked = (0, 4, 5, 6)   # short and long prompts: the long ones are prefilled in chunks
+    outs = llm.generate([REFERENCE_PROMPTS[i] for i in picked], greedy())
+    assert [list(o.token_ids) for o in outs] == [reference[i] for i in picked]
     assert spec.num_drafts > 0 and spec.num_accepted_tokens == spec.num_draft_tokens
     check_idle(llm)
 
@@ -247,9 +251,9 @@ def test_sampled_drafts_are_verified_by_rejection_sampling(llm, default_source):
     and logprobs on every run (the distribution itself: tests/unit/test_spec_rejection.py)."""
     spec = speculate(llm, method="draft_model", model=str(default_source.path), num_speculative_tokens=3,
                      adaptive=False)
-    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=7, max_tokens=16, ignore_eos=True,
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=7, max_tokens=12, ignore_eos=True,
                             logprobs=1)
-    prompts = REFERENCE_PROMPTS[:3]
+    prompts = REFERENCE_PROMPTS[:2]
     first = llm.generate(prompts, params)
     again = llm.generate(prompts, params)
     assert [o.token_ids for o in first] == [o.token_ids for o in again]
@@ -277,8 +281,9 @@ def random_head(tmp_path_factory, default_source):
 
 def test_eagle_head_drafts_from_the_hidden_state_and_output_is_exact(llm, reference, random_head):
     spec = speculate(llm, method="eagle", model=random_head, num_speculative_tokens=3, adaptive=False)
-    outs = llm.generate(REFERENCE_PROMPTS, greedy())
-    assert [list(o.token_ids) for o in outs] == reference
+    picked = (1, 3, 6, 7)
+    outs = llm.generate([REFERENCE_PROMPTS[i] for i in picked], greedy())
+    assert [list(o.token_ids) for o in outs] == [reference[i] for i in picked]
     # every decode step after the first sample had a hidden state to draft from
-    assert spec.num_drafts >= len(REFERENCE_PROMPTS) * (MAX_NEW - 2) // 2
+    assert spec.num_drafts >= len(picked) * (MAX_NEW - 2) // 2
     check_idle(llm)
