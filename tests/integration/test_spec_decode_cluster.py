@@ -94,11 +94,11 @@ def test_a_bad_config_fails_before_anything_starts(tmp_path, capsys):
     from pdserve.tools.cli import main
 
     log_dir = tmp_path / "logs"
-    bad = json.dumps({"method": "eagle", "num_speculative_tokens": 4})
+    bad = json.dumps({"method": "medusa", "num_speculative_tokens": 4})
     assert main(["up", "--port", "0", "--http-port", "0", "--log-dir", str(log_dir),
                  "--speculative-config", bad]) == 2
     out = capsys.readouterr()
-    assert "unknown method 'eagle'; known: ngram, draft_model" in out.err and "starting" not in out.out
+    assert "unknown method 'medusa'; known: ngram, draft_model, eagle" in out.err and "starting" not in out.out
     assert not log_dir.exists()  # no child was spawned (each writes its log there)
     for value, match in (({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
                          ("{not json", "speculative config is not valid JSON"),
