@@ -445,7 +445,9 @@ class LLMEngine:
         if conn is not None:
             conn.on_schedule(sched, {c.request_id: self._group_tables(c.request_id) for c in sched.chunks})
         out = self.runner.execute(sched, conn.on_layer_done if conn is not None else None)
-        if self.speculator is not None:   # what speculation's control weighs drafts against
+        # what speculation's control weighs drafts against: passes of decodes and verifications
+        # only (a prefill chunk's tokens cost on another slope: compute-bound, and its attention)
+        if self.speculator is not None and all(c.samples and c.num_known == 1 for c in sched.chunks):
             self.speculator.observe(sched.num_batched_tokens, time.perf_counter() - began)
         results = self._update(sched, out)
         if sched.stalled:

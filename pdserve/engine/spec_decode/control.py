@@ -6,8 +6,11 @@ at batch 16 the extra tokens cost compute, and drafts that are rejected are a lo
 keeps two estimates and chooses the drafts that maximise tokens emitted per second:
 
 - pass time t(T) = a + b * T for T query tokens: a least-squares line through the engine's own
-  recent passes (`observe`, exponentially forgotten, FORGET per pass). Until the passes have
-  varied enough to fit a line with a > 0 and b >= 0, nothing is cut.
+  recent passes of decodes and verifications (`observe`, exponentially forgotten, FORGET per
+  pass; passes with a prefill chunk are not observed: their tokens cost on a steeper slope, and
+  a line through both once cut batch-1 drafts that paid 2x, bench/results/spec_decode.md). Until
+  the passes have varied enough to fit a line with a > 0 and b >= 0, nothing is cut (at batch 1
+  the token counts rarely spread enough: every proposal is verified there).
 - per-token acceptance alpha of each sequence: accepted / (accepted + rejected) over its recent
   verifications (FORGET_SEQ per verification), smoothed towards the acceptance of all sequences
   (PRIOR_WEIGHT pseudo-counts). A draft's j-th token is then accepted with probability alpha^j
