@@ -22,7 +22,7 @@ import time
 
 import pytest
 from support import netfault as nf
-from support.line_proc import ask
+from support.line_proc import ask, stop as stop_proc
 
 from fabric import FabricConfig, TransferEngine
 from pdserve.engine.cache.hostmem import alloc_buffer
@@ -101,9 +101,4 @@ def test_orphaned_bytes_land_unless_we_close_our_side(net, close_here: bool) -> 
                 assert after > before, ("no orphaned byte landed after the heal: this run shows no hazard for "
                                         "the close to remove")
         finally:
-            proc.stdin.close()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+            stop_proc(proc)

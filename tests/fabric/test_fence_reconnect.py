@@ -127,7 +127,7 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402
 from support import netfault as nf  # noqa: E402
-from support.line_proc import ask as ask_line  # noqa: E402
+from support.line_proc import ask as ask_line, stop as stop_proc  # noqa: E402
 
 REASON = nf.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"network-fault harness unavailable: {REASON}")
@@ -237,10 +237,4 @@ def test_fence_on_a_new_connection_lands_after_the_old_connections_bytes(net) ->
         finally:
             for rule in reversed(rules):
                 nf.in_ns(net.wire_ns, "iptables", "-w", "5", "-D", "FORWARD", *rule, check=False)
-            if proc.stdin is not None:
-                proc.stdin.close()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+            stop_proc(proc)

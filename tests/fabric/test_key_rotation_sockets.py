@@ -28,7 +28,7 @@ import time
 
 import pytest
 from support import netfault as nf
-from support.line_proc import ask
+from support.line_proc import ask, stop as stop_proc
 
 from decode_node.fabric_sockets import endpoint_of, fabric_sockets, open_inodes, shut_down
 from fabric import FabricConfig, TransferEngine
@@ -122,9 +122,4 @@ def test_a_write_streaming_in_under_the_old_key_stops_landing_once_rotated(net, 
             else:
                 assert after > before, "nothing more landed after fi_close alone: this run shows no hazard"
         finally:
-            proc.stdin.close()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+            stop_proc(proc)

@@ -32,3 +32,14 @@ def ask(proc: subprocess.Popen, cmd: dict, timeout: float = 30.0) -> dict:
     proc.stdin.write(json.dumps(cmd) + "\n")
     proc.stdin.flush()
     return read_line(proc, timeout)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    """End the helper: close its stdin (it exits on EOF), wait up to `timeout` s, then kill it."""
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
