@@ -63,7 +63,7 @@ from pdserve.engine.runner import (
     tp_shard_pools,
 )
 from pdserve.engine.sampling.detokenizer import IncrementalDetokenizer
-from pdserve.engine.sampling.sampler import SampleLogprobs, Sampler, compute_logprobs, filtered_probs, token_seed
+from pdserve.engine.sampling.sampler import SampleLogprobs, Sampler, compute_logprobs, filtered_probs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput, make_scheduler
 from pdserve.engine.scheduler.preemption import Preemptor
@@ -75,6 +75,7 @@ from pdserve.engine.sizing import (
     module_nbytes,
     size_pool,
 )
+from pdserve.engine.spec_decode.rejection import seeded_generators
 from pdserve.engine.spec_decode.speculator import Verdict, make_speculator
 from pdserve.engine.stats import EngineInfo, EngineLoad, EngineMetrics
 from pdserve.kernels.attention import get_backend
@@ -526,8 +527,7 @@ class LLMEngine:
         if r.sampling.seed is None:
             return [first] * c.num_sample_rows
         base = r.sampling.rng_skip_tokens + len(r.output_token_ids)
-        return [first] + [torch.Generator().manual_seed(token_seed(r.sampling.seed, base + j))
-                          for j in range(1, c.num_sample_rows)]
+        return [first] + seeded_generators(r.sampling.seed, base + 1, c.num_sample_rows - 1)
 
     def _verify_sampled(self, tracked: _Tracked, c: ScheduledChunk, out: ModelOutput) -> RequestOutput:
         """A verification of drafts the draft model sampled (E20): speculative rejection sampling
