@@ -1,14 +1,40 @@
-"""The context handed from prefill to decode (D12, D17): the final hidden state of the last
-prefilled position and the top-k of its next-token distribution, in a fixed-size slot.
+"""The context handed from prefill to decode (D12, D17, D19): the target's hidden state of the last
+prefilled position and the top-k of its next-token distribution, in a fixed-size slot, as a
+versioned record that names its transfer and carries a checksum.
 
-slot: [hidden_size float32][k int32 token ids][k float32 logprobs]
+slot (little-endian; record version 2, "ctx2" in NodeInfo.build's KV layout):
+
+    header  HEADER_NBYTES = 64 bytes (HEADER):
+        magic b"PDCX" | version u16 | header_nbytes u16 | hidden_size u32 | top_k u32 |
+        hidden_dtype u8 | hidden_kind u8 | reserved u16 | identity 16 bytes | attempt u32 |
+        imm_tag u32 | position u32 | body_nbytes u32 | checksum u32 | 8 bytes zero
+    body    [hidden_size float32 hidden][top_k int32 token ids][top_k float32 logprobs]
+
+- hidden_dtype: HIDDEN_DTYPES (1 = float32: the body always holds float32); hidden_kind: which
+  state of the target it is, HIDDEN_KINDS (1 = "final_norm": the output of the target's final
+  norm, what the runner's ModelOutput.hidden holds and pdserve/engine/spec_decode/eagle.py drafts from).
+- identity: blake2b-128 of (request id, the decode node's fabric engine id) -- the transfer's
+  TransferKey without the attempt, which travels beside it with the imm tag (D20).
+- position: the prompt position the hidden state is of: num_prefill_tokens - 1 (the prefill
+  excludes the last prompt token, D17), i.e. prompt tokens - 2.
+- checksum: zlib.crc32 of the header (checksum field excluded) and the body.
+
+The prefill side encodes from its ticket (`encode_into`); the decode side decodes AND checks
+(`decode`) against what it expects (`ExpectedRecord`: its own layout, the attempt's identity and
+position); any difference raises ContextRecordError naming the field and both values. Order of the
+checks: magic, version (another version's fields may sit elsewhere), checksum (a flipped byte
+anywhere past them), then the layout fields, then identity, attempt, imm tag and position.
 
 The sender's staging slots are a bounded pool (`SlotPool`): a prefill that finds it full fails on
 its own with StagingFullError (RESOURCE_EXHAUSTED), never the engine step that finished it (S8).
+Nothing here blocks.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
+import zlib
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -24,12 +50,83 @@ from pdserve_api.servers import StatusError
 if TYPE_CHECKING:  # the engine class needs the compiled extension; this module does not
     from fabric import TransferEngine
 
+MAGIC = b"PDCX"
+RECORD_VERSION = 2                 # pdserve.serving.build_identity.CONTEXT_RECORD_VERSION states it
+HIDDEN_KIND = "final_norm"         # the only kind written today (build_identity.HIDDEN_KIND states it)
+HIDDEN_DTYPES = {"float32": 1}     # name -> code in the header
+HIDDEN_KINDS = {"final_norm": 1}   # name -> code in the header
+# magic, version, header_nbytes, hidden_size, top_k, hidden_dtype, hidden_kind, reserved, identity,
+# attempt, imm_tag, position, body_nbytes, checksum, 8 pad bytes
+HEADER = struct.Struct("<4sHHIIBBH16sIIIII8x")
+HEADER_NBYTES = HEADER.size        # 64
+_ID_AT = 20                        # byte offset of the identity field in the header
+_CRC_AT = HEADER_NBYTES - 12       # byte offset of the checksum field in the header
+assert HEADER_NBYTES == 64 and _CRC_AT == 52 and struct.calcsize("<4sHHIIBBH") == _ID_AT
+
 
 @dataclass(frozen=True)
 class Context:
     hidden: torch.Tensor          # [hidden_size] float32
     top_ids: torch.Tensor         # [k] int32
     top_logprobs: torch.Tensor    # [k] float32
+
+
+@dataclass(frozen=True)
+class TransferIdentity:
+    """Which transfer a record belongs to (D20): the request, the decode node's fabric engine,
+    the attempt and its imm tag."""
+
+    request_id: str
+    decode_engine_id: str
+    attempt: int
+    imm_tag: int
+
+    def __post_init__(self) -> None:
+        for name in ("attempt", "imm_tag"):
+            if not 0 <= getattr(self, name) < 1 << 32:
+                raise ValueError(f"request {self.request_id}: {name}={getattr(self, name)} outside 0..2**32-1")
+
+    def digest(self) -> bytes:
+        """16 bytes naming (request id, decode engine id); length-prefixed, so no two pairs collide."""
+        rid, eng = self.request_id.encode(), self.decode_engine_id.encode()
+        return hashlib.blake2b(len(rid).to_bytes(4, "little") + rid + eng, digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class ExpectedRecord:
+    """What the decode side expects of one attempt's record (its layout is the codec's)."""
+
+    identity: TransferIdentity
+    position: int                 # num_prefill_tokens - 1
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    """A record's header as it landed (nothing checked)."""
+
+    magic: bytes
+    version: int
+    header_nbytes: int
+    hidden_size: int
+    top_k: int
+    hidden_dtype: int
+    hidden_kind: int
+    reserved: int
+    identity: bytes
+    attempt: int
+    imm_tag: int
+    position: int
+    body_nbytes: int
+    checksum: int
+
+
+class ContextRecordError(ValueError):
+    """A context record that is not the one expected: `field` names what differs, `expected` and
+    `got` are both values (readable)."""
+
+    def __init__(self, field: str, expected: object, got: object, detail: str = "") -> None:
+        self.field, self.expected, self.got = field, expected, got
+        super().__init__(f"context record {field}: got {got}, expected {expected}" + (f" ({detail})" if detail else ""))
 
 
 class StagingFullError(StatusError):
@@ -72,11 +169,38 @@ class Staging:
     array: np.ndarray             # uint8 view
 
 
+def _code_name(codes: dict[str, int], code: int) -> str:
+    return next((n for n, c in codes.items() if c == code), f"unknown code {code}")
+
+
+def record_checksum(raw: np.ndarray | bytes | memoryview, nbytes: int) -> int:
+    """zlib.crc32 of the first `nbytes` of a record: its header without the checksum field, then the body."""
+    view = memoryview(raw).cast("B")
+    return zlib.crc32(view[HEADER_NBYTES:nbytes], zlib.crc32(view[_CRC_AT + 4:HEADER_NBYTES],
+                                                             zlib.crc32(view[:_CRC_AT])))
+
+
+# TEST ONLY damages (kv_messenger.sender.TEST_BAD_CONTEXT_ENV)
+DAMAGE_FLIP, DAMAGE_VERSION, DAMAGE_IDENTITY = "flip", "version", "identity"
+DAMAGES = (DAMAGE_FLIP, DAMAGE_VERSION, DAMAGE_IDENTITY)
+
+
 class ContextCodec:
-    def __init__(self, hidden_size: int, top_k: int = 32) -> None:
+    """The record of one model (hidden size) and top-k width: sizes, encoding, checked decoding."""
+
+    def __init__(self, hidden_size: int, top_k: int = 32, hidden_kind: str = HIDDEN_KIND) -> None:
+        if hidden_size < 1 or top_k < 1:
+            raise ValueError(f"context record: hidden_size {hidden_size} and top_k {top_k} must be >= 1")
+        if hidden_kind not in HIDDEN_KINDS:
+            raise ValueError(f"context record: hidden kind {hidden_kind!r} is not one of {sorted(HIDDEN_KINDS)}")
         self.hidden_size = hidden_size
         self.top_k = top_k
-        self.slot_nbytes = hidden_size * 4 + top_k * 8
+        self.hidden_kind = hidden_kind
+        self.hidden_dtype = "float32"
+        self.version = RECORD_VERSION
+        self.header_nbytes = HEADER_NBYTES
+        self.body_nbytes = hidden_size * 4 + top_k * 8
+        self.slot_nbytes = self.header_nbytes + self.body_nbytes
 
     def slot_offset(self, slot: int) -> int:
         return slot * self.slot_nbytes
@@ -87,22 +211,112 @@ class ContextCodec:
         region = fabric_engine.register(buf.view)
         return Staging(buf, region, buf.numpy())
 
-    def encode_into(self, staging: Staging, slot: int, hidden: torch.Tensor, logits: torch.Tensor) -> None:
-        # hidden: [hidden_size]; logits: [vocab]
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        top = torch.topk(logprobs, self.top_k)
-        h = self.hidden_size
-        raw = staging.array[self.slot_offset(slot) : self.slot_offset(slot) + self.slot_nbytes]
-        raw[: h * 4] = np.frombuffer(hidden.float().numpy().tobytes(), dtype=np.uint8)
-        raw[h * 4 : h * 4 + self.top_k * 4] = np.frombuffer(top.indices.to(torch.int32).numpy().tobytes(),
-                                                             dtype=np.uint8)
-        raw[h * 4 + self.top_k * 4 :] = np.frombuffer(top.values.numpy().tobytes(), dtype=np.uint8)
+    def _slot(self, staging: Staging, slot: int) -> np.ndarray:
+        """The slot's bytes in the staging array (a view): [slot_nbytes] uint8."""
+        return staging.array[self.slot_offset(slot) : self.slot_offset(slot) + self.slot_nbytes]
 
-    def decode(self, staging: Staging, slot: int) -> Context:
-        h, k = self.hidden_size, self.top_k
-        raw = staging.array[self.slot_offset(slot) : self.slot_offset(slot) + self.slot_nbytes].copy()
+    def encode_into(self, staging: Staging, slot: int, hidden: torch.Tensor, logits: torch.Tensor,
+                    identity: TransferIdentity, position: int) -> None:
+        """Write the record of `hidden` ([hidden_size], the target's final-norm output at prompt
+        position `position`) and the top-k of `logits` ([vocab]) for the transfer `identity`."""
+        self._slot(staging, slot)[:] = np.frombuffer(self.encode(hidden, logits, identity, position), dtype=np.uint8)
+
+    def encode(self, hidden: torch.Tensor, logits: torch.Tensor, identity: TransferIdentity, position: int) -> bytes:
+        """The record's slot_nbytes bytes (see encode_into); ValueError naming a bad shape or position."""
+        if tuple(hidden.shape) != (self.hidden_size,):
+            raise ValueError(f"request {identity.request_id}: hidden state of shape {tuple(hidden.shape)}, "
+                             f"the record holds [{self.hidden_size}]")
+        if logits.dim() != 1 or logits.shape[0] < self.top_k:
+            raise ValueError(f"request {identity.request_id}: logits of shape {tuple(logits.shape)}, the record "
+                             f"needs one row of at least top_k={self.top_k}")
+        if not 0 <= position < 1 << 32:
+            raise ValueError(f"request {identity.request_id}: position {position} outside 0..2**32-1")
+        logprobs = torch.log_softmax(logits.float(), dim=-1)     # [vocab]
+        top = torch.topk(logprobs, self.top_k)                   # [top_k] values / indices
+        body = (hidden.detach().float().contiguous().numpy().tobytes()
+                + top.indices.to(torch.int32).numpy().tobytes() + top.values.contiguous().numpy().tobytes())
+        assert len(body) == self.body_nbytes
+        raw = bytearray(self._header_bytes(identity, identity.digest(), position, 0) + body)
+        struct.pack_into("<I", raw, _CRC_AT, record_checksum(raw, self.slot_nbytes))
+        return bytes(raw)
+
+    def _header_bytes(self, identity: TransferIdentity, digest: bytes, position: int, checksum: int) -> bytes:
+        return HEADER.pack(MAGIC, self.version, self.header_nbytes, self.hidden_size, self.top_k,
+                           HIDDEN_DTYPES[self.hidden_dtype], HIDDEN_KINDS[self.hidden_kind], 0, digest,
+                           identity.attempt, identity.imm_tag, position, self.body_nbytes, checksum)
+
+    @staticmethod
+    def read_header(raw: np.ndarray | bytes) -> RecordHeader:
+        """The header fields of a record's bytes, unchecked."""
+        return RecordHeader(*HEADER.unpack_from(memoryview(raw).cast("B"), 0))
+
+    def decode(self, staging: Staging, slot: int, expect: ExpectedRecord) -> Context:
+        """The record in `slot`, checked against `expect` and this codec's layout (ContextRecordError)."""
+        return self.decode_bytes(self._slot(staging, slot).copy(), expect)
+
+    def decode_bytes(self, raw: np.ndarray | bytes, expect: ExpectedRecord) -> Context:
+        """`raw` (slot_nbytes bytes) as a Context once every check passed; ContextRecordError naming
+        the first field that differs (module docstring: the order) with both values."""
+        raw = np.frombuffer(bytes(raw), dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw
+        if raw.size != self.slot_nbytes:
+            raise ContextRecordError("size", f"{self.slot_nbytes} bytes", f"{raw.size} bytes")
+        h = self.read_header(raw)
+        rid = expect.identity.request_id
+        if h.magic != MAGIC:
+            raise ContextRecordError("magic", MAGIC.hex(), h.magic.hex(),
+                                     f"request {rid}: not a context record (never written, or damaged)")
+        if h.version != self.version:
+            raise ContextRecordError("version", self.version, h.version, f"request {rid}")
+        # A layout that differs only reads as such once the bytes are known intact: the checksum
+        # covers what the header says it wrote, where that fits in our slot.
+        declared = h.header_nbytes + h.body_nbytes
+        span = declared if h.header_nbytes == HEADER_NBYTES and declared <= raw.size else self.slot_nbytes
+        crc = record_checksum(raw, span)
+        if crc != h.checksum:
+            raise ContextRecordError("checksum", f"0x{h.checksum:08x} (the header's)",
+                                     f"0x{crc:08x} (over the {span} bytes that landed)",
+                                     f"request {rid}: the record is damaged")
+        for name, want, got in (("header_nbytes", self.header_nbytes, h.header_nbytes),
+                                ("hidden_size", self.hidden_size, h.hidden_size),
+                                ("top_k", self.top_k, h.top_k),
+                                ("hidden_dtype", self.hidden_dtype, _code_name(HIDDEN_DTYPES, h.hidden_dtype)),
+                                ("hidden_kind", self.hidden_kind, _code_name(HIDDEN_KINDS, h.hidden_kind)),
+                                ("body_nbytes", self.body_nbytes, h.body_nbytes)):
+            if want != got:
+                raise ContextRecordError(name, want, got, f"request {rid}")
+        ident = expect.identity
+        if h.identity != ident.digest():
+            raise ContextRecordError("identity", f"{ident.digest().hex()} (request {rid} from decode engine "
+                                     f"{ident.decode_engine_id[:8]})", h.identity.hex(),
+                                     "another transfer's record")
+        for name, want, got in (("attempt", ident.attempt, h.attempt), ("imm_tag", ident.imm_tag, h.imm_tag),
+                                ("position", expect.position, h.position)):
+            if want != got:
+                raise ContextRecordError(name, want, got, f"request {rid}")
+        hs, k, at = self.hidden_size, self.top_k, HEADER_NBYTES
         return Context(
-            hidden=torch.from_numpy(raw[: h * 4].view(np.float32).copy()),
-            top_ids=torch.from_numpy(raw[h * 4 : h * 4 + k * 4].view(np.int32).copy()),
-            top_logprobs=torch.from_numpy(raw[h * 4 + k * 4 :].view(np.float32).copy()),
+            hidden=torch.from_numpy(raw[at : at + hs * 4].view(np.float32).copy()),
+            top_ids=torch.from_numpy(raw[at + hs * 4 : at + hs * 4 + k * 4].view(np.int32).copy()),
+            top_logprobs=torch.from_numpy(raw[at + hs * 4 + k * 4 :].view(np.float32).copy()),
         )
+
+    def damage(self, staging: Staging, slot: int, kind: str, other: TransferIdentity | None = None) -> str:
+        """TEST ONLY (kv_messenger.sender.TEST_BAD_CONTEXT_ENV): damage the record in `slot` one way
+        (DAMAGES) and say how: "flip" flips bit 6 of the body's fourth byte (the top byte of
+        hidden[0]) and leaves the checksum; "version" writes version - 1; "identity" writes
+        the identity of the transfer `other` (another request's) and seals it with a valid
+        checksum, as a record that went to the wrong slot would be."""
+        raw = self._slot(staging, slot)
+        if kind == DAMAGE_FLIP:
+            raw[HEADER_NBYTES + 3] ^= 0x40
+            return f"flipped bit 6 of body byte 3 (of {self.body_nbytes})"
+        if kind == DAMAGE_VERSION:
+            struct.pack_into("<H", raw, 4, self.version - 1)
+            return f"wrote version {self.version - 1}"
+        if kind == DAMAGE_IDENTITY:
+            if other is None:
+                raise ValueError("context record damage 'identity' needs the other transfer's identity")
+            raw[_ID_AT : _ID_AT + 16] = np.frombuffer(other.digest(), dtype=np.uint8)
+            struct.pack_into("<I", raw, _CRC_AT, record_checksum(raw, self.slot_nbytes))
+            return f"wrote request {other.request_id}'s identity (checksum resealed)"
+        raise ValueError(f"context record damage {kind!r} is not one of {DAMAGES}")

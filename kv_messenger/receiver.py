@@ -35,7 +35,12 @@ Primitives:
   tombstoned.
 - `expect_fence(on_landed)` -> (tag, fence region): one write expected into the fence buffer (an
   AbortPrefill's delivery fence); `retire_fence(tag)` when it is no longer waited for.
-- `context(request_id)`: the hidden state / top-k the prefill wrote into the context slot.
+- `context(request_id)`: the hidden state / top-k the prefill wrote into the context slot, once
+  its record (kv_messenger.context, D19) is checked against what this attempt expects: this
+  node's layout (hidden size, top-k, dtype, hidden kind), the attempt's identity (request id, this
+  node's fabric engine id, attempt, imm tag) and position (prompt tokens - 2); ContextRecordError
+  naming the field and both values otherwise. Call once the write count completed (the decode
+  node checks every transfer's record there, before the KV is used).
 - `verify(request_id, tag, kv_checksums, count)` (S7, `kv_checksum=True`): once the request's
   write count completed, hash the runs that landed in its pages and context slot (the ticket's
   pages, the canonical order of kv_messenger.checksum) and compare them with the sender's
@@ -82,7 +87,7 @@ import numpy as np
 
 from fabric import IMM_TAG_MAX, MemoryRegion, RemoteDescriptor, TransferEngine
 from kv_messenger import checksum
-from kv_messenger.context import Context, ContextCodec
+from kv_messenger.context import Context, ContextCodec, ExpectedRecord, TransferIdentity
 from kv_messenger.plan import DTYPE_SIZES, KvLayout, ShardingScheme, num_prompt_pages, window_first_page
 from kv_messenger.pool import register_pool
 from kv_messenger.shard_plan import KvShards, ShardPlan, plan_transfer
@@ -118,6 +123,7 @@ class _Wait:
     plan: ShardPlan | None = None   # set when addressed: the prefill node's split into ours
     writer: str | None = None       # set when addressed: the prefill engine only whose writes count
     layer_pages: tuple[tuple[int, ...], ...] = ()   # per layer, the destination pages written there
+    position: int = 0               # the prompt position its context record's hidden state is of
 
 
 @dataclass(frozen=True)
@@ -283,7 +289,7 @@ class KvReceiver(DecodeConnector):
                 self._attempts.popitem(last=False)
             tag = self._new_tag()
             slot = self._free_slots.pop()
-            wait = _Wait(tag, slot, attempt, tuple(block_ids[:n_pages]))
+            wait = _Wait(tag, slot, attempt, tuple(block_ids[:n_pages]), position=n_prefill - 1)
             self._by_request[request_id] = wait
         ticket = TransferTicket(
             request_id=request_id,
@@ -344,9 +350,13 @@ class KvReceiver(DecodeConnector):
         return dataclasses.replace(ticket, expected_writes=count)
 
     def context(self, request_id: str) -> Context:
+        """The checked context record of the request's current attempt (module docstring):
+        ContextRecordError (a ValueError) naming the field that differs, KeyError if the request
+        waits for nothing here."""
         with self._lock:
-            slot = self._by_request[request_id].slot
-        return self.codec.decode(self._landing, slot)
+            entry = self._by_request[request_id]
+        ident = TransferIdentity(request_id, self.transport.engine_id, entry.attempt, entry.tag)
+        return self.codec.decode(self._landing, entry.slot, ExpectedRecord(ident, entry.position))
 
     def verify(self, request_id: str, tag: int, kv_checksums: bytes, count: int) -> ChecksumResult:
         """S7: compare the sender's checksums (PrefillResponse.kv_checksums / num_kv_checksums) with

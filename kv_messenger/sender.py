@@ -32,7 +32,16 @@ Primitives (D6-D8, D11-D13):
   runs, before it runs (a request's first chunk may start at s > 0 after a prefix-cache hit:
   pages [0, s // P) already hold its KV and ride along with that chunk, at every layer);
   `on_layer_done(layer)` bumps the per-layer counter after each layer's attention output
-  projection; `on_prefill_done(done)` hands over the context (D12).
+  projection; `on_prefill_done(done)` hands over the context (D12), encoded as the versioned
+  record of kv_messenger.context (D19) naming the ticket's transfer (request id, the decode
+  engine, attempt, imm tag) and the position it is of (num_prefill_tokens - 1). It goes once per
+  transfer, to `ticket.context` (the decode leader's landing area under TP), whatever the TP sizes.
+- TEST-ONLY hook: $PDSERVE_TEST_ONLY_BAD_CONTEXT="PREFIX:KIND:N[,...]" (TEST_BAD_CONTEXT_ENV)
+  damages the context record of attempts 0 .. N-1 of every request whose id starts with PREFIX,
+  after encoding and before it is hashed (S7) and posted, one way (KIND, ContextCodec.damage):
+  "flip" a body byte, a wrong "version", or another request's "identity"; logged as a warning
+  (TEST ONLY), for the tests that prove the decode side rejects it
+  (tests/integration/test_context_record.py). Unset (always, outside those tests): no effect.
 - a dedicated messenger thread waits on the counter (a condition variable: no busy spin that
   would steal the forward pass's core) and, as soon as layer L is done, posts the writes of the
   pages each chunk completed in layer L: one entry per page and side (K, V), all tagged with the
@@ -62,6 +71,7 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import logging
+import os
 import random
 import threading
 import time
@@ -73,7 +83,7 @@ import numpy as np
 
 from fabric import FabricError, MemoryRegion, RemoteDescriptor, TransferEngine
 from kv_messenger import checksum
-from kv_messenger.context import ContextCodec, SlotPool, StagingFullError
+from kv_messenger.context import DAMAGES, ContextCodec, SlotPool, StagingFullError, TransferIdentity
 from kv_messenger.placement import ShardPlacement, pin_thread_to
 from kv_messenger.plan import KvLayout, completed_pages
 from kv_messenger.pool import Place, register_pool
@@ -88,6 +98,30 @@ STAGING_SLOTS = 256     # context records that may wait for their write at once
 FENCE_BYTES = 8         # one fence write (AbortPrefill's delivery fence)
 CLOSE_JOIN_S = 5.0      # close(): how long to wait for the messenger thread to stop
 MULTI_ENDPOINT_ENGINES = 4096   # decode engines remembered as taking KV on several endpoints (fence refused)
+# TEST ONLY: "PREFIX:KIND:N,...": the context records of attempts < N of request ids starting with
+# PREFIX are damaged one way (KIND in context.DAMAGES) before they are posted (module docstring).
+TEST_BAD_CONTEXT_ENV = "PDSERVE_TEST_ONLY_BAD_CONTEXT"
+
+
+@dataclass(frozen=True)
+class BadContext:
+    """One entry of TEST_BAD_CONTEXT_ENV."""
+
+    prefix: str
+    kind: str        # one of context.DAMAGES
+    attempts: int
+
+
+def parse_bad_contexts(raw: str) -> tuple[BadContext, ...]:
+    """TEST_BAD_CONTEXT_ENV's entries; ValueError naming a malformed one."""
+    out = []
+    for entry in filter(None, (e.strip() for e in raw.split(","))):
+        parts = entry.rsplit(":", 2)
+        if len(parts) != 3 or not parts[0] or parts[1] not in DAMAGES or not parts[2].isdigit():
+            raise ValueError(f"{TEST_BAD_CONTEXT_ENV}: expected PREFIX:KIND:N entries with KIND one of {DAMAGES}, "
+                             f"got {entry!r}")
+        out.append(BadContext(parts[0], parts[1], int(parts[2])))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -180,6 +214,10 @@ class KvSender(PrefillConnector):
         self._fence_buf = bytearray(FENCE_BYTES)      # registered with the pool: a fence's source
         self._fence_region: MemoryRegion | None = None
         self._host_pool = True
+        self._test_bad_contexts = parse_bad_contexts(os.environ.get(TEST_BAD_CONTEXT_ENV, ""))
+        if self._test_bad_contexts:
+            logger.warning("TEST ONLY: %s=%r: those requests' attempts get a damaged context record",
+                           TEST_BAD_CONTEXT_ENV, os.environ[TEST_BAD_CONTEXT_ENV])
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
 
@@ -343,10 +381,32 @@ class KvSender(PrefillConnector):
                 t.error = e
                 self._maybe_finish(t)
                 return
-        self.codec.encode_into(self._staging, slot, done.hidden, done.logits)
+        tk = t.target
+        ident = TransferIdentity(tk.request_id, tk.context.peer.engine_id, tk.attempt, tk.imm_tag)
+        try:   # done.hidden: [hidden_size] of position num_prefill_tokens - 1; done.logits: [vocab]
+            self.codec.encode_into(self._staging, slot, done.hidden, done.logits, ident, tk.num_prefill_tokens - 1)
+        except ValueError as e:   # a hidden state or logits of the wrong shape: this transfer fails alone
+            logger.error("transfer %s: context record not encoded: %s", t.key, e)
+            with self._lock:
+                self.staging_slots.give(slot)
+                t.error = FabricError(errno.EINVAL, f"context record: {e}")
+                self._maybe_finish(t)
+            return
+        self._test_damage(t, slot, ident)
         with self._lock:
             self._contexts.append((t, slot))
             self._lock.notify()
+
+    def _test_damage(self, t: _Transfer, slot: int, ident: TransferIdentity) -> None:
+        """TEST ONLY (TEST_BAD_CONTEXT_ENV): damage the record just encoded. No effect unset."""
+        for bad in self._test_bad_contexts:
+            if t.target.request_id.startswith(bad.prefix) and t.target.attempt < bad.attempts:
+                other = TransferIdentity(f"{ident.request_id}~other", ident.decode_engine_id, ident.attempt,
+                                         ident.imm_tag)
+                how = self.codec.damage(self._staging, slot, bad.kind, other)
+                logger.warning("TEST ONLY (%s): request %s attempt %d: context record damaged: %s",
+                               TEST_BAD_CONTEXT_ENV, t.target.request_id, t.target.attempt, how)
+                return
 
     # --- messenger thread ----------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 Every prefill and decode node reports what it was built from (package version, git commit) and
 what its transfers depend on: the model (its name and a hash of its config.json) and the KV layout
-(layers, KV heads, head_dim, page size, KV dtype, the context record's layout), hashed. A decode
+(layers, KV heads, head_dim, page size, KV dtype, the context record's layout: its version,
+the hidden state's width and kind, the top-k width), hashed. A decode
 node pairs only with prefill nodes whose model and KV-layout hash are its own (`incompatibility`);
 version and commit are reported and logged, never compared, so a rolling update may mix builds whose
 transfers agree.
@@ -40,9 +41,13 @@ if TYPE_CHECKING:  # annotations only: importing this module loads no torch
 logger = logging.getLogger(__name__)
 
 COMMIT_ENV = "PDSERVE_GIT_COMMIT"
-# The context slot's layout (kv_messenger.context): hidden state, then the top-k ids and logprobs.
-# Bump the version when the record changes in any other way than its sizes.
-CONTEXT_RECORD = "ctx1"
+# The context slot's layout (kv_messenger.context, D19): a versioned 64-byte header (identity,
+# layout, position, crc32), then the hidden state and the top-k ids and logprobs. Bump the version
+# (here and kv_messenger.context.RECORD_VERSION; tests/unit/test_context_record.py checks they
+# agree) when the record changes in any other way than its sizes.
+CONTEXT_RECORD = "ctx2"
+CONTEXT_RECORD_VERSION = 2
+HIDDEN_KIND = "final_norm"   # the state the draft head was made for: the target's final-norm output
 HASH_DIGITS = 16
 _SHA = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")   # sha1 or sha256 object names
 
@@ -59,20 +64,26 @@ class KvLayoutKey:
     dtype: str            # the KV pages' dtype, e.g. "float32", "bfloat16"
     hidden_size: int      # context record: the hidden state's width (float32)
     context_top_k: int    # context record: top-k ids (int32) and logprobs (float32); 0: none (colocated)
+    context_version: int = CONTEXT_RECORD_VERSION   # context record: its header's version
+    hidden_kind: str = HIDDEN_KIND                  # context record: which state of the target the hidden is
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "kv_heads", "head_dim", "page_size", "hidden_size", "context_top_k"):
+        for name in ("num_layers", "kv_heads", "head_dim", "page_size", "hidden_size", "context_top_k",
+                     "context_version"):
             v, least = getattr(self, name), 0 if name == "context_top_k" else 1
             if not isinstance(v, int) or isinstance(v, bool) or v < least:
                 raise ValueError(f"KvLayoutKey.{name} must be an integer >= {least}, got {v!r}")
         if not self.dtype or not isinstance(self.dtype, str):
             raise ValueError(f"KvLayoutKey.dtype must be a dtype name, got {self.dtype!r}")
+        if not self.hidden_kind or not isinstance(self.hidden_kind, str):
+            raise ValueError(f"KvLayoutKey.hidden_kind must be a name, got {self.hidden_kind!r}")
 
     def describe(self) -> str:
         """The covered fields, readable (BuildIdentity.kv_layout); the hash is of this string."""
         return (f"layers={self.num_layers} kv_heads={self.kv_heads} head_dim={self.head_dim} "
-                f"page={self.page_size} dtype={self.dtype} {CONTEXT_RECORD}=hidden{self.hidden_size}xf32,"
-                f"top{self.context_top_k}xi32,top{self.context_top_k}xf32")
+                f"page={self.page_size} dtype={self.dtype} {CONTEXT_RECORD}=v{self.context_version}header,"
+                f"hidden{self.hidden_size}xf32:{self.hidden_kind},top{self.context_top_k}xi32,"
+                f"top{self.context_top_k}xf32,crc32")
 
     def digest(self) -> str:
         return hashlib.sha256(self.describe().encode()).hexdigest()[:HASH_DIGITS]
@@ -209,11 +220,15 @@ def node_identity(model: str, model_dir: str | os.PathLike[str], layout: KvLayou
                          kv_layout=layout.describe())
 
 
-def engine_identity(engine: LLMEngine, context_top_k: int) -> BuildIdentity:
+def engine_identity(engine: LLMEngine, context_top_k: int, context_version: int = CONTEXT_RECORD_VERSION,
+                    hidden_kind: str = HIDDEN_KIND) -> BuildIdentity:
     """`node_identity` of a built engine: its model, and its KV pool's geometry (the model's total KV
-    heads, the pages' dtype) with a context record of `context_top_k` (0 for a colocated node)."""
+    heads, the pages' dtype) with a context record of `context_top_k` (0 for a colocated node), of
+    header version `context_version`, carrying the hidden state of kind `hidden_kind` (the nodes
+    pass their ContextCodec's)."""
     info = engine.info()
     layout = KvLayoutKey(num_layers=info.num_layers, kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                          page_size=info.page_size, dtype=str(engine.kv_cache.dtype).removeprefix("torch."),
-                         hidden_size=info.hidden_size, context_top_k=context_top_k)
+                         hidden_size=info.hidden_size, context_top_k=context_top_k,
+                         context_version=context_version, hidden_kind=hidden_kind)
     return node_identity(info.model_name, engine.source.path, layout)
