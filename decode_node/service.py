@@ -119,6 +119,17 @@ can land and the pages are freed at once, unused and never committed to the pref
 request is re-prefilled in fresh pages (on the same node once, CHECKSUM_RETRIES_SAME_NODE, then
 on others) or fails naming the mismatch.
 
+The context record (D19, kv_messenger.context): once an attempt's write count completed (and,
+with --kv-checksum, its runs verified), the engine thread checks its context record
+(KvReceiver.context: magic, version, checksum, this node's hidden size / top-k / dtype / hidden
+kind, the attempt's identity and position) for EVERY transfer, whether or not speculation reads
+the hidden state, before kv_ready. A record that does not match is logged (the field, both
+values), counted (pdserve:kv_context_rejected_total) and fails the attempt as a checksum mismatch
+does: the count completed, so nothing more can land and its pages are freed at once, unused and
+never committed to the prefix cache; the loop is woken at once (no KV_LANDED_WAIT_S) and the
+request is re-prefilled in fresh pages (bounded as there: the same node once,
+CHECKSUM_RETRIES_SAME_NODE, then others) or fails naming the field. It never decodes from it.
+
 Who may write (S9, issue 15 item 6): an attempt's write count and an abort's fence are bound to
 the fabric engine of the prefill process the attempt was dispatched to (KvReceiver.address's
 prefill_engine, expect_fence's writer: the engine id from GetNodeInfo). Where the provider names
@@ -171,6 +182,7 @@ from decode_node.fabric_sockets import endpoint_of, fabric_sockets, open_inodes,
 from decode_node.prefill_pool import PREFILL_ROUTING, PrefillNode, PrefillPool, PrefixAffinity
 from fabric import FabricConfig, TransferEngine
 from kv_messenger import KvReceiver, ReceiverEvents, TransferTicket
+from kv_messenger.context import ContextRecordError
 from kv_messenger.placement import placement_info
 from kv_messenger.receiver import CONTEXT_SLOTS
 from kv_messenger.ticket import peer_to_bytes, remote_to_bytes
@@ -292,7 +304,10 @@ class Transfer:
     ready_time: float = 0.0
     tag: int = 0                              # the attempt's imm tag (its landing names it)
     landed: asyncio.Event = field(default_factory=asyncio.Event)   # S7: the count completed, not verified yet
-    corrupt: bool = False                     # S7: its checksums did not match (or could not be checked)
+    corrupt: bool = False                     # S7: its checksums did not match (or could not be checked),
+                                              # or (D19) its context record was rejected
+    rejected: str = ""                        # D19: why its context record was rejected ('' if it was not);
+                                              # `ready` is then set too, to wake the loop at once
     started: bool = False                     # its task began running (a task cancelled before that never does)
     key_gen: int = 0                          # the memory-key generation its ticket names (key rotation)
     rotated: bool = False                     # failed over because a key rotation closed its key
@@ -332,7 +347,7 @@ class RequestState:
     handler_done: bool = False                # kept only until its transfer task ends
     tried: set[str] = field(default_factory=set)     # prefill nodes its attempts failed on (or run on now)
     errors: list[str] = field(default_factory=list)  # why each failed
-    checksum_failures: int = 0                # S7: attempts whose landed bytes did not match
+    checksum_failures: int = 0                # S7 / D19: attempts whose landed bytes or context record were wrong
 
 
 class DecodeNode(ReceiverEvents):
@@ -390,7 +405,9 @@ class DecodeNode(ReceiverEvents):
         self.tp_size: int = plan.tp_size if plan is not None else 1
         self.kv_heads_per_rank: int = len(plan.ranks[0].kv_heads) if plan is not None else info.num_kv_heads
         # NodeInfo.build; prefill nodes of another model or KV layout are skipped (PrefillPool)
-        self.identity = engine_identity(self.llm, self.receiver.codec.top_k if self.receiver is not None else 0)
+        codec = self.receiver.codec if self.receiver is not None else None
+        self.identity = (engine_identity(self.llm, codec.top_k, codec.version, codec.hidden_kind) if codec is not None
+                         else engine_identity(self.llm, 0))
         for where in placement_info(self.receiver.placements if self.receiver is not None else ()):   # D16
             self.metrics.kv_shard_placement.labels(**where.labels()).set(1)
 
@@ -545,19 +562,31 @@ class DecodeNode(ReceiverEvents):
         assert self.receiver is not None and self.loop is not None
         if self.receiver.tag_of(rid) != tag:
             return   # an attempt quarantined meanwhile: its pages are released by its hold
-        spec = self.llm.speculator
-        # a draft head starts from the prefill node's hidden state (D17): read it before the slot goes
-        hidden = self.receiver.context(rid).hidden if spec is not None and spec.uses_hidden else None
-        self.receiver.finish(rid)
         r = self.llm.get_request(rid)
-        if r is not None and r.status is RequestStatus.WAITING_FOR_KV:
+        waiting = r is not None and r.status is RequestStatus.WAITING_FOR_KV
+        try:   # D19: every transfer's record is checked, read before the slot goes
+            ctx = self.receiver.context(rid)
+        except ContextRecordError as e:
+            self.metrics.kv_context_rejected.inc()
+            logger.error("request %s (tag %d): context record rejected (%s): %s%s", rid, tag, e.field, e,
+                         "; its pages are freed unused" if waiting else "")
+            if waiting:   # the loop fails the attempt (_checksum_failed_attempt): re-prefill or fail
+                self.loop.call_soon_threadsafe(self._context_rejected, rid, tag, f"context record rejected: {e}")
+                return
+            ctx = None    # aborted meanwhile: nothing decodes from it, its pages are released below
+        spec = self.llm.speculator
+        # a draft head starts from the prefill node's hidden state (D17)
+        hidden = ctx.hidden if ctx is not None and spec is not None and spec.uses_hidden else None
+        self.receiver.finish(rid)
+        if waiting:
             self.llm.kv_ready(rid, context_hidden=hidden)
         elif self.llm.is_held(rid):
             self.llm.release_blocks(rid)  # aborted while its KV was landing: now nothing can land
         self.loop.call_soon_threadsafe(self._mark_ready, rid)
 
     def _checksum_failed(self, rid: str, tag: int, retry: bool, error: str) -> None:
-        """Engine thread: the attempt with `tag` landed completely but its bytes do not match (S7).
+        """Engine thread: the attempt with `tag` landed completely but its bytes do not match (S7),
+        or its context record was rejected (D19).
         Nothing more can land, so its pages are freed now, unused: kv_ready is never called for
         them, so they never join the prefix cache. Re-admitted into fresh pages (retry) or failed."""
         assert self.receiver is not None
@@ -686,6 +715,16 @@ class DecodeNode(ReceiverEvents):
                      ticket.attempt, node.address, res.mismatch.describe())
         return f"KV checksum mismatch: {res.mismatch.describe()}"
 
+    def _context_rejected(self, rid: str, tag: int, why: str) -> None:
+        """Loop: the attempt with `tag` landed but its context record was rejected (D19): mark it
+        corrupt and wake its _prefill_on at once (its pages are freed by _checksum_failed_attempt)."""
+        state = self.requests.get(rid)
+        t = state.transfer if state is not None else None
+        if t is not None and t.tag == tag:
+            t.corrupt, t.rejected = True, why
+            t.ready_time = time.monotonic()
+            t.ready.set()
+
     def _mark_ready(self, rid: str) -> None:
         state = self.requests.get(rid)
         t = state.transfer if state is not None else None
@@ -741,6 +780,9 @@ class DecodeNode(ReceiverEvents):
             # The client went away: the attempt's pages stay quarantined until nothing can land.
             if t.node is not None and not t.ready.is_set():
                 self._quarantine(state, t, ticket, t.node, retry=False, error=f"request {rid} cancelled")
+            elif t.rejected:   # landed with a rejected record: nothing more can land, its pages go now
+                why, tag = t.rejected, ticket.imm_tag
+                self.engine.submit(lambda: self._checksum_failed(rid, tag, False, why))
             elif t.node is None:   # cancelled before it was sent anywhere: nothing can land
                 self.engine.submit(lambda: self._fail_waiting(rid, f"request {rid} cancelled"))
             raise
@@ -802,6 +844,8 @@ class DecodeNode(ReceiverEvents):
                 rid, tag = state.request_id, ticket.imm_tag
                 self.engine.submit(lambda: self._kv_ready(rid, tag))
             await asyncio.wait_for(t.ready.wait(), timeout=KV_LANDED_WAIT_S)  # writes delivered: the count follows
+            if t.rejected:   # D19: landed, but its context record is not this attempt's
+                return False, t.rejected
             # Prefill-side time from receipt to the last layer done; the rest until the count
             # completed here is the transfer tail (loopback RPC latency included).
             prefill_s = resp.timings.queue_time_s + resp.timings.compute_time_s
@@ -813,7 +857,7 @@ class DecodeNode(ReceiverEvents):
             return True, ""
         except grpc.aio.AioRpcError as e:
             if t.ready.is_set():
-                return True, ""
+                return (False, t.rejected) if t.rejected else (True, "")
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 assert self.pool is not None
                 self.pool.mark_down(node, e.details() or "unavailable")

@@ -64,6 +64,7 @@ class NodeMetrics:
     kv_key_rotations: Counter     # pdserve:kv_key_rotations_total: KV memory-key rotations done (--rotate-key-after)
     kv_checksums_verified: Counter   # pdserve:kv_checksums_verified_total: transfers verified (S7, --kv-checksum)
     kv_checksum_failures: Counter    # pdserve:kv_checksum_failures_total: transfers whose landed bytes differed
+    kv_context_rejected: Counter     # pdserve:kv_context_rejected_total: transfers whose context record was rejected
     kv_shard_placement: Gauge        # pdserve:kv_shard_placement_info{rank, numa_node, nic, domain, cpus}: 1 (D16)
 
 
@@ -146,6 +147,10 @@ def node_metrics(registry: CollectorRegistry) -> NodeMetrics:
         kv_checksum_failures=Counter("pdserve:kv_checksum_failures",
                                      "Transfers whose landed bytes differed from the prefill node's checksums "
                                      "(S7): the attempt was dropped, never used or cached.", registry=registry),
+        kv_context_rejected=Counter("pdserve:kv_context_rejected",
+                                    "Transfers whose context record (D19: version, layout, transfer identity, "
+                                    "position, checksum) did not match what this decode node expects: the "
+                                    "attempt was dropped, never used or cached, and re-prefilled.", registry=registry),
         kv_shard_placement=Gauge("pdserve:kv_shard_placement_info",
                                  "1 per tensor-parallel rank of this node's KV pool: the NUMA node its pages are "
                                  "on ('unknown' when not readable), the NIC and libfabric domain nearest to it "

@@ -1,0 +1,106 @@
+"""The versioned context record on a real cluster (issue 18, D19): 1 prefill + 1 decode node over
+shm, the default model, whose prefill node damages chosen records with the TEST-ONLY hook
+PDSERVE_TEST_ONLY_BAD_CONTEXT (kv_messenger.sender.TEST_BAD_CONTEXT_ENV): attempt 0 of one prefix
+gets a flipped body byte, of another a wrong version, of a third another request's identity
+(resealed with a valid checksum, so only the identity check can tell).
+
+The decode node checks every transfer's record (no speculation here, so nothing would read the
+hidden state otherwise): each damaged request is detected as what it is (the log names the field),
+counted in pdserve:kv_context_rejected_total, re-prefilled into fresh pages and answers exactly
+what a plain offline engine (pdserve.LLM) answers; a clean request is not counted; no KV write
+goes stale, and afterwards nothing is held, tagged or in flight on either node.
+
+The hook only ever acts on request ids with the prefixes this module gives it. Every wait is
+bounded (the client's timeout, CLEAN_WITHIN_S).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from support.cluster import assert_no_page_leak, running_cluster, transfer_leftovers
+from support.prometheus import fetch, parse, total
+from support.wait import wait_until
+
+from kv_messenger.sender import TEST_BAD_CONTEXT_ENV
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.tools.client import Client
+
+NUM_BLOCKS = 64
+ENGINE = ("--max-batch-tokens", "32")
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+# distinct heads (no prefix-cache hit between them), a few pages each
+PROMPTS = {"ctx-clean-": "The context record names its transfer: the quick brown fox jumps over the lazy dog.",
+           "ctx-flip-": "A flipped byte in the hidden state: Paris, Berlin, Madrid, Rome, Lisbon, Vienna.",
+           "ctx-version-": "A record of another version:\ndef add(a, b):\n    return a + b\n",
+           "ctx-identity-": "Another request's record landed here; one, two, three, four, five, six, seven."}
+DAMAGED = {"ctx-flip-": ("flip", "checksum"), "ctx-version-": ("version", "version"),
+           "ctx-identity-": ("identity", "identity")}   # prefix -> (damage, the field the decode side names)
+REJECTED = "pdserve:kv_context_rejected_total"
+CLEAN_WITHIN_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Plain greedy outputs from one offline engine, made before the cluster starts."""
+    from pdserve import LLM
+
+    llm = LLM(num_blocks=NUM_BLOCKS, num_threads=1, max_batch_tokens=32)
+    outs = llm.generate(list(PROMPTS.values()), GREEDY)
+    return {prefix: (o.text, tuple(o.token_ids)) for prefix, o in zip(PROMPTS, outs, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def cluster(reference, tmp_path_factory):
+    previous = os.environ.get(TEST_BAD_CONTEXT_ENV)
+    # TEST ONLY: attempt 0 of each damaged prefix gets its record damaged on the prefill node
+    os.environ[TEST_BAD_CONTEXT_ENV] = ",".join(f"{p}:{kind}:1" for p, (kind, _) in DAMAGED.items())
+    try:
+        with running_cluster(tmp_path_factory, "context-record", prefill=1, decode=1, port=0, http_port=None,
+                             num_blocks=NUM_BLOCKS, threads_per_node=1, engine_args=ENGINE, startup_timeout_s=150,
+                             router_health_interval_s=0.5) as c:
+            yield c
+    finally:
+        if previous is None:
+            os.environ.pop(TEST_BAD_CONTEXT_ENV, None)
+        else:
+            os.environ[TEST_BAD_CONTEXT_ENV] = previous
+
+
+def decode_metric(cluster, name: str) -> float:
+    samples = parse(fetch(cluster.metrics_urls["decode-0"])[0])
+    assert any(n == name for n, _ in samples), f"the decode node exposes no {name}"
+    return total(samples, name)
+
+
+def test_a_damaged_record_is_rejected_counted_and_the_request_re_prefilled_exactly(cluster, reference):
+    assert decode_metric(cluster, REJECTED) == 0
+    with Client(cluster.url, timeout=120) as client:
+        done = client.complete(PROMPTS["ctx-clean-"], GREEDY, request_id="ctx-clean-0")
+        assert (done.text, tuple(done.token_ids)) == reference["ctx-clean-"]
+        assert decode_metric(cluster, REJECTED) == 0   # a good record is checked and passes
+        for n, prefix in enumerate(DAMAGED, start=1):
+            done = client.complete(PROMPTS[prefix], GREEDY, request_id=f"{prefix}0")
+            assert (done.text, tuple(done.token_ids)) == reference[prefix], prefix
+            assert done.timings.decode_node == "decode-0"
+            assert decode_metric(cluster, REJECTED) == n, prefix
+    decode_log = (cluster.log_dir / "decode-0.log").read_text(errors="replace")
+    prefill_log = (cluster.log_dir / "prefill-0.log").read_text(errors="replace")
+    how = {"flip": "flipped bit 6 of body byte 3", "version": "wrote version 1",
+           "identity": "wrote request ctx-identity-0~other's identity (checksum resealed)"}
+    for prefix, (kind, field) in DAMAGED.items():
+        # attempt 0 damaged as asked and rejected naming the field; attempt 1 (undamaged) served
+        rejected = [line for line in decode_log.splitlines() if f"request {prefix}0 (tag " in line]
+        assert len(rejected) == 1 and f"context record rejected ({field}): context record {field}: got" in \
+            rejected[0], (prefix, rejected)
+        assert f"TEST ONLY ({TEST_BAD_CONTEXT_ENV}): request {prefix}0 attempt 0: context record damaged: " \
+            f"{how[kind]}" in prefill_log, prefix
+        assert f"request {prefix}0 attempt 1: context record damaged" not in prefill_log
+    assert "ctx-clean-0" not in "".join(line for line in decode_log.splitlines() if "rejected" in line)
+    assert decode_metric(cluster, "pdserve:kv_stale_writes_total") == 0
+    assert decode_metric(cluster, "pdserve:kv_checksum_failures_total") == 0   # S7 is off: nothing else failed
+    addresses = [cluster.processes[n].address for n in ("prefill-0", "decode-0")]
+    wait_until(lambda: transfer_leftovers(addresses), CLEAN_WITHIN_S,
+               "every node free == total with nothing quarantined, held, tagged or in flight", interval=0.2)
+    assert_no_page_leak(cluster)
