@@ -71,6 +71,8 @@ def _check_cluster(cluster, prompts, expected, prefill_tp: int, decode_tp: int) 
     samples = parse(fetch(cluster.metrics_urls["decode-0"])[0])
     assert total(samples, "pdserve:kv_checksums_verified_total") == len(prompts)
     assert total(samples, "pdserve:kv_checksum_failures_total") == 0
+    # D19: each transfer's context record went once, to the decode leader, and was checked and accepted
+    assert total(samples, "pdserve:kv_context_rejected_total") == 0
     assert total(samples, "pdserve:kv_stale_writes_total") == 0
     # D16: one placement per rank; this host (one NUMA node) puts every shard on node 0
     prefill_samples = parse(fetch(cluster.metrics_urls["prefill-0"])[0])
