@@ -7,8 +7,9 @@ gets a flipped body byte, of another a wrong version, of a third another request
 The decode node checks every transfer's record (no speculation here, so nothing would read the
 hidden state otherwise): each damaged request is detected as what it is (the log names the field),
 counted in pdserve:kv_context_rejected_total, re-prefilled into fresh pages and answers exactly
-what a plain offline engine (pdserve.LLM) answers; a clean request is not counted; no KV write
-goes stale, and afterwards nothing is held, tagged or in flight on either node.
+transformers' greedy tokens (the session's shared reference, conftest.hf_reference: no extra
+model run in a full suite); a clean request is not counted; no KV write goes stale, and
+afterwards nothing is held, tagged or in flight on either node.
 
 The hook only ever acts on request ids with the prefixes this module gives it. Every wait is
 bounded (the client's timeout, CLEAN_WITHIN_S).
@@ -21,6 +22,7 @@ import os
 import pytest
 from support.cluster import assert_no_page_leak, running_cluster, transfer_leftovers
 from support.prometheus import fetch, parse, total
+from support.reference import REFERENCE_PROMPTS
 from support.wait import wait_until
 
 from kv_messenger.sender import TEST_BAD_CONTEXT_ENV
@@ -29,12 +31,10 @@ from pdserve.tools.client import Client
 
 NUM_BLOCKS = 64
 ENGINE = ("--max-batch-tokens", "32")
-GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-# distinct heads (no prefix-cache hit between them), a few pages each
-PROMPTS = {"ctx-clean-": "The context record names its transfer: the quick brown fox jumps over the lazy dog.",
-           "ctx-flip-": "A flipped byte in the hidden state: Paris, Berlin, Madrid, Rome, Lisbon, Vienna.",
-           "ctx-version-": "A record of another version:\ndef add(a, b):\n    return a + b\n",
-           "ctx-identity-": "Another request's record landed here; one, two, three, four, five, six, seven."}
+MAX_TOKENS = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# prefix -> index in REFERENCE_PROMPTS (distinct heads: no prefix-cache hit between them)
+PROMPTS = {"ctx-clean-": 0, "ctx-flip-": 4, "ctx-version-": 1, "ctx-identity-": 3}
 DAMAGED = {"ctx-flip-": ("flip", "checksum"), "ctx-version-": ("version", "version"),
            "ctx-identity-": ("identity", "identity")}   # prefix -> (damage, the field the decode side names)
 REJECTED = "pdserve:kv_context_rejected_total"
@@ -42,13 +42,9 @@ CLEAN_WITHIN_S = 20.0
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Plain greedy outputs from one offline engine, made before the cluster starts."""
-    from pdserve import LLM
-
-    llm = LLM(num_blocks=NUM_BLOCKS, num_threads=1, max_batch_tokens=32)
-    outs = llm.generate(list(PROMPTS.values()), GREEDY)
-    return {prefix: (o.text, tuple(o.token_ids)) for prefix, o in zip(PROMPTS, outs, strict=True)}
+def reference(hf_reference) -> dict[str, tuple[int, ...]]:
+    """transformers' greedy ids (the session's shared reference, made before the cluster starts)."""
+    return {prefix: tuple(hf_reference[i][:MAX_TOKENS]) for prefix, i in PROMPTS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +73,12 @@ def decode_metric(cluster, name: str) -> float:
 def test_a_damaged_record_is_rejected_counted_and_the_request_re_prefilled_exactly(cluster, reference):
     assert decode_metric(cluster, REJECTED) == 0
     with Client(cluster.url, timeout=120) as client:
-        done = client.complete(PROMPTS["ctx-clean-"], GREEDY, request_id="ctx-clean-0")
-        assert (done.text, tuple(done.token_ids)) == reference["ctx-clean-"]
+        done = client.complete(REFERENCE_PROMPTS[PROMPTS["ctx-clean-"]], GREEDY, request_id="ctx-clean-0")
+        assert tuple(done.token_ids) == reference["ctx-clean-"]
         assert decode_metric(cluster, REJECTED) == 0   # a good record is checked and passes
         for n, prefix in enumerate(DAMAGED, start=1):
-            done = client.complete(PROMPTS[prefix], GREEDY, request_id=f"{prefix}0")
-            assert (done.text, tuple(done.token_ids)) == reference[prefix], prefix
+            done = client.complete(REFERENCE_PROMPTS[PROMPTS[prefix]], GREEDY, request_id=f"{prefix}0")
+            assert tuple(done.token_ids) == reference[prefix], prefix
             assert done.timings.decode_node == "decode-0"
             assert decode_metric(cluster, REJECTED) == n, prefix
     decode_log = (cluster.log_dir / "decode-0.log").read_text(errors="replace")
