@@ -136,6 +136,13 @@ class StagingFullError(StatusError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class ContextEncodeError(StatusError):
+    """The engine handed over a hidden state or logits the record cannot hold (a bug, never the
+    peer's fault): this transfer fails (INTERNAL), the others go on."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 class SlotPool:
     """`capacity` context slots, handed out and back (not thread-safe: the owner's lock guards it)."""
 

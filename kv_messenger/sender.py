@@ -83,7 +83,14 @@ import numpy as np
 
 from fabric import FabricError, MemoryRegion, RemoteDescriptor, TransferEngine
 from kv_messenger import checksum
-from kv_messenger.context import DAMAGES, ContextCodec, SlotPool, StagingFullError, TransferIdentity
+from kv_messenger.context import (
+    DAMAGES,
+    ContextCodec,
+    ContextEncodeError,
+    SlotPool,
+    StagingFullError,
+    TransferIdentity,
+)
 from kv_messenger.placement import ShardPlacement, pin_thread_to
 from kv_messenger.plan import KvLayout, completed_pages
 from kv_messenger.pool import Place, register_pool
@@ -151,7 +158,7 @@ class _Transfer:
     posted_bytes: int = 0
     outstanding: int = 0       # write batches not yet completed
     all_posted: bool = False
-    error: FabricError | StagingFullError | None = None
+    error: FabricError | StagingFullError | ContextEncodeError | None = None
     aborted: bool = False
     first_post: float = 0.0
     last_layer: float = 0.0
@@ -389,7 +396,7 @@ class KvSender(PrefillConnector):
             logger.error("transfer %s: context record not encoded: %s", t.key, e)
             with self._lock:
                 self.staging_slots.give(slot)
-                t.error = FabricError(errno.EINVAL, f"context record: {e}")
+                t.error = ContextEncodeError(f"transfer {t.key}: context record not encoded: {e}")
                 self._maybe_finish(t)
             return
         self._test_damage(t, slot, ident)

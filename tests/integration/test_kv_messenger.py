@@ -18,6 +18,7 @@ from support.kv_events import QueueEvents
 
 from fabric import FabricConfig, TransferEngine
 from kv_messenger import ContextCodec, KvLayout, KvReceiver, KvSender, ShardingScheme, TransferTicket
+from kv_messenger.context import ContextEncodeError, ContextRecordError, ExpectedRecord, TransferIdentity
 from kv_messenger.plan import completed_pages, expected_writes
 from pdserve import LLM, SamplingParams
 from pdserve.engine.cache.hostmem import alloc_buffer, alloc_tensor
@@ -251,6 +252,37 @@ def test_chunks_without_prefix_hit_send_each_page_once():
         for layer in range(SMALL.num_layers):
             for s, d in zip(src_pages, dst_pages, strict=True):
                 assert pair.page_bytes(pair.dst, layer, 1, d) == pair.page_bytes(pair.src, layer, 1, s)
+    finally:
+        pair.close()
+
+
+def test_the_context_record_lands_naming_its_transfer_and_a_bad_hidden_state_fails_only_its_own():
+    """D19: the record the sender posts is the checked record of the ticket's transfer (request,
+    this decode engine, attempt, tag; position num_prefill_tokens - 1); a hidden state the record
+    cannot hold fails that transfer (INTERNAL) and gives its staging slot back."""
+    pair = _Pair([3, 9])
+    try:
+        req = _request("r-ctx", 8)   # 7 prefilled tokens: 2 pages of 4
+        fut = pair.add(pair.target("r-ctx", (0, 1), 7, tag=91))
+        pair.run_pass([ScheduledChunk(req, start=0, num_tokens=7, samples=False)])
+        hidden = torch.arange(16, dtype=torch.float32)   # [hidden_size]
+        pair.prefill_done(req, hidden, torch.arange(50, dtype=torch.float32))
+        assert pair.fired.get(timeout=10) == 91
+        fut.result(timeout=10)
+        ident = TransferIdentity("r-ctx", pair.fab_d.engine_id, attempt=0, imm_tag=91)
+        ctx = pair.codec.decode(pair.landing, 0, ExpectedRecord(ident, position=6))
+        assert torch.equal(ctx.hidden, hidden) and ctx.top_ids[:3].tolist() == [49, 48, 47]
+        with pytest.raises(ContextRecordError, match="attempt: got 0, expected 1"):
+            pair.codec.decode(pair.landing, 0, ExpectedRecord(TransferIdentity("r-ctx", pair.fab_d.engine_id, 1, 91),
+                                                              position=6))
+        bad = _request("r-bad-hidden", 8)
+        fut = pair.add(pair.target("r-bad-hidden", (2, 3), 7, tag=92))
+        pair.run_pass([ScheduledChunk(bad, start=0, num_tokens=7, samples=False)])
+        pair.prefill_done(bad, torch.zeros(8), torch.arange(50, dtype=torch.float32))
+        with pytest.raises(ContextEncodeError, match=r"hidden state of shape \(8,\), the record holds \[16\]"):
+            fut.result(timeout=10)
+        assert pair.sender.staging_slots.free == pair.sender.staging_slots.capacity
+        assert pair.released == ["r-ctx", "r-bad-hidden"]
     finally:
         pair.close()
 
