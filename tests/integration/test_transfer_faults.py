@@ -132,7 +132,10 @@ def _strike_mid_transfer(cluster, name: str, strike) -> tuple[dict, float]:
     address = cluster.processes[name].address
     loop = asyncio.new_event_loop()
     try:
-        task = loop.create_task(_batch(cluster.url, FAULT_PROMPTS, f"{name}-{strike.__name__}"))
+        # prompts of this strike only: a prefix-cache hit on an earlier strike's batch would make
+        # the prefills so short that the strike may land after every transfer completed
+        prompts = [f"{strike.__name__}: {p}" for p in FAULT_PROMPTS]
+        task = loop.create_task(_batch(cluster.url, prompts, f"{name}-{strike.__name__}"))
         loop.run_until_complete(asyncio.sleep(0.2))   # the streams are open
         loop.run_until_complete(asyncio.to_thread(wait_busy, address, 60.0))
         struck = time.monotonic()
