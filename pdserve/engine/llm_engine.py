@@ -201,6 +201,8 @@ class LLMEngine:
         self.num_forward_tokens = 0
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
+        self.num_first_steps = 0          # passes that sampled a request's first output token(s)
+        self.num_first_step_tokens = 0    # tokens those passes emitted (> 1 each: drafts accepted)
 
     def _kv_cache_spec(self, groups) -> KvCacheSpec:
         layer_types = tuple(self.arch.layer_types)
@@ -484,6 +486,11 @@ class LLMEngine:
             logits = out.logits if rows == list(range(out.logits.shape[0])) else out.logits[torch.tensor(rows)]
             sampled = self.sampler.sample(logits, params, generators)
         results: list[RequestOutput] = []
+        # the passes that sample a request's first output: on a decode node its first step after
+        # the transfer, which emits more than one token when drafts from the shipped hidden state
+        # (D17) are accepted
+        firsts = [c.request for c in sched.chunks if c.samples and not c.request.prefill_only
+                  and not c.request.output_token_ids]
         k = 0
         for c in sched.chunks:
             r = c.request
@@ -514,6 +521,8 @@ class LLMEngine:
                 self.speculator.note(r, out.hidden[out.chunk_rows[r.request_id]], c.end - 1)
             self.num_generated_tokens += 1
             results.append(self._append_token(tracked, token, lp))
+        self.num_first_steps += len(firsts)
+        self.num_first_step_tokens += sum(len(r.output_token_ids) for r in firsts)
         return results
 
     def _generators(self, c: ScheduledChunk) -> list[torch.Generator]:
@@ -728,6 +737,8 @@ class LLMEngine:
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_generated_tokens=self.num_generated_tokens,
             num_steps=self.num_steps,
+            num_first_steps=self.num_first_steps,
+            num_first_step_tokens=self.num_first_step_tokens,
             **self._spec_metrics(),
         )
 

@@ -29,6 +29,11 @@ class EngineMetrics:
     num_prompt_tokens_computed: int  # prompt tokens run through forward passes
     num_generated_tokens: int        # tokens sampled
     num_steps: int                   # forward passes
+    # the pass that sampled each request's first output (on a decode node: its first step after
+    # the transfer) and the tokens it emitted: 1 each without speculation, more when drafts from
+    # the hidden state the prefill node shipped (D17) were accepted at once
+    num_first_steps: int = 0
+    num_first_step_tokens: int = 0
     # speculative decoding (E20), vLLM's meaning: a "draft" is one verified proposal of one sequence
     # in one step (0 proposed tokens is no draft); accepted tokens exclude the bonus token
     spec_num_drafts: int = 0

@@ -120,6 +120,10 @@ def test_cluster_metrics_add_up_and_logs_keep_prompts_out(tmp_path):
         assert delta("decode-0", "pdserve:generation_tokens_total") == N_REQUESTS * MAX_TOKENS
         assert delta("prefill-0", "pdserve:prompt_tokens_total") > 0
         assert delta("prefill-0", "pdserve:generation_tokens_total") == 0
+        # no speculation: each request's first step after its transfer emits exactly one token
+        assert delta("decode-0", "pdserve:first_steps_total") == N_REQUESTS
+        assert delta("decode-0", "pdserve:first_step_tokens_total") == N_REQUESTS
+        assert delta("prefill-0", "pdserve:first_steps_total") == 0
         for process in ("prefill-0", "decode-0"):
             rate = total(after[process], "pdserve:prefix_cache_hit_rate")
             assert 0.0 <= rate <= 1.0 and not math.isnan(rate)

@@ -4,8 +4,9 @@ PDSERVE_TEST_ONLY_BAD_CONTEXT (kv_messenger.sender.TEST_BAD_CONTEXT_ENV): attemp
 gets a flipped body byte, of another a wrong version, of a third another request's identity
 (resealed with a valid checksum, so only the identity check can tell).
 
-The decode node checks every transfer's record (no speculation here, so nothing would read the
-hidden state otherwise): each damaged request is detected as what it is (the log names the field),
+The decode node drafts with an untrained (seeded random) eagle head from the shipped hidden state
+(issue 18: exactness must not depend on the head's quality) and checks every transfer's record
+(with or without speculation): each damaged request is detected as what it is (the log names the field),
 counted in pdserve:kv_context_rejected_total, re-prefilled into fresh pages and answers exactly
 transformers' greedy tokens (the session's shared reference, conftest.hf_reference: no extra
 model run in a full suite); a clean request is not counted; no KV write goes stale, and
@@ -17,10 +18,12 @@ bounded (the client's timeout, CLEAN_WITHIN_S).
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 from support.cluster import assert_no_page_leak, running_cluster, transfer_leftovers
+from support.eagle_head import write_random_head
 from support.prometheus import fetch, parse, total
 from support.reference import REFERENCE_PROMPTS
 from support.wait import wait_until
@@ -48,14 +51,16 @@ def reference(hf_reference) -> dict[str, tuple[int, ...]]:
 
 
 @pytest.fixture(scope="module")
-def cluster(reference, tmp_path_factory):
+def cluster(reference, tmp_path_factory, default_source):
+    head = write_random_head(tmp_path_factory.mktemp("eagle") / "random-head", default_source.path)
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3, "adaptive": False}
     previous = os.environ.get(TEST_BAD_CONTEXT_ENV)
     # TEST ONLY: attempt 0 of each damaged prefix gets its record damaged on the prefill node
     os.environ[TEST_BAD_CONTEXT_ENV] = ",".join(f"{p}:{kind}:1" for p, (kind, _) in DAMAGED.items())
     try:
         with running_cluster(tmp_path_factory, "context-record", prefill=1, decode=1, port=0, http_port=None,
                              num_blocks=NUM_BLOCKS, threads_per_node=1, engine_args=ENGINE, startup_timeout_s=150,
-                             router_health_interval_s=0.5) as c:
+                             router_health_interval_s=0.5, speculative_config=json.dumps(spec)) as c:
             yield c
     finally:
         if previous is None:
@@ -95,6 +100,8 @@ def test_a_damaged_record_is_rejected_counted_and_the_request_re_prefilled_exact
         assert f"request {prefix}0 attempt 1: context record damaged" not in prefill_log
     assert "ctx-clean-0" not in "".join(line for line in decode_log.splitlines() if "rejected" in line)
     assert decode_metric(cluster, "pdserve:kv_stale_writes_total") == 0
+    # the random head drafted from the checked hidden state at every request's first step
+    assert decode_metric(cluster, "pdserve:spec_decode_num_drafts_total") >= len(PROMPTS)
     assert decode_metric(cluster, "pdserve:kv_checksum_failures_total") == 0   # S7 is off: nothing else failed
     addresses = [cluster.processes[n].address for n in ("prefill-0", "decode-0")]
     wait_until(lambda: transfer_leftovers(addresses), CLEAN_WITHIN_S,

@@ -13,7 +13,6 @@ verification emits K + 1 tokens.
 from __future__ import annotations
 
 import pytest
-import torch
 from support.reference import REFERENCE_PROMPTS
 
 from pdserve import LLM, SamplingParams
@@ -266,17 +265,9 @@ def test_sampled_drafts_are_verified_by_rejection_sampling(llm, default_source):
 def random_head(tmp_path_factory, default_source):
     """An untrained (seeded random) eagle head for the default model: exactness must not depend
     on the head's quality."""
-    import json
+    from support.eagle_head import write_random_head
 
-    from pdserve.engine.spec_decode.eagle import EagleConfig, EagleHead, load_target_vocab
-
-    vocab = load_target_vocab(default_source.path)
-    hf = json.loads((default_source.path / "config.json").read_text())
-    head = EagleHead(EagleConfig.for_target(hf, vocab.identity), vocab.embed, vocab.lm_head)
-    head.reset_parameters(torch.Generator().manual_seed(0))
-    out = tmp_path_factory.mktemp("eagle") / "head"
-    head.save(out)
-    return str(out)
+    return write_random_head(tmp_path_factory.mktemp("eagle") / "head", default_source.path)
 
 
 def test_eagle_head_drafts_from_the_hidden_state_and_output_is_exact(llm, reference, random_head):

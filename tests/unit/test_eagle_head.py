@@ -175,3 +175,14 @@ def test_draft_is_deterministic_and_matches_the_forward(targets, vocab):
     assert d_ctx[0] == int(logits[0, -1].argmax())
     with pytest.raises(ValueError, match="k must be"):
         head.draft(h[0], 1, 0)
+
+
+def test_a_shipped_head_is_found_by_its_target_and_another_target_is_told_to_train_one(vocab):
+    from pdserve.engine.spec_decode.eagle import SHIPPED_HEADS, shipped_head_for
+
+    shipped = [d for d in SHIPPED_HEADS.iterdir() if (d / CONFIG_FILE).is_file()]
+    assert shipped, f"no head ships under {SHIPPED_HEADS}"
+    for d in shipped:   # each is found by the target it names, and is complete
+        assert shipped_head_for(read_config(d).target) == d and (d / WEIGHTS_FILE).is_file()
+    with pytest.raises(ValueError, match="no draft head ships for target .*pdserve draft train"):
+        shipped_head_for(vocab.identity)   # a tiny random target: none ships for it

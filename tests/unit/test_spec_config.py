@@ -46,7 +46,7 @@ def test_engine_config_takes_dict_json_or_config():
     ('{"method": "draft_model", "num_speculative_tokens": 2, "model": "/x", "prompt_lookup_max": 2}',
      "apply to method 'ngram' only"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "adaptive": 1}', "adaptive must be true or false"),
-    ('{"method": "eagle", "num_speculative_tokens": 2}', "needs model: the draft head's directory"),
+    ('{"method": "eagle", "num_speculative_tokens": 2, "model": ""}', "takes model: the draft head's directory"),
     ('{"method": "eagle", "num_speculative_tokens": 2, "model": "/h", "self_draft_layers": 2}',
      "takes only model"),
     ("[1, 2", "not valid JSON"),

@@ -13,7 +13,8 @@ method "draft_model": a smaller model drafts K tokens autoregressively. `self_dr
     is the built-in draft: the target's own first k decoder layers, its final norm and its
     lm_head (pdserve.engine.spec_decode.self_draft). `model: PATH` names a separate checkpoint.
 method "eagle": a draft head (`pdserve draft train`; pdserve.engine.spec_decode.eagle) drafts from
-    the target's own last hidden state: `model: DIR` names the head, trained for this target.
+    the target's own last hidden state: `model: DIR` names the head, trained for this target;
+    without a model, the head that ships for the target (eagle.SHIPPED_HEADS; the default model has one).
 num_speculative_tokens (K): draft tokens verified per sequence per step, 1..MAX_SPECULATIVE_TOKENS.
 adaptive (pdserve's, default true): verify only the draft tokens expected to pay for their share
     of the pass (pdserve.engine.spec_decode.control), so speculation turns itself down where it
@@ -81,9 +82,9 @@ class SpeculativeConfig:
                     self.self_draft_layers is not None:
                 raise ValueError("speculative config: method 'eagle' takes only model (a draft head directory, "
                                  "`pdserve draft train`) and num_speculative_tokens")
-            if not isinstance(self.model, str) or not self.model:
-                raise ValueError(f"speculative config: method 'eagle' needs model: the draft head's directory, "
-                                 f"got {self.model!r}")
+            if self.model is not None and (not isinstance(self.model, str) or not self.model):
+                raise ValueError(f"speculative config: method 'eagle' takes model: the draft head's directory "
+                                 f"(or no model: the head shipped for the target), got {self.model!r}")
         else:
             if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
                 raise ValueError("speculative config: prompt_lookup_max / prompt_lookup_min apply to method "

@@ -454,6 +454,22 @@ class EagleHead(nn.Module):
         return head
 
 
+# Heads that ship with pdserve (package data), one directory each: `{"method": "eagle"}` without a
+# model takes the one trained for the target being served.
+SHIPPED_HEADS = pathlib.Path(__file__).parent / "heads"
+
+
+def shipped_head_for(target: TargetIdentity) -> pathlib.Path:
+    """The shipped head trained for `target`; ValueError naming the target when none is."""
+    found = [d for d in sorted(SHIPPED_HEADS.iterdir()) if (d / CONFIG_FILE).is_file()] \
+        if SHIPPED_HEADS.is_dir() else []
+    for d in found:
+        if read_config(d).target == target:
+            return d
+    raise ValueError(f"no draft head ships for target {target} (shipped: {[d.name for d in found]}); "
+                     "train one with `pdserve draft train --out DIR` and pass \"model\": DIR")
+
+
 def read_config(directory: str | os.PathLike[str]) -> EagleConfig:
     path = pathlib.Path(directory) / CONFIG_FILE
     if not path.is_file():

@@ -478,13 +478,15 @@ def make_speculator(config: SpeculativeConfig | None, runner: ModelRunner, token
     if config.method == "ngram":
         return Speculator(config, NgramDrafts(config))
     if config.method == "eagle":
-        from pdserve.engine.spec_decode.eagle import EagleHead, load_target_vocab
+        from pdserve.engine.spec_decode.eagle import EagleHead, load_target_vocab, shipped_head_for
 
         if target_path is None:
             raise ValueError("speculative config: an eagle head needs the target checkpoint's path to check it")
-        head = EagleHead.load(config.model, load_target_vocab(target_path))
+        vocab = load_target_vocab(target_path)
+        path = config.model if config.model is not None else shipped_head_for(vocab.identity)
+        head = EagleHead.load(path, vocab)
         head.eval()
-        logger.info("eagle draft head %s: %d parameters", config.model, head.num_parameters())
+        logger.info("eagle draft head %s: %d parameters", path, head.num_parameters())
         return Speculator(config, EagleDrafts(head))
     if config.self_draft_layers is not None:
         return Speculator(config, SelfDraft(config, runner))

@@ -15,6 +15,9 @@ Exported (all labelled model_name):
     pdserve:prefix_cache_queries_total, pdserve:prefix_cache_hits_total (tokens),
     pdserve:prompt_tokens_total (prompt tokens computed), pdserve:generation_tokens_total,
     pdserve:num_preemptions_total (soft resets), pdserve:num_offloads_total, pdserve:engine_steps_total,
+    pdserve:first_steps_total and pdserve:first_step_tokens_total (the pass that sampled each request's
+    first output, and the tokens it emitted: on a decode node its first step after the transfer, more
+    than 1 token on average when the eagle head's drafts from the shipped hidden state are accepted),
     speculative decoding (E20) with vLLM's names and meaning: pdserve:spec_decode_num_drafts_total (verified
     proposals, one per speculating sequence per step), pdserve:spec_decode_num_draft_tokens_total,
     pdserve:spec_decode_num_accepted_tokens_total (bonus tokens excluded) and
@@ -58,6 +61,9 @@ COUNTERS: tuple[tuple[str, str, Callable[[EngineMetrics], float]], ...] = (
      lambda m: m.num_soft_resets),
     ("pdserve:num_offloads", "Requests moved to the CPU swap pool.", lambda m: m.num_offloads),
     ("pdserve:engine_steps", "Forward passes run.", lambda m: m.num_steps),
+    ("pdserve:first_steps", "Passes that sampled a request's first output token(s).", lambda m: m.num_first_steps),
+    ("pdserve:first_step_tokens", "Tokens those passes emitted: more than one each when drafts (on a decode "
+     "node, from the prefill node's hidden state) were accepted at once.", lambda m: m.num_first_step_tokens),
     ("pdserve:spec_decode_num_drafts", "Speculative drafts verified (one per speculating sequence per step).",
      lambda m: m.spec_num_drafts),
     ("pdserve:spec_decode_num_draft_tokens", "Draft tokens verified.", lambda m: m.spec_num_draft_tokens),
