@@ -57,7 +57,7 @@ LOSSES = ("kl", "ce")
 CHAT_MODES = ("both", "raw", "chat")
 # fields of DraftTrainConfig that may differ between a run and its --resume
 # (the result is bit-exact when --num-threads is the same too)
-_RESUMABLE_CHANGES = ("steps", "checkpoint_every", "resume", "progress", "num_threads")
+_RESUMABLE_CHANGES = ("steps", "checkpoint_every", "resume", "progress", "num_threads", "draft_vocab")
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,9 @@ class DraftTrainConfig:
     num_threads: int | None = None
     resume: bool = False
     progress: bool = True
+    # drafts come from the N tokens the target wrote most often in the training texts
+    # (EagleHead.set_draft_vocab); 0: the whole vocabulary. Chosen after training: changes nothing trained.
+    draft_vocab: int = 8192
 
     def __post_init__(self) -> None:
         for name in ("steps", "seq_len", "batch", "checkpoint_every", "samples", "max_new_tokens", "heldout_every"):
@@ -94,6 +97,8 @@ class DraftTrainConfig:
         if self.heldout_every < 2:
             raise ValueError(f"draft train: --heldout-every must be >= 2 (some text must train), "
                              f"got {self.heldout_every}")
+        if isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int) or self.draft_vocab < 0:
+            raise ValueError(f"draft train: --draft-vocab must be an integer >= 0, got {self.draft_vocab!r}")
         if self.warmup < 0:
             raise ValueError(f"draft train: --warmup must be >= 0, got {self.warmup}")
         if not self.lr > 0:
@@ -329,13 +334,13 @@ def evaluate(head: EagleHead, c: Corpus, seq_len: int) -> Agreement:
                     pos = torch.arange(r.start, r.stop)[None]
                     logits, out = head(tok[:, r], feats, pos)
                     target = head.logits(hid[:, r]).argmax(-1)
-                    hits[j] += int((logits.argmax(-1) == target).sum())
+                    hits[j] += int((head.pick_from_logits(logits) == target).sum())
                     rows[j] += target.numel()
                     feats = out
             # every row alone: [n-1, 1] rows of one token each
             logits, _ = head(tok[0, 1:, None], hid[0, :-1, None], torch.arange(1, n)[:, None])
             target = head.logits(hid[0, 1:]).argmax(-1)                       # [n-1]
-            hits[2] += int((logits[:, 0].argmax(-1) == target).sum())
+            hits[2] += int((head.pick_from_logits(logits[:, 0]) == target).sum())
             rows[2] += target.numel()
     if rows[0] == 0:
         raise ValueError("draft train: no held-out text to evaluate (lower --heldout-every or add prompts)")
@@ -425,6 +430,12 @@ def train(cfg: DraftTrainConfig) -> TrainResult:
             checkpoint()
     bar.close()
     head.eval()
+    if cfg.draft_vocab:
+        from pdserve.engine.spec_decode.eagle import draft_vocab_from_counts
+
+        V = head.target_lm_head.shape[0]
+        written = torch.cat([corpus.tokens[int(corpus.offsets[s]):int(corpus.offsets[s + 1])] for s in train_texts])
+        head.set_draft_vocab(draft_vocab_from_counts(torch.bincount(written, minlength=V), min(cfg.draft_vocab, V)))
     ag = evaluate(head, corpus, cfg.seq_len)
     head.save(out, EagleTrainStats(steps=step, loss=losses[-1] if losses else float("nan"),
                                    top1_agreement=ag.step1, top1_agreement_step2=ag.step2,
@@ -485,6 +496,8 @@ def add_draft_parser(sub: argparse._SubParsersAction) -> None:
         ("max_new_tokens", int, "tokens per continuation at most"),
         ("heldout_every", int, "every n-th text is held out for the agreement measurement"),
         ("num_threads", int, "torch threads"),
+        ("draft_vocab", int, "draft only the N tokens the target wrote most often (0: the whole vocabulary; "
+                             "set after training, so a --resume at the last step only re-chooses it)"),
     ):
         t.add_argument(f"--{name.replace('_', '-')}", type=kind, default=getattr(defaults, name),
                        help=f"{help_} (default {getattr(defaults, name)})")
@@ -506,7 +519,8 @@ def cmd_draft_train(args: argparse.Namespace) -> int:
         feature_weight=args.feature_weight, checkpoint_every=args.checkpoint_every, seed=args.seed,
         prompts=args.prompts, chat=args.chat, samples=args.samples, temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, heldout_every=args.heldout_every, corpus=args.corpus,
-        num_threads=args.num_threads, resume=args.resume, progress=not args.no_progress)
+        num_threads=args.num_threads, resume=args.resume, progress=not args.no_progress,
+        draft_vocab=args.draft_vocab)
     r = train(cfg)
     ag = r.agreement
     print(json.dumps({"out": str(r.out), "step": r.step, "loss": r.losses[-1] if r.losses else None,

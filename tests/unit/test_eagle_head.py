@@ -186,3 +186,42 @@ def test_a_shipped_head_is_found_by_its_target_and_another_target_is_told_to_tra
         assert shipped_head_for(read_config(d).target) == d and (d / WEIGHTS_FILE).is_file()
     with pytest.raises(ValueError, match="no draft head ships for target .*pdserve draft train"):
         shipped_head_for(vocab.identity)   # a tiny random target: none ships for it
+
+
+def test_a_draft_vocabulary_restricts_drafts_survives_save_load_and_is_checked(targets, vocab, tmp_path):
+    from pdserve.engine.spec_decode.eagle import DRAFT_VOCAB_FILE, draft_vocab_from_counts
+
+    counts = torch.zeros(V, dtype=torch.long)
+    counts[[7, 3, 500]] = torch.tensor([5, 9, 5])
+    # by count, then the lower id first; unseen tokens follow by id; the result ascending
+    assert draft_vocab_from_counts(counts, 3).tolist() == [3, 7, 500]
+    assert draft_vocab_from_counts(counts, 5).tolist() == [0, 1, 3, 7, 500]
+    with pytest.raises(ValueError, match="size must be"):
+        draft_vocab_from_counts(counts, 0)
+
+    head = new_head(targets["llama"], vocab, seed=5)
+    with torch.no_grad():
+        head.fc.weight.mul_(20.0)
+    g = torch.Generator().manual_seed(6)
+    h, nxt = torch.randn(4, H, generator=g), torch.randint(V, (4,), generator=g)
+    full = head.draft_batch(h, nxt, 3)
+    ids = torch.randperm(V, generator=g)[:256]
+    ids[0] = int(full[0, 0])   # a token the full head drafts first stays draftable
+    head.set_draft_vocab(ids)
+    sub = head.draft_batch(h, nxt, 3)
+    assert set(sub.flatten().tolist()) <= set(ids.tolist()) and int(sub[0, 0]) == int(full[0, 0])
+    assert [tuple(r) for r in sub.tolist()] == [head.draft(h[b], int(nxt[b]), 3) for b in range(4)]
+    logits = head.logits(h)   # the choice from full logits is the same choice
+    assert head.pick_from_logits(logits).tolist() == head.pick(h).tolist()
+    head.save(tmp_path)
+    assert (tmp_path / DRAFT_VOCAB_FILE).is_file()
+    back = EagleHead.load(tmp_path, vocab).eval()
+    assert back.draft_vocab.tolist() == sorted(ids.tolist())
+    assert torch.equal(back.draft_batch(h, nxt, 3), sub)
+    head.set_draft_vocab(None)   # back to the whole vocabulary; saving drops the file
+    assert torch.equal(head.draft_batch(h, nxt, 3), full)
+    head.save(tmp_path)
+    assert not (tmp_path / DRAFT_VOCAB_FILE).exists()
+    for bad in (torch.tensor([1, 1]), torch.tensor([V]), torch.tensor([-1]), torch.zeros(0, dtype=torch.long)):
+        with pytest.raises(ValueError, match="distinct token ids"):
+            head.set_draft_vocab(bad)

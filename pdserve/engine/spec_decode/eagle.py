@@ -44,6 +44,7 @@ EAGLE_FORMAT = "pdserve-eagle-head"
 EAGLE_FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"   # optional: the token ids drafts are chosen from
 EMBED_KEY = "model.embed_tokens.weight"
 LM_HEAD_KEY = "lm_head.weight"
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -327,7 +328,40 @@ class EagleHead(nn.Module):
         # plain attributes, not parameters or buffers: never trained, never in state_dict
         self.target_embed = embed.detach().to(dt)       # [V, H]
         self.target_lm_head = lm_head.detach().to(dt) if lm_head.data_ptr() != embed.data_ptr() else self.target_embed
+        # the draft vocabulary (set_draft_vocab): None drafts from all V tokens
+        self.draft_vocab: torch.Tensor | None = None      # [N] int64 ascending token ids
+        self._draft_lm_head: torch.Tensor | None = None   # [N, H] their lm_head rows
         self.reset_parameters()
+
+    def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
+        """Draft only tokens among `ids` (a frequency-ranked subset, `draft_vocab_from_counts`):
+        each draft step's lm_head product shrinks from [V, H] to [N, H], most of a step's cost
+        for a small head over a large vocabulary. Verification is unchanged, so output stays
+        exact; a token outside the subset is just never drafted. None: the whole vocabulary."""
+        if ids is None:
+            self.draft_vocab = self._draft_lm_head = None
+            return
+        V = self.target_lm_head.shape[0]
+        ids = ids.long()
+        if ids.dim() != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= V \
+                or ids.unique().numel() != ids.numel():
+            span = f" in [{int(ids.min())}, {int(ids.max())}]" if ids.numel() else ""
+            raise ValueError(f"draft vocabulary must be distinct token ids in [0, {V}), got a tensor of shape "
+                             f"{tuple(ids.shape)}{span}")
+        self.draft_vocab = ids.sort().values
+        self._draft_lm_head = self.target_lm_head[self.draft_vocab].contiguous()
+
+    def pick(self, h: torch.Tensor) -> torch.Tensor:
+        """Greedy draft ids from head states h [..., H] -> [...]: the argmax over the draft vocabulary."""
+        if self._draft_lm_head is None:
+            return self.logits(h).argmax(-1)
+        return self.draft_vocab[F.linear(h, self._draft_lm_head).argmax(-1)]  # type: ignore[index]
+
+    def pick_from_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The same choice from full logits [..., V] (what training's evaluation has at hand)."""
+        if self.draft_vocab is None:
+            return logits.argmax(-1)
+        return self.draft_vocab[logits[..., self.draft_vocab].argmax(-1)]
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -379,7 +413,7 @@ class EagleHead(nn.Module):
         for j in range(k):
             pos = pos0[:, None] + torch.arange(j + 1)[None]       # [B, j+1]
             h = self.features(toks, feats, pos)[:, -1]            # [B, H]
-            d = self.logits(h).argmax(-1)                          # [B]
+            d = self.pick(h)                                       # [B]
             out.append(d)
             toks = torch.cat((toks, d[:, None]), dim=1)
             feats = torch.cat((feats, h[:, None]), dim=1)
@@ -416,7 +450,7 @@ class EagleHead(nn.Module):
         for _ in range(k):
             pos = start + torch.arange(toks.shape[1])[None]        # [1, L]
             h = self.features(toks, feats, pos)[:, -1]             # [1, H]
-            d = int(self.logits(h).argmax(-1))
+            d = int(self.pick(h))
             drafts.append(d)
             toks = torch.cat((toks, torch.tensor([[d]])), dim=1)
             feats = torch.cat((feats, h[:, None]), dim=1)
@@ -434,6 +468,11 @@ class EagleHead(nn.Module):
         cfg = self.config if train_stats is None else _replace_stats(self.config, train_stats)
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         atomic_write(out / WEIGHTS_FILE, lambda p: save_file(state, str(p), metadata={"format": EAGLE_FORMAT}))
+        if self.draft_vocab is not None:
+            ids = {"ids": self.draft_vocab.to(torch.int32).contiguous()}
+            atomic_write(out / DRAFT_VOCAB_FILE, lambda p: save_file(ids, str(p), metadata={"format": EAGLE_FORMAT}))
+        elif (out / DRAFT_VOCAB_FILE).exists():
+            (out / DRAFT_VOCAB_FILE).unlink()
         text = json.dumps(cfg.to_json(), indent=2) + "\n"
         atomic_write(out / CONFIG_FILE, lambda p: p.write_text(text))
 
@@ -451,7 +490,25 @@ class EagleHead(nn.Module):
         if missing:
             raise ValueError(f"draft head '{d}': weights {missing} missing or unexpected")
         head.load_state_dict(state)
+        if (d / DRAFT_VOCAB_FILE).is_file():
+            vocab = load_file(str(d / DRAFT_VOCAB_FILE))
+            if set(vocab) != {"ids"}:
+                raise ValueError(f"draft head '{d}': {DRAFT_VOCAB_FILE} holds {sorted(vocab)}, expected ['ids']")
+            try:
+                head.set_draft_vocab(vocab["ids"])
+            except ValueError as e:
+                raise ValueError(f"draft head '{d}': {DRAFT_VOCAB_FILE}: {e}") from None
         return head
+
+
+def draft_vocab_from_counts(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` most frequent token ids of counts [V] (how often the target wrote each token),
+    ascending; ties and unseen tokens by lower id (in a BPE vocabulary the earlier, commoner merges)."""
+    V = counts.numel()
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= V:
+        raise ValueError(f"draft vocabulary size must be an integer in [1, {V}], got {size!r}")
+    key = counts.double() * V + (V - 1 - torch.arange(V, dtype=torch.float64))   # exact below 2**53
+    return torch.argsort(key, descending=True)[:size].sort().values
 
 
 # Heads that ship with pdserve (package data), one directory each: `{"method": "eagle"}` without a
