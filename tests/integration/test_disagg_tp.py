@@ -4,7 +4,7 @@ its rank processes, the KV pushed with one-sided writes on shm.
 
 - The default model (3 KV heads: at TP 2 rank 0 holds heads 0-1, rank 1 head 2) across P TP2 -> D
   TP1 (each prefill rank writes its slice at its offset inside the decode page: 2 runs a page),
-  P TP1 -> D TP2 (each decode rank receives its slice) and P TP2 -> D TP2 (1:1), greedy, with
+  P TP1 -> D TP2 (each decode rank receives its slice), greedy, with
   --kv-checksum: the tokens equal transformers', and every transfer's landed bytes equal what the
   prefill shards hold (the decode node hashes the runs it received in every rank's pool and
   compares with the prefill shards' hashes, in the plan's canonical order: verified, no failure);
@@ -82,7 +82,10 @@ def _check_cluster(cluster, prompts, expected, prefill_tp: int, decode_tp: int) 
     assert_no_page_leak(cluster)
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 2)])
+# Equal sizes (P TP2 -> D TP2, rank r to rank r) run as the tiny TP4 -> TP4 case below and
+# test_disagg_tp_faults' TP2 -> TP2 cluster: the default model runs the two mismatched pairs only
+# (a third default-model cluster cost ~40 s of the suite's 30-minute budget).
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
 def test_default_model_across_tp_pairs_gives_transformers_tokens_and_verified_kv(
         tmp_path_factory, hf_tokens, prefill_tp, decode_tp):
     with running_cluster(tmp_path_factory, f"p{prefill_tp}d{decode_tp}", prefill_tp=prefill_tp,
