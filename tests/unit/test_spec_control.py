@@ -66,3 +66,26 @@ def test_finished_requests_are_forgotten():
     c.verified("a", 2, 2)
     c.forget(set())
     assert c.acceptance("a") == c.global_acceptance
+
+
+def test_drafting_time_counts_against_a_draft_token():
+    # weight-bound batch 1: the pass's tokens nearly free, acceptance ~0.4 -> every token verified
+    free = fitted(0.050, 0.0002)
+    costly = fitted(0.050, 0.0002)
+    for c in (free, costly):
+        for _ in range(5):
+            c.verified("a", 4, 1)
+    costly.observe_drafting(4, 4 * 0.015)   # a head step per draft token: 15 ms each
+    assert free.choose({"a": 4}, 1) == {"a": 4}
+    assert costly.drafting_s_per_token == pytest.approx(0.015)
+    assert costly.choose({"a": 4}, 1).get("a", 0) < 4   # the deep, unlikely tokens no longer pay
+
+
+def test_without_a_fitted_line_a_known_drafting_cost_still_cuts_unlikely_drafts():
+    c = SpeculationControl()
+    for _ in range(5):
+        c.observe(5, 0.035)                # one token count only: no line through it
+        c.verified("a", 3, 0)              # drafts rejected
+    assert c.choose({"a": 3}, 1) == {"a": 3}   # no drafting cost known: every proposal passes
+    c.observe_drafting(3, 3 * 0.006)
+    assert c.choose({"a": 3}, 1) == {}

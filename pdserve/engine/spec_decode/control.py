@@ -16,9 +16,14 @@ keeps two estimates and chooses the drafts that maximise tokens emitted per seco
   (PRIOR_WEIGHT pseudo-counts). A draft's j-th token is then accepted with probability alpha^j
   (a rejection ends the draft).
 
+- drafting time d per draft token (`observe_drafting`: what the proposer spent, exponentially
+  forgotten): ~0 for n-gram lookup, a head or draft-model step for the others. Without a fitted
+  line, a known d is weighed against the mean pass time (tokens of the pass itself taken as free).
+
 Choice: every decoding sequence emits at least one token (E = D, t = a + b * D for D sequences);
 the draft token with the highest expected gain alpha_i^j goes next while it raises E / t, that is
-while gain >= b * E / t, then E += gain and t += b. A sequence that drafted nothing for
+while gain >= (b + d) * E / t, then E += gain and t += b + d. Proposers whose drafting costs
+(eagle, draft models) are asked for only the tokens chosen (Speculator.drafts). A sequence that drafted nothing for
 PROBE_AFTER steps is given one token (a probe), so a sequence whose text turns repetitive, or a
 cost that falls, is noticed. `SpeculativeConfig.adaptive=False` turns the control off (every
 proposal verified in full, as far as the step's budget goes).
@@ -37,6 +42,7 @@ FORGET_ALL = 0.98        # weight of the global acceptance's past per verificati
 PRIOR_WEIGHT = 2.0       # pseudo-verifications of the global acceptance in each sequence's estimate
 PROBE_AFTER = 16         # steps without drafts before a sequence is given one probe token
 MIN_SPREAD = 4.0         # the fit needs passes whose token counts spread at least this much (std)
+FORGET_DRAFT = 0.9       # weight of the drafting-time estimate's past per drafting call
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class SpeculationControl:
         self._w = self._wt = self._wtt = self._wy = self._wty = 0.0
         self._seqs: dict[str, _Acceptance] = {}
         self._all = _Acceptance(accepted=1.0, rejected=1.0)
+        self._draft_s: float | None = None   # drafting seconds per draft token
 
     # --- observations ------------------------------------------------------------------------
 
@@ -71,6 +78,17 @@ class SpeculationControl:
         self._wtt = f * self._wtt + t * t
         self._wy = f * self._wy + y
         self._wty = f * self._wty + t * y
+
+    def observe_drafting(self, num_tokens: int, seconds: float) -> None:
+        """The proposer drafted `num_tokens` tokens (all sequences together) in `seconds`."""
+        if num_tokens <= 0:
+            return
+        per = float(seconds) / num_tokens
+        self._draft_s = per if self._draft_s is None else FORGET_DRAFT * self._draft_s + (1 - FORGET_DRAFT) * per
+
+    @property
+    def drafting_s_per_token(self) -> float:
+        return self._draft_s or 0.0
 
     def verified(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         """A verification of `num_draft` tokens of which the first `num_accepted` were kept."""
@@ -123,6 +141,9 @@ class SpeculationControl:
         """How many tokens of each sequence's proposal (request id -> proposed length) to verify,
         for `num_decoding` sequences that decode this step; ids with 0 are left out."""
         cost = self.cost()
+        draft_s = self.drafting_s_per_token
+        if cost is None and draft_s > 0.0 and self._w >= 2.0:   # tokens of the pass taken as free
+            cost = PassCost(fixed_s=self._wy / self._w, per_token_s=0.0)
         if cost is None:
             chosen = dict(proposals)
         else:
@@ -134,12 +155,13 @@ class SpeculationControl:
             emitted = float(max(1, num_decoding))
             t = cost.fixed_s + cost.per_token_s * emitted
             chosen = dict.fromkeys(proposals, 0)
+            per_token = cost.per_token_s + draft_s
             for gain, rid in gains:
-                if gain < cost.per_token_s * emitted / t:
+                if gain < per_token * emitted / t:
                     break
                 chosen[rid] += 1
                 emitted += gain
-                t += cost.per_token_s
+                t += per_token
         for rid, n in proposals.items():
             s = self._seqs.setdefault(rid, _Acceptance())
             if chosen.get(rid, 0) == 0:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -70,6 +71,8 @@ class Proposer(abc.ABC):
 
     needs_slots: ClassVar[bool]
     uses_hidden: ClassVar[bool] = False   # wants the target's hidden state of each sampled position (`note`)
+    # drafting costs per token (a model step), so the control chooses how many before drafting
+    costly: ClassVar[bool] = False
 
     def note(self, request: Request, hidden: torch.Tensor, position: int) -> None:  # noqa: B027
         """The target's final-norm hidden state at `position` of `request` ([hidden]), the one its
@@ -102,6 +105,7 @@ class EagleDrafts(TokenProposer):
     position (after a soft reset, before its first sample) drafts nothing that step."""
 
     uses_hidden = True
+    costly = True
 
     def __init__(self, head: object) -> None:
         self.head = head
@@ -165,13 +169,27 @@ class Speculator:
             # a drafting model reserves its slots first: placeholders, replaced by `fill`
             out = {r.request_id: (0,) * n for r, n in rooms}
         elif rooms:
-            proposed = self.proposer.propose_batch([r for r, _ in rooms], [n for _, n in rooms])
-            out = {r.request_id: d[:n] for (r, n), d in zip(rooms, proposed, strict=True) if d}
+            if self.control is not None and self.proposer.costly:   # choose first, draft only that
+                self.control.forget({r.request_id for r in decoding})
+                keep = self.control.choose({r.request_id: n for r, n in rooms}, len(decoding))
+                rooms = [(r, keep[r.request_id]) for r, _ in rooms if r.request_id in keep]
+                return self._propose(rooms)
+            out = self._propose(rooms)
         if self.control is not None:
             self.control.forget({r.request_id for r in decoding})
             keep = self.control.choose({rid: len(d) for rid, d in out.items()}, len(decoding))
             out = {rid: out[rid][:n] for rid, n in keep.items()}
         return out
+
+    def _propose(self, rooms: Sequence[tuple[Request, int]]) -> dict[str, tuple[int, ...]]:
+        """A token proposer's drafts for (request, room) pairs, its time given to the control."""
+        if not rooms:
+            return {}
+        began = time.perf_counter()
+        proposed = self.proposer.propose_batch([r for r, _ in rooms], [n for _, n in rooms])
+        if self.control is not None:
+            self.control.observe_drafting(sum(n for _, n in rooms), time.perf_counter() - began)
+        return {r.request_id: d[:n] for (r, n), d in zip(rooms, proposed, strict=True) if d}
 
     @property
     def uses_hidden(self) -> bool:
@@ -196,7 +214,11 @@ class Speculator:
         idx = [i for i, c in enumerate(sched.chunks) if c.draft_token_ids]
         if not idx:
             return sched
+        began = time.perf_counter()
         drafts = self.proposer.draft([sched.chunks[i] for i in idx])
+        if self.control is not None:
+            self.control.observe_drafting(sum(len(sched.chunks[i].draft_token_ids) for i in idx),
+                                          time.perf_counter() - began)
         chunks = list(sched.chunks)
         for i, d in zip(idx, drafts, strict=True):
             c = chunks[i]
