@@ -41,7 +41,7 @@ Primitives (D6-D8, D11-D13):
   after encoding and before it is hashed (S7) and posted, one way (KIND, ContextCodec.damage):
   "flip" a body byte, a wrong "version", or another request's "identity"; logged as a warning
   (TEST ONLY), for the tests that prove the decode side rejects it
-  (tests/integration/test_context_record.py). Unset (always, outside those tests): no effect.
+  (tests/integration/test_context_record_cluster.py). Unset (always, outside those tests): no effect.
 - a dedicated messenger thread waits on the counter (a condition variable: no busy spin that
   would steal the forward pass's core) and, as soon as layer L is done, posts the writes of the
   pages each chunk completed in layer L: one entry per page and side (K, V), all tagged with the

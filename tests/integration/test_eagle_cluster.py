@@ -9,7 +9,7 @@ code, repetition) through the router equal transformers' token for token (and so
 decoding's: test_engine_reference); the decode node's first steps emit more than one token on
 average (pdserve:first_step_tokens_total / pdserve:first_steps_total; exactly 1 without speculation:
 test_cluster_metrics), drafts are verified and accepted, no KV write went stale, every page comes
-back. The same with an untrained random head is test_context_record's cluster (exactness must not
+back. The same with an untrained random head is test_context_record_cluster's (exactness must not
 depend on the head) and, colocated, test_spec_decode.
 """
 
