@@ -19,7 +19,6 @@ bounded (the client's timeout, CLEAN_WITHIN_S).
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from support.cluster import assert_no_page_leak, running_cluster, transfer_leftovers
@@ -54,19 +53,13 @@ def reference(hf_reference) -> dict[str, tuple[int, ...]]:
 def cluster(reference, tmp_path_factory, default_source):
     head = write_random_head(tmp_path_factory.mktemp("eagle") / "random-head", default_source.path)
     spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3, "adaptive": False}
-    previous = os.environ.get(TEST_BAD_CONTEXT_ENV)
     # TEST ONLY: attempt 0 of each damaged prefix gets its record damaged on the prefill node
-    os.environ[TEST_BAD_CONTEXT_ENV] = ",".join(f"{p}:{kind}:1" for p, (kind, _) in DAMAGED.items())
-    try:
+    with pytest.MonkeyPatch.context() as env:   # restored when the cluster stops
+        env.setenv(TEST_BAD_CONTEXT_ENV, ",".join(f"{p}:{kind}:1" for p, (kind, _) in DAMAGED.items()))
         with running_cluster(tmp_path_factory, "context-record", prefill=1, decode=1, port=0, http_port=None,
                              num_blocks=NUM_BLOCKS, threads_per_node=1, engine_args=ENGINE, startup_timeout_s=150,
                              router_health_interval_s=0.5, speculative_config=json.dumps(spec)) as c:
             yield c
-    finally:
-        if previous is None:
-            os.environ.pop(TEST_BAD_CONTEXT_ENV, None)
-        else:
-            os.environ[TEST_BAD_CONTEXT_ENV] = previous
 
 
 def decode_metric(cluster, name: str) -> float:

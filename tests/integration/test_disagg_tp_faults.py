@@ -35,8 +35,6 @@ timeout, CLEAN_WITHIN_S).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from support.cluster import node_info, running_cluster, transfer_leftovers
 from support.prometheus import fetch, parse, total
@@ -59,20 +57,14 @@ CLEAN_WITHIN_S = 20.0
 def cluster(tmp_path_factory):
     path = make_tiny_checkpoint("qwen2", tmp_path_factory.mktemp("tiny") / "m", num_key_value_heads=2,
                                 num_attention_heads=4, head_dim=16)
-    previous = os.environ.get(TEST_BAD_SHARD_KEY_ENV)
-    os.environ[TEST_BAD_SHARD_KEY_ENV] = f"{BAD}:1:1"   # TEST ONLY: attempt 0, decode rank 1, a wrong key
-    try:
+    with pytest.MonkeyPatch.context() as env:   # restored when the cluster stops
+        env.setenv(TEST_BAD_SHARD_KEY_ENV, f"{BAD}:1:1")   # TEST ONLY: attempt 0, decode rank 1, a wrong key
         with running_cluster(tmp_path_factory, "tp-shard-fault", model=str(path), prefill=2, decode=1, port=0,
                              provider="tcp;ofi_rxm", prefill_tp=2, decode_tp=2, num_blocks=48,
                              threads_per_node=1, engine_args=("--max-model-len", "256", "--max-batch-tokens", "16"),
                              startup_timeout_s=150,
                              router_health_interval_s=0.5) as c:
             yield c
-    finally:
-        if previous is None:
-            os.environ.pop(TEST_BAD_SHARD_KEY_ENV, None)
-        else:
-            os.environ[TEST_BAD_SHARD_KEY_ENV] = previous
 
 
 def _metrics(cluster, name: str):

@@ -19,8 +19,6 @@ bounded (the client's timeout, CLEAN_WITHIN_S).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from support.cluster import running_cluster, transfer_leftovers
 from support.prometheus import fetch, parse, total
@@ -44,19 +42,13 @@ CLEAN_WITHIN_S = 20.0
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    previous = os.environ.get(TEST_CORRUPT_ENV)
     # TEST ONLY: attempt 0 of ONCE* requests, attempts 0..8 of ALWAYS* requests get one bit flipped
-    os.environ[TEST_CORRUPT_ENV] = f"{ONCE}:1,{ALWAYS}:9"
-    try:
+    with pytest.MonkeyPatch.context() as env:   # restored when the cluster stops
+        env.setenv(TEST_CORRUPT_ENV, f"{ONCE}:1,{ALWAYS}:9")
         with running_cluster(tmp_path_factory, "kv-checksum", prefill=1, decode=1, port=0, num_blocks=128,
                              threads_per_node=1, engine_args=("--max-batch-tokens", "32"), startup_timeout_s=150,
                              router_health_interval_s=0.5, kv_checksum=True) as c:
             yield c
-    finally:
-        if previous is None:
-            os.environ.pop(TEST_CORRUPT_ENV, None)
-        else:
-            os.environ[TEST_CORRUPT_ENV] = previous
 
 
 @pytest.fixture(scope="module")
