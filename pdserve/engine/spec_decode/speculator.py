@@ -161,35 +161,36 @@ class Speculator:
     def drafts(self, decoding: Sequence[Request]) -> dict[str, tuple[int, ...]]:
         """Proposals for requests whose next pass is a decode step (1 token left to feed), cut to
         what the control expects to pay off (`SpeculativeConfig.adaptive`)."""
-        out: dict[str, tuple[int, ...]] = {}
         k = self.config.num_speculative_tokens
-        rooms = [(r, draft_room(r, k)) for r in decoding]
-        rooms = [(r, n) for r, n in rooms if n > 0]
-        if self.proposer.needs_slots:
-            # a drafting model reserves its slots first: placeholders, replaced by `fill`
-            out = {r.request_id: (0,) * n for r, n in rooms}
-        elif rooms:
-            if self.control is not None and self.proposer.costly:   # choose first, draft only that
-                self.control.forget({r.request_id for r in decoding})
-                keep = self.control.choose({r.request_id: n for r, n in rooms}, len(decoding))
-                rooms = [(r, keep[r.request_id]) for r, _ in rooms if r.request_id in keep]
-                return self._propose(rooms)
-            out = self._propose(rooms)
-        if self.control is not None:
-            self.control.forget({r.request_id for r in decoding})
-            keep = self.control.choose({rid: len(d) for rid, d in out.items()}, len(decoding))
-            out = {rid: out[rid][:n] for rid, n in keep.items()}
-        return out
+        by_id = {r.request_id: r for r in decoding}
+        rooms = {r.request_id: n for r in decoding if (n := draft_room(r, k)) > 0}
+        if self.proposer.needs_slots or self.proposer.costly:
+            # drafting costs a model step per token: the control chooses how many first. A
+            # drafting model reserves its slots (placeholders, replaced by `fill`).
+            rooms = self._choose(rooms, by_id)
+            if self.proposer.needs_slots:
+                return {rid: (0,) * n for rid, n in rooms.items()}
+            return self._propose(rooms, by_id)
+        out = self._propose(rooms, by_id)
+        keep = self._choose({rid: len(d) for rid, d in out.items()}, by_id)
+        return {rid: out[rid][:n] for rid, n in keep.items()}
 
-    def _propose(self, rooms: Sequence[tuple[Request, int]]) -> dict[str, tuple[int, ...]]:
-        """A token proposer's drafts for (request, room) pairs, its time given to the control."""
+    def _choose(self, lengths: dict[str, int], decoding: dict[str, Request]) -> dict[str, int]:
+        """The control's cut of each sequence's draft length (all of it with the control off)."""
+        if self.control is None:
+            return lengths
+        self.control.forget(set(decoding))
+        return self.control.choose(lengths, len(decoding))
+
+    def _propose(self, rooms: dict[str, int], requests: dict[str, Request]) -> dict[str, tuple[int, ...]]:
+        """A token proposer's drafts for each (request id, room), its time given to the control."""
         if not rooms:
             return {}
         began = time.perf_counter()
-        proposed = self.proposer.propose_batch([r for r, _ in rooms], [n for _, n in rooms])
+        proposed = self.proposer.propose_batch([requests[rid] for rid in rooms], list(rooms.values()))
         if self.control is not None:
-            self.control.observe_drafting(sum(n for _, n in rooms), time.perf_counter() - began)
-        return {r.request_id: d[:n] for (r, n), d in zip(rooms, proposed, strict=True) if d}
+            self.control.observe_drafting(sum(rooms.values()), time.perf_counter() - began)
+        return {rid: d[:n] for (rid, n), d in zip(rooms.items(), proposed, strict=True) if d}
 
     @property
     def uses_hidden(self) -> bool:
