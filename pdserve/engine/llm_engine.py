@@ -183,6 +183,10 @@ class LLMEngine:
         self.speculator = make_speculator(config.speculative_config, self.runner, self.tokenizer, self.max_model_len,
                                           dtype, config.small_batch_max_tokens, sched.max_batch_tokens,
                                           str(self.source.path))
+        own = self.speculator.proposer.own_pool() if self.speculator is not None else None
+        if own is not None and self.swap is not None:
+            self.swap.attach(own)   # a draft model's pages are offloaded and restored with the target's
+            self.speculator.proposer.carry_offloads()
         self.sampler = Sampler()
         self._default_generator = torch.Generator().manual_seed(config.seed)
         self._tracked: dict[str, _Tracked] = {}

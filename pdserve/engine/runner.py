@@ -13,13 +13,14 @@ otherwise it gets a `LayerPlans` with one plan per layer. The new K/V of every t
 to the page of its own group's table.
 
 Tensor parallelism (E22): with a `TensorParallelGroup` the runner sends each pass's inputs (a
-StepMessage: token ids, positions, the attention batches) to the worker ranks before running the
-leader's own shard; the layers' row-parallel folds are the collectives. Any failure inside a TP
-pass fails the group for good (the ranks can no longer be in step): TensorParallelError.
-`tensor_parallel_plan` / `start_tensor_parallel` are what the engine calls to set it up. A hybrid
-model (Gemma 3) sends both attention batches in each StepMessage (one per window; a worker gives
-each layer the batch of its window, pdserve/parallel/worker.py `layer_plans`); every rank writes
-its KV heads of both groups' pages into its own pool, whose layout is the same
+StepMessage: token ids, positions, the attention batches, and for a self-draft's pass how many
+layers) to the worker ranks before running the leader's own shard; the layers' row-parallel folds
+are the collectives. Any failure inside a TP pass fails the group for good (the ranks can no longer
+be in step): TensorParallelError. `tensor_parallel_plan` / `start_tensor_parallel` are what the
+engine calls to set it up. A hybrid model (Gemma 3) sends both attention batches in each
+StepMessage (one per window; a worker gives each layer the batch of its window,
+pdserve/parallel/worker.py `layer_plans`); every rank writes its KV heads of both groups' pages
+into its own pool, whose layout is the same
 [layers, 2, pages, rank_kv_heads, P, D] as at TP 1, with the leader's one block table per group.
 """
 
@@ -207,26 +208,7 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput, layer_hook: LayerHook | None = None) -> ModelOutput:
         step = self.build_batches(sched.chunks)
-        tp = self.tp
-        if tp is not None:
-            tp.send_step(StepMessage(step.input_ids, step.positions, step.batches))
-        try:
-            logits, hidden = self.model(
-                step.input_ids,
-                step.positions,
-                self.kv.k,
-                self.kv.v,
-                self.backend,
-                self.plan(step.batches),
-                torch.tensor(step.out_rows, dtype=torch.int64),
-                layer_hook,
-            )
-        except Exception as exc:
-            # Any failure on the leader leaves the workers inside this pass's collectives: the group
-            # is failed for good (a later pass would run them out of step).
-            if tp is None or isinstance(exc, TensorParallelError):
-                raise
-            tp.fail(f"a pass failed on the leader: {type(exc).__name__}: {exc}")
+        logits, hidden = self._forward(step, torch.tensor(step.out_rows, dtype=torch.int64), layer_hook)
         rows: dict[str, int] = {}
         i = 0
         for c in sched.chunks:
@@ -239,20 +221,36 @@ class ModelRunner:
                 i += 1
         return ModelOutput(logits=logits, hidden=hidden, chunk_rows=rows)
 
-
     def forward_chunks(self, chunks: Sequence[ScheduledChunk], logits_of: Sequence[int],
                        num_layers: int | None = None) -> torch.Tensor:
         """A pass over `chunks` outside the engine's schedule (a draft model's, E20): writes their
         K/V and returns the logits of the last token of chunks[i] for i in `logits_of`,
         [len(logits_of), V] float32. `num_layers`: only the model's first layers (a self-draft),
-        then its final norm and lm_head. Leader only: drafting refuses tensor parallelism."""
+        then its final norm and lm_head; under tensor parallelism every rank runs those layers."""
         step = self.build_batches(tuple(chunks))
         ends = list(itertools.accumulate(c.num_tokens for c in chunks))
         rows = torch.tensor([ends[i] - 1 for i in logits_of], dtype=torch.int64)           # [S]
-        only = {} if num_layers is None else {"num_layers": num_layers}
-        logits, _ = self.model(step.input_ids, step.positions, self.kv.k, self.kv.v, self.backend,
-                               self.plan(step.batches), rows, None, **only)
+        logits, _ = self._forward(step, rows, None, num_layers)
         return logits
+
+    def _forward(self, step: StepInputs, rows: torch.Tensor, layer_hook: LayerHook | None,
+                 num_layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass of the model (every rank's, under tensor parallelism): logits and hidden states
+        of `rows` ([S] indices into the step's tokens)."""
+        tp = self.tp
+        if tp is not None:
+            tp.send_step(StepMessage(step.input_ids, step.positions, step.batches, num_layers))
+        only = {} if num_layers is None else {"num_layers": num_layers}
+        try:
+            return self.model(step.input_ids, step.positions, self.kv.k, self.kv.v, self.backend,
+                              self.plan(step.batches), rows, layer_hook, **only)
+        except Exception as exc:
+            # Any failure on the leader leaves the workers inside this pass's collectives: the group
+            # is failed for good (a later pass would run them out of step).
+            if tp is None or isinstance(exc, TensorParallelError):
+                raise
+            tp.fail(f"a pass failed on the leader: {type(exc).__name__}: {exc}")   # raises
+            raise
 
 
 # Families whose model classes take a tensor-parallel shard (pdserve/model/tp.py).

@@ -1,9 +1,10 @@
 """The leader -> worker messages of a tensor-parallel engine, over each worker's control pipe.
 
 One message per forward pass (`StepMessage`: the runner's batch, what every rank's layer loop
-needs) and one to stop. Wire form: an 8-byte little-endian length, then that many bytes of int64
-values: [kind, T, S, number of batches, then per batch (max_pages, num_decode, page_size, window
-or -1)], then the data: input_ids [T], positions [T], query_start [S + 1], context_lens [S], and
+needs, and how many of the layers: all, or a self-draft's first k) and one to stop. Wire form: an
+8-byte little-endian length, then that many bytes of int64 values: [kind, T, S, number of batches,
+number of layers or -1 for all, then per batch (max_pages, num_decode, page_size, window or -1)],
+then the data: input_ids [T], positions [T], query_start [S + 1], context_lens [S], and
 per batch block_tables [S * max_pages], slot_pages [T], slot_offsets [T]. No pickling: a worker
 decodes numbers only. kv_rows (which depend on the rank's KV head count) are rebuilt on the rank.
 
@@ -54,11 +55,16 @@ class StepMessage:
     input_ids: torch.Tensor                # [T] int64
     positions: torch.Tensor                # [T] int64
     batches: tuple[AttentionBatch, ...]    # one per distinct (group, window) of the model's layers
+    num_layers: int | None = None          # run only the first num_layers layers (a self-draft's pass)
+
+    def __post_init__(self) -> None:
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(f"a step message runs at least one layer, not num_layers={self.num_layers}")
 
     def encode(self) -> bytes:
         b0 = self.batches[0]
         T, S = int(self.input_ids.shape[0]), int(b0.context_lens.shape[0])
-        head = [KIND_STEP, T, S, len(self.batches)]
+        head = [KIND_STEP, T, S, len(self.batches), -1 if self.num_layers is None else self.num_layers]
         for b in self.batches:
             head += [int(b.block_tables.shape[1]), b.num_decode, b.page_size, -1 if b.window is None else b.window]
         parts = [torch.tensor(head, dtype=torch.int64), self.input_ids, self.positions,
@@ -71,11 +77,11 @@ class StepMessage:
     def decode(payload: bytes, kv_heads: int) -> StepMessage:
         """The message of `payload` (KIND_STEP), with kv_rows for a pool of `kv_heads` heads per page."""
         flat = torch.frombuffer(bytearray(payload), dtype=torch.int64)   # [n]
-        kind, T, S, nb = (int(v) for v in flat[:4])
+        kind, T, S, nb, layers = (int(v) for v in flat[:5])
         if kind != KIND_STEP:
             raise ValueError(f"not a step message (kind {kind})")
-        metas = [tuple(int(v) for v in flat[4 + 4 * i : 8 + 4 * i]) for i in range(nb)]
-        at = 4 + 4 * nb
+        metas = [tuple(int(v) for v in flat[5 + 4 * i : 9 + 4 * i]) for i in range(nb)]
+        at = 5 + 4 * nb
 
         def take(n: int) -> torch.Tensor:
             nonlocal at
@@ -99,7 +105,7 @@ class StepMessage:
                                           page_size=page_size, window=None if window < 0 else window))
         if at != flat.shape[0]:
             raise ValueError(f"step message has {flat.shape[0]} values, decoded {at}")
-        return StepMessage(input_ids, positions, tuple(batches))
+        return StepMessage(input_ids, positions, tuple(batches), None if layers < 0 else layers)
 
 
 def stop_payload() -> bytes:

@@ -185,8 +185,9 @@ def run(spec: WorkerSpec) -> int:
             if payload_kind(payload) == KIND_STOP:
                 return 0
             msg = StepMessage.decode(payload, kv_heads)
+            only = {} if msg.num_layers is None else {"num_layers": msg.num_layers}   # a self-draft's pass
             model.forward_layers(msg.input_ids, msg.positions, k_pools, v_pools, backend,
-                                 layer_plans(arch, backend, msg.batches))
+                                 layer_plans(arch, backend, msg.batches), **only)
     finally:
         comm.close()
 

@@ -185,15 +185,24 @@ def test_preemption_with_speculation_matches_plain_decoding(llm, tight_pool_work
     check_idle(small)
 
 
-def test_ngram_under_tensor_parallelism_matches_transformers(reference):
-    """Verification chunks are ordinary passes to the ranks: TP 2 speculates exactly too."""
+def test_every_proposer_under_tensor_parallelism_matches_transformers(reference, tiny_draft):
+    """Verification chunks are ordinary passes to the ranks, and so are a self-draft's passes
+    (every rank runs its shard of the first k layers, StepMessage.num_layers); a separate draft
+    model runs on the leader alone, unsharded. One TP 2 engine speculates exactly with each."""
     picked = (0, 6, 7)
+    configs = ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+               {"method": "draft_model", "self_draft_layers": 8, "num_speculative_tokens": 3},
+               {"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 2})
     with LLM(num_blocks=64, page_size=16, max_batch_tokens=64, num_threads=1, tensor_parallel_size=2,
-             speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}) as tp:
-        outs = tp.generate([REFERENCE_PROMPTS[i] for i in picked], greedy())
-        assert [list(o.token_ids) for o in outs] == [reference[i] for i in picked]
-        assert tp.engine.speculator.num_accepted_tokens > 0
-        check_idle(tp)
+             speculative_config=configs[0]) as tp:
+        for config in configs:
+            spec = tp.engine.speculator if config is configs[0] else speculate(tp, **config)
+            outs = tp.generate([REFERENCE_PROMPTS[i] for i in picked], greedy())
+            assert [list(o.token_ids) for o in outs] == [reference[i] for i in picked], config
+            assert spec.num_draft_tokens > 0, config
+            if config["method"] == "ngram":
+                assert spec.num_accepted_tokens > 0
+            check_idle(tp)
 
 
 def test_bad_configs_fail_at_start_naming_the_value(llm):
@@ -222,8 +231,9 @@ def tiny_draft(tmp_path_factory):
 
 def test_random_draft_model_through_preemption_matches_plain_decoding(tight_pool_workload, tiny_draft):
     """Exactness does not depend on the draft's quality: a random tiny draft (same tokenizer) in a
-    pool too small for the batch, whose requests are soft-reset or offloaded and come back (the
-    draft's pages move with the target's; its progress restarts) gives plain decoding's tokens."""
+    pool too small for the batch, whose requests are soft-reset and come back (the draft's pages
+    move with the target's; its progress restarts; an offload moves the draft's pages with the
+    target's, tests/unit/test_offload.py) gives plain decoding's tokens."""
     prompts, expected = tight_pool_workload
     small = LLM(num_blocks=20, page_size=16, max_batch_tokens=64, max_requests_per_batch=8, num_threads=2,
                 speculative_config={"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 2})

@@ -42,18 +42,24 @@ def test_choose_victims_takes_the_fewest_that_cover_the_demand_newest_first():
     assert choose_victims([c, b, a], demand=3, max_victims=0) == []
 
 
-def _filled_cache(num_blocks: int) -> PagedKVCache:
-    kv = PagedKVCache(KVCacheShape(num_layers=2, num_pages=num_blocks, kv_heads=2, page_size=4, head_dim=8),
-                      torch.float32)
-    g = torch.Generator().manual_seed(0)
+def _filled_cache(num_blocks: int, num_layers: int = 2, kv_heads: int = 2, seed: int = 0) -> PagedKVCache:
+    kv = PagedKVCache(KVCacheShape(num_layers=num_layers, num_pages=num_blocks, kv_heads=kv_heads, page_size=4,
+                                   head_dim=8), torch.float32)
+    g = torch.Generator().manual_seed(seed)
     kv.buffer.copy_(torch.randn(kv.buffer.shape, generator=g))
     return kv
 
 
 def test_swap_pool_moves_kv_out_in_one_call_and_back_into_new_blocks_unchanged():
+    """The cache's pages and an attached pool's (a draft model's: other layers and heads, the
+    same block ids) go out together and come back together into the new blocks."""
     kv = _filled_cache(24)
+    draft = _filled_cache(24, num_layers=1, kv_heads=1, seed=1)
     mgr = KVCacheManager(BlockPool(24, 1), 4, (FULL, AttentionGroup("sliding", 5)))
     swap = SwapSpace(kv, mgr, num_slots=8)
+    swap.attach(draft)
+    with pytest.raises(ValueError, match="must have the cache's 24 pages of 4 tokens, not 12 of 4"):
+        swap.attach(_filled_cache(12))
     a, b = _req("a", 14), _req("b", 18)
     assert mgr.allocate_slots(a, 14) is not None and mgr.allocate_slots(b, 18) is not None
     a.num_computed_tokens = 14
@@ -62,10 +68,12 @@ def test_swap_pool_moves_kv_out_in_one_call_and_back_into_new_blocks_unchanged()
     assert layout.tables[1][:2] == (PADDING_BLOCK, PADDING_BLOCK)
     # buffer: [layers, 2, pages, kv_heads, page_size, head_dim]
     before = kv.buffer[:, :, layout.real_blocks].clone()
+    before_draft = draft.buffer[:, :, layout.real_blocks].clone()
     # a holds 4 + 2 real blocks and fits in 8 slots; b (5 + 5) does not fit in what is left.
     assert swap.offload([a, b]) == [b]
     assert not mgr.has("a") and mgr.has("b") and swap.num_free_slots == 2
     kv.buffer[:, :, layout.real_blocks] = 0.0          # the pool reuses a's blocks meanwhile
+    draft.buffer[:, :, layout.real_blocks] = 0.0
     mgr.free(b)
     blocker = _req("x", 4 * 8)
     mgr.allocate_slots(blocker, 4 * 8)                  # take the low ids so a comes back elsewhere
@@ -74,6 +82,7 @@ def test_swap_pool_moves_kv_out_in_one_call_and_back_into_new_blocks_unchanged()
     assert back.tables[1][:2] == (PADDING_BLOCK, PADDING_BLOCK)          # same layout ...
     assert set(back.real_blocks).isdisjoint(mgr.block_table("x"))       # ... in new blocks
     assert torch.equal(kv.buffer[:, :, back.real_blocks], before)       # with the same KV
+    assert torch.equal(draft.buffer[:, :, back.real_blocks], before_draft)   # and the draft's
     assert swap.num_free_slots == 8 and swap.num_offloaded == 0
     swap.check_integrity()
     mgr.check_integrity()
@@ -217,4 +226,33 @@ def test_when_nothing_can_run_the_step_offloads_and_schedules_again(tiny):
         [a.prompt_token_ids, b.prompt_token_ids], params)
     assert [done["a"], done["b"]] == [e.token_ids for e in expected]
     assert eng.metrics().num_soft_resets == 0
+    eng.check_integrity()
+
+
+def test_a_draft_models_kv_is_offloaded_and_restored_with_the_targets(tiny):
+    """A separate draft model's pool moves with the target's pages (SwapSpace.attach): a decoding
+    request that has drafted is offloaded, comes back into new blocks, and drafts on from the
+    draft KV that came back with it (no restart) to plain decoding's tokens."""
+    spec = {"method": "draft_model", "model": tiny, "num_speculative_tokens": 2, "adaptive": False}
+    llm = LLM(model=tiny, page_size=8, max_batch_tokens=64, max_model_len=32, num_threads=1,
+              num_blocks=5, cpu_offload_space=0.5, speculative_config=spec)   # 4 usable blocks, 2 swap slots
+    eng = llm.engine
+    draft = eng.speculator.proposer
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = _workload()[0]
+    a = eng.add_request((prompts[0] * 3)[:12], params, request_id="a")
+    b = eng.add_request((prompts[1] * 3)[:12], params, request_id="b")
+    done, drafted_before_offload = {}, 0
+    while eng.has_unfinished_requests():
+        progress = draft._progress.get("b")
+        before = progress.computed if progress is not None else 0
+        done.update({o.request_id: o.completion.token_ids for o in eng.step() if o.finished})
+        if "b" in eng.scheduler.offloaded and not drafted_before_offload:
+            drafted_before_offload = before
+    assert eng.metrics().num_offloads >= 1 and eng.metrics().num_soft_resets == 0
+    assert drafted_before_offload > 0          # b's draft had run when its pages went to the swap pool
+    assert draft.num_restarts == 0             # ... and was not recomputed after the restore
+    expected = LLM(model=tiny, page_size=8, num_blocks=64, num_threads=1).generate(
+        [a.prompt_token_ids, b.prompt_token_ids], params)
+    assert [done["a"], done["b"]] == [e.token_ids for e in expected]
     eng.check_integrity()

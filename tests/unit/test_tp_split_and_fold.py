@@ -151,6 +151,11 @@ def test_step_message_round_trip_rebuilds_kv_rows_for_the_rank():
     assert (b.num_decode, b.q_lens, b.ctx_lens, b.page_size, b.window) == (1, (1, 2), (1, 11), P, 7)
     expected = ((pages[:, None] * H + torch.arange(H)[None, :]) * P + offs[:, None]).reshape(-1)
     assert torch.equal(b.kv_rows, expected)
+    assert back.num_layers is None                          # every layer
+    draft = StepMessage(msg.input_ids, msg.positions, (batch,), num_layers=8)   # a self-draft's pass
+    assert StepMessage.decode(draft.encode(), kv_heads=H).num_layers == 8
+    with pytest.raises(ValueError, match="at least one layer, not num_layers=0"):
+        StepMessage(msg.input_ids, msg.positions, (batch,), num_layers=0)
 
 
 def test_tensor_parallel_flags_are_generated_with_the_tp_alias():

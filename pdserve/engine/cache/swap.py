@@ -10,6 +10,12 @@ axis, one scatter into the slots) and frees their blocks; `restore` gives one re
 laid out like its old tables and copies its KV back, so nothing is recomputed. Requests that do
 not fit in the free slots are returned to the caller, which soft-resets them (E14).
 
+A pool indexed by the same block ids (a draft model's, E20: pdserve/engine/spec_decode) can be
+`attach`ed: it gets a host buffer with the same slots, and every offload and restore moves its
+pages with the cache's, so the draft's KV of a restored request is not recomputed either. The
+swap budget (CacheConfig.cpu_offload_space) sizes the cache's buffer; an attached pool's buffer
+is on top of it (logged: a draft's pool is a fraction of the target's).
+
 Threading: owned by the engine thread.
 """
 
@@ -55,6 +61,24 @@ class SwapSpace:
         )
         self._free: deque[int] = deque(range(num_slots))
         self._held: dict[str, OffloadedKV] = {}
+        # (device pool, host buffer) of each attached pool; the cache's own first
+        self._pools: list[tuple[torch.Tensor, torch.Tensor]] = [(kv_cache.buffer, self.buffer)]
+
+    def attach(self, kv_cache: PagedKVCache) -> None:
+        """Move `kv_cache`'s pages (indexed by this cache's block ids) with every offload and restore."""
+        s, mine = kv_cache.shape, self.kv.shape
+        if (s.num_pages, s.page_size) != (mine.num_pages, mine.page_size):
+            raise ValueError(f"an attached pool must have the cache's {mine.num_pages} pages of {mine.page_size} "
+                             f"tokens, not {s.num_pages} of {s.page_size}")
+        if self._held:
+            raise ValueError(f"attach a pool before any offload ({len(self._held)} requests are offloaded)")
+        device = kv_cache.buffer.device
+        # host: [layers, 2, slots, kv_heads, page_size, head_dim] of the attached pool
+        host = torch.empty((s.num_layers, 2, self.num_slots, s.kv_heads, s.page_size, s.head_dim),
+                           dtype=kv_cache.dtype, pin_memory=device.type == "cuda")
+        self._pools.append((kv_cache.buffer, host))
+        logger.info("swap pool: an attached pool of %d layers moves with the cache (%.2f GiB more host memory)",
+                    s.num_layers, host.numel() * host.element_size() / 2**30)
 
     @property
     def num_free_slots(self) -> int:
@@ -91,12 +115,12 @@ class SwapSpace:
         if not moved:
             return unfit
         slots = [self._free.popleft() for _ in range(len(src))]
-        buf = self.kv.buffer  # [layers, 2, pages, kv_heads, page_size, head_dim]
-        # One gather of every moved block on the cache's device, one copy to the host (blocking:
-        # the blocks are handed out again right after), one scatter into the slots.
-        # pages: [layers, 2, len(src), kv_heads, page_size, head_dim]
-        pages = buf.index_select(2, torch.tensor(src, dtype=torch.int64, device=buf.device))
-        self.buffer.index_copy_(2, torch.tensor(slots, dtype=torch.int64), pages.to("cpu"))
+        for buf, host in self._pools:   # buf: [layers, 2, pages, kv_heads, page_size, head_dim]
+            # One gather of every moved block on the pool's device, one copy to the host (blocking:
+            # the blocks are handed out again right after), one scatter into the slots.
+            # pages: [layers, 2, len(src), kv_heads, page_size, head_dim]
+            pages = buf.index_select(2, torch.tensor(src, dtype=torch.int64, device=buf.device))
+            host.index_copy_(2, torch.tensor(slots, dtype=torch.int64), pages.to("cpu"))
         i = 0
         for r, layout in moved:
             n = len(layout.real_blocks)
@@ -117,11 +141,11 @@ class SwapSpace:
         pairs = self.cache.install_tables(request, held.layout)
         if pairs is None:
             return False
-        buf = self.kv.buffer
-        dst = torch.tensor([new for _, new in pairs], dtype=torch.int64, device=buf.device)
-        # data: [layers, 2, len(slots), kv_heads, page_size, head_dim]
-        data = self.buffer.index_select(2, torch.tensor(held.slots, dtype=torch.int64))
-        buf.index_copy_(2, dst, data.to(buf.device))
+        for buf, host in self._pools:
+            dst = torch.tensor([new for _, new in pairs], dtype=torch.int64, device=buf.device)
+            # data: [layers, 2, len(slots), kv_heads, page_size, head_dim]
+            data = host.index_select(2, torch.tensor(held.slots, dtype=torch.int64))
+            buf.index_copy_(2, dst, data.to(buf.device))
         self._free.extend(held.slots)
         del self._held[request.request_id]
         return True

@@ -34,6 +34,7 @@ from typing import ClassVar
 
 import torch
 
+from pdserve.engine.cache.kv_cache import PagedKVCache
 from pdserve.engine.request import Request
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling.sampler import GREEDY_EPS, filtered_probs, token_seed
@@ -77,6 +78,15 @@ class Proposer(abc.ABC):
     def note(self, request: Request, hidden: torch.Tensor, position: int) -> None:  # noqa: B027
         """The target's final-norm hidden state at `position` of `request` ([hidden]), the one its
         latest token was sampled from; kept by proposers that draft from it, ignored by others."""
+
+    def own_pool(self) -> PagedKVCache | None:
+        """A KV pool of the proposer's own indexed by the target's block ids (a draft model's), for
+        the engine's swap pool to move with the target's (`carry_offloads`); None: it has none."""
+        return None
+
+    def carry_offloads(self) -> None:  # noqa: B027
+        """The swap pool now moves `own_pool()` with the target's pages: an offload and restore
+        keeps the proposer's KV valid."""
 
 
 class TokenProposer(Proposer):
@@ -348,7 +358,8 @@ class SelfDraft(SlotProposer):
     the last), which lie in the lookahead slots the scheduler granted; the verification pass then
     writes every layer there, and rejected slots are truncated or overwritten, never read as
     computed. Drafts are the draft's argmax (q one-hot), so verification by equality is exact
-    for greedy and sampled requests alike (module docstring)."""
+    for greedy and sampled requests alike (module docstring). Under tensor parallelism every rank
+    runs its shard of those k layers (the runner's StepMessage carries num_layers)."""
 
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner) -> None:
         layers = runner.model.arch.num_layers
@@ -356,9 +367,6 @@ class SelfDraft(SlotProposer):
         assert k is not None
         if not 1 <= k <= layers:
             raise ValueError(f"speculative config: self_draft_layers={k} but the model has {layers} layers")
-        if runner.tp is not None:
-            raise ValueError("speculative config: a self-draft does not run under tensor parallelism yet "
-                             f"(tensor_parallel_size {runner.tp.plan.tp_size}); use method 'ngram'")
         if not hasattr(runner.model, "_run_layers") or len(runner.batch_keys) != 1:
             raise ValueError(f"speculative config: a self-draft runs Llama-family models with one attention "
                              f"group, not {runner.model.arch.family!r} with {len(runner.batch_keys)}")
@@ -382,7 +390,7 @@ class _DraftProgress:
 
     request: Request
     computed: int              # positions [0, computed) hold the draft's K/V of the request's tokens
-    epoch: tuple[int, int]     # (num_preemptions, num_offloads) when it was valid: a change moved the pages
+    epoch: tuple[int, int]     # (num_preemptions, num_offloads or 0) when it was valid: a change moved the pages
 
 
 class DraftModel(SlotProposer):
@@ -396,11 +404,14 @@ class DraftModel(SlotProposer):
     (`_DraftProgress.computed`): before drafting, a request catches up on the tokens its draft has
     not run (the whole prompt the first time, e.g. after a remote prefill on a decode node; the
     accepted tokens after each step), at most `catch_up_tokens` per step over all requests (a
-    request still behind drafts nothing that step). Pages that moved (a soft reset, an offload
-    and restore) restart the count at 0; a prefix-cache hit reads blocks whose draft K/V another
-    request wrote from the same tokens, and is recomputed anyway (the count starts at 0), so a
-    stale page is never trusted. Drafts are the draft's argmax (q one-hot: exact verification by
-    equality, module docstring)."""
+    request still behind drafts nothing that step). A soft reset restarts the count at 0, and so
+    does an offload and restore unless the engine's swap pool carries the draft's pool with the
+    target's (`carry_offloads`: the engine attaches it whenever it has a swap pool, so the draft's
+    pages come back into the request's new blocks and nothing is recomputed); a prefix-cache hit
+    reads blocks whose draft K/V another request wrote from the same tokens, and is recomputed
+    anyway (the count starts at 0), so a stale page is never trusted. Drafts are the draft's argmax
+    (q one-hot: exact verification by equality, module docstring). Under tensor parallelism the
+    draft runs on the leader alone, unsharded (its pool is the leader's)."""
 
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner, draft_runner: ModelRunner,
                  catch_up_tokens: int) -> None:
@@ -410,6 +421,15 @@ class DraftModel(SlotProposer):
         self.catch_up_tokens = catch_up_tokens
         self.picker = DraftPicker()
         self._progress: dict[str, _DraftProgress] = {}
+        self._offloads_carried = False
+        self.num_catch_up_tokens = 0   # tokens the draft ran to catch up (prompts, accepted tokens, recomputes)
+        self.num_restarts = 0          # requests whose draft KV was given up (their pages moved) and recomputed
+
+    def own_pool(self) -> PagedKVCache:
+        return self.runner.kv
+
+    def carry_offloads(self) -> None:
+        self._offloads_carried = True
 
     def draft(self, chunks: Sequence[ScheduledChunk]) -> list[Drafted]:
         self._progress = {rid: p for rid, p in self._progress.items() if not p.request.finished}
@@ -419,9 +439,11 @@ class DraftModel(SlotProposer):
         which: list[int] = []                # the catch-up chunk of each ready one
         for i, c in enumerate(chunks):
             r = c.request
-            epoch = (r.num_preemptions, r.num_offloads)
+            epoch = (r.num_preemptions, 0 if self._offloads_carried else r.num_offloads)
             p = self._progress.get(r.request_id)
             if p is None or p.epoch != epoch or p.request is not r:
+                if p is not None and p.computed > 0:
+                    self.num_restarts += 1
                 p = self._progress[r.request_id] = _DraftProgress(r, 0, epoch)
             p.computed = min(p.computed, r.num_computed_tokens)
             end = c.start + c.num_known                   # through the last known token
@@ -431,6 +453,7 @@ class DraftModel(SlotProposer):
             catch.append(ScheduledChunk(request=r, start=p.computed, num_tokens=n, samples=False))
             budget -= n
             p.computed += n
+            self.num_catch_up_tokens += n
             if p.computed == end:
                 ready.append(i)
                 which.append(len(catch) - 1)
@@ -454,7 +477,7 @@ def _load_draft(config: SpeculativeConfig, runner: ModelRunner, tokenizer, max_m
                 dtype: torch.dtype, small_batch_max_tokens: int) -> ModelRunner:
     """The draft checkpoint with its KV pool (the target's page count and page size), or
     ValueError naming what differs from the target."""
-    from pdserve.engine.cache.kv_cache import KVCacheShape, PagedKVCache
+    from pdserve.engine.cache.kv_cache import KVCacheShape
     from pdserve.model.arch import ModelArch
     from pdserve.model.loader import iter_weights, load_config, load_tokenizer, resolve_model
     from pdserve.model.registry import build_model
@@ -513,9 +536,6 @@ def make_speculator(config: SpeculativeConfig | None, runner: ModelRunner, token
         return Speculator(config, EagleDrafts(head))
     if config.self_draft_layers is not None:
         return Speculator(config, SelfDraft(config, runner))
-    if runner.tp is not None:
-        raise ValueError("speculative config: a draft model does not run under tensor parallelism yet "
-                         f"(tensor_parallel_size {runner.tp.plan.tp_size}); use method 'ngram'")
     if tokenizer is None:
         raise ValueError("speculative config: a draft model needs the target's tokenizer to compare with")
     draft_runner = _load_draft(config, runner, tokenizer, max_model_len, dtype, small_batch_max_tokens)
