@@ -617,13 +617,16 @@ class Cluster:
     # --- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> Cluster:
-        """Start every child in order, each waited for; raises ClusterStartError (all stopped) on failure."""
+        """Start every node at once (their imports and model loads overlap), wait until each serves,
+        then the router; raises ClusterStartError (all stopped) on failure. A decode node serves only
+        once a prefill node answers it (DecodeService.readiness), so the nodes need no start order;
+        the router starts last so its first health poll finds every decode node serving."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + self.config.startup_timeout_s
         try:
             self._make_security()
-            for phase in ("prefill", "decode", "colocated", "router"):
-                names = [s.name for s in self.specs if s.role == phase]
+            for phase in (("prefill", "decode", "colocated"), ("router",)):
+                names = [s.name for s in self.specs if s.role in phase]
                 for name in names:
                     self._spawn(name)
                 self._wait_serving(names, deadline)

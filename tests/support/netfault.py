@@ -523,10 +523,15 @@ async def _strike(cluster: NetCluster, name: str, fault: Callable[[], contextlib
     url = cluster.url
     seen: object = None
     expected = ref[VICTIMS[0]]
+    tag = _tag(name)
+    # Each strike's own prompts: the same text as an earlier strike's would hit the prefill node's
+    # prefix cache, its prefill would be a burst of writes over before the fault, and the fault
+    # would touch no packet.
+    prompts = [f"{tag}: {p}" for p in prompts]
     with contextlib.ExitStack() as stack:
         if hold_s is None:     # the fault in place before the batch starts, lifted when it ends
             hits = stack.enter_context(fault())
-        task = asyncio.create_task(batch(url, prompts, _tag(name)))
+        task = asyncio.create_task(batch(url, prompts, tag))
         t0 = time.monotonic()
         if hold_s is not None:  # struck once the prefill node has a request in flight
             busy_address = cluster.processes[busy_node].address
