@@ -90,6 +90,7 @@ CLOSE_WAIT_S = 5.0         # close: how long the engine thread may take to stop
 REMEMBERED_ABORTS = 65536  # keys aborted before (or after) their Prefill, refused with ABORTED
 REMEMBERED_FINISHED = 65536   # keys that ended here (tombstones for AbortPrefill)
 REMEMBERED_PEERS = 4096    # decode-node fabric peers we have connected to
+REMEMBERED_EPOCHS = 4096   # decode-node fabric peers whose connection generation we keep
 
 # What this process knows of a transfer (the wire's TransferState, by name).
 UNKNOWN, ACTIVE, FINISHED, REFUSED, CONNECTION_FAILED, WRONG_ENGINE = (
@@ -100,6 +101,43 @@ def _retrieve(task: asyncio.Future) -> None:
     """Done callback: mark a background task's exception as seen (it is reported elsewhere)."""
     if not task.cancelled() and task.exception() is not None:
         logger.debug("background call failed: %s", task.exception())
+
+
+class ConnectionEpochs:
+    """The connection generation of each decode-node fabric peer, bounded (REMEMBERED_EPOCHS).
+
+    A transfer records its peer's generation when it starts (its tombstone keeps it); a failed
+    transfer disconnects the peer and `bump`s it, so a fence on a later connection proves nothing
+    of a transfer of an older generation. Generations come from one counter for every peer, and a
+    peer forgotten to keep the map bounded raises the `floor` that every peer not in the map
+    reads: a forgotten peer's generation never goes back to one a tombstone recorded before its
+    failure (that would confirm an unprovable fence), while a tombstone of another peer may read a
+    newer generation than it recorded and answer CONNECTION_FAILED (unconfirmed, never unsound).
+    """
+
+    def __init__(self, capacity: int = REMEMBERED_EPOCHS) -> None:
+        if capacity < 1:
+            raise ValueError(f"ConnectionEpochs needs capacity >= 1, got {capacity}")
+        self.capacity = capacity
+        self._by_peer: OrderedDict[str, int] = OrderedDict()
+        self._last = 0     # the newest generation handed out, any peer
+        self.floor = 0     # at least every forgotten peer's generation
+
+    def __len__(self) -> int:
+        return len(self._by_peer)
+
+    def get(self, engine_id: str) -> int:
+        return self._by_peer.get(engine_id, self.floor)
+
+    def bump(self, engine_id: str) -> int:
+        """A new generation for this peer (its connection was closed); returns it."""
+        self._last += 1
+        self._by_peer[engine_id] = self._last
+        self._by_peer.move_to_end(engine_id)
+        while len(self._by_peer) > self.capacity:
+            _, forgotten = self._by_peer.popitem(last=False)
+            self.floor = max(self.floor, forgotten)
+        return self._last
 
 
 class AbortedError(StatusError):
@@ -211,9 +249,9 @@ class PrefillNode:
         self._aborted: OrderedDict[TransferKey, None] = OrderedDict()
         self._finished: OrderedDict[TransferKey, _Tomb] = OrderedDict()
         self._peers: OrderedDict[str, PeerDescriptor] = OrderedDict()   # engine_id -> connected peer
-        # engine_id -> connection generation: +1 each time a transfer to it failed at the fabric
-        # (the peer is disconnected then): a fence on a later connection proves nothing of the old.
-        self._epochs: dict[str, int] = {}
+        # engine_id -> connection generation: a new one each time a transfer to it failed at the
+        # fabric (the peer is disconnected then): a fence on a later connection proves nothing of the old.
+        self._epochs = ConnectionEpochs()
         self._closing = False
         self._background: set[asyncio.Future] = set()
         # The transport first: the engine hands its KV pool to the sender (a PrefillConnector)
@@ -321,7 +359,7 @@ class PrefillNode:
         future = self.sender.add(spec.target, rid)     # before the engine sees the request
         # Once nothing of the transfer is in flight, free the request's held blocks (D11).
         future.add_done_callback(lambda _f, rid=rid: self._on_release(rid))
-        job = _Job(rid, key, self._epochs.get(key.decode_engine_id, 0), spec.peer, future, received,
+        job = _Job(rid, key, self._epochs.get(key.decode_engine_id), spec.peer, future, received,
                    self._bridge(future))
         self._active[rid] = job
         job.engine_task = asyncio.create_task(self._run_engine(job, spec.token_ids), name=f"prefill-{rid}")
@@ -480,15 +518,15 @@ class PrefillNode:
         disconnected even when `_peers` forgot it meanwhile (REMEMBERED_PEERS): forgetting a peer
         does not close its connection."""
         engine_id = peer.engine_id
-        self._epochs[engine_id] = self._epochs.get(engine_id, 0) + 1
+        epoch = self._epochs.bump(engine_id)
         self._peers.pop(engine_id, None)
         try:
             self.transport.disconnect(peer)
         except FabricError as e:
             logger.warning("decode peer %s: disconnect after a failed transfer: %s", engine_id[:8], e)
             return
-        logger.info("decode peer %s disconnected after a failed transfer (connection %d)", engine_id[:8],
-                    self._epochs[engine_id])
+        logger.info("decode peer %s disconnected after a failed transfer (connection generation %d)",
+                    engine_id[:8], epoch)
 
     def _tombstone(self, key: TransferKey, tomb: _Tomb) -> None:
         self._finished[key] = tomb
@@ -532,7 +570,7 @@ class PrefillNode:
             self._remember_abort(key)
             logger.info("abort of %s attempt %d: never seen here; remembered as refused", key.request_id, key.attempt)
             return AbortOutcome(False, UNKNOWN)
-        if tomb.state != FINISHED or tomb.epoch != self._epochs.get(key.decode_engine_id, 0):
+        if tomb.state != FINISHED or tomb.epoch != self._epochs.get(key.decode_engine_id):
             return AbortOutcome(False, CONNECTION_FAILED)
         if not spec.fence_tag or spec.fence_region is None:
             return AbortOutcome(True, FINISHED)
