@@ -7,6 +7,7 @@ in bench/results/faults.md.
     sudo .venv/bin/python bench/faults.py            # every row (~6 min on 2 cores)
     sudo .venv/bin/python bench/faults.py --rows loss-1%,loss-20%
     sudo .venv/bin/python bench/faults.py --rows partition-long,loss-20% --update   # rerun rows in place
+    sudo .venv/bin/python bench/faults.py --rotate-key-after 2   # the decode node releases unfenced holds
 
 With --update the rows run replace the same rows of the existing results file, the others stay, and
 a line under the header says which rows were rerun, when, on which machine and commit.
@@ -128,11 +129,18 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
-def run(rows: list[Row], log_dir: str) -> list[tuple[Row, nf.FaultOutcome | None, str]]:
+def decode_args(rotate_key_after_s: float | None) -> tuple[str, ...]:
+    """The decode node's flags: local prefill fallback, and key rotation when asked."""
+    rotate = () if rotate_key_after_s is None else ("--rotate-key-after", f"{rotate_key_after_s:g}")
+    return ("--local-prefill-fallback", *rotate)
+
+
+def run(rows: list[Row], log_dir: str, rotate_key_after_s: float | None = None
+        ) -> list[tuple[Row, nf.FaultOutcome | None, str]]:
     out: list[tuple[Row, nf.FaultOutcome | None, str]] = []
     with nf.fault_net() as net, nf.NetCluster(
             net, prefill=1, decode=1, port=0, num_blocks=160, threads_per_node=1,
-            engine_args=("--max-batch-tokens", "32"), decode_args=("--local-prefill-fallback",),
+            engine_args=("--max-batch-tokens", "32"), decode_args=decode_args(rotate_key_after_s),
             log_dir=log_dir, startup_timeout_s=150, router_health_interval_s=0.5) as cluster:
         ref = nf.reference(cluster.url)
         stale_before = nf.stale_writes(cluster) or 0.0
@@ -204,12 +212,17 @@ def updated(lines: list[str], results: list[tuple[Row, nf.FaultOutcome | None, s
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="", help="comma-separated row names (default: all): "
-                   + ", ".join(r.name for r in ROWS))
+                   + ", ".join(r.name for r in ROWS).replace("%", "%%"))   # argparse formats help with %
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "faults.md"))
     p.add_argument("--log-dir", default=None, help="the nodes' logs (default: a new temporary folder, kept)")
     p.add_argument("--update", action="store_true",
                    help="replace only the rows run in the existing --out file (the others stay) and note the rerun")
+    p.add_argument("--rotate-key-after", type=float, default=None, metavar="S",
+                   help="the decode node's --rotate-key-after (default: off): a hold this old whose abort ended "
+                        "unfenced, or whose prefill node went silent, is released by a key rotation")
     args = p.parse_args()
+    if args.rotate_key_after is not None and not args.rotate_key_after > 0:
+        p.error(f"--rotate-key-after must be > 0, got {args.rotate_key_after}")
     reason = nf.unavailable()
     if reason:
         print(f"bench/faults.py cannot run here: {reason}", file=sys.stderr)
@@ -223,19 +236,22 @@ def main() -> int:
     t0 = time.monotonic()
     logs = args.log_dir or tempfile.mkdtemp(prefix="pdserve-faults-")
     print(f"node logs in {logs}", flush=True)
-    results = run(rows, logs)
+    results = run(rows, logs, args.rotate_key_after)
+    flags = (f" --rows {args.rows}" if args.rows else "") + (
+        f" --rotate-key-after {args.rotate_key_after:g}" if args.rotate_key_after is not None else "")
     commit = _git("rev-parse", "--short", "HEAD")
     dirty = _git("status", "--porcelain", "--untracked-files=no")
     tree = f" plus uncommitted changes in the shared tree ({len(dirty.splitlines())} files)" if dirty else ""
     text = [
         "# Fault matrix (issue 15)",
         "",
-        f"`sudo .venv/bin/python bench/faults.py{' --rows ' + args.rows if args.rows else ''}` on "
+        f"`sudo .venv/bin/python bench/faults.py{flags}` on "
         f"{started:%Y-%m-%d %H:%M} UTC, {time.monotonic() - t0:.0f} s. Machine: {_machine()}. Commit {commit}{tree}.",
         "",
-        f"Cluster: 1 prefill node in its own network namespace, 1 decode node (--local-prefill-fallback, default "
-        f"--prefill-stall {nf.STALL_S:g} s) + router in the root namespace, tcp;ofi_rxm across a veth wire "
-        "(tests/support/netfault.py); SmolLM2-135M float32, 160 pages, 1 thread per node. Each row: "
+        f"Cluster: 1 prefill node in its own network namespace, 1 decode node "
+        f"({' '.join(decode_args(args.rotate_key_after))}, default --prefill-stall {nf.STALL_S:g} s) + router in "
+        "the root namespace, tcp;ofi_rxm across a veth wire (tests/support/netfault.py); SmolLM2-135M float32, "
+        "160 pages, 1 thread per node. Each row: "
         f"{len(nf.FAULT_PROMPTS)} concurrent ~230-token prompts x {nf.GREEDY.max_tokens} greedy tokens; the fault is "
         "struck once the prefill node has one in flight (held rows) or is in place for the whole batch. "
         f"Lost = neither tokens nor an explicit error within {nf.REQUEST_TIMEOUT_S:.0f} s. Pages leaked = pages "
@@ -250,8 +266,8 @@ def main() -> int:
     ]
     if args.update and Path(args.out).exists():
         text = updated(Path(args.out).read_text().split("\n"), results,
-                       f"Rows {', '.join(r.name for r in rows)} rerun with `sudo .venv/bin/python bench/faults.py "
-                       f"--rows {','.join(r.name for r in rows)} --update` on {started:%Y-%m-%d %H:%M} UTC, "
+                       f"Rows {', '.join(r.name for r in rows)} rerun with `sudo .venv/bin/python bench/faults.py"
+                       f"{flags} --update` on {started:%Y-%m-%d %H:%M} UTC, "
                        f"{time.monotonic() - t0:.0f} s. Machine: {_machine()}. Commit {commit}{tree}.")
     Path(args.out).write_text("\n".join(text))
     print("\n".join(text))

@@ -507,14 +507,22 @@ def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def health_status(address: str, timeout: float = 1.0, security: ChannelSecurity = PLAINTEXT) -> str:
-    """The grpc.health.v1 status of a server ("SERVING", "NOT_SERVING", ...) or "UNREACHABLE: why"."""
+# The service whose health says a node can take work (pdserve.serving.node_server: readiness):
+# both node kinds report it NOT_SERVING while they cannot (a decode node no prefill node answered
+# yet), while the whole server ("") is SERVING as soon as the process is up.
+NODE_READINESS_SERVICE = "pdserve.api.v1.NodeService"
+
+
+def health_status(address: str, timeout: float = 1.0, security: ChannelSecurity = PLAINTEXT,
+                  service: str = "") -> str:
+    """The grpc.health.v1 status of a server's `service` ("" the whole server: "SERVING",
+    "NOT_SERVING", ...) or "UNREACHABLE: why"."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with open_sync_channel(address, security) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                                timeout=timeout)
         except grpc.RpcError as e:
             return f"UNREACHABLE: {e.code().name}"
@@ -617,10 +625,11 @@ class Cluster:
     # --- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> Cluster:
-        """Start every node at once (their imports and model loads overlap), wait until each serves,
-        then the router; raises ClusterStartError (all stopped) on failure. A decode node serves only
-        once a prefill node answers it (DecodeService.readiness), so the nodes need no start order;
-        the router starts last so its first health poll finds every decode node serving."""
+        """Start every node at once (their imports and model loads overlap), wait until each is
+        ready, then the router; raises ClusterStartError (all stopped) on failure. A node is ready
+        when its NODE_READINESS_SERVICE is SERVING: a decode node only once a prefill node answered
+        it (DecodeService.readiness), so the nodes need no start order; the router starts last so
+        its first health poll finds every decode node ready."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + self.config.startup_timeout_s
         try:
@@ -660,7 +669,9 @@ class Cluster:
                 if code is not None:
                     raise ClusterStartError(f"{name} exited with status {code} before serving; "
                                             f"last lines of {child.log_path}:\n{log_tail(child.log_path)}")
-                status[name] = health_status(child.spec.address, timeout=1.0, security=self.client_security)
+                service = "" if child.spec.role == "router" else NODE_READINESS_SERVICE   # a node: ready
+                status[name] = health_status(child.spec.address, timeout=1.0, security=self.client_security,
+                                             service=service)
                 if status[name] == "SERVING":
                     pending.remove(name)
             if not pending:
