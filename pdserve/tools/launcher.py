@@ -628,7 +628,7 @@ class Cluster:
         """Start every node at once (their imports and model loads overlap), wait until each is
         ready, then the router; raises ClusterStartError (all stopped) on failure. A node is ready
         when its NODE_READINESS_SERVICE is SERVING: a decode node only once a prefill node answered
-        it (DecodeService.readiness), so the nodes need no start order; the router starts last so
+        it (decode_node.service.DecodeNode.readiness), so the nodes need no start order; the router starts last so
         its first health poll finds every decode node ready."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + self.config.startup_timeout_s

@@ -422,7 +422,6 @@ class DraftModel(SlotProposer):
         self.picker = DraftPicker()
         self._progress: dict[str, _DraftProgress] = {}
         self._offloads_carried = False
-        self.num_catch_up_tokens = 0   # tokens the draft ran to catch up (prompts, accepted tokens, recomputes)
         self.num_restarts = 0          # requests whose draft KV was given up (their pages moved) and recomputed
 
     def own_pool(self) -> PagedKVCache:
@@ -453,7 +452,6 @@ class DraftModel(SlotProposer):
             catch.append(ScheduledChunk(request=r, start=p.computed, num_tokens=n, samples=False))
             budget -= n
             p.computed += n
-            self.num_catch_up_tokens += n
             if p.computed == end:
                 ready.append(i)
                 which.append(len(catch) - 1)
