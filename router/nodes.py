@@ -9,7 +9,10 @@ Everything here runs on the router's one asyncio event loop; nothing is shared w
     await pool.close()
 
 Tasks: `NodePool._poll_forever` (one task) polls every node each `health_interval_s`: a
-grpc.health.v1 Check of the whole server (""), then NodeService.GetNodeInfo for its load. A node
+grpc.health.v1 Check of the node's readiness (READINESS_SERVICE, GenerateService: a decode node
+reports it NOT_SERVING while it cannot take work, e.g. no prefill node answered it yet, while its
+whole server "" stays SERVING; a stopping or dead node reports both), then NodeService.GetNodeInfo
+for its load. A node
 whose Check fails or answers anything but SERVING (a Check that misses its deadline only after
 `health_misses` in a row: a busy node answers late now and then), or whose GetNodeInfo answers an
 error other than a missed deadline, leaves the rotation; it comes back at the first poll that succeeds. A call that
@@ -49,6 +52,9 @@ from pdserve_api.servers import UnavailableError
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc, node_pb2, node_pb2_grpc
 from router.config import RouterConfig
 from router.policy import Route, RoutingConfig, RoutingPolicy, make_policy
+
+# The health service whose status says a decode node takes requests (pdserve.serving.node_server).
+READINESS_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +250,8 @@ class NodePool:
         assert node.health is not None and node.node is not None, "NodePool.start() opens the channels"
         timeout = self._config.health_timeout_s
         try:
-            reply = await node.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            reply = await node.health.Check(health_pb2.HealthCheckRequest(service=READINESS_SERVICE),
+                                            timeout=timeout)
         except grpc.aio.AioRpcError as e:
             late = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             node.missed = node.missed + 1 if late else self._config.health_misses

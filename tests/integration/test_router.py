@@ -294,6 +294,27 @@ def test_dead_node_leaves_rotation_and_returns_after_restart():
     run(go())
 
 
+async def not_serving(fake) -> None:
+    """What a stopping node reports: the whole server and its services NOT_SERVING."""
+    for service in ("", GENERATE_SERVICE):
+        await fake.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+def test_a_live_node_that_is_not_ready_gets_no_requests():
+    # A decode node whose prefill nodes do not answer is alive ("" SERVING) but not ready (its
+    # GenerateService NOT_SERVING): the router polls readiness, so it is kept out of rotation.
+    async def go():
+        async with Rig() as rig:
+            await rig.fakes[0].health.set(GENERATE_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await until(lambda: not rig.router.pool.nodes[0].healthy, "node 0 out of rotation")
+            results = await asyncio.gather(*(rig.client.complete([1]) for _ in range(3)))
+            assert {r.timings.decode_node for r in results} == {"fake-1"}
+            await rig.fakes[0].health.set(GENERATE_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+            await until(lambda: rig.router.pool.nodes[0].healthy, "node 0 back in rotation")
+
+    run(go())
+
+
 def test_node_whose_get_node_info_fails_leaves_rotation():
     async def go():
         async with Rig() as rig:
@@ -407,7 +428,7 @@ def test_a_node_marked_down_mid_stream_hands_its_streams_to_another_node():
             stream = rig.client.generate([1], SamplingParams(max_tokens=6), request_id="moved")
             got = [await stream.__anext__()]
             holder = next(i for i, f in enumerate(rig.fakes) if "moved" in f.running)
-            await rig.fakes[holder].health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await not_serving(rig.fakes[holder])
             got += [c async for c in stream]
             assert [t for c in got for t in c.token_ids] == [1000 + t for t in range(6)]
             assert got[-1].finish_reason == "length" and "moved" in rig.fakes[1 - holder].requests
@@ -424,7 +445,7 @@ def test_a_node_marked_down_keeps_the_streams_that_cannot_move():
             stream = rig.client.generate([1], SamplingParams(max_tokens=5), request_id="stays")
             got = [await stream.__anext__()]
             holder = next(i for i, f in enumerate(rig.fakes) if "stays" in f.running)
-            await rig.fakes[holder].health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await not_serving(rig.fakes[holder])
             await until(lambda: not rig.router.pool.nodes[holder].healthy, "the node to be marked down")
             got += [c async for c in stream]
             assert [t for c in got for t in c.token_ids] == [1000 + t for t in range(5)]
@@ -443,7 +464,7 @@ def test_a_node_marked_down_keeps_a_stream_whose_other_nodes_were_all_tried():
             stream = rig.client.generate([1], SamplingParams(max_tokens=5), request_id="tried")
             got = [await stream.__anext__()]
             assert "tried" in rig.fakes[1].running and "tried" not in rig.fakes[0].requests
-            await rig.fakes[1].health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await not_serving(rig.fakes[1])
             await until(lambda: not rig.router.pool.nodes[1].healthy, "node 1 to be marked down")
             assert rig.router.pool.nodes[0].healthy
             got += [c async for c in stream]
