@@ -76,10 +76,12 @@ class _Node(node_pb2_grpc.NodeServiceServicer):
 
 
 async def _serve(node_id: str) -> tuple[grpc.aio.Server, str]:
-    """A real gRPC server on loopback with what the pools poll: grpc.health.v1 (SERVING) and NodeService."""
+    """A real gRPC server on loopback with what the pools poll: grpc.health.v1 (SERVING, the whole
+    server and a decode node's readiness, GenerateService) and NodeService."""
     server = grpc.aio.server()
     node_pb2_grpc.add_NodeServiceServicer_to_server(_Node(node_id), server)
-    await add_standard_services_aio(server, ["pdserve.api.v1.NodeService"], serving=True)
+    await add_standard_services_aio(server, ["pdserve.api.v1.GenerateService", "pdserve.api.v1.NodeService"],
+                                    serving=True)
     address = f"127.0.0.1:{free_port()}"
     server.add_insecure_port(address)
     await server.start()

@@ -21,13 +21,15 @@ class InfoOnlyDecode(node_pb2_grpc.NodeServiceServicer):
 
 
 async def serve_node_services(servicers) -> list[tuple[grpc.aio.Server, str]]:
-    """Start one aio server per NodeService servicer (serving health included): (server, address)
-    each, in order; the caller stops them."""
+    """Start one aio server per NodeService servicer (serving health included, for NodeService and
+    for a decode node's GenerateService, the readiness the router polls): (server, address) each,
+    in order; the caller stops them."""
     servers = []
     for servicer in servicers:
         server = grpc.aio.server()
         node_pb2_grpc.add_NodeServiceServicer_to_server(servicer, server)
-        await add_standard_services_aio(server, ["pdserve.api.v1.NodeService"], serving=True)
+        await add_standard_services_aio(server, ["pdserve.api.v1.GenerateService", "pdserve.api.v1.NodeService"],
+                                        serving=True)
         address = f"127.0.0.1:{free_port()}"
         server.add_insecure_port(address)
         await server.start()
