@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.spec_decode.control import PROBE_AFTER, SpeculationControl
+from pdserve.engine.spec_decode.control import PROBE_AFTER, PROBE_MAX, PROBE_SHARE, SpeculationControl
 
 
 def fitted(fixed_s: float, per_token_s: float) -> SpeculationControl:
@@ -54,11 +54,61 @@ def test_well_accepted_drafts_are_kept_in_the_same_batch():
 
 def test_an_idle_sequence_is_probed_with_one_token():
     c = fitted(0.002, 0.002)
-    for _ in range(5):
-        c.verified("a", 4, 0)
-    for _ in range(PROBE_AFTER - 1):
+    for rid in "bcdefgh":
+        for _ in range(8):
+            c.verified(rid, 4, 0)      # the batch's acceptance is poor: nothing passes the choice
+    c.verified("a", 4, 1)              # "a" once accepted a token: its probe interval is the first
+    assert c.choose({"a": 4}, 16) == {}
+    for _ in range(PROBE_AFTER - 2):
         assert c.choose({"a": 4}, 16) == {}
     assert c.choose({"a": 4}, 16) == {"a": 1}
+
+
+def test_the_probe_interval_doubles_while_probes_fail_and_resets_on_an_accepted_token():
+    c = fitted(0.002, 0.002)
+    for rid in "bcdefgh":
+        for _ in range(8):
+            c.verified(rid, 4, 0)
+    c.verified("a", 4, 1)
+
+    def steps_to_probe() -> int:
+        for n in range(1, 10 * PROBE_MAX):
+            if c.choose({"a": 4}, 16) == {"a": 1}:
+                return n
+        raise AssertionError("never probed")
+
+    assert steps_to_probe() == PROBE_AFTER
+    c.verified("a", 1, 0)              # the probe failed
+    assert steps_to_probe() == 2 * PROBE_AFTER
+    c.verified("a", 1, 0)
+    assert steps_to_probe() == 4 * PROBE_AFTER
+    for _ in range(8):
+        c.verified("a", 1, 0)
+    assert steps_to_probe() == PROBE_MAX
+    c.verified("a", 1, 1)              # accepted: probed as often as at first again
+    assert steps_to_probe() == PROBE_AFTER
+
+
+def test_probes_of_a_batch_go_together_and_spend_at_most_their_share_of_pass_time():
+    fixed, per = 0.038, 0.002          # batch 16 on prose: a probe token costs ~5% of a step
+    c = fitted(fixed, per)
+    batch = [f"r{i}" for i in range(16)]
+    for rid in batch:
+        c.verified(rid, 2, 1)          # accepted once: every sequence due at the first interval
+    for _ in range(8):
+        c.verified("other", 4, 0)      # the batch's acceptance falls: the choice drafts nothing
+    probes_per_step, pass_s = [], 0.0
+    for _ in range(2000):
+        chosen = c.choose(dict.fromkeys(batch, 2), len(batch))
+        assert set(chosen.values()) <= {1}                   # nothing but probes
+        probes_per_step.append(len(chosen))
+        pass_s += fixed + per * (len(batch) + len(chosen))
+        for rid in chosen:
+            c.verified(rid, 1, 0)                            # every probe fails
+    probe_steps = [n for n in probes_per_step if n]
+    assert probe_steps and all(n == len(batch) for n in probe_steps)   # one drafting call for all
+    spent = per * sum(probes_per_step)
+    assert 0 < spent <= PROBE_SHARE * pass_s
 
 
 def test_finished_requests_are_forgotten():

@@ -23,10 +23,20 @@ keeps two estimates and chooses the drafts that maximise tokens emitted per seco
 Choice: every decoding sequence emits at least one token (E = D, t = a + b * D for D sequences);
 the draft token with the highest expected gain alpha_i^j goes next while it raises E / t, that is
 while gain >= (b + d) * E / t, then E += gain and t += b + d. Proposers whose drafting costs
-(eagle, draft models) are asked for only the tokens chosen (Speculator.drafts). A sequence that drafted nothing for
-PROBE_AFTER steps is given one token (a probe), so a sequence whose text turns repetitive, or a
-cost that falls, is noticed. `SpeculativeConfig.adaptive=False` turns the control off (every
-proposal verified in full, as far as the step's budget goes).
+(eagle, draft models) are asked for only the tokens chosen (Speculator.drafts).
+
+Probes: a sequence the choice leaves out stops producing the acceptance evidence that could bring
+it back, so one that drafted nothing for its probe interval is given one token, and a sequence
+whose text turns repetitive, or a cost that falls, is noticed. Probes are exploration paid for
+out of throughput, so they are bounded twice: a sequence's interval starts at PROBE_AFTER steps
+and doubles after each verification that accepts nothing (up to PROBE_MAX; one accepted token
+brings it back), and probes spend at most PROBE_SHARE of the pass time: each step credits that
+share of its expected pass time, and the due sequences are probed together (one drafting call)
+once the credit covers them all at b + d per token. Without both, every sequence of a batch of
+16 probed at the same step every 16 steps, and on prose those steps cost 1.3-1.9x a decode step:
+a 4-8% loss of system TPS at batch 16 against plain decoding (bench/results/spec_decode.md, the
+run before the budget). `SpeculativeConfig.adaptive=False` turns the control off (every proposal
+verified in full, as far as the step's budget goes).
 
 Owned by the engine thread; nothing here waits.
 """
@@ -40,7 +50,9 @@ FORGET = 0.97            # weight of the fit's past per pass observed
 FORGET_SEQ = 0.8         # weight of a sequence's past per verification
 FORGET_ALL = 0.98        # weight of the global acceptance's past per verification
 PRIOR_WEIGHT = 2.0       # pseudo-verifications of the global acceptance in each sequence's estimate
-PROBE_AFTER = 16         # steps without drafts before a sequence is given one probe token
+PROBE_AFTER = 16         # steps without drafts before a sequence is first given one probe token
+PROBE_MAX = 128          # the longest probe interval (it doubles per verification that accepts nothing)
+PROBE_SHARE = 0.02       # probes spend at most this share of the pass time
 MIN_SPREAD = 4.0         # the fit needs passes whose token counts spread at least this much (std)
 FORGET_DRAFT = 0.9       # weight of the drafting-time estimate's past per drafting call
 
@@ -58,6 +70,7 @@ class _Acceptance:
     accepted: float = 0.0
     rejected: float = 0.0
     idle_steps: int = 0
+    probe_after: int = PROBE_AFTER   # steps without drafts before the next probe
 
 
 class SpeculationControl:
@@ -66,6 +79,7 @@ class SpeculationControl:
         self._seqs: dict[str, _Acceptance] = {}
         self._all = _Acceptance(accepted=1.0, rejected=1.0)
         self._draft_s: float | None = None   # drafting seconds per draft token
+        self._probe_credit_s = 0.0           # pass time probes may still spend (PROBE_SHARE of each step's)
 
     # --- observations ------------------------------------------------------------------------
 
@@ -96,6 +110,7 @@ class SpeculationControl:
         s = self._seqs.setdefault(request_id, _Acceptance())
         s.accepted = FORGET_SEQ * s.accepted + num_accepted
         s.rejected = FORGET_SEQ * s.rejected + rejected
+        s.probe_after = PROBE_AFTER if num_accepted else min(PROBE_MAX, 2 * s.probe_after)
         g = self._all
         g.accepted = FORGET_ALL * g.accepted + num_accepted
         g.rejected = FORGET_ALL * g.rejected + rejected
@@ -144,31 +159,41 @@ class SpeculationControl:
         draft_s = self.drafting_s_per_token
         if cost is None and draft_s > 0.0 and self._w >= 2.0:   # tokens of the pass taken as free
             cost = PassCost(fixed_s=self._wy / self._w, per_token_s=0.0)
-        if cost is None:
-            chosen = dict(proposals)
-        else:
-            gains: list[tuple[float, str]] = []
-            for rid, n in proposals.items():
-                alpha = self.acceptance(rid)
-                gains.extend((alpha ** j, rid) for j in range(1, n + 1))
-            gains.sort(key=lambda g: -g[0])
-            emitted = float(max(1, num_decoding))
-            t = cost.fixed_s + cost.per_token_s * emitted
-            chosen = dict.fromkeys(proposals, 0)
-            per_token = cost.per_token_s + draft_s
-            for gain, rid in gains:
-                if gain < per_token * emitted / t:
-                    break
-                chosen[rid] += 1
-                emitted += gain
-                t += per_token
+        if cost is None:   # nothing known of what a token costs: every proposal, and no probes needed
+            for rid in proposals:
+                self._seqs.setdefault(rid, _Acceptance()).idle_steps = 0
+            return {rid: n for rid, n in proposals.items() if n > 0}
+        gains: list[tuple[float, str]] = []
+        for rid, n in proposals.items():
+            alpha = self.acceptance(rid)
+            gains.extend((alpha ** j, rid) for j in range(1, n + 1))
+        gains.sort(key=lambda g: -g[0])
+        emitted = float(max(1, num_decoding))
+        t = cost.fixed_s + cost.per_token_s * emitted
+        chosen = dict.fromkeys(proposals, 0)
+        per_token = cost.per_token_s + draft_s
+        for gain, rid in gains:
+            if gain < per_token * emitted / t:
+                break
+            chosen[rid] += 1
+            emitted += gain
+            t += per_token
+        due: list[str] = []
         for rid, n in proposals.items():
             s = self._seqs.setdefault(rid, _Acceptance())
-            if chosen.get(rid, 0) == 0:
-                s.idle_steps += 1
-                if s.idle_steps >= PROBE_AFTER and n > 0:
-                    chosen[rid] = 1
-                    s.idle_steps = 0
-            else:
+            if chosen[rid]:
                 s.idle_steps = 0
+                continue
+            s.idle_steps += 1
+            if n > 0 and s.idle_steps >= s.probe_after:
+                due.append(rid)
+        # the credit never exceeds what probing every decoding sequence once costs (no burst after
+        # a long quiet stretch)
+        most = per_token * max(1, num_decoding, len(due))
+        self._probe_credit_s = min(most, self._probe_credit_s + PROBE_SHARE * t)
+        if due and self._probe_credit_s >= per_token * len(due):
+            self._probe_credit_s -= per_token * len(due)
+            for rid in due:
+                chosen[rid] = 1
+                self._seqs[rid].idle_steps = 0
         return {rid: n for rid, n in chosen.items() if n > 0}
