@@ -33,10 +33,11 @@ and doubles after each verification that accepts nothing (up to PROBE_MAX; one a
 brings it back), and probes spend at most PROBE_SHARE of the pass time: each step credits that
 share of its expected pass time, and the due sequences are probed together (one drafting call)
 once the credit covers them all at b + d per token. Without both, every sequence of a batch of
-16 probed at the same step every 16 steps, and on prose those steps cost 1.3-1.9x a decode step:
-a 4-8% loss of system TPS at batch 16 against plain decoding (bench/results/spec_decode.md, the
-run before the budget). `SpeculativeConfig.adaptive=False` turns the control off (every proposal
-verified in full, as far as the step's budget goes).
+16 probed at the same step every 16 steps, and on prose those steps cost 1.3-1.9x a decode step
+(bench/results/spec_decode.md, the run before the budget): by that arithmetic most of the 4-8%
+system-TPS loss at batch 16 measured there (bench/results/spec_control_ab.md: a paired A/B).
+`SpeculativeConfig.adaptive=False` turns the control off (every proposal verified in full, as far
+as the step's budget goes).
 
 Owned by the engine thread; nothing here waits.
 """
