@@ -451,7 +451,10 @@ class LLMEngine:
         conn = self._prefill_conn
         if conn is not None:
             conn.on_schedule(sched, {c.request_id: self._group_tables(c.request_id) for c in sched.chunks})
-        out = self.runner.execute(sched, conn.on_layer_done if conn is not None else None)
+        heads = self.speculator is not None and self.speculator.wants_all_hidden
+        out = self.runner.execute(sched, conn.on_layer_done if conn is not None else None, all_hidden=heads)
+        if heads:   # a draft head writes its rows for what the pass computed (before the verdicts)
+            self.speculator.after_pass(sched.chunks, out.all_hidden)
         # what speculation's control weighs drafts against: passes of decodes and verifications
         # only (a prefill chunk's tokens cost on another slope: compute-bound, and its attention)
         if self.speculator is not None and all(c.samples and c.num_known == 1 for c in sched.chunks):

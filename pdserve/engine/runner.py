@@ -57,6 +57,9 @@ class ModelOutput:
     logits: torch.Tensor               # [S, V] float32
     hidden: torch.Tensor               # [S, hidden] final-norm hidden state of those positions
     chunk_rows: dict[str, int]         # request_id -> its first row in logits/hidden
+    # [T, hidden] every fed token's final-norm hidden state, in the step's token order (execute's
+    # all_hidden; a draft head's history, E20); None when not asked for
+    all_hidden: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -206,9 +209,14 @@ class ModelRunner:
             return plans[0]
         return LayerPlans(tuple(plans[i] for i in self.layer_batch))
 
-    def execute(self, sched: SchedulerOutput, layer_hook: LayerHook | None = None) -> ModelOutput:
+    def execute(self, sched: SchedulerOutput, layer_hook: LayerHook | None = None,
+                all_hidden: bool = False) -> ModelOutput:
         step = self.build_batches(sched.chunks)
-        logits, hidden = self._forward(step, torch.tensor(step.out_rows, dtype=torch.int64), layer_hook)
+        out_rows = torch.tensor(step.out_rows, dtype=torch.int64)
+        logits, hidden = self._forward(step, out_rows, layer_hook, all_hidden=all_hidden)
+        every = None
+        if all_hidden:
+            every, hidden = hidden, hidden[out_rows]
         rows: dict[str, int] = {}
         i = 0
         for c in sched.chunks:
@@ -219,7 +227,7 @@ class ModelRunner:
             elif r.prefill_only and c.end == r.target_computed_tokens:
                 rows[r.request_id] = i
                 i += 1
-        return ModelOutput(logits=logits, hidden=hidden, chunk_rows=rows)
+        return ModelOutput(logits=logits, hidden=hidden, chunk_rows=rows, all_hidden=every)
 
     def forward_chunks(self, chunks: Sequence[ScheduledChunk], logits_of: Sequence[int],
                        num_layers: int | None = None) -> torch.Tensor:
@@ -234,13 +242,15 @@ class ModelRunner:
         return logits
 
     def _forward(self, step: StepInputs, rows: torch.Tensor, layer_hook: LayerHook | None,
-                 num_layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass of the model (every rank's, under tensor parallelism): logits and hidden states
-        of `rows` ([S] indices into the step's tokens)."""
+                 num_layers: int | None = None, all_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass of the model (every rank's, under tensor parallelism): logits of `rows` ([S]
+        indices into the step's tokens) and their hidden states (every token's: `all_hidden`)."""
         tp = self.tp
         if tp is not None:
             tp.send_step(StepMessage(step.input_ids, step.positions, step.batches, num_layers))
-        only = {} if num_layers is None else {"num_layers": num_layers}
+        only: dict[str, object] = {} if num_layers is None else {"num_layers": num_layers}
+        if all_hidden:
+            only["all_hidden"] = True
         try:
             return self.model(step.input_ids, step.positions, self.kv.k, self.kv.v, self.backend,
                               self.plan(step.batches), rows, layer_hook, **only)

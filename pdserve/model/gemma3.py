@@ -186,14 +186,16 @@ class Gemma3ForCausalLM(nn.Module):
         plan: object,                   # one backend plan for every layer, or LayerPlans
         logits_indices: torch.Tensor,   # [S] rows whose next-token logits are wanted
         layer_hook: LayerHook | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [S, V] float32, final hidden [S, hidden]
+        all_hidden: bool = False,       # return the final hidden state of every row, [T, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [S, V] float32, final hidden [S or T, hidden]
         h = self.forward_layers(input_ids, positions, k_pools, v_pools, backend, plan, layer_hook)  # [T, hidden]
-        last = self.norm(h[logits_indices])                                    # [S, hidden]
+        normed = self.norm(h) if all_hidden else None                          # [T, hidden]
+        last = self.norm(h[logits_indices]) if normed is None else normed[logits_indices]  # [S, hidden]
         logits = linear(last, self.lm_head_weight)                           # [S, V]
         cap = self.arch.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float(), last
+        return logits.float(), last if normed is None else normed
 
     @torch.inference_mode()
     def forward_layers(

@@ -132,9 +132,13 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,   # [S] rows whose next-token logits are wanted
         layer_hook: LayerHook | None = None,
         num_layers: int | None = None,  # run only the first num_layers layers (a self-draft, E20)
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [S, V] float32, final hidden [S, hidden]
+        all_hidden: bool = False,       # return the final hidden state of every row, [T, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [S, V] float32, final hidden [S or T, hidden]
         h = self.forward_layers(input_ids, positions, k_pools, v_pools, backend, plan, layer_hook,
                                 num_layers)                                             # [T, hidden]
+        if all_hidden:   # a draft head writes its rows from every position's (E20)
+            normed = self.norm.forward(h)                                              # [T, hidden]
+            return linear(normed[logits_indices], self.lm_head_weight).float(), normed
         last = self.norm.forward(h[logits_indices])                                    # [S, hidden]
         logits = linear(last, self.lm_head_weight).float()                   # [S, V]
         return logits, last

@@ -288,3 +288,55 @@ def test_eagle_head_drafts_from_the_hidden_state_and_output_is_exact(llm, refere
     # every decode step after the first sample had a hidden state to draft from
     assert spec.num_drafts >= len(picked) * (MAX_NEW - 2) // 2
     check_idle(llm)
+
+
+def test_eagle_drafts_attend_over_the_heads_paged_history(llm, reference):
+    """The head keeps its own rows in a paged pool (one per computed position, written from the
+    target's hidden states after each pass, chunked prefills and rejected drafts included); every
+    proposal the engine makes equals the reference drafter's, which recomputes that history from
+    the target's hidden states recorded here (the shipped head; prompts of every kind, batched)."""
+    import torch
+
+    from pdserve.engine.spec_decode.speculator import EAGLE_HISTORY_ROWS
+
+    spec = speculate(llm, method="eagle", num_speculative_tokens=3, adaptive=False)
+    prop = spec.proposer
+    seen: dict[tuple[str, int], torch.Tensor] = {}     # (request, position) -> the target's hidden there
+    compared = [0, 0]                                  # proposals, equal to the reference
+    after, propose = prop.after_pass, prop.propose_batch
+
+    def record(chunks, hidden):
+        q = 0
+        for c in chunks:
+            for j in range(c.num_tokens):
+                seen[(c.request_id, c.start + j)] = hidden[q + j].float().clone()
+            q += c.num_tokens
+        after(chunks, hidden)
+
+    def check(requests, ks):
+        got = propose(requests, ks)
+        for r, k, d in zip(requests, ks, got, strict=True):
+            if not d:
+                continue
+            nc = r.num_computed_tokens
+            hist = prop._history[r.request_id]
+            # the history starts after the prompt's first token, or after a prefix-cache hit
+            assert hist.start == (r.num_reused_tokens or 0) + 1 and hist.end >= nc, (hist, nc)
+            s = max(hist.start, nc - EAGLE_HISTORY_ROWS)
+            toks = torch.tensor(r.token_slice(s, nc + 1))
+            ctx_h = [seen[(r.request_id, j - 1)] for j in range(s, nc)]
+            ref = prop.head.draft(seen[(r.request_id, nc - 1)], int(toks[-1]), k,
+                                  context_tokens=toks[:-1] if ctx_h else None,
+                                  context_hidden=torch.stack(ctx_h) if ctx_h else None, position=nc)
+            compared[0] += 1
+            compared[1] += ref == d
+        return got
+
+    prop.after_pass, prop.propose_batch = record, check
+    picked = (0, 2, 4, 5, 6, 7)
+    outs = llm.generate([REFERENCE_PROMPTS[i] for i in picked], greedy())
+    assert [list(o.token_ids) for o in outs] == [reference[i] for i in picked]
+    assert compared[0] >= len(picked) * 4, compared
+    # equal up to float rounding of the two orders of the same sums (a near-tie can flip an argmax)
+    assert compared[1] >= 0.99 * compared[0], compared
+    check_idle(llm)

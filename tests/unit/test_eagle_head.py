@@ -177,6 +177,38 @@ def test_draft_is_deterministic_and_matches_the_forward(targets, vocab):
         head.draft(h[0], 1, 0)
 
 
+def test_drafts_over_cached_history_equal_the_reference_that_recomputes_it(targets, vocab):
+    """The engine's proposer drafts over history K/V it cached row by row (history_kv, padded and
+    masked per sequence); the reference recomputes the same history from tokens and hidden states."""
+    head = new_head(targets["llama"], vocab, seed=7)
+    with torch.no_grad():
+        head.fc.weight.mul_(20.0)
+    g = torch.Generator().manual_seed(8)
+    lens, k = [5, 0, 9, 2], 3                        # history rows per sequence (one has none)
+    B, L = len(lens), max(lens)
+    h = torch.randn(B, H, generator=g)
+    nxt = torch.randint(V, (B,), generator=g)
+    pos = torch.tensor([30, 4, 11, 7])               # position of nxt; history rows at pos - n .. pos - 1
+    ctx_t = [torch.randint(V, (n,), generator=g) for n in lens]
+    ctx_h = [torch.randn(n, H, generator=g) for n in lens]
+    Hkv, D = head.config.num_kv_heads, head.config.head_dim
+    pk, pv = torch.randn(B, Hkv, L, D), torch.randn(B, Hkv, L, D)   # garbage where invalid: must be masked
+    valid = torch.zeros(B, L, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        if n:
+            kb, vb = head.history_kv(ctx_t[b], ctx_h[b], pos[b] - n + torch.arange(n))   # [n, Hkv, D]
+            pk[b, :, :n], pv[b, :, :n] = kb.transpose(0, 1), vb.transpose(0, 1)
+            valid[b, :n] = True
+    paged = head.draft_batch(h, nxt, k, pos, (pk, pv, valid)).tolist()
+    ref = [list(head.draft(h[b], int(nxt[b]), k, context_tokens=ctx_t[b] if lens[b] else None,
+                           context_hidden=ctx_h[b] if lens[b] else None, position=int(pos[b])))
+           for b in range(B)]
+    assert paged == ref
+    # the history matters: without it the drafts of the sequences that have one differ somewhere
+    bare = head.draft_batch(h, nxt, k, pos).tolist()
+    assert bare[1] == paged[1] and bare != paged
+
+
 def test_a_shipped_head_is_found_by_its_target_and_another_target_is_told_to_train_one(vocab):
     from pdserve.engine.spec_decode.eagle import SHIPPED_HEADS, shipped_head_for
 

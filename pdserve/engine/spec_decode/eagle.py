@@ -20,9 +20,12 @@ are borrowed from the target and never saved, so a checkpoint is small (the defa
 config.json names that target (`TargetIdentity`: architecture, hidden size, vocabulary, dtype and
 a blake2b hash of the stored embedding / lm_head bytes); `EagleHead.load` refuses any other.
 
-This module is the reference implementation: attention is plain causal torch attention over the
-rows given, recomputed per draft step (no KV cache). The engine's proposer (the lead's) runs the
-same weights over the paged KV cache; `draft` / `draft_batch` are what it must agree with.
+Attention is plain causal torch attention over the rows given, recomputed per draft step. The
+head's history (its rows for the tokens before the one it drafts from) enters two ways that agree:
+`draft` takes it as tokens and target hidden states and recomputes it; `draft_batch` takes it as
+K/V (`past`), which the engine's proposer (speculator.EagleDrafts) keeps in a paged pool of its own,
+each row written once from the target's hidden state (`history_kv`): a row's K/V depend only on its
+inputs, so the cached rows are exactly what `draft` recomputes.
 Nothing here blocks: no waits, no I/O except `save` / `load` / `TargetIdentity.from_checkpoint`.
 """
 
@@ -287,8 +290,9 @@ class _HeadLayer(nn.Module):
         self.register_buffer("inv_freq", 1.0 / (c.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)),
                              persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        # x [B, L, H]; positions [B, L]; mask [B, L] bool (True = a real row) or None
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, Hq, L, D], k and v [B, Hkv, L, D] of rows x [B, L, H] at positions [B, L], RoPE
+        applied to q and k (what a row leaves in a KV cache is its k and v)."""
         B, L, _ = x.shape
         Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         a = self.input_layernorm(x)
@@ -298,13 +302,27 @@ class _HeadLayer(nn.Module):
         freqs = positions.float()[..., None] * self.inv_freq        # [B, L, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]            # [B, 1, L, D]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        if Hkv != Hq:
-            k = k.repeat_interleave(Hq // Hkv, dim=1)                # [B, Hq, L, D]
-            v = v.repeat_interleave(Hq // Hkv, dim=1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                past: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        # x [B, L, H]; positions [B, L]; mask [B, L] bool (True = a real row) or None.
+        # past: (k [B, Hkv, P, D], v [B, Hkv, P, D], valid [B, P] bool): earlier rows' K/V (a KV
+        # cache's), attended by every row of x before x's own rows (causal among themselves)
+        B, L, _ = x.shape
+        Hq, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv(x, positions)
         causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()  # [L, L]
         attn_mask = causal if mask is None else causal[None, None] & mask[:, None, None, :]  # keys that exist
+        if past is not None:
+            pk, pv, valid = past
+            k = torch.cat((pk.to(k.dtype), k), dim=2)                  # [B, Hkv, P + L, D]
+            v = torch.cat((pv.to(v.dtype), v), dim=2)
+            own = attn_mask if attn_mask.dim() == 4 else attn_mask[None, None].expand(B, 1, L, L)
+            attn_mask = torch.cat((valid[:, None, None, :].expand(B, 1, L, valid.shape[1]), own), dim=-1)
+        if Hkv != Hq:
+            k = k.repeat_interleave(Hq // Hkv, dim=1)                # [B, Hq, P + L, D]
+            v = v.repeat_interleave(Hq // Hkv, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # [B, Hq, L, D]
         x = x + self.o_proj(o.transpose(1, 2).reshape(B, L, Hq * D))
         m = self.post_attention_layernorm(x)
@@ -380,11 +398,29 @@ class EagleHead(nn.Module):
         hidden: torch.Tensor,      # [B, L, H] h_t: the target's (or the head's previous) hidden state
         positions: torch.Tensor,   # [B, L] positions of x_{t+1}
         mask: torch.Tensor | None = None,  # [B, L] bool, True = real row (padding only at the end)
+        past: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # earlier rows' K/V (_HeadLayer)
     ) -> torch.Tensor:             # [B, L, H] h'_{t+1}, final-norm space
+        return self.norm(self.layer(self._inputs(tokens, hidden), positions, mask, past))
+
+    def _inputs(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """u = fc([embed(x_{t+1}) ; h_t]): tokens [B, L], hidden [B, L, H] -> [B, L, H]."""
         dt = self.config.torch_dtype
         e = F.embedding(tokens, self.target_embed)                      # [B, L, H]
-        u = self.fc(torch.cat((e, hidden.to(dt)), dim=-1))              # [B, L, 2H] -> [B, L, H]
-        return self.norm(self.layer(u, positions, mask))
+        return self.fc(torch.cat((e, hidden.to(dt)), dim=-1))           # [B, L, 2H] -> [B, L, H]
+
+    @torch.no_grad()
+    def history_kv(
+        self,
+        tokens: torch.Tensor,      # [N] x_j
+        hidden: torch.Tensor,      # [N, H] the target's h_{j-1}
+        positions: torch.Tensor,   # [N] j
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # k, v [N, Hkv, D] (k with RoPE at j)
+        """The K/V the head's row j leaves for later rows to attend over, teacher-forced (from the
+        target's hidden state, not the head's own): a row's K/V depend on its inputs alone, so a
+        paged cache of them is what `draft` recomputes from context_tokens / context_hidden."""
+        u = self._inputs(tokens.long()[None], hidden[None])              # [1, N, H]
+        _, k, v = self.layer.qkv(u, positions.long()[None])              # [1, Hkv, N, D]
+        return k[0].transpose(0, 1), v[0].transpose(0, 1)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # h [..., H] -> [..., V] float32
         return F.linear(h, self.target_lm_head).float()
@@ -401,8 +437,10 @@ class EagleHead(nn.Module):
         next_tokens: torch.Tensor,  # [B] the token each target sampled there (position p + 1)
         k: int,
         positions: torch.Tensor | None = None,  # [B] position of next_tokens; None: 0 (RoPE is relative)
+        past: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # history K/V (history_kv rows)
     ) -> torch.Tensor:              # [B, k] greedy drafts for positions p + 2 ..
-        """Greedy K-token drafts, each sequence's head history being only its own draft rows."""
+        """Greedy K-token drafts. The head's history: `past` = (k, v [B, Hkv, P, D], valid [B, P])
+        of earlier rows (teacher-forced, `history_kv`), else none; then its own draft rows."""
         if k < 1:
             raise ValueError(f"draft: k must be >= 1, got {k}")
         B = h_last.shape[0]
@@ -412,7 +450,7 @@ class EagleHead(nn.Module):
         out = []
         for j in range(k):
             pos = pos0[:, None] + torch.arange(j + 1)[None]       # [B, j+1]
-            h = self.features(toks, feats, pos)[:, -1]            # [B, H]
+            h = self.features(toks, feats, pos, past=past)[:, -1]  # [B, H]
             d = self.pick(h)                                       # [B]
             out.append(d)
             toks = torch.cat((toks, d[:, None]), dim=1)

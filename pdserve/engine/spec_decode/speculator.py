@@ -72,12 +72,17 @@ class Proposer(abc.ABC):
 
     needs_slots: ClassVar[bool]
     uses_hidden: ClassVar[bool] = False   # wants the target's hidden state of each sampled position (`note`)
+    wants_all_hidden: ClassVar[bool] = False  # wants every computed position's (`after_pass`)
     # drafting costs per token (a model step), so the control chooses how many before drafting
     costly: ClassVar[bool] = False
 
     def note(self, request: Request, hidden: torch.Tensor, position: int) -> None:  # noqa: B027
         """The target's final-norm hidden state at `position` of `request` ([hidden]), the one its
         latest token was sampled from; kept by proposers that draft from it, ignored by others."""
+
+    def after_pass(self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor) -> None:  # noqa: B027
+        """After a target pass over `chunks` (before its verdicts): the final-norm hidden state of
+        every token it fed ([T, hidden], the chunks' tokens in order); for `wants_all_hidden`."""
 
     def own_pool(self) -> PagedKVCache | None:
         """A KV pool of the proposer's own indexed by the target's block ids (a draft model's), for
@@ -105,27 +110,168 @@ class SlotProposer(Proposer):
         """At most len(c.draft_token_ids) tokens for each granted chunk (its drafts are placeholders)."""
 
 
+# Rows of its own history a draft head attends over when it drafts: the window it was trained on
+# (`pdserve draft train --seq-len`, default 128), which also bounds the gather of each draft.
+EAGLE_HISTORY_ROWS = 128
+
+
+@dataclass
+class _HeadHistory:
+    """Which head rows of one request its pool holds: rows [start, end), row j being the head's
+    K/V for (x_j, the target's h_{j-1}) at position j."""
+
+    request: Request
+    start: int
+    end: int
+    epoch: tuple[int, int]     # (num_preemptions, num_offloads or 0) when written: a change moved the pages
+
+
 class EagleDrafts(TokenProposer):
     """A draft head (`{"method": "eagle", "model": DIR}`; pdserve.engine.spec_decode.eagle) drafts
     from the target's hidden state at the position before the token the next pass feeds: the
     one noted after the last sampled position (or, on a decode node, the prefill node's context
-    record, D17), and that token. The head keeps no KV of its own yet: each draft step attends
-    over the step's own draft rows only (EagleHead.draft_batch). Drafts are the head's argmax
-    (q one-hot: exact verification by equality). A request with no hidden state for its
-    position (after a soft reset, before its first sample) drafts nothing that step."""
+    record, D17), and that token. Drafts are the head's argmax (q one-hot: exact verification by
+    equality). A request with no hidden state for its position (after a soft reset, before its
+    first sample) drafts nothing that step.
+
+    The head's own KV: a one-layer pool with the target's page count and page size, indexed by the
+    target's block ids (as a separate draft model's, DraftModel), so the target's allocation,
+    freeing, truncation and preemption are the head's too. After every pass (`after_pass`) the
+    head writes its row for each position the pass computed, teacher-forced from the target's
+    hidden states there (EagleHead.history_kv; one batched product, no attention); a draft then
+    attends over the request's last EAGLE_HISTORY_ROWS rows before its own draft rows. Rows a
+    later verdict rejects are overwritten by the next pass, never read (the history is cut to
+    the request's num_computed_tokens). Where no target hidden state exists for a position the
+    history starts after it: the first prompt token, a prefix-cache hit (those blocks' head rows
+    are not trusted: another request, or a KV transfer, may have filled them), the prompt of a
+    decode node's remote prefill (it drafts from the shipped hidden state over no history), a
+    preemption's recompute, an offload unless the swap pool carries the head's pool
+    (`carry_offloads`)."""
 
     uses_hidden = True
+    wants_all_hidden = True
     costly = True
 
-    def __init__(self, head: object) -> None:
+    def __init__(self, head: object, runner: ModelRunner | None = None) -> None:
         self.head = head
         self._hidden: dict[str, tuple[Request, int, torch.Tensor]] = {}   # rid -> (request, position, h)
+        self._history: dict[str, _HeadHistory] = {}
+        self._offloads_carried = False
+        self.pool: PagedKVCache | None = None
+        self._cache_manager = None
+        if runner is not None:
+            from pdserve.engine.cache.kv_cache import KVCacheShape
+
+            s, c = runner.kv.shape, head.config  # type: ignore[attr-defined]
+            # pool: [1, 2, pages, head kv heads, page_size, head_dim], the head's dtype
+            self.pool = PagedKVCache(KVCacheShape(1, s.num_pages, c.num_kv_heads, s.page_size, c.head_dim),
+                                     c.torch_dtype)
+            self._cache_manager = runner.cache_manager
+            self._page_size = s.page_size
+            logger.info("eagle head KV: a pool of %d pages (%.1f MiB) indexed by the target's block ids",
+                        s.num_pages, self.pool.nbytes / 2**20)
+
+    def own_pool(self) -> PagedKVCache | None:
+        return self.pool
+
+    def carry_offloads(self) -> None:
+        self._offloads_carried = True
 
     def note(self, request: Request, hidden: torch.Tensor, position: int) -> None:
         self._hidden[request.request_id] = (request, position, hidden.detach().float().clone())
 
+    def _epoch(self, r: Request) -> tuple[int, int]:
+        return (r.num_preemptions, 0 if self._offloads_carried else r.num_offloads)
+
+    def after_pass(self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor) -> None:
+        """Write the head's rows for the positions a target pass computed. hidden: [T, H] the
+        pass's final-norm hidden states, row order = the chunks' tokens in order (drafts included)."""
+        if self.pool is None:
+            return
+        toks: list[int] = []
+        pos: list[int] = []
+        pages: list[int] = []
+        src: list[int] = []                     # row of `hidden` (or -1 - i: prev[i]) for each history row
+        prev: list[torch.Tensor] = []
+        P = self._page_size
+        q = 0
+        for c in chunks:
+            r = c.request
+            base, q = q, q + c.num_tokens
+            rid = r.request_id
+            h = self._history.get(rid)
+            epoch = self._epoch(r)
+            if h is None or h.request is not r or h.epoch != epoch:
+                h = self._history[rid] = _HeadHistory(r, c.start, c.start, epoch)
+            h.end = min(h.end, c.start)         # rows from c.start on are written now
+            e = self._hidden.get(rid)
+            first = c.start
+            if e is not None and e[0] is r and e[1] == c.start - 1:
+                prev.append(e[2])
+                src.append(-len(prev))
+            else:
+                first += 1                      # no target state before c.start: no row there
+            if h.end != c.start or first != c.start:
+                h.start = first                 # a gap: the history restarts here
+            ids = list(r.token_slice(c.start, c.start + c.num_known)) + list(c.draft_token_ids)  # x_j, j in chunk
+            table = self._cache_manager.block_table(rid)
+            for j in range(first, c.end):
+                toks.append(ids[j - c.start])
+                pos.append(j)
+                pages.append(table[j // P])
+                if j > c.start:
+                    src.append(base + j - 1 - c.start)
+            h.end = max(c.end, h.start)
+            self._hidden[rid] = (r, c.end - 1, hidden[base + c.num_tokens - 1].detach().float().clone())
+        if not toks:
+            return
+        idx = torch.tensor(src, dtype=torch.long)                                  # [N]
+        rows = hidden.index_select(0, idx.clamp(min=0))                             # [N, H]
+        if prev:
+            own = idx < 0
+            rows[own] = torch.stack(prev).to(rows.dtype)[(-1 - idx[own])]
+        pos_t = torch.tensor(pos, dtype=torch.long)                                 # [N]
+        k, v = self.head.history_kv(torch.tensor(toks), rows, pos_t)               # [N, Hkv, D] each
+        pages_t = torch.tensor(pages, dtype=torch.long)
+        offs = pos_t % P
+        self.pool.k[0][pages_t, :, offs] = k.to(self.pool.dtype)   # k pool: [pages, Hkv, page_size, D]
+        self.pool.v[0][pages_t, :, offs] = v.to(self.pool.dtype)
+
+    def _past(self, requests: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The history K/V each request drafts over: (k, v [B, Hkv, L, D], valid [B, L]), None if none has any."""
+        if self.pool is None:
+            return None
+        P = self._page_size
+        spans: list[range] = []
+        for r in requests:
+            h = self._history.get(r.request_id)
+            nc = r.num_computed_tokens
+            if h is None or h.request is not r or h.epoch != self._epoch(r) or min(h.end, nc) != nc:
+                spans.append(range(0))
+                continue
+            spans.append(range(max(h.start, nc - EAGLE_HISTORY_ROWS), nc))
+        L = max(len(s) for s in spans)
+        if L == 0:
+            return None
+        pages = torch.zeros(len(requests), L, dtype=torch.long)                    # [B, L]
+        offs = torch.zeros(len(requests), L, dtype=torch.long)
+        valid = torch.zeros(len(requests), L, dtype=torch.bool)
+        for b, (r, span) in enumerate(zip(requests, spans, strict=True)):
+            if not span:
+                continue
+            table = self._cache_manager.block_table(r.request_id)
+            p = torch.tensor(span, dtype=torch.long)
+            n = len(span)
+            pages[b, :n] = torch.tensor(table, dtype=torch.long)[p // P]
+            offs[b, :n] = p % P
+            valid[b, :n] = True
+        k = self.pool.k[0][pages, :, offs].transpose(1, 2)                         # [B, Hkv, L, D]
+        v = self.pool.v[0][pages, :, offs].transpose(1, 2)
+        return k, v, valid
+
     def propose_batch(self, requests: Sequence[Request], ks: Sequence[int]) -> list[tuple[int, ...]]:
         self._hidden = {rid: e for rid, e in self._hidden.items() if not e[0].finished}
+        self._history = {rid: h for rid, h in self._history.items() if not h.request.finished}
         out: list[tuple[int, ...]] = [() for _ in requests]
         use = []
         for i, r in enumerate(requests):
@@ -137,7 +283,8 @@ class EagleDrafts(TokenProposer):
         h = torch.stack([self._hidden[requests[i].request_id][2] for i in use])             # [B, H]
         nc = [requests[i].num_computed_tokens for i in use]
         nxt = torch.tensor([requests[i].token_slice(n, n + 1)[0] for i, n in zip(use, nc, strict=True)])  # [B]
-        drafts = self.head.draft_batch(h, nxt, max(ks[i] for i in use), torch.tensor(nc)).tolist()  # [B, K]
+        past = self._past([requests[i] for i in use])
+        drafts = self.head.draft_batch(h, nxt, max(ks[i] for i in use), torch.tensor(nc), past).tolist()  # [B, K]
         for j, i in enumerate(use):
             out[i] = tuple(drafts[j][: ks[i]])
         return out
@@ -209,6 +356,13 @@ class Speculator:
     def note(self, request: Request, hidden: torch.Tensor, position: int) -> None:
         """The target's hidden state at `position` (where the request's latest token was sampled)."""
         self.proposer.note(request, hidden, position)
+
+    @property
+    def wants_all_hidden(self) -> bool:
+        return self.proposer.wants_all_hidden
+
+    def after_pass(self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor) -> None:
+        self.proposer.after_pass(chunks, hidden)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """A pass of `num_tokens` query tokens took `seconds`, drafting included (the control's cost fit)."""
@@ -531,7 +685,7 @@ def make_speculator(config: SpeculativeConfig | None, runner: ModelRunner, token
         head = EagleHead.load(path, vocab)
         head.eval()
         logger.info("eagle draft head %s: %d parameters", path, head.num_parameters())
-        return Speculator(config, EagleDrafts(head))
+        return Speculator(config, EagleDrafts(head, runner))
     if config.self_draft_layers is not None:
         return Speculator(config, SelfDraft(config, runner))
     if tokenizer is None:
