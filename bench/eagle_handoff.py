@@ -15,7 +15,11 @@ Configurations (speculative_config of the decode node; never the prefill node's,
   target's first 8 layers, its norm and lm_head);
 - eagle: {"method": "eagle", "num_speculative_tokens": 3}, with --eagle-head DIR adding "model":
   DIR; without it, the head that ships with pdserve for the default model
-  (pdserve/engine/spec_decode/heads/, eagle.shipped_head_for).
+  (pdserve/engine/spec_decode/heads/, eagle.shipped_head_for). Both nodes run with
+  --context-history-rows 128 (launcher.py does that for eagle): the context record carries the
+  prompt's last 128 hidden states and the decode node writes the head's history rows from them;
+- eagle-nohist: the same with --context-history-rows 0: the head starts from the one shipped
+  hidden state, no history (TTFT and acceptance of the handoff's history, both ways).
 "none" always runs: it is the reference of every speed-up and of the greedy-equality check.
 
 Clusters: one per configuration, all started at the beginning and kept up to the end (each about
@@ -129,6 +133,7 @@ class BenchConfig:
     name: str
     spec: dict[str, Any] | None   # the decode node's speculative_config; None: no speculation
     label: str
+    engine_args: tuple[str, ...] = ()   # more engine flags for both nodes
 
 
 def all_configs(eagle_head: str | None) -> list[BenchConfig]:
@@ -143,6 +148,9 @@ def all_configs(eagle_head: str | None) -> list[BenchConfig]:
                     "self-draft 8 layers, K=2"),
         BenchConfig("eagle", eagle, "eagle K=3, " + (os.path.basename(eagle_head.rstrip("/")) if eagle_head
                                                       else "shipped head")),
+        # the same head without the prompt's history rows in the context record: the decode node's
+        # head starts from the one shipped hidden state (what the handoff did before the history)
+        BenchConfig("eagle-nohist", eagle, "eagle K=3, no handed-over history", ("--context-history-rows", "0")),
     ]
 
 
@@ -637,8 +645,8 @@ def report(rows: list[dict[str, Any]], prompts: list[Prompt], args: argparse.Nam
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="none,ngram,draft,eagle",
-                   help="comma list of none, ngram, draft, eagle (none always runs)")
+    p.add_argument("--configs", default="none,ngram,draft,eagle,eagle-nohist",
+                   help="comma list of none, ngram, draft, eagle, eagle-nohist (none always runs)")
     p.add_argument("--eagle-head", default=None,
                    help="a head directory (pdserve draft train); default: the shipped one")
     p.add_argument("--train-log", action="append", default=[], help="a `pdserve draft train` log (repeatable)")
@@ -678,8 +686,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     configs = [c for c in known if c.name in want]
     prompts = build_prompts()
     # read before the clusters start: what they load (a training run may rewrite the head meanwhile)
-    train = training_info(args.eagle_head, args.train_time_s) if "eagle" in want or args.train_log else None
-    if "eagle" in want and train is not None and train["head"] is None:
+    heads = want & {"eagle", "eagle-nohist"}
+    train = training_info(args.eagle_head, args.train_time_s) if heads or args.train_log else None
+    if heads and train is not None and train["head"] is None:
         raise SystemExit(f"config eagle: {train['head_error']} (or pass --eagle-head DIR)")
     engine_args = () if args.prefix_cache else ("--no-prefix-cache",)
     clusters: dict[str, Cluster] = {}
@@ -687,7 +696,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for c in configs:
             t = time.perf_counter()
             cl = Cluster(prefill=1, decode=1, port=0, provider="shm", threads_per_node=args.threads_per_node,
-                         num_blocks=args.num_blocks, engine_args=engine_args, speculative_config=c.spec,
+                         num_blocks=args.num_blocks, engine_args=engine_args + c.engine_args, speculative_config=c.spec,
                          startup_timeout_s=args.startup_timeout_s)
             stack.enter_context(cl)
             clusters[c.name] = cl

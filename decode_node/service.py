@@ -406,7 +406,8 @@ class DecodeNode(ReceiverEvents):
         self.kv_heads_per_rank: int = len(plan.ranks[0].kv_heads) if plan is not None else info.num_kv_heads
         # NodeInfo.build; prefill nodes of another model or KV layout are skipped (PrefillPool)
         codec = self.receiver.codec if self.receiver is not None else None
-        self.identity = (engine_identity(self.llm, codec.top_k, codec.version, codec.hidden_kind) if codec is not None
+        self.identity = (engine_identity(self.llm, codec.top_k, codec.version, codec.hidden_kind, codec.history_rows)
+                         if codec is not None
                          else engine_identity(self.llm, 0))
         for where in placement_info(self.receiver.placements if self.receiver is not None else ()):   # D16
             self.metrics.kv_shard_placement.labels(**where.labels()).set(1)
@@ -577,9 +578,10 @@ class DecodeNode(ReceiverEvents):
         spec = self.llm.speculator
         # a draft head starts from the prefill node's hidden state (D17)
         hidden = ctx.hidden if ctx is not None and spec is not None and spec.uses_hidden else None
+        history = ctx.history if hidden is not None else None   # and its history rows write the head's (E20)
         self.receiver.finish(rid)
         if waiting:
-            self.llm.kv_ready(rid, context_hidden=hidden)
+            self.llm.kv_ready(rid, context_hidden=hidden, context_history=history)
         elif self.llm.is_held(rid):
             self.llm.release_blocks(rid)  # aborted while its KV was landing: now nothing can land
         self.loop.call_soon_threadsafe(self._mark_ready, rid)

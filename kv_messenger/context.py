@@ -1,14 +1,23 @@
 """The context handed from prefill to decode (D12, D17, D19): the target's hidden state of the last
-prefilled position and the top-k of its next-token distribution, in a fixed-size slot, as a
-versioned record that names its transfer and carries a checksum.
+prefilled position and the top-k of its next-token distribution, and optionally the hidden states
+of the positions before it (a draft head's history, E20), in a fixed-size slot, as a versioned
+record that names its transfer and carries a checksum.
 
-slot (little-endian; record version 2, "ctx2" in NodeInfo.build's KV layout):
+slot (little-endian; record version 3, "ctx3" in NodeInfo.build's KV layout):
 
     header  HEADER_NBYTES = 64 bytes (HEADER):
         magic b"PDCX" | version u16 | header_nbytes u16 | hidden_size u32 | top_k u32 |
-        hidden_dtype u8 | hidden_kind u8 | reserved u16 | identity 16 bytes | attempt u32 |
+        hidden_dtype u8 | hidden_kind u8 | history u16 | identity 16 bytes | attempt u32 |
         imm_tag u32 | position u32 | body_nbytes u32 | checksum u32 | 8 bytes zero
     body    [hidden_size float32 hidden][top_k int32 token ids][top_k float32 logprobs]
+            [history_rows x hidden_size float32: the hidden states of positions position - history
+             .. position - 1 in its first `history` rows, zeros after]
+
+- history_rows: the slot's capacity for earlier rows, a layout constant both sides configure (0:
+  none, the version 2 body); history: how many this record holds (fewer for a short prompt).
+  A decode node whose engine drafts with a head (speculator.EagleDrafts) writes the head's rows
+  for those positions from them, so its first drafts attend over the end of the prompt as they
+  would on a colocated node.
 
 - hidden_dtype: HIDDEN_DTYPES (1 = float32: the body always holds float32); hidden_kind: which
   state of the target it is, HIDDEN_KINDS (1 = "final_norm": the output of the target's final
@@ -51,11 +60,11 @@ if TYPE_CHECKING:  # the engine class needs the compiled extension; this module 
     from fabric import TransferEngine
 
 MAGIC = b"PDCX"
-RECORD_VERSION = 2                 # pdserve.serving.build_identity.CONTEXT_RECORD_VERSION states it
+RECORD_VERSION = 3                 # pdserve.serving.build_identity.CONTEXT_RECORD_VERSION states it
 HIDDEN_KIND = "final_norm"         # the only kind written today (build_identity.HIDDEN_KIND states it)
 HIDDEN_DTYPES = {"float32": 1}     # name -> code in the header
 HIDDEN_KINDS = {"final_norm": 1}   # name -> code in the header
-# magic, version, header_nbytes, hidden_size, top_k, hidden_dtype, hidden_kind, reserved, identity,
+# magic, version, header_nbytes, hidden_size, top_k, hidden_dtype, hidden_kind, history, identity,
 # attempt, imm_tag, position, body_nbytes, checksum, 8 pad bytes
 HEADER = struct.Struct("<4sHHIIBBH16sIIIII8x")
 HEADER_NBYTES = HEADER.size        # 64
@@ -66,9 +75,10 @@ assert HEADER_NBYTES == 64 and _CRC_AT == 52 and struct.calcsize("<4sHHIIBBH") =
 
 @dataclass(frozen=True)
 class Context:
-    hidden: torch.Tensor          # [hidden_size] float32
+    hidden: torch.Tensor          # [hidden_size] float32, of the record's position
     top_ids: torch.Tensor         # [k] int32
     top_logprobs: torch.Tensor    # [k] float32
+    history: torch.Tensor | None = None  # [n, hidden_size] float32, positions position - n .. position - 1
 
 
 @dataclass(frozen=True)
@@ -111,13 +121,24 @@ class RecordHeader:
     top_k: int
     hidden_dtype: int
     hidden_kind: int
-    reserved: int
+    history: int
     identity: bytes
     attempt: int
     imm_tag: int
     position: int
     body_nbytes: int
     checksum: int
+
+
+MAX_HISTORY_ROWS = 4096            # a slot's capacity for earlier rows (the header counts them in a u16)
+
+
+def _history_capacity(h: RecordHeader) -> object:
+    """The history capacity a record's header implies (its body's size past the v2 body)."""
+    extra = h.body_nbytes - h.hidden_size * 4 - h.top_k * 8
+    if h.hidden_size < 1 or extra < 0 or extra % (h.hidden_size * 4):
+        return f"none that fits (body of {h.body_nbytes} bytes)"
+    return extra // (h.hidden_size * 4)
 
 
 class ContextRecordError(ValueError):
@@ -195,9 +216,12 @@ DAMAGES = (DAMAGE_FLIP, DAMAGE_VERSION, DAMAGE_IDENTITY)
 class ContextCodec:
     """The record of one model (hidden size) and top-k width: sizes, encoding, checked decoding."""
 
-    def __init__(self, hidden_size: int, top_k: int = 32, hidden_kind: str = HIDDEN_KIND) -> None:
+    def __init__(self, hidden_size: int, top_k: int = 32, hidden_kind: str = HIDDEN_KIND,
+                 history_rows: int = 0) -> None:
         if hidden_size < 1 or top_k < 1:
             raise ValueError(f"context record: hidden_size {hidden_size} and top_k {top_k} must be >= 1")
+        if not 0 <= history_rows <= MAX_HISTORY_ROWS:
+            raise ValueError(f"context record: history_rows {history_rows} outside 0..{MAX_HISTORY_ROWS}")
         if hidden_kind not in HIDDEN_KINDS:
             raise ValueError(f"context record: hidden kind {hidden_kind!r} is not one of {sorted(HIDDEN_KINDS)}")
         self.hidden_size = hidden_size
@@ -206,7 +230,8 @@ class ContextCodec:
         self.hidden_dtype = "float32"
         self.version = RECORD_VERSION
         self.header_nbytes = HEADER_NBYTES
-        self.body_nbytes = hidden_size * 4 + top_k * 8
+        self.history_rows = history_rows
+        self.body_nbytes = hidden_size * 4 + top_k * 8 + history_rows * hidden_size * 4
         self.slot_nbytes = self.header_nbytes + self.body_nbytes
 
     def slot_offset(self, slot: int) -> int:
@@ -224,15 +249,23 @@ class ContextCodec:
 
     def encode_into(self, staging: Staging, slot: int, hidden: torch.Tensor, logits: torch.Tensor,
                     identity: TransferIdentity, position: int) -> None:
-        """Write the record of `hidden` ([hidden_size], the target's final-norm output at prompt
-        position `position`) and the top-k of `logits` ([vocab]) for the transfer `identity`."""
+        """Write the record of `hidden` (the target's final-norm output at prompt position
+        `position`: [hidden_size], or [n + 1, hidden_size] for positions position - n .. position,
+        of which the last history_rows + 1 are kept) and the top-k of `logits` ([vocab]) for the
+        transfer `identity`."""
         self._slot(staging, slot)[:] = np.frombuffer(self.encode(hidden, logits, identity, position), dtype=np.uint8)
 
     def encode(self, hidden: torch.Tensor, logits: torch.Tensor, identity: TransferIdentity, position: int) -> bytes:
         """The record's slot_nbytes bytes (see encode_into); ValueError naming a bad shape or position."""
-        if tuple(hidden.shape) != (self.hidden_size,):
+        rows = hidden if hidden.dim() == 2 else hidden.view(1, -1)                # [n + 1, hidden_size]
+        if rows.shape[0] < 1 or rows.shape[1] != self.hidden_size or hidden.dim() not in (1, 2):
             raise ValueError(f"request {identity.request_id}: hidden state of shape {tuple(hidden.shape)}, "
-                             f"the record holds [{self.hidden_size}]")
+                             f"the record holds [{self.hidden_size}] (or [rows, {self.hidden_size}])")
+        if rows.shape[0] - 1 > position:
+            raise ValueError(f"request {identity.request_id}: {rows.shape[0]} hidden rows end at position "
+                             f"{position}: more than the positions there are")
+        history = rows[:-1][max(0, rows.shape[0] - 1 - self.history_rows):]     # [n, hidden_size]
+        hidden = rows[-1]
         if logits.dim() != 1 or logits.shape[0] < self.top_k:
             raise ValueError(f"request {identity.request_id}: logits of shape {tuple(logits.shape)}, the record "
                              f"needs one row of at least top_k={self.top_k}")
@@ -240,16 +273,20 @@ class ContextCodec:
             raise ValueError(f"request {identity.request_id}: position {position} outside 0..2**32-1")
         logprobs = torch.log_softmax(logits.float(), dim=-1)     # [vocab]
         top = torch.topk(logprobs, self.top_k)                   # [top_k] values / indices
+        past = torch.zeros(self.history_rows, self.hidden_size)                 # [history_rows, hidden_size]
+        past[: history.shape[0]] = history.detach().float()
         body = (hidden.detach().float().contiguous().numpy().tobytes()
-                + top.indices.to(torch.int32).numpy().tobytes() + top.values.contiguous().numpy().tobytes())
+                + top.indices.to(torch.int32).numpy().tobytes() + top.values.contiguous().numpy().tobytes()
+                + past.numpy().tobytes())
         assert len(body) == self.body_nbytes
-        raw = bytearray(self._header_bytes(identity, identity.digest(), position, 0) + body)
+        raw = bytearray(self._header_bytes(identity, identity.digest(), position, 0, history.shape[0]) + body)
         struct.pack_into("<I", raw, _CRC_AT, record_checksum(raw, self.slot_nbytes))
         return bytes(raw)
 
-    def _header_bytes(self, identity: TransferIdentity, digest: bytes, position: int, checksum: int) -> bytes:
+    def _header_bytes(self, identity: TransferIdentity, digest: bytes, position: int, checksum: int,
+                      history: int) -> bytes:
         return HEADER.pack(MAGIC, self.version, self.header_nbytes, self.hidden_size, self.top_k,
-                           HIDDEN_DTYPES[self.hidden_dtype], HIDDEN_KINDS[self.hidden_kind], 0, digest,
+                           HIDDEN_DTYPES[self.hidden_dtype], HIDDEN_KINDS[self.hidden_kind], history, digest,
                            identity.attempt, identity.imm_tag, position, self.body_nbytes, checksum)
 
     @staticmethod
@@ -288,6 +325,7 @@ class ContextCodec:
                                 ("top_k", self.top_k, h.top_k),
                                 ("hidden_dtype", self.hidden_dtype, _code_name(HIDDEN_DTYPES, h.hidden_dtype)),
                                 ("hidden_kind", self.hidden_kind, _code_name(HIDDEN_KINDS, h.hidden_kind)),
+                                ("history_rows", self.history_rows, _history_capacity(h)),
                                 ("body_nbytes", self.body_nbytes, h.body_nbytes)):
             if want != got:
                 raise ContextRecordError(name, want, got, f"request {rid}")
@@ -300,11 +338,17 @@ class ContextCodec:
                                 ("position", expect.position, h.position)):
             if want != got:
                 raise ContextRecordError(name, want, got, f"request {rid}")
+        if not h.history <= min(self.history_rows, expect.position):
+            raise ContextRecordError("history", f"at most {min(self.history_rows, expect.position)} rows "
+                                     f"(capacity {self.history_rows}, position {expect.position})", h.history,
+                                     f"request {rid}")
         hs, k, at = self.hidden_size, self.top_k, HEADER_NBYTES
+        past = at + hs * 4 + k * 8                       # the history rows' offset
         return Context(
             hidden=torch.from_numpy(raw[at : at + hs * 4].view(np.float32).copy()),
             top_ids=torch.from_numpy(raw[at + hs * 4 : at + hs * 4 + k * 4].view(np.int32).copy()),
-            top_logprobs=torch.from_numpy(raw[at + hs * 4 + k * 4 :].view(np.float32).copy()),
+            top_logprobs=torch.from_numpy(raw[at + hs * 4 + k * 4 : past].view(np.float32).copy()),
+            history=torch.from_numpy(raw[past : past + h.history * hs * 4].view(np.float32).copy()).view(h.history, hs),
         )
 
     def damage(self, staging: Staging, slot: int, kind: str, other: TransferIdentity | None = None) -> str:

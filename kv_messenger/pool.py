@@ -97,7 +97,7 @@ def register_pool(transport: TransferEngine, spec: KvCacheSpec, context_slots: i
     if len(transport.rails) > 1:
         logger.info("KV shard rails: %s", "; ".join(
             f"rank {rank} rail {rail} ({transport.rails[rail].domain})" for rank, rail in enumerate(rails)))
-    codec = ContextCodec(spec.hidden_size)
+    codec = ContextCodec(spec.hidden_size, history_rows=spec.context_history_rows)
     return RegisteredPool(shards.layout, shards, regions, codec, codec.alloc_staging(transport, slots=context_slots),
                           placements)
 

@@ -283,7 +283,8 @@ class PrefillNode:
         self.page_size: int = info.page_size
         self.provider: str = self.transport.provider
         # NodeInfo.build (version skew): the KV layout with this node's context record layout
-        self.identity = engine_identity(eng, self.codec.top_k, self.codec.version, self.codec.hidden_kind)
+        self.identity = engine_identity(eng, self.codec.top_k, self.codec.version, self.codec.hidden_kind,
+                                        self.codec.history_rows)
         for where in placement_info(self.sender.placements):      # D16, pdserve:kv_shard_placement_info
             node_metrics().kv_shard_placement.labels(**where.labels()).set(1)
         logger.info("prefill node %s: model %s, %d KV blocks of %d tokens, fabric %s",

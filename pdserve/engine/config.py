@@ -176,6 +176,10 @@ class EngineConfig:
         tests/integration/test_tensor_parallel.py). `tp_invariant_active` is the resolved choice.
     speculative_config: speculative decoding (E20, pdserve.engine.spec_decode): a SpeculativeConfig,
         or its dict / JSON form (vLLM's --speculative-config); None: off.
+    context_history_rows: hidden states of earlier prompt positions that a prefill hands over in its
+        context record besides the last one (kv_messenger.context), for a decode node's draft head to
+        write its history from (E20, D17); prefill and decode nodes must agree (it is part of their KV
+        layout, NodeInfo.build). 0: none.
     """
 
     model: str | None = None
@@ -200,6 +204,10 @@ class EngineConfig:
         "help": "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                 "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (greedy output is unchanged; "
                 "pdserve/engine/spec_decode/config.py lists the methods)"})
+    context_history_rows: int = field(default=0, metadata={
+        "help": "hidden states of the prompt positions before the last one that a prefill node hands a decode "
+                "node in the context record, for an eagle draft head's history (prefill and decode nodes must "
+                "agree; `pdserve up` sets it for eagle); at most 4096"})
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -210,6 +218,10 @@ class EngineConfig:
             raise ValueError(f"tp_invariant must be True, False or None (auto: on iff tensor_parallel_size > 1), "
                              f"got {self.tp_invariant!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        h = self.context_history_rows
+        if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= 4096:
+            raise ValueError(f"context_history_rows must be an integer in [0, 4096] (the context record's "
+                             f"history capacity), got {h!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.num_threads is not None:

@@ -77,6 +77,9 @@ class KvCacheSpec:
     hidden_size: int                # width of the hidden state a prefill hands over (D12)
     model_name: str
     shards: tuple[KvShardPool, ...] = ()   # every TP rank's pool, in rank order; () at TP 1
+    # hidden states of the positions before the handed-over one that a prefill also hands over
+    # (a decode node's draft head writes its history from them, E20); EngineConfig.context_history_rows
+    context_history_rows: int = 0
 
     @property
     def tp_size(self) -> int:
@@ -93,7 +96,9 @@ class PrefillDone:
 
     request_id: str
     block_ids: tuple[int, ...]      # its pages in the "full" group, in token order
-    hidden: torch.Tensor            # hidden: [hidden_size], the final norm's input at that position
+    # hidden: [hidden_size], the final norm's output at that position; or [n + 1, hidden_size] with
+    # the n positions before it first (KvCacheSpec.context_history_rows, n fewer for a short prompt)
+    hidden: torch.Tensor
     logits: torch.Tensor            # logits: [vocab]
 
 

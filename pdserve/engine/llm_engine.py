@@ -190,6 +190,9 @@ class LLMEngine:
         self.sampler = Sampler()
         self._default_generator = torch.Generator().manual_seed(config.seed)
         self._tracked: dict[str, _Tracked] = {}
+        # a prefill node's last hidden states per prefill-only request (_keep_tails): rid -> (position of row 0, [n, H])
+        self._history_rows = config.context_history_rows
+        self._tails: dict[str, tuple[int, torch.Tensor]] = {}
         self._hold_on_finish: set[str] = set()
         self._held: dict[str, Request] = {}  # finished, blocks kept until release_blocks
         # Pages of abandoned transfers that a write may still land in (S5), by quarantine id:
@@ -207,6 +210,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_first_steps = 0          # passes that sampled a request's first output token(s)
         self.num_first_step_tokens = 0    # tokens those passes emitted (> 1 each: drafts accepted)
+        self.num_handoff_history_rows = 0  # head history rows written from context records (kv_ready)
 
     def _kv_cache_spec(self, groups) -> KvCacheSpec:
         layer_types = tuple(self.arch.layer_types)
@@ -217,7 +221,8 @@ class LLMEngine:
                                             g.sliding_window))
         return KvCacheSpec(buffer=self.kv_cache.buffer, shape=self.kv_cache.shape, dtype=self.kv_cache.dtype,
                            groups=tuple(specs), hidden_size=self.arch.hidden_size, model_name=self.source.name,
-                           shards=tp_shard_pools(self.tp, self.kv_cache))
+                           shards=tp_shard_pools(self.tp, self.kv_cache),
+                           context_history_rows=self.config.context_history_rows)
 
     def _activation_bytes(self, dtype: torch.dtype) -> int:
         a, s = self.arch, self.config.scheduler
@@ -301,18 +306,25 @@ class LLMEngine:
         reason = FinishReason.ERROR if error is not None else FinishReason.ABORT
         return self._finish(tracked, reason, new_ids=(), delta="", error=error)
 
-    def kv_ready(self, request_id: str, context_hidden: torch.Tensor | None = None) -> None:
+    def kv_ready(self, request_id: str, context_hidden: torch.Tensor | None = None,
+                 context_history: torch.Tensor | None = None) -> None:
         """All of a remote-prefill request's KV writes have landed: schedule its first decode.
 
         From now on its complete prompt blocks are valid, so they join the prefix cache.
         context_hidden: the prefill node's final-norm hidden state of the position before the
         last prompt token ([hidden], D12/D17): a draft head starts from it, so the first decode
-        step already verifies drafts."""
+        step already verifies drafts. context_history: [n, hidden] the states of the n positions
+        before that one (EngineConfig.context_history_rows), from which a draft head writes its
+        history rows for the end of the prompt."""
         request = self._tracked[request_id].request
         self.scheduler.kv_ready(request)
         self.cache_manager.commit(request)
         if context_hidden is not None and self.speculator is not None and self.speculator.uses_hidden:
-            self.speculator.note(request, context_hidden, request.num_computed_tokens - 1)
+            position = request.num_computed_tokens - 1
+            if context_history is not None and context_history.shape[0] and self.speculator.wants_all_hidden:
+                self.speculator.seed_history(request, context_history, position)
+                self.num_handoff_history_rows += context_history.shape[0]
+            self.speculator.note(request, context_hidden, position)
 
     def kv_abandoned(self, request_id: str, prefill_locally: bool, error: str) -> RequestOutput | None:
         """The remote prefill of a request waiting for its KV failed (S3, S5).
@@ -452,9 +464,12 @@ class LLMEngine:
         if conn is not None:
             conn.on_schedule(sched, {c.request_id: self._group_tables(c.request_id) for c in sched.chunks})
         heads = self.speculator is not None and self.speculator.wants_all_hidden
-        out = self.runner.execute(sched, conn.on_layer_done if conn is not None else None, all_hidden=heads)
+        tails = self._history_rows > 0 and conn is not None and any(c.request.prefill_only for c in sched.chunks)
+        out = self.runner.execute(sched, conn.on_layer_done if conn is not None else None, all_hidden=heads or tails)
         if heads:   # a draft head writes its rows for what the pass computed (before the verdicts)
             self.speculator.after_pass(sched.chunks, out.all_hidden)
+        if tails:
+            self._keep_tails(sched.chunks, out.all_hidden)
         # what speculation's control weighs drafts against: passes of decodes and verifications
         # only (a prefill chunk's tokens cost on another slope: compute-bound, and its attention)
         if self.speculator is not None and all(c.samples and c.num_known == 1 for c in sched.chunks):
@@ -515,8 +530,9 @@ class LLMEngine:
             if r.prefill_only and c.end == r.target_computed_tokens:
                 row = out.chunk_rows[r.request_id]
                 if self._prefill_conn is not None:
+                    hidden = self._tail_of(r, c.end) if self._history_rows else out.hidden[row]
                     self._prefill_conn.on_prefill_done(PrefillDone(r.request_id, tuple(self.block_table(r.request_id)),
-                                                                   out.hidden[row], out.logits[row]))
+                                                                   hidden, out.logits[row]))
                 results.append(self._finish(tracked, FinishReason.PREFILLED, new_ids=(), delta=""))
                 continue
             if not c.samples:
@@ -531,6 +547,31 @@ class LLMEngine:
         self.num_first_steps += len(firsts)
         self.num_first_step_tokens += sum(len(r.output_token_ids) for r in firsts)
         return results
+
+    def _keep_tails(self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor) -> None:
+        """A prefill node's context history (EngineConfig.context_history_rows): keep the last
+        rows + 1 final-norm hidden states each prefill-only request computed. hidden: [T, H], the
+        chunks' tokens in order."""
+        keep = self._history_rows + 1
+        q = 0
+        for c in chunks:
+            base, q = q, q + c.num_tokens
+            r = c.request
+            if not r.prefill_only:
+                continue
+            rows = hidden[base:q].detach().clone()                                   # [n, H]
+            start, held = self._tails.get(r.request_id, (c.start, rows[:0]))
+            if start + held.shape[0] != c.start:      # not where the last chunk ended (a recompute)
+                start, held = c.start, rows[:0]
+            both = torch.cat((held, rows))[-keep:]
+            self._tails[r.request_id] = (c.end - both.shape[0], both)
+
+    def _tail_of(self, r: Request, end: int) -> torch.Tensor:
+        """The kept states of positions .. end - 1 ([n, H], n <= rows + 1, at least that one)."""
+        start, rows = self._tails.pop(r.request_id)
+        if start + rows.shape[0] != end:
+            raise RuntimeError(f"{r!r}: kept hidden states end at {start + rows.shape[0]}, its prefill at {end}")
+        return rows
 
     def _generators(self, c: ScheduledChunk) -> list[torch.Generator]:
         """One generator per sampled row of a chunk. A seeded request's row j draws as its output
@@ -659,6 +700,7 @@ class LLMEngine:
         r.status = RequestStatus.FINISHED
         r.finish_reason = reason
         del self._tracked[r.request_id]
+        self._tails.pop(r.request_id, None)
         delta += tracked.detok.finish()
         completion = CompletionOutput(
             text=tracked.detok.text,
@@ -746,6 +788,7 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_first_steps=self.num_first_steps,
             num_first_step_tokens=self.num_first_step_tokens,
+            spec_handoff_history_rows=self.num_handoff_history_rows,
             **self._spec_metrics(),
         )
 

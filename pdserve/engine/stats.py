@@ -34,6 +34,9 @@ class EngineMetrics:
     # the hidden state the prefill node shipped (D17) were accepted at once
     num_first_steps: int = 0
     num_first_step_tokens: int = 0
+    # rows of a draft head's history a decode node wrote from context records (the hidden states of
+    # the prompt's last positions a prefill node handed over, EngineConfig.context_history_rows)
+    spec_handoff_history_rows: int = 0
     # speculative decoding (E20), vLLM's meaning: a "draft" is one verified proposal of one sequence
     # in one step (0 proposed tokens is no draft); accepted tokens exclude the bonus token
     spec_num_drafts: int = 0

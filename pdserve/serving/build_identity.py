@@ -42,11 +42,12 @@ logger = logging.getLogger(__name__)
 
 COMMIT_ENV = "PDSERVE_GIT_COMMIT"
 # The context slot's layout (kv_messenger.context, D19): a versioned 64-byte header (identity,
-# layout, position, crc32), then the hidden state and the top-k ids and logprobs. Bump the version
+# layout, position, crc32), then the hidden state, the top-k ids and logprobs, and the history rows
+# (hidden states of earlier positions, a draft head's; 0 of them by default). Bump the version
 # (here and kv_messenger.context.RECORD_VERSION; tests/unit/test_context_record.py checks they
 # agree) when the record changes in any other way than its sizes.
-CONTEXT_RECORD = "ctx2"
-CONTEXT_RECORD_VERSION = 2
+CONTEXT_RECORD = "ctx3"
+CONTEXT_RECORD_VERSION = 3
 HIDDEN_KIND = "final_norm"   # the state the draft head was made for: the target's final-norm output
 HASH_DIGITS = 16
 _SHA = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")   # sha1 or sha256 object names
@@ -66,11 +67,12 @@ class KvLayoutKey:
     context_top_k: int    # context record: top-k ids (int32) and logprobs (float32); 0: none (colocated)
     context_version: int = CONTEXT_RECORD_VERSION   # context record: its header's version
     hidden_kind: str = HIDDEN_KIND                  # context record: which state of the target the hidden is
+    context_history: int = 0                        # context record: hidden rows of earlier positions
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim", "page_size", "hidden_size", "context_top_k",
-                     "context_version"):
-            v, least = getattr(self, name), 0 if name == "context_top_k" else 1
+                     "context_version", "context_history"):
+            v, least = getattr(self, name), 0 if name in ("context_top_k", "context_history") else 1
             if not isinstance(v, int) or isinstance(v, bool) or v < least:
                 raise ValueError(f"KvLayoutKey.{name} must be an integer >= {least}, got {v!r}")
         if not self.dtype or not isinstance(self.dtype, str):
@@ -83,7 +85,8 @@ class KvLayoutKey:
         return (f"layers={self.num_layers} kv_heads={self.kv_heads} head_dim={self.head_dim} "
                 f"page={self.page_size} dtype={self.dtype} {CONTEXT_RECORD}=v{self.context_version}header,"
                 f"hidden{self.hidden_size}xf32:{self.hidden_kind},top{self.context_top_k}xi32,"
-                f"top{self.context_top_k}xf32,crc32")
+                f"top{self.context_top_k}xf32,crc32" + (f",history{self.context_history}x{self.hidden_size}xf32"
+                                                        if self.context_history else ""))
 
     def digest(self) -> str:
         return hashlib.sha256(self.describe().encode()).hexdigest()[:HASH_DIGITS]
@@ -221,14 +224,15 @@ def node_identity(model: str, model_dir: str | os.PathLike[str], layout: KvLayou
 
 
 def engine_identity(engine: LLMEngine, context_top_k: int, context_version: int = CONTEXT_RECORD_VERSION,
-                    hidden_kind: str = HIDDEN_KIND) -> BuildIdentity:
+                    hidden_kind: str = HIDDEN_KIND, context_history: int = 0) -> BuildIdentity:
     """`node_identity` of a built engine: its model, and its KV pool's geometry (the model's total KV
     heads, the pages' dtype) with a context record of `context_top_k` (0 for a colocated node), of
     header version `context_version`, carrying the hidden state of kind `hidden_kind` (the nodes
-    pass their ContextCodec's)."""
+    pass their ContextCodec's) and `context_history` rows of earlier hidden states."""
     info = engine.info()
     layout = KvLayoutKey(num_layers=info.num_layers, kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                          page_size=info.page_size, dtype=str(engine.kv_cache.dtype).removeprefix("torch."),
                          hidden_size=info.hidden_size, context_top_k=context_top_k,
-                         context_version=context_version, hidden_kind=hidden_kind)
+                         context_version=context_version, hidden_kind=hidden_kind,
+                         context_history=context_history)
     return node_identity(info.model_name, engine.source.path, layout)

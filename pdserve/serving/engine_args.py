@@ -72,6 +72,7 @@ _FLAGS = (
     _Flag(EngineConfig, "tensor_parallel_size", metavar="N", aliases=("-tp",)),
     _Flag(EngineConfig, "tp_invariant", negatable=True),
     _Flag(EngineConfig, "speculative_config", type=str, metavar="JSON"),
+    _Flag(EngineConfig, "context_history_rows", metavar="N"),
 )
 
 

@@ -45,8 +45,11 @@ Speculative decoding (E20): `speculative_config` (`--speculative-config JSON`, v
 ClusterConfig is made, so a bad one is a ValueError (its own message) before any process starts (what
 needs the model, e.g. self_draft_layers beyond its depth, fails that node's start: ClusterStartError
 with its log), and is passed as `--speculative-config` to every decode and colocated node, never to a
-prefill node (it never decodes). engine_args go to every node, so `--speculative-config` there is refused (a
-ValueError pointing here) rather than also reaching the prefill nodes; there is one way to give it.
+prefill node (it never decodes). With an eagle head every node also gets `--context-history-rows
+128` (EAGLE_HISTORY_ROWS): prefill nodes hand decode nodes the prompt's last 128 hidden states in
+the context record, from which the decode node's head writes its history. engine_args go to every
+node, so `--speculative-config` there is refused (a ValueError pointing here) rather than also
+reaching the prefill nodes; there is one way to give it.
 
 Security (S9): with `tls`, the start makes a throwaway CA and one certificate per child (named
 after it: prefill-0, decode-0, router) plus one for clients ("client"), in `<log_dir>/security/`
@@ -83,7 +86,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.spec_decode.config import EAGLE_HISTORY_ROWS, SpeculativeConfig
 from pdserve.serving.channels import PLAINTEXT, TOKEN_ENV, ChannelSecurity, open_sync_channel, security_argv
 from pdserve.serving.logs import FORMATS
 from pdserve.tools.certs import make_pki
@@ -297,6 +300,11 @@ def _engine_flags(config: ClusterConfig) -> list[str]:
         flags += ["--num-blocks", str(config.num_blocks)]
     if config.threads_per_node is not None:
         flags += ["--threads", str(config.threads_per_node)]
+    spec = config.speculative_config
+    if spec is not None and spec.method == "eagle" and config.prefill:
+        # the decode nodes' head writes its history from the prompt's last hidden states, which every
+        # node's context record then carries (both sides' KV layout: prefill and decode nodes alike)
+        flags += ["--context-history-rows", str(EAGLE_HISTORY_ROWS)]
     return flags + list(config.engine_args)
 
 

@@ -41,7 +41,8 @@ def test_the_kv_layout_hash_changes_with_each_covered_field_and_is_stable_otherw
     assert KEY.digest() == KvLayoutKey(**dataclasses.asdict(KEY)).digest()   # same fields, same hash
     assert len(KEY.digest()) == 16 and "page=16" in KEY.describe() and "dtype=float32" in KEY.describe()
     changed = {"num_layers": 3, "kv_heads": 4, "head_dim": 32, "page_size": 32, "dtype": "bfloat16",
-               "hidden_size": 128, "context_top_k": 16, "context_version": 3, "hidden_kind": "pre_norm"}
+               "hidden_size": 128, "context_top_k": 16, "context_version": 4, "hidden_kind": "pre_norm",
+               "context_history": 128}
     assert set(changed) == {f.name for f in dataclasses.fields(KvLayoutKey)}, "every field is covered"
     digests = {KEY.digest()}
     for name, value in changed.items():
@@ -50,7 +51,7 @@ def test_the_kv_layout_hash_changes_with_each_covered_field_and_is_stable_otherw
         digests.add(other.digest())
     assert len(digests) == 1 + len(changed)
     for bad in ({"page_size": 0}, {"kv_heads": -1}, {"dtype": ""}, {"num_layers": True}, {"context_version": 0},
-                {"hidden_kind": ""}):
+                {"hidden_kind": ""}, {"context_history": -1}):
         with pytest.raises(ValueError, match="KvLayoutKey"):
             dataclasses.replace(KEY, **bad)
 
@@ -182,27 +183,30 @@ def test_the_prefill_pool_never_chooses_a_node_of_another_kv_layout_or_model(tmp
 
 def test_the_prefill_pool_never_chooses_a_node_of_another_context_record_layout(tmp_path):
     """D19: a prefill node whose context record this decode node cannot consume (another header
-    version, another hidden kind) is skipped like another KV layout, its announced layout named."""
+    version, another hidden kind, another count of history rows) is skipped like another KV layout,
+    its announced layout named."""
     from fabric import PeerDescriptor
 
     own = _identity(tmp_path)
-    assert "ctx2=v2header" in own.kv_layout and ":final_norm," in own.kv_layout
+    assert "ctx3=v3header" in own.kv_layout and ":final_norm," in own.kv_layout and "history" not in own.kv_layout
     peer = peer_to_bytes(PeerDescriptor(provider="shm", address=b"\x01", engine_id="e" * 32, host_id="h", pid=1,
                                         start_time=1))
 
     async def main() -> None:
         nodes = [_Prefill("good", own, peer), _Prefill("v1", _identity(tmp_path, context_version=1), peer),
-                 _Prefill("kind", _identity(tmp_path, hidden_kind="pre_norm"), peer)]
+                 _Prefill("kind", _identity(tmp_path, hidden_kind="pre_norm"), peer),
+                 _Prefill("hist", _identity(tmp_path, context_history=128), peer)]
         served = [await _serve(s) for s in nodes]
-        a_good, a_v1, a_kind = (a for _, a in served)
-        pool = PrefillPool([a_good, a_v1, a_kind], identity=own)
+        a_good, a_v1, a_kind, a_hist = (a for _, a in served)
+        pool = PrefillPool([a_good, a_v1, a_kind, a_hist], identity=own)
         try:
             await pool.refresh()
             assert {pool.choose(exclude=set()).address for _ in range(6)} == {a_good}
             assert pool.choose(exclude={a_good}) is None
             down = pool.describe_down()
-            assert f"{a_v1} (incompatible: KV layout differ" in down and "ctx2=v1header" in down
+            assert f"{a_v1} (incompatible: KV layout differ" in down and "ctx3=v1header" in down
             assert f"{a_kind} (incompatible: KV layout differ" in down and ":pre_norm," in down
+            assert f"{a_hist} (incompatible: KV layout differ" in down and "history128x" in down
         finally:
             await pool.close()
             for server, _ in served:

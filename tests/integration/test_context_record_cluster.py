@@ -27,6 +27,7 @@ from support.prometheus import fetch, parse, total
 from support.reference import REFERENCE_PROMPTS
 from support.wait import wait_until
 
+from kv_messenger.context import RECORD_VERSION
 from kv_messenger.sender import TEST_BAD_CONTEXT_ENV
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tools.client import Client
@@ -81,7 +82,7 @@ def test_a_damaged_record_is_rejected_counted_and_the_request_re_prefilled_exact
             assert decode_metric(cluster, REJECTED) == n, prefix
     decode_log = (cluster.log_dir / "decode-0.log").read_text(errors="replace")
     prefill_log = (cluster.log_dir / "prefill-0.log").read_text(errors="replace")
-    how = {"flip": "flipped bit 6 of body byte 3", "version": "wrote version 1",
+    how = {"flip": "flipped bit 6 of body byte 3", "version": f"wrote version {RECORD_VERSION - 1}",
            "identity": "wrote request ctx-identity-0~other's identity (checksum resealed)"}
     for prefix, (kind, field) in DAMAGED.items():
         # attempt 0 damaged as asked and rejected naming the field; attempt 1 (undamaged) served

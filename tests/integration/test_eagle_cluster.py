@@ -3,8 +3,9 @@
 One real cluster (1 prefill + 1 decode + router over shm, the default model, a small pool) whose
 decode node drafts with the eagle head that ships for the default model (`{"method": "eagle"}`,
 no model: eagle.SHIPPED_HEADS). The prefill node ships the hidden state of the position before the
-last prompt token in the context record; the decode node's first step feeds that last token AND
-verifies the head's drafts from the shipped state. Greedy outputs of the reference prompts (prose,
+last prompt token in the context record, and the 128 before it (the head's history, written into
+the decode node's head pool); the decode node's first step feeds that last token AND verifies the
+head's drafts from the shipped state. Greedy outputs of the reference prompts (prose,
 code, repetition) through the router equal transformers' token for token (and so colocated plain
 decoding's: test_engine_reference); the decode node's first steps emit more than one token on
 average (pdserve:first_step_tokens_total / pdserve:first_steps_total; exactly 1 without speculation:
@@ -67,5 +68,9 @@ def test_greedy_outputs_equal_transformers_and_the_first_step_speculates(cluster
     accepted = total(decode, "pdserve:spec_decode_num_accepted_tokens_total")
     assert drafts >= len(REFERENCE_PROMPTS) and 0 < accepted <= draft_tokens <= K * drafts, \
         (drafts, draft_tokens, accepted)
+    # the head's history of each prompt's end came with the context record (pdserve up sets
+    # --context-history-rows 128 on both nodes with an eagle config): at most 128 rows a request
+    rows = total(decode, "pdserve:spec_decode_handoff_history_rows_total")
+    assert len(REFERENCE_PROMPTS) <= rows <= 128 * len(REFERENCE_PROMPTS), rows
     assert total(decode, "pdserve:kv_stale_writes_total") == 0
     assert_no_page_leak(cluster)

@@ -340,3 +340,53 @@ def test_eagle_drafts_attend_over_the_heads_paged_history(llm, reference):
     # equal up to float rounding of the two orders of the same sums (a near-tie can flip an argmax)
     assert compared[1] >= 0.99 * compared[0], compared
     check_idle(llm)
+
+
+def test_a_decode_nodes_head_history_from_the_handed_over_states_is_the_colocated_one(llm, reference):
+    """On a decode node the head's history of the prompt is written from the hidden states the
+    prefill node hands over in the context record (EagleDrafts.seed_history; the last 128). From
+    the same states, a second head pool seeded that way at each request's first draft proposes
+    what the engine's head, which wrote its rows during its own prefill, proposes (prompts within
+    the 128-row window, no prefix hit)."""
+    import torch
+
+    from pdserve.engine.spec_decode.config import EAGLE_HISTORY_ROWS
+    from pdserve.engine.spec_decode.speculator import EagleDrafts
+
+    spec = speculate(llm, method="eagle", num_speculative_tokens=3, adaptive=False)
+    prop = spec.proposer
+    handed = EagleDrafts(prop.head, llm.engine.runner)   # what a decode node's head starts from
+    seen: dict[tuple[str, int], torch.Tensor] = {}
+    compared = [0, 0]
+    after, propose = prop.after_pass, prop.propose_batch
+
+    def record(chunks, hidden):
+        q = 0
+        for c in chunks:
+            for j in range(c.num_tokens):
+                seen[(c.request_id, c.start + j)] = hidden[q + j].float().clone()
+            q += c.num_tokens
+        after(chunks, hidden)
+
+    def check(requests, ks):
+        got = propose(requests, ks)
+        for r, k, d in zip(requests, ks, got, strict=True):
+            nc, rid = r.num_computed_tokens, r.request_id
+            if not d or len(r.output_token_ids) != 1 or r.num_reused_tokens or nc - 1 > EAGLE_HISTORY_ROWS:
+                continue
+            # the record's position is nc - 1 (a decode node's prefill stops before the last prompt
+            # token; here the state one position later, the same arithmetic): rows before it
+            rows = torch.stack([seen[(rid, j)] for j in range(0, nc - 1)])        # [nc - 1, H]
+            handed.seed_history(r, rows[-EAGLE_HISTORY_ROWS:], nc - 1)
+            handed.note(r, seen[(rid, nc - 1)], nc - 1)
+            compared[0] += 1
+            compared[1] += handed.propose_batch([r], [k])[0] == d
+        return got
+
+    prop.after_pass, prop.propose_batch = record, check
+    # prompts no earlier test ran (no prefix hit), of every kind
+    fresh = [f"Note {i}: {REFERENCE_PROMPTS[i]}" for i in (0, 1, 2, 3, 4, 5)]
+    llm.generate(fresh, greedy())
+    assert compared[0] >= 4, compared
+    assert compared[1] >= compared[0] - 1, compared
+    check_idle(llm)

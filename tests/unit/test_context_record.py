@@ -179,4 +179,51 @@ def test_the_announced_record_layout_is_the_codecs():
     assert build_identity.HIDDEN_KIND == HIDDEN_KIND == ContextCodec(H, K).hidden_kind
     key = KvLayoutKey(num_layers=2, kv_heads=2, head_dim=16, page_size=16, dtype="float32", hidden_size=H,
                       context_top_k=K)
-    assert f"ctx2=v{RECORD_VERSION}header,hidden{H}xf32:final_norm,top{K}xi32,top{K}xf32,crc32" in key.describe()
+    assert f"ctx3=v{RECORD_VERSION}header,hidden{H}xf32:final_norm,top{K}xi32,top{K}xf32,crc32" in key.describe()
+    # history rows are part of the layout: nodes that disagree on them do not pair
+    longer = KvLayoutKey(num_layers=2, kv_heads=2, head_dim=16, page_size=16, dtype="float32", hidden_size=H,
+                         context_top_k=K, context_history=128)
+    assert f"crc32,history128x{H}xf32" in longer.describe() and longer.digest() != key.digest()
+
+
+def test_history_rows_round_trip_and_a_short_prompt_sends_fewer():
+    """Version 3: the hidden states of the positions before the record's (a decode node's draft head
+    writes its history from them) follow the v2 body; the header counts those present."""
+    codec = ContextCodec(H, K, history_rows=5)
+    assert codec.slot_nbytes == HEADER_NBYTES + H * 4 + K * 8 + 5 * H * 4
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(8, H, generator=g)           # positions POSITION - 7 .. POSITION
+    logits = torch.randn(50, generator=g)
+    raw = codec.encode(rows, logits, IDENT, POSITION)
+    ctx = codec.decode_bytes(raw, EXPECT)
+    assert torch.equal(ctx.hidden, rows[-1]) and torch.equal(ctx.history, rows[-6:-1])   # the last 5 before it
+    assert codec.read_header(raw).history == 5
+    # a prompt with 2 positions before the record's: 2 rows, the rest of the slot zeros
+    short = codec.encode(rows[:3], logits, IDENT, 2)
+    ctx = codec.decode_bytes(short, ExpectedRecord(IDENT, 2))
+    assert torch.equal(ctx.history, rows[:2]) and torch.equal(ctx.hidden, rows[2])
+    assert not any(short[-3 * H * 4:])
+    # one row: as without history
+    assert codec.decode_bytes(codec.encode(rows[-1], logits, IDENT, POSITION), EXPECT).history.shape == (0, H)
+    assert ContextCodec(H, K).decode_bytes(_record()[0], EXPECT).history.shape == (0, H)
+    with pytest.raises(ValueError, match="more than the positions there are"):
+        codec.encode(rows, logits, IDENT, 6)        # 8 rows cannot end at position 6
+    with pytest.raises(ValueError, match="history_rows 5000"):
+        ContextCodec(H, K, history_rows=5000)
+
+
+def test_a_record_of_another_history_capacity_or_a_count_past_it_is_refused():
+    # a smaller record in a slot of the decoder's size (the rest of the slot as it was: zeros)
+    theirs, ours = ContextCodec(H, K, history_rows=4), ContextCodec(H, K, history_rows=8)
+    raw = _record(theirs)[0] + bytes(ours.slot_nbytes - theirs.slot_nbytes)
+    err = _error(raw, ours)
+    assert err.field == "history_rows" and "got 4, expected 8" in str(err)
+    ours = ContextCodec(H, K, history_rows=2)
+    err = _error(_record()[0] + bytes(ours.slot_nbytes - ContextCodec(H, K).slot_nbytes), ours)
+    assert err.field == "history_rows" and "got 0, expected 2" in str(err)
+    # a sealed header claiming more rows than the slot holds (or than precede the position)
+    codec = ContextCodec(H, K, history_rows=4)
+    forged = bytearray(codec.encode(torch.randn(3, H), torch.randn(50), IDENT, 2))
+    struct.pack_into("<H", forged, 18, 4)
+    err = _error(_reseal(forged), codec, ExpectedRecord(IDENT, 2))
+    assert err.field == "history" and "got 4" in str(err)

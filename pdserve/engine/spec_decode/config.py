@@ -33,6 +33,10 @@ SPEC_METHODS = ("ngram", "draft_model", "eagle")
 MAX_SPECULATIVE_TOKENS = 16        # a verification chunk is 1 + K query tokens of one sequence
 DEFAULT_LOOKUP_MAX = 4
 DEFAULT_LOOKUP_MIN = 2
+# Rows of its own history an eagle head attends over when it drafts: the window it was trained on
+# (`pdserve draft train --seq-len`, default 128), which also bounds the gather of each draft; and
+# the prompt rows a prefill node hands a decode node for it (EngineConfig.context_history_rows).
+EAGLE_HISTORY_ROWS = 128
 
 
 def _int_at_least(name: str, value: object, low: int) -> None:

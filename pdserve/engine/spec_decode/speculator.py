@@ -39,7 +39,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampling.sampler import GREEDY_EPS, filtered_probs, token_seed
 from pdserve.engine.scheduler.output import ScheduledChunk, SchedulerOutput
-from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.spec_decode.config import EAGLE_HISTORY_ROWS, SpeculativeConfig
 from pdserve.engine.spec_decode.control import SpeculationControl
 from pdserve.engine.spec_decode.rejection import rejection_sample
 from pdserve.kernels.ops.norm_act import argmax_rows
@@ -84,6 +84,10 @@ class Proposer(abc.ABC):
         """After a target pass over `chunks` (before its verdicts): the final-norm hidden state of
         every token it fed ([T, hidden], the chunks' tokens in order); for `wants_all_hidden`."""
 
+    def seed_history(self, request: Request, hidden: torch.Tensor, position: int) -> None:  # noqa: B027
+        """A decode node's handed-over history: the target's hidden states of the positions
+        position - n .. position - 1 ([n, hidden], before the one `note` gets); for `wants_all_hidden`."""
+
     def own_pool(self) -> PagedKVCache | None:
         """A KV pool of the proposer's own indexed by the target's block ids (a draft model's), for
         the engine's swap pool to move with the target's (`carry_offloads`); None: it has none."""
@@ -108,11 +112,6 @@ class SlotProposer(Proposer):
     @abc.abstractmethod
     def draft(self, chunks: Sequence[ScheduledChunk]) -> list[Drafted]:
         """At most len(c.draft_token_ids) tokens for each granted chunk (its drafts are placeholders)."""
-
-
-# Rows of its own history a draft head attends over when it drafts: the window it was trained on
-# (`pdserve draft train --seq-len`, default 128), which also bounds the gather of each draft.
-EAGLE_HISTORY_ROWS = 128
 
 
 @dataclass
@@ -144,9 +143,9 @@ class EagleDrafts(TokenProposer):
     the request's num_computed_tokens). Where no target hidden state exists for a position the
     history starts after it: the first prompt token, a prefix-cache hit (those blocks' head rows
     are not trusted: another request, or a KV transfer, may have filled them), the prompt of a
-    decode node's remote prefill (it drafts from the shipped hidden state over no history), a
-    preemption's recompute, an offload unless the swap pool carries the head's pool
-    (`carry_offloads`)."""
+    decode node's remote prefill before the rows its context record hands over (`seed_history`,
+    EngineConfig.context_history_rows; none by default), a preemption's recompute, an offload
+    unless the swap pool carries the head's pool (`carry_offloads`)."""
 
     uses_hidden = True
     wants_all_hidden = True
@@ -236,6 +235,25 @@ class EagleDrafts(TokenProposer):
         offs = pos_t % P
         self.pool.k[0][pages_t, :, offs] = k.to(self.pool.dtype)   # k pool: [pages, Hkv, page_size, D]
         self.pool.v[0][pages_t, :, offs] = v.to(self.pool.dtype)
+
+    def seed_history(self, request: Request, hidden: torch.Tensor, position: int) -> None:
+        """The prompt's last rows on a decode node (kv_messenger.context history): the head's rows
+        for positions position - n + 1 .. position, from the target's states at position - n ..
+        position - 1 (`hidden`, [n, H]) and the prompt's tokens there."""
+        n = hidden.shape[0]
+        if self.pool is None or n == 0:
+            return
+        if n > position:
+            raise ValueError(f"{request!r}: {n} history rows before position {position}")
+        P = self._page_size
+        pos = torch.arange(position - n + 1, position + 1)                          # [n]
+        toks = torch.tensor(request.token_slice(position - n + 1, position + 1))    # [n] x_j
+        k, v = self.head.history_kv(toks, hidden.float(), pos)                       # [n, Hkv, D] each
+        table = torch.tensor(self._cache_manager.block_table(request.request_id), dtype=torch.long)
+        pages = table[pos // P]
+        self.pool.k[0][pages, :, pos % P] = k.to(self.pool.dtype)
+        self.pool.v[0][pages, :, pos % P] = v.to(self.pool.dtype)
+        self._history[request.request_id] = _HeadHistory(request, position - n + 1, position + 1, self._epoch(request))
 
     def _past(self, requests: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The history K/V each request drafts over: (k, v [B, Hkv, L, D], valid [B, L]), None if none has any."""
@@ -363,6 +381,9 @@ class Speculator:
 
     def after_pass(self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor) -> None:
         self.proposer.after_pass(chunks, hidden)
+
+    def seed_history(self, request: Request, hidden: torch.Tensor, position: int) -> None:
+        self.proposer.seed_history(request, hidden, position)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """A pass of `num_tokens` query tokens took `seconds`, drafting included (the control's cost fit)."""

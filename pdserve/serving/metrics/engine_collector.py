@@ -64,6 +64,9 @@ COUNTERS: tuple[tuple[str, str, Callable[[EngineMetrics], float]], ...] = (
     ("pdserve:first_steps", "Passes that sampled a request's first output token(s).", lambda m: m.num_first_steps),
     ("pdserve:first_step_tokens", "Tokens those passes emitted: more than one each when drafts (on a decode "
      "node, from the prefill node's hidden state) were accepted at once.", lambda m: m.num_first_step_tokens),
+    ("pdserve:spec_decode_handoff_history_rows", "Rows of the draft head's history a decode node wrote from "
+     "context records (hidden states of the prompt's last positions the prefill node handed over).",
+     lambda m: m.spec_handoff_history_rows),
     ("pdserve:spec_decode_num_drafts", "Speculative drafts verified (one per speculating sequence per step).",
      lambda m: m.spec_num_drafts),
     ("pdserve:spec_decode_num_draft_tokens", "Draft tokens verified.", lambda m: m.spec_num_draft_tokens),
