@@ -35,41 +35,6 @@ def test_batch_one_on_weight_bound_passes_speculates_even_with_modest_acceptance
     assert c.choose({"a": 4}, 1) == {"a": 4}
 
 
-def b1_passes(c: SpeculationControl, n: int = 40) -> None:
-    """Batch 1 where a pass is partly compute-bound: 16 ms for a decode, +2.75 ms per more token
-    (a 2-core EPYC: a 3-token verification cost 1.35x a decode, bench/results/spec_decode.md)."""
-    for i in range(n):
-        t = 1 if i % 2 else 3
-        c.observe(t, 0.01325 + 0.00275 * t)
-
-
-def test_batch_one_fits_its_line_from_decodes_and_verifications_and_cuts_drafts_that_cost():
-    for accepted, keeps in ((0, False), (2, True)):   # a head's prose drafts (~0.2 a token), then repetition
-        c = SpeculationControl()
-        b1_passes(c)
-        cost = c.cost()
-        assert cost is not None and cost.per_token_s == pytest.approx(0.00275)
-        c.observe_drafting(2, 0.003)               # a head: 1.5 ms per draft token
-        for i in range(40):
-            c.verified("a", 2, accepted if accepted or i % 4 else 1)
-        chosen = c.choose({"a": 2}, 1)
-        # prose: ~0.2 of a token for 4.25 ms of a ~16 ms pass, a loss; repetition: both tokens pay
-        assert chosen == ({"a": 2} if keeps else {}), (accepted, chosen, c.acceptance("a"))
-
-
-def test_the_last_fitted_line_is_kept_while_the_passes_stop_spreading():
-    c = SpeculationControl()
-    b1_passes(c)
-    line = c.cost()
-    for _ in range(300):                       # every draft cut: only decodes of 1 token from now on
-        c.observe(1, 0.016)
-    assert c.cost() == line
-    narrow = SpeculationControl()              # never spread: no line, nothing cut
-    for i in range(40):
-        narrow.observe(16 + i % 2, 0.040)      # a batch of 16, one draft token now and then
-    assert narrow.cost() is None
-
-
 def test_a_compute_bound_batch_drops_drafts_that_are_mostly_rejected():
     c = fitted(0.002, 0.002)        # every token costs as much as the fixed part
     for rid in "abcdefghijklmnop":

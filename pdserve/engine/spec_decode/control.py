@@ -8,14 +8,9 @@ keeps two estimates and chooses the drafts that maximise tokens emitted per seco
 - pass time t(T) = a + b * T for T query tokens: a least-squares line through the engine's own
   recent passes of decodes and verifications (`observe`, exponentially forgotten, FORGET per
   pass; passes with a prefill chunk are not observed: their tokens cost on a steeper slope, and
-  a line through both once cut batch-1 drafts that paid 2x, bench/results/spec_decode.md). The
-  passes must spread (token counts with a std of MIN_SPREAD, and MIN_REL_SPREAD of their mean:
-  at batch 1, decodes of 1 token mixed with verifications of 1 + K) to fit a line with a > 0 and b >= 0; until one is fitted,
-  nothing is cut. Once fitted, the line is kept while the passes stop spreading (the last one
-  the passes determined): a control that cut every draft at batch 1 sees only 1-token passes,
-  and forgetting the slope then would bring the drafts back for nothing. At batch 1 a
-  verification token is not free where the pass is partly compute-bound (a 3-token pass cost
-  1.35x a decode on a 2-core EPYC, bench/results/spec_decode.md): the line sees it.
+  a line through both once cut batch-1 drafts that paid 2x, bench/results/spec_decode.md). Until
+  the passes have varied enough to fit a line with a > 0 and b >= 0, nothing is cut (at batch 1
+  the token counts rarely spread enough: every proposal is verified there).
 - per-token acceptance alpha of each sequence: accepted / (accepted + rejected) over its recent
   verifications (FORGET_SEQ per verification), smoothed towards the acceptance of all sequences
   (PRIOR_WEIGHT pseudo-counts). A draft's j-th token is then accepted with probability alpha^j
@@ -59,8 +54,7 @@ PRIOR_WEIGHT = 2.0       # pseudo-verifications of the global acceptance in each
 PROBE_AFTER = 16         # steps without drafts before a sequence is first given one probe token
 PROBE_MAX = 128          # the longest probe interval (it doubles per verification that accepts nothing)
 PROBE_SHARE = 0.02       # probes spend at most this share of the pass time
-MIN_SPREAD = 0.75        # the fit needs passes whose token counts spread at least this much (std) ...
-MIN_REL_SPREAD = 0.15    # ... and at least this share of their mean (a batch of 16 needs a std of 2.4)
+MIN_SPREAD = 4.0         # the fit needs passes whose token counts spread at least this much (std)
 FORGET_DRAFT = 0.9       # weight of the drafting-time estimate's past per drafting call
 
 
@@ -87,7 +81,6 @@ class SpeculationControl:
         self._all = _Acceptance(accepted=1.0, rejected=1.0)
         self._draft_s: float | None = None   # drafting seconds per draft token
         self._probe_credit_s = 0.0           # pass time probes may still spend (PROBE_SHARE of each step's)
-        self._last_cost: PassCost | None = None   # the last line the passes determined
 
     # --- observations ------------------------------------------------------------------------
 
@@ -131,21 +124,19 @@ class SpeculationControl:
     # --- estimates ---------------------------------------------------------------------------
 
     def cost(self) -> PassCost | None:
-        """The fitted line; while the recent passes do not determine one, the last they did (None
-        before any)."""
+        """The fitted line, or None while the passes seen do not determine one."""
         if self._w < 2.0:
-            return self._last_cost
+            return None
         mean_t = self._wt / self._w
         var_t = self._wtt / self._w - mean_t * mean_t
-        if var_t < max(MIN_SPREAD, MIN_REL_SPREAD * mean_t) ** 2:
-            return self._last_cost
+        if var_t < MIN_SPREAD * MIN_SPREAD:
+            return None
         mean_y = self._wy / self._w
         b = (self._wty / self._w - mean_t * mean_y) / var_t
         a = mean_y - b * mean_t
         if a <= 0.0 or b < 0.0:
-            return self._last_cost
-        self._last_cost = PassCost(fixed_s=a, per_token_s=b)
-        return self._last_cost
+            return None
+        return PassCost(fixed_s=a, per_token_s=b)
 
     @property
     def global_acceptance(self) -> float:
