@@ -290,20 +290,11 @@ def test_eagle_head_drafts_from_the_hidden_state_and_output_is_exact(llm, refere
     check_idle(llm)
 
 
-def test_eagle_drafts_attend_over_the_heads_paged_history(llm, reference):
-    """The head keeps its own rows in a paged pool (one per computed position, written from the
-    target's hidden states after each pass, chunked prefills and rejected drafts included); every
-    proposal the engine makes equals the reference drafter's, which recomputes that history from
-    the target's hidden states recorded here (the shipped head; prompts of every kind, batched)."""
-    import torch
-
-    from pdserve.engine.spec_decode.speculator import EAGLE_HISTORY_ROWS
-
-    spec = speculate(llm, method="eagle", num_speculative_tokens=3, adaptive=False)
-    prop = spec.proposer
-    seen: dict[tuple[str, int], torch.Tensor] = {}     # (request, position) -> the target's hidden there
-    compared = [0, 0]                                  # proposals, equal to the reference
-    after, propose = prop.after_pass, prop.propose_batch
+def record_hidden(prop) -> dict:
+    """Wrap an eagle proposer's after_pass to keep every pass's target hidden states: (request id,
+    position) -> [hidden] (a later pass over the same position overwrites a rejected draft's)."""
+    seen: dict = {}
+    after = prop.after_pass
 
     def record(chunks, hidden):
         q = 0
@@ -312,6 +303,25 @@ def test_eagle_drafts_attend_over_the_heads_paged_history(llm, reference):
                 seen[(c.request_id, c.start + j)] = hidden[q + j].float().clone()
             q += c.num_tokens
         after(chunks, hidden)
+
+    prop.after_pass = record
+    return seen
+
+
+def test_eagle_drafts_attend_over_the_heads_paged_history(llm, reference):
+    """The head keeps its own rows in a paged pool (one per computed position, written from the
+    target's hidden states after each pass, chunked prefills and rejected drafts included); every
+    proposal the engine makes equals the reference drafter's, which recomputes that history from
+    the target's hidden states recorded here (the shipped head; prompts of every kind, batched)."""
+    import torch
+
+    from pdserve.engine.spec_decode.config import EAGLE_HISTORY_ROWS
+
+    spec = speculate(llm, method="eagle", num_speculative_tokens=3, adaptive=False)
+    prop = spec.proposer
+    seen = record_hidden(prop)                         # (request, position) -> the target's hidden there
+    compared = [0, 0]                                  # proposals, equal to the reference
+    propose = prop.propose_batch
 
     def check(requests, ks):
         got = propose(requests, ks)
@@ -332,7 +342,7 @@ def test_eagle_drafts_attend_over_the_heads_paged_history(llm, reference):
             compared[1] += ref == d
         return got
 
-    prop.after_pass, prop.propose_batch = record, check
+    prop.propose_batch = check
     picked = (0, 2, 4, 5, 6, 7)
     outs = llm.generate([REFERENCE_PROMPTS[i] for i in picked], greedy())
     assert [list(o.token_ids) for o in outs] == [reference[i] for i in picked]
@@ -356,17 +366,9 @@ def test_a_decode_nodes_head_history_from_the_handed_over_states_is_the_colocate
     spec = speculate(llm, method="eagle", num_speculative_tokens=3, adaptive=False)
     prop = spec.proposer
     handed = EagleDrafts(prop.head, llm.engine.runner)   # what a decode node's head starts from
-    seen: dict[tuple[str, int], torch.Tensor] = {}
+    seen = record_hidden(prop)
     compared = [0, 0]
-    after, propose = prop.after_pass, prop.propose_batch
-
-    def record(chunks, hidden):
-        q = 0
-        for c in chunks:
-            for j in range(c.num_tokens):
-                seen[(c.request_id, c.start + j)] = hidden[q + j].float().clone()
-            q += c.num_tokens
-        after(chunks, hidden)
+    propose = prop.propose_batch
 
     def check(requests, ks):
         got = propose(requests, ks)
@@ -383,7 +385,7 @@ def test_a_decode_nodes_head_history_from_the_handed_over_states_is_the_colocate
             compared[1] += handed.propose_batch([r], [k])[0] == d
         return got
 
-    prop.after_pass, prop.propose_batch = record, check
+    prop.propose_batch = check
     # prompts no earlier test ran (no prefix hit), of every kind
     fresh = [f"Note {i}: {REFERENCE_PROMPTS[i]}" for i in (0, 1, 2, 3, 4, 5)]
     llm.generate(fresh, greedy())
