@@ -212,6 +212,17 @@ def test_history_rows_round_trip_and_a_short_prompt_sends_fewer():
         ContextCodec(H, K, history_rows=5000)
 
 
+def test_the_engine_config_bounds_history_rows_as_the_record_does():
+    """EngineConfig.context_history_rows (the engine's room cannot import kv_messenger) states the
+    record's capacity limit again: the two must agree."""
+    from kv_messenger.context import MAX_HISTORY_ROWS
+    from pdserve.engine.config import EngineConfig
+
+    assert EngineConfig(context_history_rows=MAX_HISTORY_ROWS).context_history_rows == MAX_HISTORY_ROWS
+    with pytest.raises(ValueError, match="context_history_rows"):
+        EngineConfig(context_history_rows=MAX_HISTORY_ROWS + 1)
+
+
 def test_a_record_of_another_history_capacity_or_a_count_past_it_is_refused():
     # a smaller record in a slot of the decoder's size (the rest of the slot as it was: zeros)
     theirs, ours = ContextCodec(H, K, history_rows=4), ContextCodec(H, K, history_rows=8)
