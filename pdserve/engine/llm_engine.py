@@ -559,7 +559,7 @@ class LLMEngine:
             r = c.request
             if not r.prefill_only:
                 continue
-            rows = hidden[base:q].detach().clone()                                   # [n, H]
+            rows = hidden[max(base, q - keep):q].detach().clone()                     # [<= keep, H], to c.end
             start, held = self._tails.get(r.request_id, (c.start, rows[:0]))
             if start + held.shape[0] != c.start:      # not where the last chunk ended (a recompute)
                 start, held = c.start, rows[:0]
