@@ -161,24 +161,20 @@ class EagleDrafts(TokenProposer):
     wants_all_hidden = True
     costly = True
 
-    def __init__(self, head: object, runner: ModelRunner | None = None) -> None:
+    def __init__(self, head: object, runner: ModelRunner) -> None:
+        from pdserve.engine.cache.kv_cache import KVCacheShape
+
         self.head = head
         self._hidden: dict[str, tuple[Request, int, torch.Tensor]] = {}   # rid -> (request, position, h)
         self._history: dict[str, _HeadHistory] = {}
         self._offloads_carried = False
-        self.pool: PagedKVCache | None = None
-        self._cache_manager = None
-        if runner is not None:
-            from pdserve.engine.cache.kv_cache import KVCacheShape
-
-            s, c = runner.kv.shape, head.config  # type: ignore[attr-defined]
-            # pool: [1, 2, pages, head kv heads, page_size, head_dim], the head's dtype
-            self.pool = PagedKVCache(KVCacheShape(1, s.num_pages, c.num_kv_heads, s.page_size, c.head_dim),
-                                     c.torch_dtype)
-            self._cache_manager = runner.cache_manager
-            self._page_size = s.page_size
-            logger.info("eagle head KV: a pool of %d pages (%.1f MiB) indexed by the target's block ids",
-                        s.num_pages, self.pool.nbytes / 2**20)
+        s, c = runner.kv.shape, head.config  # type: ignore[attr-defined]
+        # pool: [1, 2, pages, head kv heads, page_size, head_dim], the head's dtype
+        self.pool = PagedKVCache(KVCacheShape(1, s.num_pages, c.num_kv_heads, s.page_size, c.head_dim), c.torch_dtype)
+        self._cache_manager = runner.cache_manager
+        self._page_size = s.page_size
+        logger.info("eagle head KV: a pool of %d pages (%.1f MiB) indexed by the target's block ids",
+                    s.num_pages, self.pool.nbytes / 2**20)
 
     def own_pool(self) -> PagedKVCache | None:
         return self.pool
@@ -192,11 +188,20 @@ class EagleDrafts(TokenProposer):
     def _epoch(self, r: Request) -> tuple[int, int]:
         return (r.num_preemptions, 0 if self._offloads_carried else r.num_offloads)
 
+    def _history_of(self, r: Request) -> _HeadHistory | None:
+        """r's history record if its rows are still where they were written (same request, same epoch)."""
+        h = self._history.get(r.request_id)
+        return h if h is not None and h.request is r and h.epoch == self._epoch(r) else None
+
+    def _put(self, pages: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write rows k, v ([N, Hkv, D]) at positions [N] of pages [N] (pool: [pages, Hkv, page_size, D])."""
+        offs = positions % self._page_size
+        self.pool.k[0][pages, :, offs] = k.to(self.pool.dtype)
+        self.pool.v[0][pages, :, offs] = v.to(self.pool.dtype)
+
     def after_pass(self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor) -> None:
         """Write the head's rows for the positions a target pass computed. hidden: [T, H] the
         pass's final-norm hidden states, row order = the chunks' tokens in order (drafts included)."""
-        if self.pool is None:
-            return
         toks: list[int] = []
         pos: list[int] = []
         pages: list[int] = []
@@ -208,10 +213,9 @@ class EagleDrafts(TokenProposer):
             r = c.request
             base, q = q, q + c.num_tokens
             rid = r.request_id
-            h = self._history.get(rid)
-            epoch = self._epoch(r)
-            if h is None or h.request is not r or h.epoch != epoch:
-                h = self._history[rid] = _HeadHistory(r, c.start, c.start, epoch)
+            h = self._history_of(r)
+            if h is None:
+                h = self._history[rid] = _HeadHistory(r, c.start, c.start, self._epoch(r))
             if c.samples and c.num_known == 1 and not c.draft_token_ids:   # a plain decode step
                 h.plain += 1
                 if h.plain > EAGLE_IDLE_ROWS:
@@ -247,17 +251,14 @@ class EagleDrafts(TokenProposer):
             rows[own] = torch.stack(prev).to(rows.dtype)[(-1 - idx[own])]
         pos_t = torch.tensor(pos, dtype=torch.long)                                 # [N]
         k, v = self.head.history_kv(torch.tensor(toks), rows, pos_t)               # [N, Hkv, D] each
-        pages_t = torch.tensor(pages, dtype=torch.long)
-        offs = pos_t % P
-        self.pool.k[0][pages_t, :, offs] = k.to(self.pool.dtype)   # k pool: [pages, Hkv, page_size, D]
-        self.pool.v[0][pages_t, :, offs] = v.to(self.pool.dtype)
+        self._put(torch.tensor(pages, dtype=torch.long), pos_t, k, v)
 
     def seed_history(self, request: Request, hidden: torch.Tensor, position: int) -> None:
         """The prompt's last rows on a decode node (kv_messenger.context history): the head's rows
         for positions position - n + 1 .. position, from the target's states at position - n ..
         position - 1 (`hidden`, [n, H]) and the prompt's tokens there."""
         n = hidden.shape[0]
-        if self.pool is None or n == 0:
+        if n == 0:
             return
         if n > position:
             raise ValueError(f"{request!r}: {n} history rows before position {position}")
@@ -266,21 +267,17 @@ class EagleDrafts(TokenProposer):
         toks = torch.tensor(request.token_slice(position - n + 1, position + 1))    # [n] x_j
         k, v = self.head.history_kv(toks, hidden.float(), pos)                       # [n, Hkv, D] each
         table = torch.tensor(self._cache_manager.block_table(request.request_id), dtype=torch.long)
-        pages = table[pos // P]
-        self.pool.k[0][pages, :, pos % P] = k.to(self.pool.dtype)
-        self.pool.v[0][pages, :, pos % P] = v.to(self.pool.dtype)
+        self._put(table[pos // P], pos, k, v)
         self._history[request.request_id] = _HeadHistory(request, position - n + 1, position + 1, self._epoch(request))
 
     def _past(self, requests: Sequence[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The history K/V each request drafts over: (k, v [B, Hkv, L, D], valid [B, L]), None if none has any."""
-        if self.pool is None:
-            return None
         P = self._page_size
         spans: list[range] = []
         for r in requests:
-            h = self._history.get(r.request_id)
+            h = self._history_of(r)
             nc = r.num_computed_tokens
-            if h is None or h.request is not r or h.epoch != self._epoch(r) or min(h.end, nc) != nc:
+            if h is None or min(h.end, nc) != nc:
                 spans.append(range(0))
                 continue
             spans.append(range(max(h.start, nc - EAGLE_HISTORY_ROWS), nc))
