@@ -1,0 +1,122 @@
+"""Where a batch-16 step's time goes with and without speculation (issue 17: no system-TPS loss
+at batch 16): the engine's phases (proposals, schedule, the pass, the update and its sampling)
+timed around the engine's own methods, plain vs n-gram K=2 and K=8 (n=1..4), in one engine,
+configurations alternating in a rotating order, the first round a warm-up.
+
+    .venv/bin/python bench/spec_phases.py [--workload prose|repetition] [--rounds 4 --tokens 32]
+
+Workloads are bench/spec_decode.py's. 16 requests added at once, greedy, EOS ignored. Prints one
+line per configuration: system TPS (output tokens / seconds from first add to last finish), the
+steps taken, and each phase's milliseconds (medians over rounds); with --out, appends them to
+that file as a markdown table. Greedy outputs must equal plain's (checked). Nothing waits but the
+engine's own steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import spec_decode as sd  # noqa: E402
+
+from pdserve import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.spec_decode.config import SpeculativeConfig  # noqa: E402
+from pdserve.engine.spec_decode.speculator import make_speculator  # noqa: E402
+
+PHASES = ("drafts", "schedule", "execute", "update")   # `sample` runs inside `update`
+
+
+def timed(acc: dict[str, float], key: str, f: Callable[..., Any]) -> Callable[..., Any]:
+    def g(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            acc[key] += time.perf_counter() - t
+    return g
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", choices=("prose", "repetition"), default="prose")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--out", type=pathlib.Path, help="markdown file to append the table to")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    llm = LLM(dtype="float32", num_threads=2, num_blocks=1024, max_batch_tokens=512, max_requests_per_batch=16,
+              kv_prefault=True)
+    e = llm.engine
+    acc: dict[str, float] = collections.defaultdict(float)
+    e._drafts = timed(acc, "drafts", e._drafts)
+    e.scheduler.schedule = timed(acc, "schedule", e.scheduler.schedule)
+    e.runner.execute = timed(acc, "execute", e.runner.execute)
+    e._update = timed(acc, "update", e._update)
+    e.sampler.sample = timed(acc, "sample", e.sampler.sample)
+    prompts = sd.workloads(llm.tokenizer)[args.workload]
+    cfgs = {"plain": None,
+            "ngram K=2 n=1..4": SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1,
+                                                  prompt_lookup_max=4),
+            "ngram K=8 n=1..4": SpeculativeConfig(method="ngram", num_speculative_tokens=8, prompt_lookup_min=1,
+                                                  prompt_lookup_max=4)}
+    specs = {n: None if c is None else make_speculator(c, e.runner) for n, c in cfgs.items()}
+    names = list(specs)
+    rows: dict[str, list[tuple[float, int, float, dict[str, float]]]] = {n: [] for n in names}
+    load0 = list(os.getloadavg())
+    for rnd in range(args.rounds + 1):
+        order = names[rnd % len(names):] + names[:rnd % len(names)]
+        outs: dict[str, list[list[int]]] = {}
+        for n in order:
+            e.speculator = specs[n]
+            acc.clear()
+            params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+            reqs = [e.add_request(list(prompts[i % len(prompts)].token_ids), params,
+                                  request_id=f"ph-{time.time_ns()}-{i}") for i in range(16)]
+            t0 = time.perf_counter()
+            steps = 0
+            while e.has_unfinished_requests():
+                e.step()
+                steps += 1
+            dt = time.perf_counter() - t0
+            outs[n] = [list(r.output_token_ids) for r in reqs]
+            if rnd:
+                rows[n].append((sum(map(len, outs[n])) / dt, steps, dt, dict(acc)))
+        for n in names:
+            if outs[n] != outs["plain"]:
+                raise SystemExit(f"MISMATCH: {n} greedy output differs from plain in round {rnd}")
+    lines = ["| config | system TPS | x plain (median of paired rounds) | steps | total ms | "
+             + " | ".join(f"{p} ms" for p in (*PHASES, "sample")) + " | speculation's own ms (drafts) |",
+             "|---|---:|---:|---:|---:|" + "---:|" * (len(PHASES) + 2)]
+    for n in names:
+        rs = rows[n]
+        ratio = statistics.median(r[0] / p[0] for r, p in zip(rs, rows["plain"], strict=True))
+        ph = {k: statistics.median(r[3].get(k, 0.0) for r in rs) * 1e3 for k in (*PHASES, "sample")}
+        line = (f"| {n} | {statistics.median(r[0] for r in rs):.1f} | {ratio:.3f}x | "
+                f"{statistics.median(r[1] for r in rs):.0f} | {statistics.median(r[2] for r in rs) * 1e3:.0f} | "
+                + " | ".join(f"{ph[k]:.0f}" for k in (*PHASES, "sample")) + f" | {ph['drafts']:.0f} |")
+        lines.append(line)
+        print(line, flush=True)
+    if args.out:
+        head = (f"\n## {args.workload}, batch 16, {args.tokens} tokens, {args.rounds} rounds\n\n"
+                f"`.venv/bin/python bench/spec_phases.py --workload {args.workload} --rounds {args.rounds} "
+                f"--tokens {args.tokens}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+                f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
+                f"load average at start {load0}, at end {list(os.getloadavg())}.\n\n")
+        with args.out.open("a") as f:
+            f.write(head + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
