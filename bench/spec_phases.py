@@ -97,15 +97,15 @@ def main() -> None:
             if outs[n] != outs["plain"]:
                 raise SystemExit(f"MISMATCH: {n} greedy output differs from plain in round {rnd}")
     lines = ["| config | system TPS | x plain (median of paired rounds) | steps | total ms | "
-             + " | ".join(f"{p} ms" for p in (*PHASES, "sample")) + " | speculation's own ms (drafts) |",
-             "|---|---:|---:|---:|---:|" + "---:|" * (len(PHASES) + 2)]
+             + " | ".join(f"{p} ms" for p in (*PHASES, "sample")) + " |",
+             "|---|---:|---:|---:|---:|" + "---:|" * (len(PHASES) + 1)]
     for n in names:
         rs = rows[n]
         ratio = statistics.median(r[0] / p[0] for r, p in zip(rs, rows["plain"], strict=True))
         ph = {k: statistics.median(r[3].get(k, 0.0) for r in rs) * 1e3 for k in (*PHASES, "sample")}
         line = (f"| {n} | {statistics.median(r[0] for r in rs):.1f} | {ratio:.3f}x | "
                 f"{statistics.median(r[1] for r in rs):.0f} | {statistics.median(r[2] for r in rs) * 1e3:.0f} | "
-                + " | ".join(f"{ph[k]:.0f}" for k in (*PHASES, "sample")) + f" | {ph['drafts']:.0f} |")
+                + " | ".join(f"{ph[k]:.0f}" for k in (*PHASES, "sample")) + " |")
         lines.append(line)
         print(line, flush=True)
     if args.out:
