@@ -5,7 +5,9 @@ decode node drafts with the eagle head that ships for the default model (`{"meth
 no model: eagle.SHIPPED_HEADS). The prefill node ships the hidden state of the position before the
 last prompt token in the context record, and the 128 before it (the head's history, written into
 the decode node's head pool); the decode node's first step feeds that last token AND verifies the
-head's drafts from the shipped state. Greedy outputs of the reference prompts (prose,
+head's drafts from the shipped state (with the adaptive control on, as by default: a sequence's
+first decode step verifies at least one draft token whatever the control's line says, control.py's
+"first look"). Greedy outputs of the reference prompts (prose,
 code, repetition) through the router equal transformers' token for token (and so colocated plain
 decoding's: test_engine_reference); the decode node's first steps emit more than one token on
 average (pdserve:first_step_tokens_total / pdserve:first_steps_total; exactly 1 without speculation:
@@ -28,7 +30,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tools.client import AsyncClient
 
 K = 3
-SPEC = {"method": "eagle", "num_speculative_tokens": K, "adaptive": False}
+SPEC = {"method": "eagle", "num_speculative_tokens": K}   # the default config: the adaptive control on
 NUM_BLOCKS = 96
 MAX_NEW = 24   # conftest.REFERENCE_NEW_TOKENS: transformers' ids are computed once per session
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)

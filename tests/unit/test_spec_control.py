@@ -139,3 +139,19 @@ def test_without_a_fitted_line_a_known_drafting_cost_still_cuts_unlikely_drafts(
     assert c.choose({"a": 3}, 1) == {"a": 3}   # no drafting cost known: every proposal passes
     c.observe_drafting(3, 3 * 0.006)
     assert c.choose({"a": 3}, 1) == {}
+
+
+def test_a_new_sequence_verifies_one_draft_token_at_its_first_step_only():
+    c = fitted(0.002, 0.002)
+    for rid in "bcdefgh":
+        for _ in range(8):
+            c.verified(rid, 4, 0)      # the batch's acceptance is poor: the choice drafts nothing
+    assert c.choose({"b": 4}, 16) == {}
+    # "new" decodes for the first time (a decode node's step after the transfer): one token, outside
+    # the probe budget, though the line cuts it for a sequence already seen
+    assert c.choose({"b": 4, "new": 4}, 16) == {"new": 1}
+    c.verified("new", 1, 0)
+    assert all(c.choose({"b": 4, "new": 4}, 16) == {} for _ in range(PROBE_AFTER - 2))
+    # preempted (forgotten) and back: a first look again
+    c.forget({"b"})
+    assert c.choose({"b": 4, "new": 4}, 16) == {"new": 1}
