@@ -60,10 +60,29 @@ Primitives (D6-D8, D11-D13):
 
 Threads: engine events run on the engine thread and only record and notify; fabric callbacks run
 on the fabric progress thread; everything that posts runs on the messenger thread. A transfer's
-future resolves on the messenger or progress thread: its done callbacks must hand the release of
-the source pages to the engine thread themselves. The messenger thread waits on a condition
-variable with no timeout while idle (woken by every event and by `close`); `close` joins it for
-at most CLOSE_JOIN_S.
+future resolves on the messenger or progress thread (or the caller's, for `abort` and a transfer
+failed by an engine event), under the sender's lock: its done callbacks must only hand the
+release of the source pages to the engine thread, never wait.
+
+Blocking waits and their bounds:
+- the messenger thread, idle: the lock's condition, no timeout by design (it waits for work: woken
+  by every engine event, register_kv_cache and `close`). A pass's next layer: the engine's forward
+  pass; a pass whose forward failed (the step raised) is ended at the next `on_schedule`
+  (`_end_failed_pass`): its transfers fail with PassFailedError, and later passes never wait
+  behind it.
+- the messenger thread, posting: write_pages never waits for a completion; the first write to a
+  remote endpoint not yet handshaken (a decode rank on another endpoint) waits for the handshake,
+  at most 5 s (fabric.peers), then that transfer fails with FabricError. The hashes (S7) are CPU
+  work, no wait. A post that raises anything else (a bug) fails its own transfer with PostError;
+  the thread goes on with the others.
+- write completions: never awaited here (callbacks on the progress thread); a transfer's future,
+  and an `abort`ed one's, resolves once each posted write completed or failed, which the owner's
+  FabricConfig.peer_timeout_s bounds (a peer with writes out and no completion fails).
+- `fence`: posted on the caller's thread and not awaited; the same handshake bound.
+- the lock, from the engine thread, the loop and the progress thread: held for bookkeeping only,
+  never across a post, a hash, a registration or a wait (the condition's wait releases it).
+- `close`: joins the messenger thread for at most CLOSE_JOIN_S (logged if it still runs: a daemon
+  thread, left to the process's exit).
 """
 
 from __future__ import annotations
@@ -158,7 +177,7 @@ class _Transfer:
     posted_bytes: int = 0
     outstanding: int = 0       # write batches not yet completed
     all_posted: bool = False
-    error: FabricError | StagingFullError | ContextEncodeError | None = None
+    error: FabricError | StagingFullError | ContextEncodeError | PassFailedError | PostError | None = None
     aborted: bool = False
     first_post: float = 0.0
     last_layer: float = 0.0
@@ -185,6 +204,19 @@ class _Pass:
     items: list[_Item]
     layers_done: int = 0
     layers_posted: int = 0
+    cut_short: bool = False    # its forward failed before its last layer: no more layers will come
+
+
+class PassFailedError(RuntimeError):
+    """The forward pass computing a chunk of this transfer failed before its last layer (the step
+    raised): the chunk's later layers will never be written. Not a StatusError: the prefill node
+    answers with the engine's own error for the step (EngineThread fails every request of it)."""
+
+
+class PostError(RuntimeError):
+    """Posting a transfer's writes raised something other than a fabric error (a bug, not the
+    network): the transfer fails with it (once its posted writes settle) and the messenger thread
+    goes on with the others."""
 
 
 class KvSender(PrefillConnector):
@@ -349,6 +381,7 @@ class KvSender(PrefillConnector):
     def on_schedule(self, sched: SchedulerOutput, block_ids: Mapping[str, tuple[int, ...]]) -> None:
         items = []
         with self._lock:
+            self._end_failed_pass()
             for c in sched.chunks:
                 t = self._transfers.get(c.request_id)
                 if t is None or t.aborted:
@@ -363,6 +396,29 @@ class KvSender(PrefillConnector):
             self._current = _Pass(items) if items else None
             if self._current is not None:
                 self._passes.append(self._current)
+
+    def _end_failed_pass(self) -> None:
+        """Under the lock, before a new pass: the engine runs one pass at a time, so the previous one
+        is over; short of its last layer, its forward failed (the step raised) and its later layers
+        will never be reported. Without this its posts would wait for them for ever, and every later
+        pass behind it (the messenger posts in pass order) with them, while the messenger thread spun
+        on work it could not take. Nothing more of it is posted: its transfers fail (after their posted
+        writes settle)."""
+        p = self._current
+        if p is None or p.layers_done >= self.layout.num_layers:
+            return
+        p.cut_short = True
+        self._current = None
+        logger.warning("a forward pass failed after %d of %d layers: failing its %d transfers",
+                       p.layers_done, self.layout.num_layers, len(p.items))
+        for it in p.items:
+            t = it.transfer
+            if not t.aborted and t.error is None:
+                t.error = PassFailedError(f"transfer {t.key}: the forward pass of its chunk (request pages "
+                                          f"{it.pages.start}..{it.pages.stop}) failed after {p.layers_done} "
+                                          f"of {self.layout.num_layers} layers")
+                self._maybe_finish(t)
+        self._lock.notify()   # the messenger drops the pass
 
     def on_layer_done(self, layer: int) -> None:
         with self._lock:
@@ -422,6 +478,8 @@ class KvSender(PrefillConnector):
             self._stop = True
             self._lock.notify()
         self._thread.join(CLOSE_JOIN_S)
+        if self._thread.is_alive():   # a post still in progress (a handshake); a daemon, it ends with the process
+            logger.warning("kv sender: messenger thread still running %.0f s after close (CLOSE_JOIN_S)", CLOSE_JOIN_S)
 
     def _run(self) -> None:
         while True:
@@ -434,28 +492,36 @@ class KvSender(PrefillConnector):
                 work = self._take_work()
             if pin is not None:
                 pin_thread_to(pin)
-            for fn in work:
-                fn()
+            for t, fn in work:
+                try:
+                    fn()
+                except Exception as exc:   # a bug in one post fails its transfer, never the messenger thread
+                    logger.exception("transfer %s: posting raised; failing it", t.key)
+                    with self._lock:
+                        if t.error is None and not t.aborted:
+                            t.error = PostError(f"transfer {t.key}: posting its writes raised {exc!r}")
+                        self._maybe_finish(t)   # at once, or once its posted writes settle
 
     def _has_work(self) -> bool:
         return bool(self._contexts) or any(p.layers_done > p.layers_posted for p in self._passes)
 
-    def _take_work(self) -> list[Callable[[], None]]:
-        """Under the lock: collect the posts that are ready, in pass and layer order."""
-        work: list[Callable[[], None]] = []
+    def _take_work(self) -> list[tuple[_Transfer, Callable[[], None]]]:
+        """Under the lock: collect the posts that are ready, in pass and layer order, each with the
+        transfer it posts for."""
+        work: list[tuple[_Transfer, Callable[[], None]]] = []
         while self._passes:
             p = self._passes[0]
             for layer in range(p.layers_posted, p.layers_done):
                 for it in p.items:
                     if it.pages and not it.transfer.aborted and it.transfer.error is None:
-                        work.append(lambda it=it, layer=layer: self._post_layer(it, layer))
+                        work.append((it.transfer, lambda it=it, layer=layer: self._post_layer(it, layer)))
             p.layers_posted = p.layers_done
-            if p.layers_posted < self.layout.num_layers:
+            if p.layers_posted < self.layout.num_layers and not p.cut_short:
                 break
             self._passes.popleft()
         while self._contexts:
             t, slot = self._contexts.popleft()
-            work.append(lambda t=t, slot=slot: self._post_context(t, slot))
+            work.append((t, lambda t=t, slot=slot: self._post_context(t, slot)))
         return work
 
     def _post_layer(self, it: _Item, layer: int) -> None:
@@ -488,13 +554,18 @@ class KvSender(PrefillConnector):
         off = np.asarray([self.codec.slot_offset(slot)], dtype=np.uint64)
         dst = np.asarray([t.target.context_offset], dtype=np.uint64)
         lengths = np.asarray([self.codec.slot_nbytes], dtype=np.uint64)
-        if t.checksums is not None:   # before the post: the slot is freed once its write completed
-            region = self._staging.region
-            t.context_crc = int(checksum.crc32c_runs_at(region.address, region.length, off, lengths)[0])
 
         def free_slot() -> None:
             with self._lock:
                 self.staging_slots.give(slot)
+
+        if t.checksums is not None:   # before the post: the slot is freed once its write completed
+            region = self._staging.region
+            try:
+                t.context_crc = int(checksum.crc32c_runs_at(region.address, region.length, off, lengths)[0])
+            except BaseException:
+                free_slot()   # never posted: nothing else gives it back
+                raise
 
         self._post(t, off, t.target.context, dst, lengths, self._staging.region, after=free_slot)
         with self._lock:

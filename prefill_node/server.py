@@ -15,6 +15,20 @@ flight (side="prefill").
 Exceptions raised by the handlers become statuses through AioExceptionToStatusInterceptor
 (ValueError -> INVALID_ARGUMENT, UnavailableError -> UNAVAILABLE, TimeoutError -> DEADLINE_EXCEEDED,
 AbortedError -> ABORTED).
+
+Blocking waits and their bounds (every handler on the serving loop; no executor thread is parked
+by a handler):
+- Prefill: PrefillNode.prefill (prefill_node.service): the request's `deadline_s` (then at most
+  ABORT_WAIT_S more for the aborted transfer), else the call's own gRPC deadline or the caller's
+  cancellation; its handshake with a new decode fabric peer, 5 s. Admission never waits: past
+  MAX_INFLIGHT_PREFILLS calls at once, RESOURCE_EXHAUSTED.
+- AbortPrefill: PrefillNode.abort, at most ABORT_WAIT_S for an active transfer's release; the
+  fence is posted, never awaited.
+- GetNodeInfo: none (PrefillNode.load reads the engine's last snapshots).
+- While the node builds, every handler answers UNAVAILABLE at once (NodeHolder.require).
+- The process (pdserve.serving.node_server.serve_node): the model load (none: it takes what it
+  takes); drain, prefill_node.service.DRAIN_WAIT_S; the server's stop, STOP_GRACE_S; close,
+  CLOSE_JOIN_S + CLOSE_WAIT_S + the fabric endpoint's FABRIC_CLOSE_WAIT_S and its own bounds.
 """
 
 from __future__ import annotations

@@ -55,6 +55,38 @@ Threads:
   sender is the engine's PrefillConnector).
 - the sender's messenger thread and the fabric progress thread call `_on_release`, which only
   hands the release to the loop.
+
+Blocking waits and their bounds:
+- a Prefill's handshake with a new decode fabric peer (`_connect`, in a worker thread, so the loop
+  keeps answering): TransferEngine.connect's timeout (5 s, fabric.peers), then UNAVAILABLE.
+- a Prefill's wait for its release (`_Job.released`): the request's `deadline_s`, else the gRPC
+  call's own deadline (the decode node always sets one, DecodeNodeConfig.prefill_timeout_s) or the
+  caller going away (cancelled; the server's keepalive finds a stopped caller within seconds). The
+  release itself comes once the engine ended the request and every posted write completed or
+  failed (a peer with writes out and no completion fails after FabricConfig.peer_timeout_s,
+  default 5 s). Past the deadline: the aborted transfer's release, ABORT_WAIT_S, then TimeoutError
+  naming the deadline.
+- after the release (`_outcome`): the sender's future's bridge (settled before the release, so at
+  once), ABORT_WAIT_S, then TimeoutError naming it; the engine stream's end, ENGINE_END_WAIT_S
+  (then logged, and 0 cached tokens reported).
+- AbortPrefill (`abort`): an active transfer's release after its abort, its `timeout`
+  (ABORT_WAIT_S), then ACTIVE, unconfirmed. The fence is posted on the loop and never awaited: its
+  write_pages does not wait (the endpoint shook hands at the transfer's connect; else at most that
+  handshake, 5 s, fabric.peers).
+- engine-thread calls (`EngineThread.call` / `abort` in `_release` and `_stop_engine`, background
+  tasks nobody awaits without a bound): one engine step (commands run between steps), or
+  EngineDeadError at once from a dead engine thread; each first waits for its job's engine add to
+  be queued (`_Job.queued`, set at the engine task's first step: one loop turn). Only a hung step
+  holds them, and every wait above bounds its caller meanwhile.
+- `_retire_peer` (on the loop): TransferEngine.disconnect, the endpoint's lock and fi_av_remove;
+  no wait on the peer. The sender's lock (validate, add, abort, fence): bookkeeping only
+  (kv_messenger.sender).
+- `drain`: the in-flight transfers' releases after their abort, DRAIN_WAIT_S (the rest logged).
+- `close` / `close_now` (in a worker thread): the messenger thread's stop
+  (kv_messenger.sender.CLOSE_JOIN_S), the engine thread's (CLOSE_WAIT_S, logged if it still runs),
+  the fabric endpoint's (FABRIC_CLOSE_WAIT_S for outstanding writes, then fabric.engine's own
+  bounds: the goodbyes, the progress thread's stop). The model load in `__init__`: none (it takes
+  what it takes; serve_node runs it in a worker thread).
 """
 
 from __future__ import annotations
@@ -72,6 +104,7 @@ import grpc
 from fabric import FabricConfig, FabricError, PeerDescriptor, RemoteDescriptor, TransferEngine
 from kv_messenger import KvSender, TransferResult, TransferTicket
 from kv_messenger.placement import placement_info
+from kv_messenger.sender import PostError
 from kv_messenger.ticket import TransferKey
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_thread import EngineDeadError, EngineThread
@@ -87,6 +120,8 @@ logger = logging.getLogger(__name__)
 ABORT_WAIT_S = 10.0        # AbortPrefill / deadline: how long to wait for in-flight writes to settle
 ENGINE_END_WAIT_S = 5.0    # after the release: how long to wait for the engine stream to end
 CLOSE_WAIT_S = 5.0         # close: how long the engine thread may take to stop
+DRAIN_WAIT_S = 5.0         # drain: how long the aborted in-flight transfers may take to release
+FABRIC_CLOSE_WAIT_S = 2.0  # close: how long the fabric endpoint drains outstanding writes (close_timeout_s)
 REMEMBERED_ABORTS = 65536  # keys aborted before (or after) their Prefill, refused with ABORTED
 REMEMBERED_FINISHED = 65536   # keys that ended here (tombstones for AbortPrefill)
 REMEMBERED_PEERS = 4096    # decode-node fabric peers we have connected to
@@ -257,7 +292,7 @@ class PrefillNode:
         # The transport first: the engine hands its KV pool to the sender (a PrefillConnector)
         # while it is built, and the sender registers it (the engine's pool is on huge pages).
         self.transport = TransferEngine(FabricConfig(provider=config.provider, node=config.fabric_node,
-                                                  close_timeout_s=2.0))
+                                                  close_timeout_s=FABRIC_CLOSE_WAIT_S))
         try:
             self.sender = KvSender(self.transport)
             try:
@@ -406,7 +441,11 @@ class PrefillNode:
 
     async def _outcome(self, job: _Job, spec: PrefillSpec) -> PrefillOutcome:
         rid = job.request_id
-        await asyncio.wait_for(asyncio.shield(job.transfer_done), ABORT_WAIT_S)
+        try:
+            await asyncio.wait_for(asyncio.shield(job.transfer_done), ABORT_WAIT_S)
+        except TimeoutError:
+            raise TimeoutError(f"request {rid}: transfer not settled {ABORT_WAIT_S:.0f} s after its release "
+                               "(ABORT_WAIT_S)") from None
         final: RequestOutput | None = None
         assert job.engine_task is not None
         try:
@@ -428,6 +467,8 @@ class PrefillNode:
                                    f"failed: {exc}")
         if isinstance(exc, StatusError):   # e.g. StagingFullError (RESOURCE_EXHAUSTED): this request only
             raise exc
+        if isinstance(exc, PostError):      # a bug while posting: this request only, named (INTERNAL)
+            raise RuntimeError(f"request {rid}: {exc}")
         if job.engine_error is not None:
             raise job.engine_error
         if self._closing:
@@ -619,7 +660,7 @@ class PrefillNode:
 
     # --- shutdown (loop) -----------------------------------------------------------------------
 
-    async def drain(self, timeout: float = 5.0) -> None:
+    async def drain(self, timeout: float = DRAIN_WAIT_S) -> None:
         """Refuse new prefills and abort the in-flight ones (they answer UNAVAILABLE)."""
         self._closing = True
         jobs = list(self._active.values())
@@ -645,4 +686,7 @@ class PrefillNode:
         self._closing = True
         self.sender.close()
         self.engine.shutdown(timeout=CLOSE_WAIT_S)
+        if self.engine.is_running:   # closed anyway: the process is stopping
+            logger.warning("prefill node %s: engine thread still running %.0f s after its shutdown (CLOSE_WAIT_S)",
+                           self.node_id, CLOSE_WAIT_S)
         self.transport.close()

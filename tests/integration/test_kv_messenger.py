@@ -20,6 +20,7 @@ from fabric import FabricConfig, TransferEngine
 from kv_messenger import ContextCodec, KvLayout, KvReceiver, KvSender, ShardingScheme, TransferTicket
 from kv_messenger.context import ContextEncodeError, ContextRecordError, ExpectedRecord, TransferIdentity
 from kv_messenger.plan import completed_pages, expected_writes
+from kv_messenger.sender import PassFailedError, PostError
 from pdserve import LLM, SamplingParams
 from pdserve.engine.cache.hostmem import alloc_buffer, alloc_tensor
 from pdserve.engine.cache.kv_cache import KVCacheShape
@@ -118,6 +119,78 @@ def test_prefill_engine_pushes_kv_into_decode_engine(provider, kv_dtype):
         for i, e in enumerate(expected):
             assert done[f"r{i}"].token_ids == e.token_ids
         decode.check_integrity()
+        sender.close()
+    finally:
+        fab_p.close()
+        fab_d.close()
+
+
+def test_a_failed_pass_or_a_raising_post_fails_only_its_transfer(monkeypatch):
+    """A forward pass that raises after layer 0 leaves its pass short of layers: its transfer fails
+    (PassFailedError) at the next pass and later passes are posted (before, they queued behind it
+    for ever: a later transfer posted only its context record). A post that raises (a bug, not
+    the fabric) fails its own transfer (PostError); the messenger thread goes on."""
+    cfg = FabricConfig(provider="shm")
+    fab_p, fab_d = TransferEngine(cfg), TransferEngine(cfg)
+    events = QueueEvents()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    try:
+        receiver = KvReceiver(fab_d, events)
+        decode = LLM(num_blocks=128, kv_connector=receiver).engine
+        sender = KvSender(fab_p)
+        prefill = LLM(num_blocks=64, max_batch_tokens=32, kv_connector=sender).engine
+        fab_p.connect(fab_d.peer_descriptor)
+
+        def start(rid: str, prompt: str):
+            decode.add_request(prompt, params, request_id=rid, remote_prefill=True)
+            decode.step()
+            ticket = receiver.address(events.tickets[rid], 1)
+            future = sender.add(ticket)
+            r = decode._tracked[rid].request
+            prefill.add_request(r.prompt_token_ids[:-1], SamplingParams(max_tokens=1), request_id=rid,
+                                prefill_only=True, hold_blocks=True)
+            return ticket, future
+
+        def prefill_all() -> None:
+            while prefill.has_unfinished_requests():
+                prefill.step()
+
+        _, failed = start("r0", PROMPTS[0])
+        real = prefill.runner.execute
+
+        def broken(sched, layer_cb, **kw):
+            layer_cb(0)
+            raise RuntimeError("injected: forward failed after layer 0")
+
+        monkeypatch.setattr(prefill.runner, "execute", broken)
+        with pytest.raises(RuntimeError, match="injected"):
+            prefill.step()
+        monkeypatch.setattr(prefill.runner, "execute", real)
+        prefill.abort_request("r0")   # what EngineThread does with the requests of a failed step
+        later, f1 = start("r1", PROMPTS[1])
+        prefill_all()
+        assert f1.result(timeout=10).num_writes == later.expected_writes
+        with pytest.raises(PassFailedError, match=f"after 1 of {decode.arch.num_layers} layers"):
+            failed.result(timeout=10)
+
+        real_post = sender._post_layer
+
+        def post(it, layer):
+            if it.transfer.key == "r2" and layer == 3:
+                raise ValueError("injected: a bug while posting")
+            real_post(it, layer)
+
+        monkeypatch.setattr(sender, "_post_layer", post)
+        _, f2 = start("r2", PROMPTS[0])
+        other, f3 = start("r3", PROMPTS[1])
+        prefill_all()
+        assert f3.result(timeout=10).num_writes == other.expected_writes
+        with pytest.raises(PostError, match="injected: a bug while posting"):
+            f2.result(timeout=10)
+        for rid in ("r0", "r1", "r2", "r3"):
+            prefill.release_blocks(rid)
+        prefill.check_integrity()
+        assert prefill.pool.num_used_blocks == 0
         sender.close()
     finally:
         fab_p.close()
