@@ -18,7 +18,15 @@ two decode nodes and the router (pdserve.tools.launcher.Cluster, shm fabric).
   messages of ERROR_CAUSE_NODE, and the router moves them the same way (its log says "finish=node
   error"); the node is restarted for the next test.
 
-One module-scoped cluster, small engines (two cores): the fault-free run first, then the router
+After each fault every test asserts, on every node still running (and on a restarted one), never
+assumes (issue 15; the checks of test_transfer_faults): every request ended with its tokens or an
+explicit error; each node is back to free == total with nothing outstanding, quarantined, held,
+tagged, slotted or in flight (NodeInfo.transfers, support.cluster.transfer_leftovers; bounded wait);
+no stale write was counted (each node's `pdserve:kv_stale_writes_total` on its /metrics is 0); a batch
+of victim requests run right after, on the freed pages, and then one fresh request give the greedy
+tokens and text of the same requests on the fault-free cluster.
+
+One module-scoped cluster, small engines (two cores): the fault-free runs first, then the router
 test (it restarts the router), the SIGKILL test last (it leaves one decode node dead).
 Every child inherits $PDSERVE_TEST_ONLY_ENGINE_DEATH_FILE = <tmp>/die-{pid}: a node's engine thread
 dies only when the test creates that file for its process id.
@@ -35,7 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support.cluster import node_load, running_cluster
+from support.cluster import node_load, running_cluster, transfer_leftovers
+from support.prometheus import fetch, parse, total
 from support.wait import wait_until
 
 from pdserve.engine.engine_thread import TEST_DEATH_FILE_ENV
@@ -49,6 +58,7 @@ CLUSTER = dict(prefill=1, decode=2, port=0, http_port=None, num_blocks=64, threa
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
            "Ünïcödé: café, naïve, 東京, 😀 — and then"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+VICTIM_GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 def _seeded(seed: int) -> SamplingParams:
@@ -66,8 +76,14 @@ class Job:
 
 # Every prompt greedy, two of them also seeded sampled (the last one's text has multi-byte characters).
 JOBS = [Job(p, GREEDY, "greedy") for p in PROMPTS] + [Job(PROMPTS[i], _seeded(100 + i), "seeded") for i in (0, 3)]
+# The batch run right after each fault, on the pages the fault's requests freed (short: two cores).
+VICTIMS = [Job(p, VICTIM_GREEDY, "victim") for p in ("The history of the Roman empire begins with",
+                                                     "import numpy as np\nx =", "Paris, Berlin, Madrid,",
+                                                     "Photosynthesis converts light into")]
 WAIT = 120.0          # every wait of a whole run is bounded by this
 FREE_AFTER_KILL_S = 1.0  # a node frees a request whose Generate stream was cut off within this long
+CLEAN_WITHIN_S = 30.0    # after a fault, every node is back to nothing held within this long
+STALE_WRITES = "pdserve:kv_stale_writes_total"
 _ROUTED = re.compile(r"generate request_id=(\S+) node=(\S+) .* resumed=(\d+)")
 
 
@@ -100,9 +116,14 @@ def _pid(spec: ProcessSpec) -> int:
     raise AssertionError(f"no process of {spec.name} found in /proc")
 
 
-def _live_nodes(cluster: Cluster) -> list[str]:
+def _live_specs(cluster: Cluster) -> list[ProcessSpec]:
+    """The nodes (not the router) running now."""
     running = {n for n in cluster.processes if n not in cluster.poll()}
-    return [s.address for s in cluster.specs if s.role != "router" and s.name in running]
+    return [s for s in cluster.specs if s.role != "router" and s.name in running]
+
+
+def _live_nodes(cluster: Cluster) -> list[str]:
+    return [s.address for s in _live_specs(cluster)]
 
 
 def _held(cluster: Cluster) -> dict[str, tuple[int, int, int]]:
@@ -118,10 +139,11 @@ def _routes(cluster: Cluster, tag: str) -> list[tuple[str, str, int]]:
     return [(m[1], m[2], int(m[3])) for m in _ROUTED.finditer(log) if m[1].startswith(f"mig-{tag}-")]
 
 
-async def _stream_all(url: str, started: asyncio.Event | None = None, after: int = 3, tag: str = "ref"):
+async def _stream_all(url: str, started: asyncio.Event | None = None, after: int = 3, tag: str = "ref",
+                      jobs: list[Job] = JOBS):
     """Run every job at once (request ids mig-<tag>-<kind>-<i>); `started` is set once each has
     streamed `after` tokens. Returns, per job, (token ids, text, finish reason, error)."""
-    progress = [0] * len(JOBS)
+    progress = [0] * len(jobs)
     async with AsyncClient(url, timeout=WAIT) as client:
         async def one(i: int, job: Job):
             ids, text, finish, error = [], [], None, ""
@@ -135,7 +157,7 @@ async def _stream_all(url: str, started: asyncio.Event | None = None, after: int
                     finish, error = chunk.finish_reason, chunk.error
             return ids, "".join(text), finish, error
 
-        return await asyncio.gather(*(one(i, j) for i, j in enumerate(JOBS)))
+        return await asyncio.gather(*(one(i, j) for i, j in enumerate(jobs)))
 
 
 @pytest.fixture(scope="module")
@@ -147,15 +169,61 @@ def reference(cluster):
     return outputs
 
 
-def _assert_as_reference(outputs, reference, what: str) -> None:
+@pytest.fixture(scope="module")
+def victim_reference(cluster, reference):
+    """The victim batch's outputs on the fault-free cluster (after the fault-free run, before any fault)."""
+    outputs = asyncio.run(asyncio.wait_for(_stream_all(cluster.url, tag="victims-ref", jobs=VICTIMS), WAIT))
+    assert all(finish == "length" and not error and len(ids) == VICTIM_GREEDY.max_tokens
+               for ids, _, finish, error in outputs), outputs
+    return outputs
+
+
+def _assert_as_reference(outputs, reference, what: str, jobs: list[Job] = JOBS) -> None:
     errors = [(i, finish, error) for i, (_, _, finish, error) in enumerate(outputs) if finish != "length" or error]
     assert not errors, f"client errors {what}: {errors}"
     for i, ((ids, text, _, _), (ref_ids, ref_text, _, _)) in enumerate(zip(outputs, reference, strict=True)):
-        assert ids == ref_ids, f"job {i} ({JOBS[i].kind}) {what}: tokens differ from the fault-free run"
-        assert text == ref_text, f"job {i} ({JOBS[i].kind}) {what}: text differs from the fault-free run at the seam"
+        assert ids == ref_ids, f"job {i} ({jobs[i].kind}) {what}: tokens differ from the fault-free run"
+        assert text == ref_text, f"job {i} ({jobs[i].kind}) {what}: text differs from the fault-free run at the seam"
 
 
-def test_a_killed_router_fails_its_clients_fast_and_every_node_frees_within_a_second(cluster, reference):
+def _stale_writes(cluster: Cluster) -> dict[str, float]:
+    """Every running node's pdserve:kv_stale_writes_total, read from its own /metrics (the family
+    must be there: a node that stopped exposing it must not pass as 0)."""
+    counts = {}
+    for spec in _live_specs(cluster):
+        samples = parse(fetch(cluster.metrics_urls[spec.name])[0])
+        assert any(name == STALE_WRITES for name, _ in samples), f"{spec.name} exposes no {STALE_WRITES}"
+        counts[spec.name] = total(samples, STALE_WRITES)
+    return counts
+
+
+def _assert_clean(cluster: Cluster, when: str) -> None:
+    """Every running node back to free == total with nothing outstanding, quarantined, held, tagged,
+    slotted or in flight (bounded wait), and no stale write counted on any."""
+    addresses = _live_nodes(cluster)
+    wait_until(lambda: transfer_leftovers(addresses), CLEAN_WITHIN_S,
+               f"every node {when}: free == total, nothing quarantined, held, tagged, slotted or in flight",
+               interval=0.1)
+    stale = _stale_writes(cluster)
+    assert not any(stale.values()), f"stale KV writes counted {when}: {stale}"
+
+
+def _assert_recovered(cluster: Cluster, victim_reference, tag: str) -> None:
+    """After a fault: every running node clean with no stale write; a victim batch on the freed pages,
+    then one fresh request, give the fault-free greedy outputs; every node clean again after them."""
+    _assert_clean(cluster, f"after the fault ({tag})")
+    victims = asyncio.run(asyncio.wait_for(_stream_all(cluster.url, tag=f"victims-{tag}", jobs=VICTIMS), WAIT))
+    _assert_as_reference(victims, victim_reference, f"in the victim batch after the fault ({tag})", VICTIMS)
+    with Client(cluster.url, timeout=WAIT) as client:
+        fresh = client.complete(VICTIMS[0].prompt, VICTIM_GREEDY, request_id=f"mig-fresh-{tag}")
+    ids, text, _, _ = victim_reference[0]
+    assert (list(fresh.token_ids), fresh.text, fresh.finish_reason) == (ids, text, "length"), \
+        f"the fresh request after the fault ({tag}) differs from the fault-free run"
+    _assert_clean(cluster, f"after the victim batch and the fresh request ({tag})")
+
+
+def test_a_killed_router_fails_its_clients_fast_and_every_node_frees_within_a_second(cluster, reference,
+                                                                                     victim_reference):
     async def go():
         async with AsyncClient(cluster.url, timeout=WAIT) as client:
             stream = client.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
@@ -177,12 +245,13 @@ def test_a_killed_router_fails_its_clients_fast_and_every_node_frees_within_a_se
     wait_until(lambda: not _held(cluster), max(killed + FREE_AFTER_KILL_S - time.monotonic(), 1e-3),
                f"every node free within {FREE_AFTER_KILL_S} s of the router's death (address: free, total, "
                "outstanding)", interval=0.05)
+    _assert_clean(cluster, "after the router's death")
     # A new router process on the same port: the first requests it gets, a whole run on the pages the
     # killed stream used, come out as the fault-free run's.
     cluster.restart("router")
     outputs = asyncio.run(asyncio.wait_for(_stream_all(cluster.url, tag="new-router"), WAIT))
     _assert_as_reference(outputs, reference, "from the restarted router")
-    wait_until(lambda: not _held(cluster), 30, "every node free after the restarted router's run", interval=0.1)
+    _assert_recovered(cluster, victim_reference, "router-restart")
 
 
 def _fault_mid_stream(cluster: Cluster, reference, fault, tag: str) -> str:
@@ -209,15 +278,16 @@ def _fault_mid_stream(cluster: Cluster, reference, fault, tag: str) -> str:
     return victim
 
 
-def test_a_stopped_decode_node_is_marked_down_and_its_streams_move(cluster, reference):
+def test_a_stopped_decode_node_is_marked_down_and_its_streams_move(cluster, reference, victim_reference):
     # SIGSTOP (a hung process, a partition): its health checks time out, the router marks it down
     # and moves its streams; once continued, it sees their calls cancelled and frees everything.
     victim = _fault_mid_stream(cluster, reference, lambda name: cluster.send_signal(name, signal.SIGSTOP), "stop")
     cluster.send_signal(victim, signal.SIGCONT)
-    wait_until(lambda: not _held(cluster), 30, "every node free once the stopped node runs again", interval=0.1)
+    _assert_recovered(cluster, victim_reference, "stop")   # the continued node included
 
 
-def test_a_decode_node_whose_engine_thread_dies_mid_stream_moves_its_streams(cluster, reference, death_dir):
+def test_a_decode_node_whose_engine_thread_dies_mid_stream_moves_its_streams(cluster, reference, victim_reference,
+                                                                              death_dir):
     def kill_engine_thread(name: str) -> None:
         (death_dir / f"die-{_pid(next(s for s in cluster.specs if s.name == name))}").touch()
 
@@ -225,12 +295,13 @@ def test_a_decode_node_whose_engine_thread_dies_mid_stream_moves_its_streams(clu
     log = (cluster.log_dir / "router.log").read_text(errors="replace")
     moved = re.findall(r"done request_id=(mig-engine-death-\S+) node=\S+ finish=node error", log)
     assert moved, f"no stream on {victim} ended with a node error that the router moved"
+    # its counter dies with the process: read it (and every other node's) before the restart
+    stale = _stale_writes(cluster)
+    assert not any(stale.values()), f"stale KV writes counted before {victim}'s restart: {stale}"
     cluster.restart(victim)   # it runs, but without an engine it cannot serve (NOT_SERVING)
-    wait_until(lambda: not _held(cluster), 30, "every node free once the node is restarted", interval=0.1)
+    _assert_recovered(cluster, victim_reference, "engine-death")   # the restarted node included
 
 
-def test_a_decode_node_killed_mid_stream_costs_a_pause_not_an_error(cluster, reference):
+def test_a_decode_node_killed_mid_stream_costs_a_pause_not_an_error(cluster, reference, victim_reference):
     _fault_mid_stream(cluster, reference, lambda name: cluster.kill(name, signal.SIGKILL), "kill")
-    wait_until(lambda: not _held(cluster), 30, "every surviving node free after the migration", interval=0.1)
-    with Client(cluster.url, timeout=WAIT) as client:   # the cluster keeps serving on the survivor
-        assert client.complete(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3)).finish_reason == "length"
+    _assert_recovered(cluster, victim_reference, "kill")   # the cluster keeps serving on the survivors
