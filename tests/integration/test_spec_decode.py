@@ -102,6 +102,36 @@ def test_shallow_self_draft_matches_transformers_in_a_batch(llm, reference):
     check_idle(llm)
 
 
+DRAFTERS = {"self_draft": {"self_draft_layers": 2}, "draft_model": {}}   # draft_model: a tiny random draft
+
+
+@pytest.fixture(scope="module")
+def tiny_long_draft(tmp_path_factory):
+    """A tiny random draft (the default tokenizer) that takes the module engine's 8192 positions."""
+    from support.tiny_models import make_tiny_checkpoint
+
+    return str(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("spec_draft_8k") / "llama",
+                                    max_position_embeddings=8192))
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+def test_draft_models_in_a_batch_of_16_match_transformers(llm, reference, tiny_long_draft, drafter, k):
+    """A self-draft (the target's first 2 layers) and a separate random draft model at K = 1, 4, 8
+    in a batch of 16 mixed lengths (every prompt twice, chunked prefills sharing passes with
+    verifications), every proposal verified in full (adaptive off: the control would cut a random
+    draft's drafts to nothing): transformers' tokens."""
+    config = dict(DRAFTERS[drafter]) or {"model": tiny_long_draft}
+    spec = speculate(llm, method="draft_model", num_speculative_tokens=k, adaptive=False, **config)
+    n = 12
+    outs = llm.generate(REFERENCE_PROMPTS + REFERENCE_PROMPTS[::-1], greedy(n))
+    for i, (o, ref) in enumerate(zip(outs, reference + reference[::-1], strict=True)):
+        assert list(o.token_ids) == ref[:n], f"prompt {i} differs with {drafter} K={k}"
+    assert spec.num_drafts > 0 and len(spec.accepted_per_pos) == k
+    assert spec.num_draft_tokens > spec.num_drafts or k == 1   # K-token drafts were verified
+    check_idle(llm)
+
+
 def test_prefix_cache_hits_with_speculation(llm, reference):
     speculate(llm, method="ngram", num_speculative_tokens=4)
     hits = llm.engine.metrics().prefix_cache_hits
