@@ -543,7 +543,12 @@ class LLMEngine:
             if self.speculator is not None and self.speculator.uses_hidden:
                 self.speculator.note(r, out.hidden[out.chunk_rows[r.request_id]], c.end - 1)
             self.num_generated_tokens += 1
-            results.append(self._append_token(tracked, token, lp))
+            done = self._append_token(tracked, token, lp)
+            results.append(done)
+            if not done.finished and self.speculator is not None and self.speculator.proposer.needs_slots:
+                # a drafting model that filled none of its granted slots (Speculator.fill made the
+                # chunk a plain decode): give back the lookahead pages, as a verification does
+                self.cache_manager.truncate(r, r.num_tokens)
         self.num_first_steps += len(firsts)
         self.num_first_step_tokens += sum(len(r.output_token_ids) for r in firsts)
         return results

@@ -422,3 +422,23 @@ def test_a_decode_nodes_head_history_from_the_handed_over_states_is_the_colocate
     assert compared[0] >= 4, compared
     assert compared[1] >= compared[0] - 1, compared
     check_idle(llm)
+
+
+def test_draft_with_the_targets_vocabulary_size_but_another_tokenizer_is_refused(llm, tmp_path):
+    """A draft whose vocabulary has the target's size (49152) but maps two tokens to each other's
+    ids is refused by its tokenizer, not let through by its size."""
+    import json
+
+    from support.tiny_models import make_tiny_checkpoint
+
+    other = make_tiny_checkpoint("llama", tmp_path / "swapped_tokens", max_position_embeddings=8192)
+    path = other / "tokenizer.json"
+    tok = json.loads(path.read_text(encoding="utf-8"))
+    vocab = tok["model"]["vocab"]
+    assert len(vocab) == 49152 and (vocab["FREE"], vocab["ectable"]) == (49146, 49151)
+    vocab["FREE"], vocab["ectable"] = 49151, 49146
+    path.write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"has a different tokenizer than the target \(49152 vs 49152 tokens; "
+                                         r"e\.g\. \[\('FREE', 49146\), \('FREE', 49151\), \('ectable', 49146\)\]\)"):
+        make_speculator(SpeculativeConfig(method="draft_model", model=str(other), num_speculative_tokens=2),
+                        llm.engine.runner, llm.tokenizer, llm.engine.max_model_len)
