@@ -1,10 +1,10 @@
 """The fault matrix of issue 15 in one command: network faults between a prefill node and a decode
 node (tests/support/netfault.py: the prefill node in its own network namespace across a veth wire,
-faults dropped or shaped in transit, tcp;ofi_rxm) and process faults on the prefill node, each
-struck against a batch of concurrent requests on one running cluster; a table of fault x outcome
-in bench/results/faults.md.
+faults dropped or shaped in transit, tcp;ofi_rxm) and process faults on the prefill node, on a decode
+node and on the router, each struck against a batch of concurrent requests on a running cluster; a
+table of fault x outcome in bench/results/faults.md.
 
-    sudo .venv/bin/python bench/faults.py            # every row (~6 min on 2 cores)
+    sudo .venv/bin/python bench/faults.py            # every row (~3 min on 2 cores)
     sudo .venv/bin/python bench/faults.py --rows loss-1%,loss-20%
     sudo .venv/bin/python bench/faults.py --rows partition-long,loss-20% --update   # rerun rows in place
     sudo .venv/bin/python bench/faults.py --rotate-key-after 2   # the decode node releases unfenced holds
@@ -12,16 +12,26 @@ in bench/results/faults.md.
 With --update the rows run replace the same rows of the existing results file, the others stay, and
 a line under the header says which rows were rerun, when, on which machine and commit.
 
-Cluster: 1 prefill (across the wire) + 1 decode (--local-prefill-fallback) + router, as
-tests/integration/test_network_faults.py. Per row: requests completed / failed explicitly / lost
-(neither within the request timeout), stale writes (the decode node's
-pdserve:kv_stale_writes_total, cumulative over the run: a row's own is the increase), pages leaked
-(pages still used, and quarantined, CLEAN_WITHIN_S after the batch), recovery seconds: from the
-fault's end (from its start for a kill) until a fresh request succeeded by any path, and until one
-was prefilled by the prefill node again; whether that request and a victim batch on reused pages gave
-the fault-free greedy tokens. A node still holding pages after a row is restarted before the next
-(said in the row's notes). Needs root, iproute2 and iptables (the harness says why not otherwise).
+Two clusters, one after the other (a row runs on the one its Row.cluster names; a cluster no row
+asked for is not started), every node tcp;ofi_rxm, decode nodes --local-prefill-fallback:
+- "netns": 1 prefill (across the wire) + 1 decode + router, as tests/integration/test_network_faults.py:
+  the network rows, prefill-sigstop, prefill-sigkill (restarted in the row: there is no other prefill node);
+- "loopback": 2 prefill + 2 decode + router on 127.0.0.1, as tests/integration/test_migration.py's
+  cluster with a second prefill node: decode-sigstop and decode-sigkill (the decode node serving the
+  most requests, struck mid-stream: the router moves its streams to the other one), router-sigkill
+  (mid-stream, restarted in the row), prefill-sigkill-failover (mid-transfer, the other prefill
+  node takes over). A node killed and not restarted in its row is restarted after it (notes).
+Per row: requests completed / failed explicitly / lost (neither within the request timeout), stale
+writes (the running decode nodes' pdserve:kv_stale_writes_total, cumulative over the run: a row's
+own is the increase), pages leaked (pages still used, and quarantined, on the running nodes
+CLEAN_WITHIN_S after the batch), recovery seconds: from the fault's end (from its start for a kill)
+until a fresh request succeeded by any path, and until one was prefilled by a prefill node again (the
+one across the wire on "netns"); whether that request and a victim batch on reused pages gave the
+fault-free greedy tokens; notes: what the router's log says it moved, and what the row measured while
+the fault was in place. A node still holding pages after a row is restarted before the next (said in
+the row's notes). Needs root, iproute2 and iptables (the harness says why not otherwise).
 """
+
 
 from __future__ import annotations
 
@@ -30,13 +40,15 @@ import contextlib
 import datetime
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -45,23 +57,64 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from support import netfault as nf  # noqa: E402
-from support.cluster import process_pid  # noqa: E402
+from support.cluster import node_load, process_pid, transfer_leftovers  # noqa: E402
+from support.wait import wait_until  # noqa: E402
+
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.tools.client import Client, ClientError  # noqa: E402
+from pdserve.tools.launcher import Cluster  # noqa: E402
+
+NETNS, LOOPBACK = "netns", "loopback"
+CLUSTERS = {
+    NETNS: "1 prefill node in its own network namespace, 1 decode node + router in the root namespace, across a veth "
+           "wire (tests/support/netfault.py)",
+    LOOPBACK: "2 prefill + 2 decode nodes + router on 127.0.0.1 (the launcher's Cluster: "
+              "tests/integration/test_migration.py's with a second prefill node)",
+}
+# Every node of both clusters: SmolLM2-135M float32, 160 pages, 1 thread, chunks of 32 prompt tokens.
+NODES = dict(num_blocks=160, threads_per_node=1, engine_args=("--max-batch-tokens", "32"), startup_timeout_s=150,
+             router_health_interval_s=0.5)
+# The loopback rows' requests: long enough that a decode node is struck with streams half done.
+STREAM = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+STREAMED = 3                # a decode or router row is struck once every request has streamed this many tokens
+MARK_DOWN_WITHIN_S = 20.0   # decode-sigstop: the router marks the stopped node down within this (or the note says not)
+FREE_WITHIN_S = 10.0        # router-sigkill: every node frees its requests within this of the kill (or the note says)
+
+
+@dataclass
+class Target:
+    """The process a row's fault struck and when (time.monotonic()), recorded as it is struck (a
+    decode row picks its node then); the tokens each request of the batch has streamed so far."""
+
+    name: str = ""
+    at: float = 0.0
+    progress: dict[str, int] = field(default_factory=dict)
+
+    def pick(self, name: str) -> str:
+        self.name, self.at = name, time.monotonic()
+        return name
 
 
 @dataclass(frozen=True)
 class Row:
     """One fault of the matrix: how it is made, how long it is held (None: for the whole batch),
-    whether its recovery counts from its start (a kill)."""
+    whether its recovery counts from its start (a kill), the cluster it runs on, the moment a held
+    fault is struck (None: netfault's default, a prefill node's transfer in flight), what is measured
+    while it is in place (a note), the requests' sampling."""
 
     name: str
-    make: Callable[[nf.FaultNet, nf.NetCluster], contextlib.AbstractContextManager[nf.FaultHits]]
+    make: Callable[[nf.FaultNet | None, Cluster, Target], contextlib.AbstractContextManager[nf.FaultHits]]
     hold_s: float | None
     from_start: bool = False
     describe: str = ""
+    cluster: str = NETNS
+    ready: Callable[[Cluster, Target], Callable[[], bool]] | None = None
+    during: Callable[[Cluster, Target], str] | None = None
+    sampling: SamplingParams = nf.GREEDY
 
 
 @contextlib.contextmanager
-def sigstop(cluster: nf.NetCluster, name: str) -> Iterator[nf.FaultHits]:
+def sigstop(cluster: Cluster, name: str) -> Iterator[nf.FaultHits]:
     """The node stopped (SIGSTOP) while held, continued (SIGCONT) on exit."""
     pid = process_pid(cluster, name)
     os.kill(pid, signal.SIGSTOP)
@@ -72,30 +125,126 @@ def sigstop(cluster: nf.NetCluster, name: str) -> Iterator[nf.FaultHits]:
 
 
 @contextlib.contextmanager
-def sigkill(cluster: nf.NetCluster, name: str) -> Iterator[nf.FaultHits]:
-    """The node SIGKILLed on entry, started again (same address, a new process) on exit."""
+def sigkill(cluster: Cluster, name: str, restart: bool = True) -> Iterator[nf.FaultHits]:
+    """The process SIGKILLed on entry; with `restart`, started again (same address, a new process) on
+    exit, else left dead (run() restarts it after the row)."""
     cluster.kill(name, signal.SIGKILL)
     try:
         yield nf.FaultHits(1)
     finally:
-        cluster.restart(name)
+        if restart:
+            cluster.restart(name)
+
+
+def _running(cluster: Cluster, role: str) -> list[str]:
+    exited = cluster.poll()
+    return [s.name for s in cluster.specs if s.role == role and s.name not in exited]
+
+
+_ROUTED = re.compile(r"generate request_id=(\S+) node=(\S+) .* resumed=(\d+)")
+
+
+def _attempts(cluster: Cluster, ids: set[str]) -> dict[str, list[tuple[str, int]]]:
+    """The router log's attempts of these requests, in order: request id -> (decode node address,
+    tokens resumed after) (test_migration.py reads the same lines)."""
+    attempts: dict[str, list[tuple[str, int]]] = {}
+    with contextlib.suppress(OSError):
+        for m in _ROUTED.finditer((cluster.log_dir / "router.log").read_text(errors="replace")):
+            if m[1] in ids:
+                attempts.setdefault(m[1], []).append((m[2], int(m[3])))
+    return attempts
+
+
+def busiest_prefill(cluster: Cluster) -> str:
+    """The running prefill node with the most requests in its batch (then outstanding)."""
+    loads = {n: node_load(cluster.processes[n].address) for n in _running(cluster, "prefill")}
+    return max(loads, key=lambda n: (loads[n].running_requests, loads[n].outstanding_requests))
+
+
+def busiest_decode(cluster: Cluster, target: Target) -> str:
+    """The running decode node that serves the most of the batch's unfinished streams now, by the
+    router's log (its last attempt of each), as test_migration.py picks its victim."""
+    serving = {rid: a[-1][0] for rid, a in _attempts(cluster, set(target.progress)).items()}
+    names = {cluster.processes[n].address: n for n in _running(cluster, "decode")}
+    streams = Counter(serving.get(rid) for rid, n in target.progress.items() if n < STREAM.max_tokens)
+    return names[max(names, key=lambda a: streams[a])]
+
+
+def streaming(cluster: Cluster, target: Target) -> Callable[[], bool]:
+    """Whether every request of the batch has streamed STREAMED tokens: a decode or router fault is
+    struck then (mid-stream, as test_migration.py strikes)."""
+
+    def streaming() -> bool:
+        return len(target.progress) == len(nf.FAULT_PROMPTS) and min(target.progress.values()) >= STREAMED
+
+    return streaming
+
+
+def transferring(cluster: Cluster, target: Target) -> Callable[[], bool]:
+    """Whether a running prefill node has a request in flight and a decode node awaits its KV
+    (netfault.transferring, any prefill node): the prefill-failover row is struck then."""
+    checks = [nf.transferring(cluster, n) for n in _running(cluster, "prefill")]
+
+    def transferring() -> bool:
+        return any(check() for check in checks)
+
+    return transferring
+
+
+def marked_down(cluster: Cluster, target: Target) -> str:
+    """How long after the stop the router's Health says the stopped decode node is out of rotation."""
+    address = cluster.processes[target.name].address
+
+    def down() -> bool:
+        with Client(cluster.url, timeout=2.0) as client:
+            return any(n.address == address and not n.serving for n in client.health().nodes)
+
+    try:
+        wait_until(down, MARK_DOWN_WITHIN_S, f"the router to mark {target.name} down", interval=0.05,
+                   retry_on=(ClientError,))
+    except AssertionError:
+        return f"the router did not mark {target.name} down within {MARK_DOWN_WITHIN_S:.0f} s"
+    return f"router marked {target.name} down {time.monotonic() - target.at:.1f} s after the stop"
+
+
+def nodes_free(cluster: Cluster, target: Target) -> str:
+    """How long after the router's kill every running node holds nothing (transfer_leftovers)."""
+    addresses = nf.node_addresses(cluster)
+    try:
+        wait_until(lambda: transfer_leftovers(addresses), FREE_WITHIN_S, "every node free after the router's kill",
+                   interval=0.05)
+    except AssertionError:
+        return f"nodes still held {FREE_WITHIN_S:.0f} s after the kill: {transfer_leftovers(addresses).left}"
+    return f"every node free {time.monotonic() - target.at:.2f} s after the kill"
 
 
 S = nf.STALL_S
 ROWS = (
-    Row("partition-short", lambda n, c: nf.partition(n), S / 2, describe=f"P<->D all traffic dropped {S / 2:.1f} s"),
-    Row("partition-long", lambda n, c: nf.partition(n), 3 * S, describe=f"P<->D all traffic dropped {3 * S:.0f} s"),
-    Row("fabric-partition", lambda n, c: nf.fabric_partition(n), 2 * S,
+    Row("partition-short", lambda n, c, t: nf.partition(n), S / 2, describe=f"P<->D all traffic dropped {S / 2:.1f} s"),
+    Row("partition-long", lambda n, c, t: nf.partition(n), 3 * S, describe=f"P<->D all traffic dropped {3 * S:.0f} s"),
+    Row("fabric-partition", lambda n, c, t: nf.fabric_partition(n), 2 * S,
         describe=f"fabric ports dropped {2 * S:.0f} s, gRPC up"),
-    Row("loss-1%", lambda n, c: nf.loss(n, 1), None, describe="1% of packets dropped, either way, whole batch"),
-    Row("loss-5%", lambda n, c: nf.loss(n, 5), None, describe="5% of packets dropped, either way, whole batch"),
-    Row("loss-20%", lambda n, c: nf.loss(n, 20), None, describe="20% of packets dropped, either way, whole batch"),
-    Row("squeeze-40mbit", lambda n, c: nf.squeeze(n, "40mbit"), None,
+    Row("loss-1%", lambda n, c, t: nf.loss(n, 1), None, describe="1% of packets dropped, either way, whole batch"),
+    Row("loss-5%", lambda n, c, t: nf.loss(n, 5), None, describe="5% of packets dropped, either way, whole batch"),
+    Row("loss-20%", lambda n, c, t: nf.loss(n, 20), None, describe="20% of packets dropped, either way, whole batch"),
+    Row("squeeze-40mbit", lambda n, c, t: nf.squeeze(n, "40mbit"), None,
         describe="tbf 40 Mbit/s both ways, whole batch"),
-    Row("prefill-sigstop", lambda n, c: sigstop(c, "prefill-0"), 3 * S,
+    Row("prefill-sigstop", lambda n, c, t: sigstop(c, t.pick("prefill-0")), 3 * S,
         describe=f"prefill node SIGSTOP {3 * S:.0f} s mid-transfer, then SIGCONT"),
-    Row("prefill-sigkill", lambda n, c: sigkill(c, "prefill-0"), S, from_start=True,
+    Row("prefill-sigkill", lambda n, c, t: sigkill(c, t.pick("prefill-0")), S, from_start=True,
         describe="prefill node SIGKILL mid-transfer, restarted (same address)"),
+    Row("decode-sigstop", lambda n, c, t: sigstop(c, t.pick(busiest_decode(c, t))), 2 * S, cluster=LOOPBACK,
+        ready=streaming, during=marked_down, sampling=STREAM,
+        describe=f"busiest decode node SIGSTOP {2 * S:.0f} s mid-stream, then SIGCONT"),
+    Row("decode-sigkill", lambda n, c, t: sigkill(c, t.pick(busiest_decode(c, t)), restart=False), 0.0,
+        from_start=True, cluster=LOOPBACK, ready=streaming, sampling=STREAM,
+        describe="busiest decode node SIGKILL mid-stream, the other decode node up"),
+    Row("router-sigkill", lambda n, c, t: sigkill(c, t.pick("router")), 0.0, from_start=True, cluster=LOOPBACK,
+        ready=streaming, during=nodes_free, sampling=STREAM,
+        describe="router SIGKILL mid-stream, restarted (same port)"),
+    Row("prefill-sigkill-failover", lambda n, c, t: sigkill(c, t.pick(busiest_prefill(c)), restart=False), 0.0,
+        from_start=True, cluster=LOOPBACK, ready=transferring,
+        describe="busiest prefill node SIGKILL mid-transfer, the other prefill node up"),
 )
 
 
@@ -114,15 +263,22 @@ def _machine() -> str:
             f"python {platform.python_version()}")
 
 
-def _crashes(cluster: nf.NetCluster, log_dir: str) -> str:
+def _crashes(cluster: Cluster) -> str:
     """Which children exited, and how (a native crash prints 'terminated with signal N' in its log)."""
     exited = cluster.poll()
     said = []
     for name in exited:
         with contextlib.suppress(OSError):
-            said += [f"{name}: {line.strip()[:90]}" for line in open(Path(log_dir) / f"{name}.log", errors="replace")
+            said += [f"{name}: {line.strip()[:90]}" for line in open(cluster.log_dir / f"{name}.log", errors="replace")
                      if "terminated with signal" in line or line.startswith("pdf_core")][-1:]
     return f"exited {exited} {' '.join(said)}" if exited else "no process exited"
+
+
+def _moved(cluster: Cluster, o: nf.FaultOutcome) -> str:
+    """What the router's log says it moved of the row's requests: each attempt after a request's
+    first, with the tokens it resumed after."""
+    resumed = [n for a in _attempts(cluster, {e.request_id for e in o.ends}).values() for _, n in a[1:]]
+    return f"router moved {len(resumed)} (resumed after {', '.join(map(str, resumed))} tokens)" if resumed else ""
 
 
 def _fmt(x: float | None) -> str:
@@ -135,46 +291,109 @@ def decode_args(rotate_key_after_s: float | None) -> tuple[str, ...]:
     return ("--local-prefill-fallback", *rotate)
 
 
-def run(rows: list[Row], log_dir: str, rotate_key_after_s: float | None = None
-        ) -> list[tuple[Row, nf.FaultOutcome | None, str]]:
-    out: list[tuple[Row, nf.FaultOutcome | None, str]] = []
-    with nf.fault_net() as net, nf.NetCluster(
-            net, prefill=1, decode=1, port=0, num_blocks=160, threads_per_node=1,
-            engine_args=("--max-batch-tokens", "32"), decode_args=decode_args(rotate_key_after_s),
-            log_dir=log_dir, startup_timeout_s=150, router_health_interval_s=0.5) as cluster:
-        ref = nf.reference(cluster.url)
-        stale_before = nf.stale_writes(cluster) or 0.0
-        for row in rows:
-            try:
-                held = nf.reset_if_held(cluster)
-            except (AssertionError, OSError, grpc.RpcError, nf.NetFaultError) as e:
-                out.append((row, None, f"could not reset the cluster before this row: {e!r}"[:300]))
-                print(f"{row.name}: reset failed {e!r}", flush=True)
-                continue
-            notes = f"restarted first: {held} " if held else ""
-            if held:   # a restarted decode node counts from 0 again
-                stale_before = nf.stale_writes(cluster) or 0.0
-            t0 = time.monotonic()
-            try:
-                o = nf.strike(cluster, row.name, lambda row=row: row.make(net, cluster), row.hold_s, ref)
-            except Exception as e:  # a row that cannot finish is a row of the table, not the end of the run
-                out.append((row, None, notes + f"no outcome after {time.monotonic() - t0:.0f} s: "
-                            f"{_crashes(cluster, log_dir)}; the harness saw {str(e).splitlines()[0][:160]}"))
-                print(f"{row.name}: harness error {e!r}", flush=True)
-                continue
-            stale = None if o.stale_writes is None else o.stale_writes - stale_before
-            if o.stale_writes is not None:
-                stale_before = o.stale_writes
+Result = tuple[Row, nf.FaultOutcome | None, str]
+
+
+def _restart_exited(cluster: Cluster) -> str:
+    """Restart the nodes a row killed and left dead; wait until the router serves through them
+    (every decode node back in its rotation); a note."""
+    exited = [n for n in cluster.poll() if n != "router"]
+    if not exited:
+        return ""
+    t0 = time.monotonic()
+    nf.reset_if_held(cluster)
+
+    def all_in_rotation() -> bool:
+        with Client(cluster.url, timeout=2.0) as client:
+            return all(n.serving for n in client.health().nodes)
+
+    wait_until(all_in_rotation, nf.RECOVERY_WITHIN_S, "every decode node back in the router's rotation",
+               interval=0.2, retry_on=(ClientError,))
+    return f"{', '.join(exited)} restarted after the row ({time.monotonic() - t0:.0f} s) "
+
+
+def _rows(rows: list[Row], cluster: Cluster, net: nf.FaultNet | None, done: dict[str, Result]) -> None:
+    """Strike `rows` one after another on a running cluster; each row's result into `done` as it ends."""
+    ref = nf.reference(cluster.url)
+    stale_before = nf.stale_writes(cluster) or 0.0
+    for row in rows:
+        try:
+            held = nf.reset_if_held(cluster)
+        except (AssertionError, OSError, grpc.RpcError, nf.NetFaultError) as e:
+            done[row.name] = (row, None, f"could not reset the cluster before this row: {e!r}"[:300])
+            print(f"{row.name}: reset failed {e!r}", flush=True)
+            continue
+        notes = [f"restarted first: {held}"] if held else []
+        if held:   # a restarted decode node counts from 0 again
+            stale_before = nf.stale_writes(cluster) or 0.0
+        target = Target()
+        t0 = time.monotonic()
+        try:
+            o = nf.strike(cluster, row.name, lambda row=row, target=target: row.make(net, cluster, target),
+                          row.hold_s, ref, ready=row.ready(cluster, target) if row.ready else None,
+                          during=(lambda row=row, target=target: row.during(cluster, target)) if row.during else None,
+                          sampling=row.sampling, progress=target.progress)
+        except Exception as e:  # a row that cannot finish is a row of the table, not the end of the run
+            notes.append(f"no outcome after {time.monotonic() - t0:.0f} s: {_crashes(cluster)}; the harness saw "
+                         f"{str(e).splitlines()[0][:160]}")
+            print(f"{row.name}: harness error {e!r}", flush=True)
+            with contextlib.suppress(Exception):   # the next row starts on a cluster whole again
+                notes.append(_restart_exited(cluster))
+            done[row.name] = (row, None, "; ".join(n for n in notes if n))
+            continue
+        stale = None if o.stale_writes is None else o.stale_writes - stale_before
+        notes += [_moved(cluster, o), str(o.during or "")]
+        if target.at:
+            notes.append(f"{target.name} struck; the batch's last request ended "
+                         f"{max(e.at for e in o.ends) - target.at:.1f} s later")
+        if net is not None and o.leftovers:
             conns = nf.fabric_connections(net)
-            if o.leftovers:
-                notes += f"established KV connections after: decode side {conns['near']}, prefill side {conns['far']} "
-            out.append((row, o, notes + ("" if stale is None else f"stale={stale:g}")))
-            print(f"{row.name}: {o.completed}/{len(o.ends)} ok, errors {o.errors}, lost {o.lost}, stale {stale}, "
-                  f"leftovers {o.leftovers}, recovery {o.recovery_s} / {o.remote_recovery_s}", flush=True)
-    return out
+            notes.append(f"established KV connections after: decode side {conns['near']}, prefill side {conns['far']}")
+        try:
+            restarted = _restart_exited(cluster)
+        except (AssertionError, OSError, grpc.RpcError) as e:
+            restarted = f"restarting the killed node failed: {e!r}"[:200]
+        notes.append(restarted)
+        if restarted:   # a restarted decode node counts from 0 again
+            stale_before = nf.stale_writes(cluster) or 0.0
+        elif o.stale_writes is not None:
+            stale_before = o.stale_writes
+        said = "; ".join(n for n in notes if n)
+        done[row.name] = (row, o, said + ("" if stale is None else f" stale={stale:g}"))
+        print(f"{row.name}: {o.completed}/{len(o.ends)} ok, errors {o.errors}, lost {o.lost}, stale {stale}, "
+              f"leftovers {o.leftovers}, recovery {o.recovery_s} / {o.remote_recovery_s}; {said}", flush=True)
 
 
-def table(results: list[tuple[Row, nf.FaultOutcome | None, str]]) -> list[str]:
+def run(rows: list[Row], log_dir: str, rotate_key_after_s: float | None = None) -> list[Result]:
+    """Each cluster that a row of `rows` runs on, started in turn (logs in log_dir/<cluster>), its rows
+    struck; the results in the order of `rows`."""
+    done: dict[str, Result] = {}
+    for which in (NETNS, LOOPBACK):
+        mine = [r for r in rows if r.cluster == which]
+        if not mine:
+            continue
+        logs = str(Path(log_dir) / which)
+        try:
+            with contextlib.ExitStack() as stack:
+                if which == NETNS:
+                    net = stack.enter_context(nf.fault_net())
+                    cluster: Cluster = stack.enter_context(nf.NetCluster(
+                        net, prefill=1, decode=1, port=0, decode_args=decode_args(rotate_key_after_s),
+                        log_dir=logs, **NODES))
+                else:
+                    net = None
+                    cluster = stack.enter_context(Cluster(
+                        prefill=2, decode=2, port=0, provider="tcp;ofi_rxm",
+                        decode_args=decode_args(rotate_key_after_s), log_dir=logs, **NODES))
+                _rows(mine, cluster, net, done)
+        except Exception as e:   # that cluster's rows not done say why; the other cluster's stand
+            for r in mine:
+                done.setdefault(r.name, (r, None, f"the {which} cluster failed: {str(e).splitlines()[0][:200]}"))
+            print(f"{which} cluster: {e!r}", flush=True)
+    return [done[r.name] for r in rows]
+
+
+def table(results: list[Result]) -> list[str]:
     lines = ["| fault | held s | requests ok / err / lost | stale writes | pages leaked (quarantined) | "
              "recovery s (any / via prefill node) | greedy after = fault-free | notes |",
              "|---|---|---|---|---|---|---|---|"]
@@ -185,8 +404,8 @@ def table(results: list[tuple[Row, nf.FaultOutcome | None, str]]) -> list[str]:
         extra = o.held_s if row.from_start else 0.0
         rec = "/".join(_fmt(None if r is None else r + extra) for r in (o.recovery_s, o.remote_recovery_s))
         quarantined = sum(c.get("quarantined_kv_blocks", 0) for c in o.leftovers.values())
-        stale = notes.rsplit("stale=", 1)[1] if "stale=" in notes else "n/a"
-        other = notes.rsplit("stale=", 1)[0].strip()
+        stale = notes.rsplit(" stale=", 1)[1] if " stale=" in notes else "n/a"
+        other = notes.rsplit(" stale=", 1)[0].strip()
         errs = "; ".join(e[:160] for e in o.errors)
         lines.append(
             f"| {row.name}: {row.describe} | {o.held_s:.1f} | {o.completed} / {len(o.errors)} / {len(o.lost)} | "
@@ -195,7 +414,7 @@ def table(results: list[tuple[Row, nf.FaultOutcome | None, str]]) -> list[str]:
     return lines
 
 
-def updated(lines: list[str], results: list[tuple[Row, nf.FaultOutcome | None, str]], note: str) -> list[str]:
+def updated(lines: list[str], results: list[Result], note: str) -> list[str]:
     """An existing results file (`lines`) with the table rows of `results` replaced (appended after
     the table when absent) and `note` as its own paragraph after the run line."""
     new = dict(zip((row.name for row, _, _ in results), table(results)[2:], strict=True))
@@ -214,11 +433,12 @@ def main() -> int:
     p.add_argument("--rows", default="", help="comma-separated row names (default: all): "
                    + ", ".join(r.name for r in ROWS).replace("%", "%%"))   # argparse formats help with %
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "faults.md"))
-    p.add_argument("--log-dir", default=None, help="the nodes' logs (default: a new temporary folder, kept)")
+    p.add_argument("--log-dir", default=None,
+                   help="the nodes' logs, a folder per cluster (default: a new temporary folder, kept)")
     p.add_argument("--update", action="store_true",
                    help="replace only the rows run in the existing --out file (the others stay) and note the rerun")
     p.add_argument("--rotate-key-after", type=float, default=None, metavar="S",
-                   help="the decode node's --rotate-key-after (default: off): a hold this old whose abort ended "
+                   help="the decode nodes' --rotate-key-after (default: off): a hold this old whose abort ended "
                         "unfenced, or whose prefill node went silent, is released by a key rotation")
     args = p.parse_args()
     if args.rotate_key_after is not None and not args.rotate_key_after > 0:
@@ -248,18 +468,26 @@ def main() -> int:
         f"`sudo .venv/bin/python bench/faults.py{flags}` on "
         f"{started:%Y-%m-%d %H:%M} UTC, {time.monotonic() - t0:.0f} s. Machine: {_machine()}. Commit {commit}{tree}.",
         "",
-        f"Cluster: 1 prefill node in its own network namespace, 1 decode node "
-        f"({' '.join(decode_args(args.rotate_key_after))}, default --prefill-stall {nf.STALL_S:g} s) + router in "
-        "the root namespace, tcp;ofi_rxm across a veth wire (tests/support/netfault.py); SmolLM2-135M float32, "
-        "160 pages, 1 thread per node. Each row: "
-        f"{len(nf.FAULT_PROMPTS)} concurrent ~230-token prompts x {nf.GREEDY.max_tokens} greedy tokens; the fault is "
-        "struck once the prefill node has one in flight (held rows) or is in place for the whole batch. "
-        f"Lost = neither tokens nor an explicit error within {nf.REQUEST_TIMEOUT_S:.0f} s. Pages leaked = pages "
-        f"still used on any node {nf.CLEAN_WITHIN_S:.0f} s after the batch (of which quarantined). Recovery = from "
-        "the fault's end (a kill: its start) until a fresh request succeeded (any path / prefilled by the prefill "
-        "node); '-' = none within "
-        f"{nf.RECOVERY_WITHIN_S:.0f} s. Greedy = that request and a victim batch on reused pages equal the "
-        "fault-free run.",
+        "Clusters, one after the other; every node SmolLM2-135M float32, 160 pages, 1 thread, tcp;ofi_rxm; decode "
+        f"nodes {' '.join(decode_args(args.rotate_key_after))} (default --prefill-stall {nf.STALL_S:g} s); router "
+        f"health poll every {NODES['router_health_interval_s']:g} s:",
+        "",
+        *(f"- {which}{' (rows ' + ', '.join(names) + ')' if names else ''}: {CLUSTERS[which]}"
+          for which, names in ((w, [r.name for r in rows if r.cluster == w]) for w in (NETNS, LOOPBACK))),
+        "",
+        f"Each row: {len(nf.FAULT_PROMPTS)} concurrent ~230-token prompts x {nf.GREEDY.max_tokens} greedy tokens "
+        f"({STREAM.max_tokens} on loopback, so that a decode node is struck mid-stream); a held fault is struck once "
+        "a prefill node has one in flight and a decode node awaits its KV (decode and router rows: once every "
+        f"request has streamed {STREAMED} tokens; the busiest decode node serves the most unfinished streams then, "
+        "by the router's log; the busiest prefill node has the most requests), or is in place for the whole batch. "
+        f"Lost = neither tokens nor an explicit error within {nf.REQUEST_TIMEOUT_S:.0f} s. "
+        f"Pages leaked = pages still used on any running node {nf.CLEAN_WITHIN_S:.0f} s after the batch (of which "
+        "quarantined). Recovery = from the fault's end (a kill: its start, so a restart in the row counts) until a "
+        "fresh request succeeded (any path / prefilled by a prefill node: on netns the one across the wire); '-' = "
+        f"none within {nf.RECOVERY_WITHIN_S:.0f} s. Greedy = that request and a victim batch on reused pages equal "
+        "the fault-free run. Notes: the router's re-submissions of the batch's requests (from its log, with the "
+        "tokens already streamed), what was measured while the fault was in place, when the batch's last request "
+        "ended after the strike.",
         "",
         *table(results),
         "",

@@ -30,7 +30,9 @@ near_addr (a second prefill node the partition does not cut off).
 Every fault primitive is a context manager that undoes itself on exit, also after a failure.
 `strike` runs one fault against a batch of requests and reports a FaultOutcome (what the requests
 ended with, what the nodes still hold, stale writes, a fresh request's tokens, recovery seconds);
-the tests assert on it, bench/faults.py tabulates it.
+the tests assert on it, bench/faults.py tabulates it. It also takes a plain launcher Cluster (no
+network namespace: process faults on decode nodes or the router, bench/faults.py's loopback rows);
+its measures skip a node that has exited (a SIGKILL not followed by a restart).
 
 Blocking waits and their bounds: every `ip` / `iptables` / `tc` call IP_TIMEOUT_S; cluster start
 and stop as Cluster's (startup_timeout_s, stop_timeout_s); each request REQUEST_TIMEOUT_S; the
@@ -54,7 +56,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.tools.client import AsyncClient, Client, ClientError
+from pdserve.tools.client import AsyncClient, Client, ClientError, _Collector
 from pdserve.tools.launcher import Cluster, ProcessSpec, _child_env, child_command
 from support.cluster import node_info, node_load, transfer_leftovers
 from support.prometheus import fetch, parse, total
@@ -366,7 +368,7 @@ def fabric_connections(net: FaultNet) -> dict[str, int]:
     return out
 
 
-# --- one fault against a running NetCluster: what happened to the requests and to the nodes ----------
+# --- one fault against a running cluster: what happened to the requests and to the nodes -------------
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 # ~230 tokens each, distinct heads (no prefix-cache hit between them): ~8 prefill chunks of 32 and
@@ -391,6 +393,7 @@ class RequestEnd:
     tokens: tuple[int, ...] | None
     error: str | None
     lost: bool
+    at: float = 0.0     # when it ended (time.monotonic())
 
 
 @dataclass(frozen=True)
@@ -400,9 +403,10 @@ class FaultOutcome:
     pdserve:kv_stale_writes_total (None: no such metric). fresh_ok / victims_ok: the first fresh
     request after the fault and a victim batch after the clean-up gave the fault-free greedy tokens.
     recovery_s: from the fault's end until a fresh request succeeded by any path (local fallback
-    included); remote_recovery_s: until one succeeded that the far prefill node prefilled (its
-    pdserve:prefill_requests_total{outcome="ok"} moved, nothing else in flight); None: none did
-    within RECOVERY_WITHIN_S. hits: packets the fault dropped or held back (> 0: it touched traffic)."""
+    included); remote_recovery_s: until one succeeded that a counted prefill node prefilled (the far
+    ones of a NetCluster, counted_prefill_nodes: their pdserve:prefill_requests_total{outcome="ok"}
+    moved, nothing else in flight); None: none did within RECOVERY_WITHIN_S. hits: packets the fault
+    dropped or held back (> 0: it touched traffic)."""
 
     fault: str
     held_s: float
@@ -433,23 +437,34 @@ class FaultOutcome:
         return sum(c.get("used_blocks", 0) for c in self.leftovers.values())
 
 
-async def _one(client: AsyncClient, prompt: str, request_id: str, timeout: float = REQUEST_TIMEOUT_S) -> RequestEnd:
+async def _one(client: AsyncClient, prompt: str, request_id: str, timeout: float = REQUEST_TIMEOUT_S,
+               sampling: SamplingParams = GREEDY, progress: dict[str, int] | None = None) -> RequestEnd:
+    """One request through the router, as AsyncClient.complete; `progress[request_id]`: the tokens it
+    has streamed so far."""
     t0 = time.monotonic()
+    acc = _Collector()
     try:
-        out = await client.complete(prompt, GREEDY, request_id=request_id, timeout=timeout)
+        async for chunk in client.generate(prompt, sampling, request_id=request_id, timeout=timeout):
+            acc.add(chunk)
+            if progress is not None:
+                progress[request_id] = len(acc.ids)
+        out = acc.result()
     except ClientError as e:
         hung = e.code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 >= timeout * 0.95
-        return RequestEnd(request_id, None, None if hung else str(e), hung)
+        return RequestEnd(request_id, None, None if hung else str(e), hung, time.monotonic())
     tokens = tuple(out.token_ids)
-    if len(tokens) != GREEDY.max_tokens:
-        return RequestEnd(request_id, None, None, True)
-    return RequestEnd(request_id, tokens, None, False)
+    if len(tokens) != sampling.max_tokens:
+        return RequestEnd(request_id, None, None, True, time.monotonic())
+    return RequestEnd(request_id, tokens, None, False, time.monotonic())
 
 
-async def batch(url: str, prompts: Sequence[str], tag: str) -> tuple[RequestEnd, ...]:
-    """Run prompts concurrently through the router at `url` (bounded by REQUEST_TIMEOUT_S each)."""
+async def batch(url: str, prompts: Sequence[str], tag: str, sampling: SamplingParams = GREEDY,
+                progress: dict[str, int] | None = None) -> tuple[RequestEnd, ...]:
+    """Run prompts concurrently through the router at `url` (bounded by REQUEST_TIMEOUT_S each), as
+    request ids TAG-i; `progress`: the tokens each has streamed so far, by request id."""
     async with AsyncClient(url, timeout=REQUEST_TIMEOUT_S) as client:
-        return tuple(await asyncio.gather(*(_one(client, p, f"{tag}-{i}") for i, p in enumerate(prompts))))
+        return tuple(await asyncio.gather(*(_one(client, p, f"{tag}-{i}", sampling=sampling, progress=progress)
+                                            for i, p in enumerate(prompts))))
 
 
 def _tag(what: str) -> str:
@@ -474,20 +489,31 @@ def _metric(url: str, name: str, **labels: str) -> float | None:
 
 
 def stale_writes(cluster: Cluster) -> float | None:
-    """Sum of pdserve:kv_stale_writes_total over the decode nodes' /metrics; None when absent."""
+    """Sum of pdserve:kv_stale_writes_total over the running decode nodes' /metrics; None when absent."""
+    exited = cluster.poll()
     values = [_metric(url, "pdserve:kv_stale_writes_total") for name, url in cluster.metrics_urls.items()
-              if cluster.processes[name].role == "decode"]
+              if cluster.processes[name].role == "decode" and name not in exited]
     return None if any(v is None for v in values) else sum(values)
 
 
-def remote_prefills(cluster: NetCluster) -> float:
-    """Prefills the far prefill nodes answered ok so far."""
+def counted_prefill_nodes(cluster: Cluster) -> list[str]:
+    """The prefill nodes whose prefills count as "via a prefill node": a NetCluster's far ones (across
+    the wire), every prefill node of a plain Cluster."""
+    far = getattr(cluster, "far_names", None)
+    return sorted(far) if far else [s.name for s in cluster.specs if s.role == "prefill"]
+
+
+def remote_prefills(cluster: Cluster) -> float:
+    """Prefills the running counted prefill nodes (counted_prefill_nodes) answered ok so far."""
+    exited = cluster.poll()
     return sum(_metric(cluster.metrics_urls[n], "pdserve:prefill_requests_total", outcome="ok") or 0.0
-               for n in cluster.far_names)
+               for n in counted_prefill_nodes(cluster) if n not in exited)
 
 
 def node_addresses(cluster: Cluster) -> list[str]:
-    return [s.address for s in cluster.specs if s.role != "router"]
+    """The running nodes' addresses (one that has exited answers nothing)."""
+    exited = cluster.poll()
+    return [s.address for s in cluster.specs if s.role != "router" and s.name not in exited]
 
 
 class LeftoversError(AssertionError):
@@ -517,9 +543,24 @@ async def _first_success(url: str, expected: tuple[int, ...], since: float,
     return None, False
 
 
-async def _strike(cluster: NetCluster, name: str, fault: Callable[[], contextlib.AbstractContextManager[FaultHits]],
+def transferring(cluster: Cluster, busy_node: str) -> Callable[[], bool]:
+    """Whether `busy_node` (a prefill node) has a request in flight and a running decode node awaits
+    KV (NodeInfo.transfers.tags_in_use): strike's default moment to strike a held fault."""
+    busy_address = cluster.processes[busy_node].address
+    exited = cluster.poll()
+    decodes = [s.address for s in cluster.specs if s.role == "decode" and s.name not in exited]
+
+    def transferring() -> bool:
+        return bool(node_load(busy_address).outstanding_requests
+                    and any(node_info(a).transfers.tags_in_use for a in decodes))
+
+    return transferring
+
+
+async def _strike(cluster: Cluster, name: str, fault: Callable[[], contextlib.AbstractContextManager[FaultHits]],
                   hold_s: float | None, prompts: Sequence[str], ref: dict[str, tuple[int, ...]],
-                  busy_node: str, during: Callable[[], object] | None) -> FaultOutcome:
+                  busy_node: str, during: Callable[[], object] | None, ready: Callable[[], bool] | None,
+                  sampling: SamplingParams, progress: dict[str, int] | None) -> FaultOutcome:
     url = cluster.url
     seen: object = None
     expected = ref[VICTIMS[0]]
@@ -531,19 +572,13 @@ async def _strike(cluster: NetCluster, name: str, fault: Callable[[], contextlib
     with contextlib.ExitStack() as stack:
         if hold_s is None:     # the fault in place before the batch starts, lifted when it ends
             hits = stack.enter_context(fault())
-        task = asyncio.create_task(batch(url, prompts, tag))
+        task = asyncio.create_task(batch(url, prompts, tag, sampling, progress))
         t0 = time.monotonic()
-        if hold_s is not None:  # struck once the prefill node has a request in flight
-            busy_address = cluster.processes[busy_node].address
-            decodes = [s.address for s in cluster.specs if s.role == "decode"]
-
-            def transferring() -> bool:
-                return bool(node_load(busy_address).outstanding_requests
-                            and any(node_info(a).transfers.tags_in_use for a in decodes))
-
+        if hold_s is not None:  # struck once `ready` (default: the prefill node has a request in flight)
+            what = (f"{busy_node} to have a request in flight and a decode node a transfer" if ready is None
+                    else f"the moment to strike {name} ({getattr(ready, '__name__', 'ready')})")
             await asyncio.sleep(0.1)
-            await asyncio.to_thread(wait_until, transferring, BUSY_WITHIN_S,
-                                    f"{busy_node} to have a request in flight and a decode node a transfer",
+            await asyncio.to_thread(wait_until, ready or transferring(cluster, busy_node), BUSY_WITHIN_S, what,
                                     interval=0.05)
             t0 = time.monotonic()
             hits = stack.enter_context(fault())
@@ -574,18 +609,23 @@ async def _strike(cluster: NetCluster, name: str, fault: Callable[[], contextlib
                         victims_ok, recovery_s, remote_s, seen)
 
 
-def strike(cluster: NetCluster, name: str, fault: Callable[[], contextlib.AbstractContextManager[FaultHits]],
+def strike(cluster: Cluster, name: str, fault: Callable[[], contextlib.AbstractContextManager[FaultHits]],
            hold_s: float | None, ref: dict[str, tuple[int, ...]], prompts: Sequence[str] = FAULT_PROMPTS,
-           busy_node: str | None = None, during: Callable[[], object] | None = None) -> FaultOutcome:
-    """Run `prompts` through the router under `fault()`: with hold_s, struck once `busy_node`
-    (default: the first far prefill node) has one in flight and a decode node awaits its KV
-    (NodeInfo.transfers.tags_in_use), and lifted hold_s seconds later; with
-    None, in place before the batch starts and lifted when it ends. `during` (bounded by its own
-    calls) runs once while the fault is in place. Then measure (FaultOutcome).
-    Bounded: about 2 * REQUEST_TIMEOUT_S + 2 * RECOVERY_WITHIN_S + CLEAN_WITHIN_S + BUSY_WITHIN_S."""
-    busy = busy_node or sorted(cluster.far_names)[0]
+           busy_node: str | None = None, during: Callable[[], object] | None = None,
+           ready: Callable[[], bool] | None = None, sampling: SamplingParams = GREEDY,
+           progress: dict[str, int] | None = None) -> FaultOutcome:
+    """Run `prompts` (each with `sampling`; `progress`, filled as they stream: the tokens each request
+    has streamed so far, by request id) through the router under `fault()`: with hold_s, struck
+    once `ready()` is true (polled every 50 ms, at most BUSY_WITHIN_S; default: `busy_node`, the
+    first counted prefill node by default, has one in flight and a decode node awaits its KV,
+    `transferring`), and lifted hold_s seconds later; with None, in place before the batch starts and
+    lifted when it ends. `during` (bounded by its own calls) runs once while the fault is in place.
+    Then measure (FaultOutcome). Bounded: about 2 * REQUEST_TIMEOUT_S + 2 * RECOVERY_WITHIN_S +
+    CLEAN_WITHIN_S + BUSY_WITHIN_S."""
+    busy = busy_node or counted_prefill_nodes(cluster)[0]
     bound = 2 * REQUEST_TIMEOUT_S + 2 * RECOVERY_WITHIN_S + CLEAN_WITHIN_S + BUSY_WITHIN_S + 60
-    return asyncio.run(asyncio.wait_for(_strike(cluster, name, fault, hold_s, prompts, ref, busy, during), bound))
+    return asyncio.run(asyncio.wait_for(
+        _strike(cluster, name, fault, hold_s, prompts, ref, busy, during, ready, sampling, progress), bound))
 
 
 def reset_if_held(cluster: Cluster) -> dict[str, dict[str, int]]:
@@ -594,7 +634,7 @@ def reset_if_held(cluster: Cluster) -> dict[str, dict[str, int]]:
     by_address = {s.address: s.name for s in cluster.specs}
     dead = {s.address: {"exited": code} for name, code in cluster.poll().items()
             for s in cluster.specs if s.name == name and s.role != "router"}
-    held = {**transfer_leftovers([a for a in node_addresses(cluster) if a not in dead]).left, **dead}
+    held = {**transfer_leftovers(node_addresses(cluster)).left, **dead}
     for address in held:
         cluster.restart(by_address[address])
     if held:   # serving is not enough: the router takes it back in rotation at its next health poll
