@@ -351,7 +351,7 @@ class KvSender(PrefillConnector):
                                                 "connections and a fence on one proves nothing of the others")
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
-        def failed(err: FabricError) -> None:
+        def failed(err: FabricError | PostError) -> None:
             fut.set_exception(err)
 
         one = np.zeros(1, dtype=np.uint64)
@@ -604,6 +604,10 @@ class KvSender(PrefillConnector):
                                     imm_mode="every")
         except (FabricError, ValueError) as err:
             failed(err if isinstance(err, FabricError) else FabricError(22, str(err)))
+            return
+        except Exception as err:   # a bug below; nothing was posted (write_pages checks before it posts)
+            logger.exception("transfer %s: write_pages raised; failing it", t.key)
+            failed(PostError(f"transfer {t.key}: posting its writes raised {err!r}"))
             return
         with self._lock:
             t.posted_writes += len(lengths)

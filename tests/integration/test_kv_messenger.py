@@ -134,6 +134,7 @@ def test_a_failed_pass_or_a_raising_post_fails_only_its_transfer(monkeypatch):
     fab_p, fab_d = TransferEngine(cfg), TransferEngine(cfg)
     events = QueueEvents()
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    sender = None
     try:
         receiver = KvReceiver(fab_d, events)
         decode = LLM(num_blocks=128, kv_connector=receiver).engine
@@ -187,12 +188,31 @@ def test_a_failed_pass_or_a_raising_post_fails_only_its_transfer(monkeypatch):
         assert f3.result(timeout=10).num_writes == other.expected_writes
         with pytest.raises(PostError, match="injected: a bug while posting"):
             f2.result(timeout=10)
-        for rid in ("r0", "r1", "r2", "r3"):
+        monkeypatch.setattr(sender, "_post_layer", real_post)
+
+        # the transport itself raising a non-fabric error (here on the context record's write): the
+        # write is not counted outstanding, its staging slot comes back, the transfer fails
+        real_write = sender.transport.write_pages
+        ctx_ticket = None
+
+        def write_pages(region, src, dst_desc, *args, **kw):
+            if ctx_ticket is not None and dst_desc == ctx_ticket.context:
+                raise TypeError("injected: a bug below write_pages")
+            return real_write(region, src, dst_desc, *args, **kw)
+
+        monkeypatch.setattr(sender.transport, "write_pages", write_pages)
+        ctx_ticket, f4 = start("r4", PROMPTS[0])
+        prefill_all()
+        with pytest.raises(PostError, match="injected: a bug below write_pages"):
+            f4.result(timeout=10)
+        assert sender.staging_slots.free == sender.staging_slots.capacity
+        for rid in ("r0", "r1", "r2", "r3", "r4"):
             prefill.release_blocks(rid)
         prefill.check_integrity()
         assert prefill.pool.num_used_blocks == 0
-        sender.close()
     finally:
+        if sender is not None:
+            sender.close()
         fab_p.close()
         fab_d.close()
 

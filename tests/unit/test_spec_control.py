@@ -150,6 +150,9 @@ def test_a_new_sequence_verifies_one_draft_token_at_its_first_step_only():
     # "new" decodes for the first time (a decode node's step after the transfer): one token, outside
     # the probe budget, though the line cuts it for a sequence already seen
     assert c.choose({"b": 4, "new": 4}, 16) == {"new": 1}
+    # nothing was drafted or verified (a head without a state yet, a lookahead that did not fit):
+    # the look is not spent
+    assert c.choose({"b": 4, "new": 4}, 16) == {"new": 1}
     c.verified("new", 1, 0)
     assert all(c.choose({"b": 4, "new": 4}, 16) == {} for _ in range(PROBE_AFTER - 2))
     # preempted (forgotten) and back: a first look again

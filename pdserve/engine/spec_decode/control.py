@@ -36,14 +36,16 @@ once the credit covers them all at b + d per token. Without both, every sequence
 16 probed at the same step every 16 steps, and on prose those steps cost 1.3-1.9x a decode step
 (bench/results/spec_decode.md, the run before the budget): by that arithmetic most of the 4-8%
 system-TPS loss at batch 16 measured there (bench/results/spec_control_ab.md: a paired A/B).
-First look: a sequence the control has not seen yet (its first decode step: on a decode node the
-step right after the KV transfer, whose drafts come from the prefill node's shipped hidden state,
-D17; or its first step back after a preemption) verifies at least one draft token whatever the
-line says, outside the probe budget. Nothing is known of its own acceptance until then (the
-prior is the batch's), and the handoff step is where a hidden-state head drafts from the freshest
-state it ever gets; the cost is bounded by one draft token per request (b + d once: ~0.3 of a
-batch-1 decode step on the hosts of bench/results/spec_decode.md), and its verdict seeds the
-sequence's own estimate at once instead of after PROBE_AFTER idle steps.
+First look: a sequence none of whose drafts has been verified yet (its first decode step with a
+proposal: on a decode node the step right after the KV transfer, whose drafts come from the prefill
+node's shipped hidden state, D17; or its first step back after a preemption) verifies at least one
+draft token whatever the line says, outside the probe budget, until one verification happened (a
+proposer that then drafts nothing, or a lookahead the step cannot fit, does not spend it). Nothing
+is known of its own acceptance until then (the prior is the batch's), and the handoff step is where
+a hidden-state head drafts from the freshest state it ever gets; the cost is bounded by one
+verified draft token per request (b + d once: ~0.3 of a batch-1 decode step on the hosts of
+bench/results/spec_decode.md), and its verdict seeds the sequence's own estimate at once instead of
+after PROBE_AFTER idle steps.
 `SpeculativeConfig.adaptive=False` turns the control off (every proposal verified in full, as far
 as the step's budget goes).
 
@@ -80,6 +82,7 @@ class _Acceptance:
     rejected: float = 0.0
     idle_steps: int = 0
     probe_after: int = PROBE_AFTER   # steps without drafts before the next probe
+    looked: bool = False             # a draft of it was verified (its first look is spent)
 
 
 class SpeculationControl:
@@ -120,6 +123,7 @@ class SpeculationControl:
         s.accepted = FORGET_SEQ * s.accepted + num_accepted
         s.rejected = FORGET_SEQ * s.rejected + rejected
         s.probe_after = PROBE_AFTER if num_accepted else min(PROBE_MAX, 2 * s.probe_after)
+        s.looked = True
         g = self._all
         g.accepted = FORGET_ALL * g.accepted + num_accepted
         g.rejected = FORGET_ALL * g.rejected + rejected
@@ -172,7 +176,7 @@ class SpeculationControl:
             for rid in proposals:
                 self._seqs.setdefault(rid, _Acceptance()).idle_steps = 0
             return {rid: n for rid, n in proposals.items() if n > 0}
-        first_look = [rid for rid, n in proposals.items() if n > 0 and rid not in self._seqs]
+        first_look = [rid for rid, n in proposals.items() if n > 0 and not self._seqs.get(rid, _Acceptance()).looked]
         gains: list[tuple[float, str]] = []
         for rid, n in proposals.items():
             alpha = self.acceptance(rid)
@@ -206,7 +210,7 @@ class SpeculationControl:
             for rid in due:
                 chosen[rid] = 1
                 self._seqs[rid].idle_steps = 0
-        for rid in first_look:   # outside the probe budget: once per sequence (see the docstring)
+        for rid in first_look:   # outside the probe budget, until a verification (see the docstring)
             chosen[rid] = max(1, chosen[rid])
             self._seqs[rid].idle_steps = 0
         return {rid: n for rid, n in chosen.items() if n > 0}
