@@ -89,6 +89,7 @@ class Target:
     name: str = ""
     at: float = 0.0
     progress: dict[str, int] = field(default_factory=dict)
+    stale_at_kill: float = 0.0   # a killed decode node's pdserve:kv_stale_writes_total, read just before
 
     def pick(self, name: str) -> str:
         self.name, self.at = name, time.monotonic()
@@ -125,9 +126,13 @@ def sigstop(cluster: Cluster, name: str) -> Iterator[nf.FaultHits]:
 
 
 @contextlib.contextmanager
-def sigkill(cluster: Cluster, name: str, restart: bool = True) -> Iterator[nf.FaultHits]:
+def sigkill(cluster: Cluster, name: str, restart: bool = True, target: Target | None = None) -> Iterator[nf.FaultHits]:
     """The process SIGKILLed on entry; with `restart`, started again (same address, a new process) on
-    exit, else left dead (run() restarts it after the row)."""
+    exit, else left dead (run() restarts it after the row). A decode node's stale-write counter dies
+    with it: with `target`, it is read just before the kill (Target.stale_at_kill), so the row's
+    count still covers it (writes landing between that read and the kill are not seen)."""
+    if target is not None and cluster.processes[name].role == "decode":
+        target.stale_at_kill = nf.metric(cluster.metrics_urls[name], "pdserve:kv_stale_writes_total") or 0.0
     cluster.kill(name, signal.SIGKILL)
     try:
         yield nf.FaultHits(1)
@@ -236,7 +241,7 @@ ROWS = (
     Row("decode-sigstop", lambda n, c, t: sigstop(c, t.pick(busiest_decode(c, t))), 2 * S, cluster=LOOPBACK,
         ready=streaming, during=marked_down, sampling=STREAM,
         describe=f"busiest decode node SIGSTOP {2 * S:.0f} s mid-stream, then SIGCONT"),
-    Row("decode-sigkill", lambda n, c, t: sigkill(c, t.pick(busiest_decode(c, t)), restart=False), 0.0,
+    Row("decode-sigkill", lambda n, c, t: sigkill(c, t.pick(busiest_decode(c, t)), restart=False, target=t), 0.0,
         from_start=True, cluster=LOOPBACK, ready=streaming, sampling=STREAM,
         describe="busiest decode node SIGKILL mid-stream, the other decode node up"),
     Row("router-sigkill", lambda n, c, t: sigkill(c, t.pick("router")), 0.0, from_start=True, cluster=LOOPBACK,
@@ -341,7 +346,8 @@ def _rows(rows: list[Row], cluster: Cluster, net: nf.FaultNet | None, done: dict
                 notes.append(_restart_exited(cluster))
             done[row.name] = (row, None, "; ".join(n for n in notes if n))
             continue
-        stale = None if o.stale_writes is None else o.stale_writes - stale_before
+        # the killed decode node's count is no longer in o.stale_writes (running nodes only)
+        stale = None if o.stale_writes is None else o.stale_writes + target.stale_at_kill - stale_before
         notes += [_moved(cluster, o), str(o.during or "")]
         if target.at:
             notes.append(f"{target.name} struck; the batch's last request ended "

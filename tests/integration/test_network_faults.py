@@ -119,7 +119,7 @@ def test_bandwidth_squeeze_completes(fresh, net, ref):
 
 def _rotations(cluster) -> float:
     """pdserve:kv_key_rotations_total summed over the decode nodes."""
-    values = [nf._metric(url, "pdserve:kv_key_rotations_total") for name, url in cluster.metrics_urls.items()
+    values = [nf.metric(url, "pdserve:kv_key_rotations_total") for name, url in cluster.metrics_urls.items()
               if cluster.processes[name].role == "decode"]
     assert all(v is not None for v in values), "a decode node exports no pdserve:kv_key_rotations_total"
     return sum(values)

@@ -480,7 +480,8 @@ def reference(url: str) -> dict[str, tuple[int, ...]]:
     return {p: e.tokens for p, e in zip(VICTIMS, ends, strict=True)}
 
 
-def _metric(url: str, name: str, **labels: str) -> float | None:
+def metric(url: str, name: str, **labels: str) -> float | None:
+    """The sum of `name`'s samples (with `labels`) on the /metrics at `url`; None when it has none."""
     text, _ = fetch(url)
     samples = parse(text)
     if not any(n == name for n, _ in samples):
@@ -491,7 +492,7 @@ def _metric(url: str, name: str, **labels: str) -> float | None:
 def stale_writes(cluster: Cluster) -> float | None:
     """Sum of pdserve:kv_stale_writes_total over the running decode nodes' /metrics; None when absent."""
     exited = cluster.poll()
-    values = [_metric(url, "pdserve:kv_stale_writes_total") for name, url in cluster.metrics_urls.items()
+    values = [metric(url, "pdserve:kv_stale_writes_total") for name, url in cluster.metrics_urls.items()
               if cluster.processes[name].role == "decode" and name not in exited]
     return None if any(v is None for v in values) else sum(values)
 
@@ -506,7 +507,7 @@ def counted_prefill_nodes(cluster: Cluster) -> list[str]:
 def remote_prefills(cluster: Cluster) -> float:
     """Prefills the running counted prefill nodes (counted_prefill_nodes) answered ok so far."""
     exited = cluster.poll()
-    return sum(_metric(cluster.metrics_urls[n], "pdserve:prefill_requests_total", outcome="ok") or 0.0
+    return sum(metric(cluster.metrics_urls[n], "pdserve:prefill_requests_total", outcome="ok") or 0.0
                for n in counted_prefill_nodes(cluster) if n not in exited)
 
 
