@@ -5,7 +5,12 @@ configurations alternating in a rotating order, the first round a warm-up.
 
     .venv/bin/python bench/spec_phases.py [--workload prose|repetition] [--rounds 4 --tokens 32]
 
-Workloads are bench/spec_decode.py's. 16 requests added at once, greedy, EOS ignored. Prints one
+Workloads are bench/spec_decode.py's. 16 requests added at once, greedy, EOS ignored; with
+--steady N, N requests of which 16 are in flight at every step (each finished one replaced at once,
+as a serving load of concurrency 16 keeps it). The difference matters: a closed batch of 16 drains,
+and its system TPS is bound by its slowest sequence's step count: speculation that speeds the
+repetitive sequences up leaves the others decoding in ever smaller passes at the end (a 4-sequence
+pass costs about half a 16-sequence one on this CPU), so it can only win when every sequence gains. Prints one
 line per configuration: system TPS (output tokens / seconds from first add to last finish), the
 steps taken, and each phase's milliseconds (medians over rounds); with --out, appends them to
 that file as a markdown table. Greedy outputs must equal plain's (checked). Nothing waits but the
@@ -54,7 +59,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--out", type=pathlib.Path, help="markdown file to append the table to")
+    ap.add_argument("--steady", type=int, default=0, metavar="N",
+                    help="N requests in all, 16 in flight at every step (a finished one is replaced at once, as "
+                         "a serving load of concurrency 16 does) instead of 16 added at once and drained: a "
+                         "closed batch's TPS is bound by its slowest sequence's steps (see the docstring)")
     args = ap.parse_args()
+    if args.steady and args.steady < 16:
+        ap.error(f"--steady {args.steady}: needs at least the 16 requests in flight")
     torch.set_num_threads(2)
     llm = LLM(dtype="float32", num_threads=2, num_blocks=1024, max_batch_tokens=512, max_requests_per_batch=16,
               kv_prefault=True)
@@ -82,13 +93,20 @@ def main() -> None:
             e.speculator = specs[n]
             acc.clear()
             params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-            reqs = [e.add_request(list(prompts[i % len(prompts)].token_ids), params,
-                                  request_id=f"ph-{time.time_ns()}-{i}") for i in range(16)]
+            total = args.steady or 16
+            stamp = time.time_ns()
+
+            def add(i: int, params=params, stamp=stamp):
+                return e.add_request(list(prompts[i % len(prompts)].token_ids), params, request_id=f"ph-{stamp}-{i}")
+
+            reqs = [add(i) for i in range(16)]
             t0 = time.perf_counter()
             steps = 0
             while e.has_unfinished_requests():
-                e.step()
+                finished = sum(1 for o in e.step() if o.finished)
                 steps += 1
+                for _ in range(min(finished, total - len(reqs))):   # --steady: keep 16 in flight
+                    reqs.append(add(len(reqs)))
             dt = time.perf_counter() - t0
             outs[n] = [list(r.output_token_ids) for r in reqs]
             if rnd:
@@ -109,9 +127,11 @@ def main() -> None:
         lines.append(line)
         print(line, flush=True)
     if args.out:
-        head = (f"\n## {args.workload}, batch 16, {args.tokens} tokens, {args.rounds} rounds\n\n"
+        mode = f"{args.steady} requests, 16 in flight" if args.steady else "batch 16"
+        steady = f" --steady {args.steady}" if args.steady else ""
+        head = (f"\n## {args.workload}, {mode}, {args.tokens} tokens, {args.rounds} rounds\n\n"
                 f"`.venv/bin/python bench/spec_phases.py --workload {args.workload} --rounds {args.rounds} "
-                f"--tokens {args.tokens}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+                f"--tokens {args.tokens}{steady}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
                 f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
                 f"load average at start {load0}, at end {list(os.getloadavg())}.\n\n")
         with args.out.open("a") as f:
