@@ -40,7 +40,6 @@ import contextlib
 import datetime
 import os
 import platform
-import re
 import signal
 import subprocess
 import sys
@@ -57,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from support import netfault as nf  # noqa: E402
-from support.cluster import node_load, process_pid, transfer_leftovers  # noqa: E402
+from support.cluster import node_load, process_pid, routed, transfer_leftovers  # noqa: E402
 from support.wait import wait_until  # noqa: E402
 
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
@@ -146,17 +145,14 @@ def _running(cluster: Cluster, role: str) -> list[str]:
     return [s.name for s in cluster.specs if s.role == role and s.name not in exited]
 
 
-_ROUTED = re.compile(r"generate request_id=(\S+) node=(\S+) .* resumed=(\d+)")
-
-
 def _attempts(cluster: Cluster, ids: set[str]) -> dict[str, list[tuple[str, int]]]:
     """The router log's attempts of these requests, in order: request id -> (decode node address,
     tokens resumed after) (test_migration.py reads the same lines)."""
     attempts: dict[str, list[tuple[str, int]]] = {}
     with contextlib.suppress(OSError):
-        for m in _ROUTED.finditer((cluster.log_dir / "router.log").read_text(errors="replace")):
-            if m[1] in ids:
-                attempts.setdefault(m[1], []).append((m[2], int(m[3])))
+        for rid, node, resumed in routed(cluster):
+            if rid in ids:
+                attempts.setdefault(rid, []).append((node, resumed))
     return attempts
 
 

@@ -351,7 +351,7 @@ class KvSender(PrefillConnector):
                                                 "connections and a fence on one proves nothing of the others")
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
-        def failed(err: FabricError | PostError) -> None:
+        def failed(err: FabricError) -> None:
             fut.set_exception(err)
 
         one = np.zeros(1, dtype=np.uint64)
@@ -589,7 +589,7 @@ class KvSender(PrefillConnector):
                 t.outstanding -= 1
                 self._maybe_finish(t)
 
-        def failed(err: FabricError) -> None:
+        def failed(err: FabricError | PostError) -> None:
             if after:
                 after()
             with self._lock:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support.cluster import node_load, running_cluster, transfer_leftovers
+from support.cluster import node_load, routed, running_cluster, transfer_leftovers
 from support.prometheus import fetch, parse, total
 from support.wait import wait_until
 
@@ -84,7 +84,6 @@ WAIT = 120.0          # every wait of a whole run is bounded by this
 FREE_AFTER_KILL_S = 1.0  # a node frees a request whose Generate stream was cut off within this long
 CLEAN_WITHIN_S = 30.0    # after a fault, every node is back to nothing held within this long
 STALE_WRITES = "pdserve:kv_stale_writes_total"
-_ROUTED = re.compile(r"generate request_id=(\S+) node=(\S+) .* resumed=(\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +134,7 @@ def _held(cluster: Cluster) -> dict[str, tuple[int, int, int]]:
 
 def _routes(cluster: Cluster, tag: str) -> list[tuple[str, str, int]]:
     """The router log's attempts of run `tag`, in order: (request id, node address, tokens resumed)."""
-    log = (cluster.log_dir / "router.log").read_text(errors="replace")
-    return [(m[1], m[2], int(m[3])) for m in _ROUTED.finditer(log) if m[1].startswith(f"mig-{tag}-")]
+    return [r for r in routed(cluster) if r[0].startswith(f"mig-{tag}-")]
 
 
 async def _stream_all(url: str, started: asyncio.Event | None = None, after: int = 3, tag: str = "ref",

@@ -5,6 +5,7 @@ fixture, and the page-leak checks made on every node through the GetNodeInfo RPC
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -140,3 +141,13 @@ def process_pid(cluster: Cluster, name: str) -> int:
     proc = cluster._children[name].proc   # the launcher keeps its children private
     assert proc is not None and proc.poll() is None, f"{name} is not running"
     return proc.pid
+
+
+_ROUTED = re.compile(r"generate request_id=(\S+) node=(\S+) .* resumed=(\d+)")
+
+
+def routed(cluster: Cluster) -> list[tuple[str, str, int]]:
+    """Every attempt the router's log names, in order: (request id, decode node address, tokens the
+    attempt resumed after: 0 for a first attempt, > 0 for a stream the router moved)."""
+    log = (cluster.log_dir / "router.log").read_text(errors="replace")
+    return [(m[1], m[2], int(m[3])) for m in _ROUTED.finditer(log)]
