@@ -12,7 +12,8 @@ and its system TPS is bound by its slowest sequence's step count: speculation th
 repetitive sequences up leaves the others decoding in ever smaller passes at the end (a 4-sequence
 pass costs about half a 16-sequence one on this CPU), so it can only win when every sequence gains. Prints one
 line per configuration: system TPS (output tokens / seconds from first add to last finish), the
-steps taken, and each phase's milliseconds (medians over rounds); with --out, appends them to
+steps taken, and each phase's milliseconds (medians over rounds); with --passes, the last round's
+passes by query-token count (how many, median ms: where a configuration's pass time goes); with --out, appends them to
 that file as a markdown table. Greedy outputs must equal plain's (checked). Nothing waits but the
 engine's own steps.
 """
@@ -63,6 +64,9 @@ def main() -> None:
                     help="N requests in all, 16 in flight at every step (a finished one is replaced at once, as "
                          "a serving load of concurrency 16 does) instead of 16 added at once and drained: a "
                          "closed batch's TPS is bound by its slowest sequence's steps (see the docstring)")
+    ap.add_argument("--passes", action="store_true",
+                    help="also report each configuration's passes of its last round by query-token count: "
+                         "how many, and their median milliseconds")
     args = ap.parse_args()
     if args.steady and args.steady < 16:
         ap.error(f"--steady {args.steady}: needs at least the 16 requests in flight")
@@ -73,7 +77,17 @@ def main() -> None:
     acc: dict[str, float] = collections.defaultdict(float)
     e._drafts = timed(acc, "drafts", e._drafts)
     e.scheduler.schedule = timed(acc, "schedule", e.scheduler.schedule)
-    e.runner.execute = timed(acc, "execute", e.runner.execute)
+    passes: list[tuple[int, float]] = []   # (query tokens, seconds) of each pass of the current run
+    execute = e.runner.execute
+
+    def logged(sched: Any, *a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return execute(sched, *a, **k)
+        finally:
+            passes.append((sum(c.num_tokens for c in sched.chunks), time.perf_counter() - t))
+
+    e.runner.execute = timed(acc, "execute", logged)
     e._update = timed(acc, "update", e._update)
     e.sampler.sample = timed(acc, "sample", e.sampler.sample)
     prompts = sd.workloads(llm.tokenizer)[args.workload]
@@ -85,6 +99,7 @@ def main() -> None:
     specs = {n: None if c is None else make_speculator(c, e.runner) for n, c in cfgs.items()}
     names = list(specs)
     rows: dict[str, list[tuple[float, int, float, dict[str, float]]]] = {n: [] for n in names}
+    last_passes: dict[str, str] = {}   # --passes: "query tokens: passes x median ms, ..." of the last round
     load0 = list(os.getloadavg())
     for rnd in range(args.rounds + 1):
         order = names[rnd % len(names):] + names[:rnd % len(names)]
@@ -92,6 +107,7 @@ def main() -> None:
         for n in order:
             e.speculator = specs[n]
             acc.clear()
+            passes.clear()
             params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
             total = args.steady or 16
             stamp = time.time_ns()
@@ -111,6 +127,11 @@ def main() -> None:
             outs[n] = [list(r.output_token_ids) for r in reqs]
             if rnd:
                 rows[n].append((sum(map(len, outs[n])) / dt, steps, dt, dict(acc)))
+                by_size: dict[int, list[float]] = collections.defaultdict(list)
+                for tokens, sec in passes:
+                    by_size[tokens].append(sec * 1e3)
+                last_passes[n] = ", ".join(f"{t}: {len(v)} x {statistics.median(v):.1f}"
+                                           for t, v in sorted(by_size.items()))
         for n in names:
             if outs[n] != outs["plain"]:
                 raise SystemExit(f"MISMATCH: {n} greedy output differs from plain in round {rnd}")
@@ -126,9 +147,13 @@ def main() -> None:
                 + " | ".join(f"{ph[k]:.0f}" for k in (*PHASES, "sample")) + " |")
         lines.append(line)
         print(line, flush=True)
+    if args.passes:
+        lines += ["", "Passes of the last round by query tokens (tokens: passes x median ms):", ""]
+        lines += [f"- {n}: {last_passes[n]}" for n in names]
+        print("\n".join(lines[-len(names):]), flush=True)
     if args.out:
         mode = f"{args.steady} requests, 16 in flight" if args.steady else "batch 16"
-        steady = f" --steady {args.steady}" if args.steady else ""
+        steady = (f" --steady {args.steady}" if args.steady else "") + (" --passes" if args.passes else "")
         head = (f"\n## {args.workload}, {mode}, {args.tokens} tokens, {args.rounds} rounds\n\n"
                 f"`.venv/bin/python bench/spec_phases.py --workload {args.workload} --rounds {args.rounds} "
                 f"--tokens {args.tokens}{steady}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
