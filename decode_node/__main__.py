@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from decode_node.prefill_pool import PREFILL_ROUTING
 from decode_node.server import node_server
 from decode_node.service import DecodeNodeConfig
+from pdserve.engine.faults import FaultPlan
 from pdserve.serving.engine_args import add_engine_args, engine_config
 from pdserve.serving.node_server import DECODE_PORT, NodeServer, add_node_args, run_main, serve_options
 
@@ -72,7 +73,7 @@ def make(args: argparse.Namespace) -> NodeServer:
         stall_s=args.prefill_stall, local_prefill_fallback=args.local_prefill_fallback,
         prefill_routing=args.prefill_routing, max_waiting_requests=args.max_waiting_requests,
         kv_checksum=args.kv_checksum, release_unfenced_by_close=args.release_unfenced_by_close,
-        rotate_key_after_s=args.rotate_key_after)
+        rotate_key_after_s=args.rotate_key_after, faults=FaultPlan.from_env())   # TEST ONLY variables (faults.py)
     return node_server(config, options)
 
 

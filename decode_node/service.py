@@ -142,11 +142,12 @@ and every write with the tag counts, as before; what stops a stranger there is t
 (tcp checks it; key rotation above), or, on shm, nothing (same host: it can write our
 memory anyway).
 
-TEST ONLY: $PDSERVE_TEST_ONLY_BAD_SHARD_KEY="PREFIX:RANK:N[,...]" makes the Prefill calls of
-attempts 0 .. N-1 of request ids starting with PREFIX name decode rank RANK's pool under a wrong
-memory key (logged as a warning), so that on tcp;ofi_rxm the target refuses that shard's writes
-while the other ranks' land (tests/integration/test_disagg_tp_faults.py). Unset (always, outside
-that test): no effect.
+TEST ONLY: a node built with a fault plan (DecodeNodeConfig.faults, pdserve.engine.faults; the
+entry point reads its `bad_shard_key` from $PDSERVE_TEST_ONLY_BAD_SHARD_KEY="PREFIX:RANK:N[,...]")
+makes the Prefill calls of attempts 0 .. N-1 of request ids starting with PREFIX name decode rank
+RANK's pool under a wrong memory key (logged as a warning), so that on tcp;ofi_rxm the target
+refuses that shard's writes while the other ranks' land (tests/integration/test_disagg_tp_faults.py).
+Without a plan (always, outside that test): no effect.
 
 Per request, one `RequestState` (while its Generate handler runs) holds when it was admitted, its
 transfer, where it was prefilled and how that went.
@@ -172,7 +173,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -188,6 +188,7 @@ from kv_messenger.receiver import CONTEXT_SLOTS
 from kv_messenger.ticket import peer_to_bytes, remote_to_bytes
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_thread import EngineThread
+from pdserve.engine.faults import BAD_SHARD_KEY_ENV, NO_FAULTS, FaultPlan
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import RequestStatus
 from pdserve.serving.build_identity import engine_identity
@@ -215,29 +216,7 @@ QUARANTINE_LOG_S = 30.0      # a hold still unanswered is logged (a warning) thi
 ROTATE_POLL_S = 0.5          # --rotate-key-after: the holds are looked at this often
 ROTATE_CLOSE_WAIT_S = 5.0    # a rotation's shut-down fabric sockets are closed within this, or it retries
 CHECKSUM_RETRIES_SAME_NODE = 1   # S7: checksum failures of a request that may retry on the same prefill node
-# TEST ONLY: "PREFIX:RANK:N[,...]": the Prefill calls of attempts 0 .. N-1 of request ids starting
-# with PREFIX name decode rank RANK's pool under a wrong memory key (see _test_bad_shard_key).
-TEST_BAD_SHARD_KEY_ENV = "PDSERVE_TEST_ONLY_BAD_SHARD_KEY"
-
-
-@dataclass(frozen=True)
-class BadShardKey:
-    """One entry of TEST_BAD_SHARD_KEY_ENV."""
-
-    prefix: str
-    rank: int
-    attempts: int
-
-
-def parse_bad_shard_keys(raw: str) -> tuple[BadShardKey, ...]:
-    """TEST_BAD_SHARD_KEY_ENV's entries; ValueError naming a malformed one."""
-    out = []
-    for entry in filter(None, (e.strip() for e in raw.split(","))):
-        parts = entry.rsplit(":", 2)
-        if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2].isdigit():
-            raise ValueError(f"{TEST_BAD_SHARD_KEY_ENV}: expected PREFIX:RANK:N entries, got {entry!r}")
-        out.append(BadShardKey(parts[0], int(parts[1]), int(parts[2])))
-    return tuple(out)
+TEST_BAD_SHARD_KEY_ENV = BAD_SHARD_KEY_ENV   # deprecated alias: pdserve.engine.faults.BAD_SHARD_KEY_ENV
 
 # One AbortPrefill's outcome (DecodeNode._abort_confirmed).
 ABORT_CONFIRMED, ABORT_ENDED_UNFENCED, ABORT_NOT_YET = "confirmed", "ended-unfenced", "not-yet"
@@ -265,6 +244,7 @@ class DecodeNodeConfig:
     release_unfenced_by_close: bool = False   # ended-unfenced holds released by closing our connection (see above)
     kv_checksum: bool = False                 # S7: verify CRC32C of every landed run before scheduling
     rotate_key_after_s: float | None = None   # a hold this old, prefill silent or end unfenced: rotate the key
+    faults: FaultPlan = NO_FAULTS             # TEST ONLY: the injected fault plan (pdserve.engine.faults)
 
     def __post_init__(self) -> None:
         if self.prefill_routing not in PREFILL_ROUTING:
@@ -378,21 +358,21 @@ class DecodeNode(ReceiverEvents):
         self._keys_dead_below = 0
         self._retired_regions: list = []             # registrations replaced by a rotation, not closed yet
         self.closing = False
-        self._test_bad_keys = parse_bad_shard_keys(os.environ.get(TEST_BAD_SHARD_KEY_ENV, ""))
-        if self._test_bad_keys:
-            logger.warning("TEST ONLY: %s=%r: those requests' attempts are sent a wrong memory key for one decode "
-                           "rank's pool", TEST_BAD_SHARD_KEY_ENV, os.environ[TEST_BAD_SHARD_KEY_ENV])
+        if config.faults.bad_shard_key:
+            logger.warning("TEST ONLY: %r: those requests' attempts are sent a wrong memory key for one decode "
+                           "rank's pool", config.faults.bad_shard_key)
         if config.colocated:
-            self.engine = EngineThread(LLMEngine(config.engine))
+            self.engine = EngineThread(LLMEngine(config.engine), faults=config.faults)
         else:
             self.transport = TransferEngine(FabricConfig(provider=config.provider, node=config.fabric_node))
             try:
                 # A context slot per request that may wait for its KV (at most max_waiting_requests:
                 # they have no first token yet), plus CONTEXT_SLOTS for quarantined attempts.
                 self.receiver = KvReceiver(self.transport, events=self, kv_checksum=config.kv_checksum,
-                                           context_slots=config.max_waiting_requests + CONTEXT_SLOTS)
+                                           context_slots=config.max_waiting_requests + CONTEXT_SLOTS,
+                                           faults=config.faults)
                 # UnsupportedModelError (a ValueError): sliding-window / hybrid models
-                self.engine = EngineThread(LLMEngine(config.engine, kv_connector=self.receiver))
+                self.engine = EngineThread(LLMEngine(config.engine, kv_connector=self.receiver), faults=config.faults)
             except BaseException:
                 self.transport.close()
                 raise
@@ -872,19 +852,17 @@ class DecodeNode(ReceiverEvents):
             node.sent_tokens -= len(t.token_ids)
 
     def _test_bad_shard_key(self, req: prefill_pb2.PrefillRequest, ticket: TransferTicket) -> None:
-        """TEST ONLY (TEST_BAD_SHARD_KEY_ENV): name one decode rank's pool under a key nothing
+        """TEST ONLY (FaultPlan.bad_shard_key): name one decode rank's pool under a key nothing
         registered, so that (tcp;ofi_rxm: the target checks keys) that rank's writes are refused
-        while the other ranks' land: one shard of the transfer fails mid-way. No effect unset."""
-        for bad in self._test_bad_keys:
-            if not ticket.request_id.startswith(bad.prefix) or ticket.attempt >= bad.attempts:
-                continue
-            if bad.rank >= len(req.kv_memory):
-                raise ValueError(f"{TEST_BAD_SHARD_KEY_ENV}: rank {bad.rank}, but this node has "
+        while the other ranks' land: one shard of the transfer fails mid-way. No effect without a plan."""
+        for rank in self.config.faults.bad_key_ranks(ticket.request_id, ticket.attempt):
+            if rank >= len(req.kv_memory):
+                raise ValueError(f"{TEST_BAD_SHARD_KEY_ENV}: rank {rank}, but this node has "
                                  f"{len(req.kv_memory)} KV ranks")
-            good = ticket.rank_kv(bad.rank)
-            req.kv_memory[bad.rank].descriptor = remote_to_bytes(dataclasses.replace(good, key=good.key ^ 0x5A5A5A))
+            good = ticket.rank_kv(rank)
+            req.kv_memory[rank].descriptor = remote_to_bytes(dataclasses.replace(good, key=good.key ^ 0x5A5A5A))
             logger.warning("TEST ONLY (%s): request %s attempt %d: decode rank %d's pool sent under a wrong key",
-                           TEST_BAD_SHARD_KEY_ENV, ticket.request_id, ticket.attempt, bad.rank)
+                           TEST_BAD_SHARD_KEY_ENV, ticket.request_id, ticket.attempt, rank)
 
     # --- the loop: quarantine holds ----------------------------------------------------------------
 

@@ -44,12 +44,13 @@ Primitives:
 - `verify(request_id, tag, kv_checksums, count)` (S7, `kv_checksum=True`): once the request's
   write count completed, hash the runs that landed in its pages and context slot (the ticket's
   pages, the canonical order of kv_messenger.checksum) and compare them with the sender's
-  values: a `ChecksumResult` naming the first bad run, if any. TEST-ONLY hook:
-  $PDSERVE_TEST_ONLY_CORRUPT_KV="PREFIX:N[,PREFIX:N...]" makes the verification of attempts 0 ..
+  values: a `ChecksumResult` naming the first bad run, if any. TEST-ONLY: a receiver built with a
+  fault plan (pdserve.engine.faults; a decode node's entry point reads its `corrupt_kv` from
+  $PDSERVE_TEST_ONLY_CORRUPT_KV="PREFIX:N[,PREFIX:N...]") makes the verification of attempts 0 ..
   N-1 of every request whose id starts with PREFIX first flip one bit of the request's first
   landed page (layer 0, page 0, K, the top byte of its first element), logged as a warning: it
   stands for corruption on the wire or in memory, for the tests that prove detection
-  (tests/integration/test_kv_checksum.py). Unset (always, outside those tests): no effect.
+  (tests/integration/test_kv_checksum.py). Without a plan (always, outside those tests): no effect.
 
 Who wrote (S9, issue 15 item 6): `address(..., prefill_engine=ENGINE_ID)` and
 `expect_fence(..., writer=ENGINE_ID)` bind the attempt's count (its fence's) to the fabric engine
@@ -76,7 +77,6 @@ import ctypes
 import dataclasses
 import itertools
 import logging
-import os
 import random
 import threading
 from collections import OrderedDict
@@ -92,6 +92,7 @@ from kv_messenger.plan import DTYPE_SIZES, KvLayout, ShardingScheme, num_prompt_
 from kv_messenger.pool import register_pool
 from kv_messenger.shard_plan import KvShards, ShardPlan, plan_transfer
 from kv_messenger.ticket import GroupTarget, TransferTicket
+from pdserve.engine.faults import CORRUPT_KV_ENV, NO_FAULTS, FaultPlan
 from pdserve.engine.kv_connector import DecodeConnector, KvCacheSpec, KvWait
 
 logger = logging.getLogger(__name__)
@@ -99,19 +100,7 @@ logger = logging.getLogger(__name__)
 CONTEXT_SLOTS = 1024    # default: requests that may wait for their KV (or be quarantined) at once
 REMEMBERED_ATTEMPTS = 65536   # request ids whose last attempt number is kept
 FENCE_BUFFER_BYTES = 64       # the fence buffer: written by fences, never read
-# TEST ONLY: "PREFIX:N,...": attempts < N of request ids starting with PREFIX are corrupted (see verify).
-TEST_CORRUPT_ENV = "PDSERVE_TEST_ONLY_CORRUPT_KV"
-
-
-def _test_corruption(raw: str) -> tuple[tuple[str, int], ...]:
-    """Parse TEST_CORRUPT_ENV; ValueError naming the bad entry."""
-    out = []
-    for entry in filter(None, (e.strip() for e in raw.split(","))):
-        prefix, sep, n = entry.rpartition(":")
-        if not sep or not prefix or not n.isdigit():
-            raise ValueError(f"{TEST_CORRUPT_ENV}: expected PREFIX:N entries, got {entry!r}")
-        out.append((prefix, int(n)))
-    return tuple(out)
+TEST_CORRUPT_ENV = CORRUPT_KV_ENV   # deprecated alias: pdserve.engine.faults.CORRUPT_KV_ENV
 
 
 @dataclass(frozen=True)
@@ -175,13 +164,13 @@ class KvReceiver(DecodeConnector):
     """The decode side's connector: give it to the engine (`LLMEngine(config, kv_connector=receiver)`)."""
 
     def __init__(self, transport: TransferEngine, events: ReceiverEvents, context_slots: int = CONTEXT_SLOTS,
-                 kv_checksum: bool = False) -> None:
+                 kv_checksum: bool = False, faults: FaultPlan = NO_FAULTS) -> None:
         self.transport = transport
         self.kv_checksum = kv_checksum   # S7: tickets ask the sender for checksums; verify() checks them
-        self._test_corrupt = _test_corruption(os.environ.get(TEST_CORRUPT_ENV, ""))
-        if self._test_corrupt:
-            logger.warning("TEST ONLY: %s=%r: verifications of those requests' attempts corrupt a landed byte first",
-                           TEST_CORRUPT_ENV, os.environ[TEST_CORRUPT_ENV])
+        self._faults = faults            # TEST ONLY (corrupt_kv): see verify
+        if faults.corrupt_kv:
+            logger.warning("TEST ONLY: %r: verifications of those requests' attempts corrupt a landed byte first",
+                           faults.corrupt_kv)
         self.events = events
         self.sharding = ShardingScheme()             # set by register_kv_cache: this node's TP size
         self._context_slots = context_slots
@@ -370,13 +359,13 @@ class KvReceiver(DecodeConnector):
         if entry.plan is None:
             raise KeyError(f"request {request_id!r} attempt {entry.attempt} was never addressed to a prefill node")
         plan = entry.plan
-        corrupt = any(request_id.startswith(p) and entry.attempt < n for p, n in self._test_corrupt)
+        corrupt = self._faults.corrupts_kv(request_id, entry.attempt)
         e = plan.entries_by_layer([(d, d) for d in entry.layer_pages])   # canonical order; never depends on the draw
         expected = checksum.unpack(kv_checksums, count)
         if expected.size != e.lengths.size + 1:
             raise ValueError(f"request {request_id}: {expected.size} checksums for {e.lengths.size} KV runs "
                              "and the context record")
-        if corrupt:   # TEST ONLY (TEST_CORRUPT_ENV): the top byte of the first element of the first run
+        if corrupt:   # TEST ONLY (FaultPlan.corrupt_kv): the top byte of the first element of the first run
             region = self.kv_regions[int(e.dst_ranks[0])]
             at = region.address + int(e.dst_offsets[0]) + checksum_elem_top(self.layout)
             ctypes.c_uint8.from_address(at).value ^= 0x40

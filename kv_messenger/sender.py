@@ -36,12 +36,13 @@ Primitives (D6-D8, D11-D13):
   record of kv_messenger.context (D19) naming the ticket's transfer (request id, the decode
   engine, attempt, imm tag) and the position it is of (num_prefill_tokens - 1). It goes once per
   transfer, to `ticket.context` (the decode leader's landing area under TP), whatever the TP sizes.
-- TEST-ONLY hook: $PDSERVE_TEST_ONLY_BAD_CONTEXT="PREFIX:KIND:N[,...]" (TEST_BAD_CONTEXT_ENV)
-  damages the context record of attempts 0 .. N-1 of every request whose id starts with PREFIX,
+- TEST-ONLY: a sender built with a fault plan (pdserve.engine.faults; a prefill node's entry point
+  reads its `bad_context` from $PDSERVE_TEST_ONLY_BAD_CONTEXT="PREFIX:KIND:N[,...]") damages the
+  context record of attempts 0 .. N-1 of every request whose id starts with PREFIX,
   after encoding and before it is hashed (S7) and posted, one way (KIND, ContextCodec.damage):
   "flip" a body byte, a wrong "version", or another request's "identity"; logged as a warning
   (TEST ONLY), for the tests that prove the decode side rejects it
-  (tests/integration/test_context_record_cluster.py). Unset (always, outside those tests): no effect.
+  (tests/integration/test_context_record_cluster.py). Without a plan (always, outside those tests): no effect.
 - a dedicated messenger thread waits on the counter (a condition variable: no busy spin that
   would steal the forward pass's core) and, as soon as layer L is done, posts the writes of the
   pages each chunk completed in layer L: one entry per page and side (K, V), all tagged with the
@@ -90,7 +91,6 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import logging
-import os
 import random
 import threading
 import time
@@ -115,6 +115,13 @@ from kv_messenger.plan import KvLayout, completed_pages
 from kv_messenger.pool import Place, register_pool
 from kv_messenger.shard_plan import KvShards, ShardPlan, plan_transfer
 from kv_messenger.ticket import TransferTicket
+from pdserve.engine.faults import (
+    BAD_CONTEXT_ENV,
+    NO_FAULTS,
+    BadContext,
+    FaultPlan,
+    parse_bad_contexts as _parse_bad_contexts,
+)
 from pdserve.engine.kv_connector import KvCacheSpec, PrefillConnector, PrefillDone
 from pdserve.engine.scheduler.output import SchedulerOutput
 
@@ -124,30 +131,21 @@ STAGING_SLOTS = 256     # context records that may wait for their write at once
 FENCE_BYTES = 8         # one fence write (AbortPrefill's delivery fence)
 CLOSE_JOIN_S = 5.0      # close(): how long to wait for the messenger thread to stop
 MULTI_ENDPOINT_ENGINES = 4096   # decode engines remembered as taking KV on several endpoints (fence refused)
-# TEST ONLY: "PREFIX:KIND:N,...": the context records of attempts < N of request ids starting with
-# PREFIX are damaged one way (KIND in context.DAMAGES) before they are posted (module docstring).
-TEST_BAD_CONTEXT_ENV = "PDSERVE_TEST_ONLY_BAD_CONTEXT"
-
-
-@dataclass(frozen=True)
-class BadContext:
-    """One entry of TEST_BAD_CONTEXT_ENV."""
-
-    prefix: str
-    kind: str        # one of context.DAMAGES
-    attempts: int
+TEST_BAD_CONTEXT_ENV = BAD_CONTEXT_ENV   # deprecated alias: pdserve.engine.faults.BAD_CONTEXT_ENV
 
 
 def parse_bad_contexts(raw: str) -> tuple[BadContext, ...]:
-    """TEST_BAD_CONTEXT_ENV's entries; ValueError naming a malformed one."""
-    out = []
-    for entry in filter(None, (e.strip() for e in raw.split(","))):
-        parts = entry.rsplit(":", 2)
-        if len(parts) != 3 or not parts[0] or parts[1] not in DAMAGES or not parts[2].isdigit():
+    """Deprecated: FaultPlan.from_env parses the variable; this checks KIND against DAMAGES too."""
+    return _checked_damages(_parse_bad_contexts(raw))
+
+
+def _checked_damages(entries: tuple[BadContext, ...]) -> tuple[BadContext, ...]:
+    """ValueError naming an entry whose KIND is not one of context.DAMAGES."""
+    for b in entries:
+        if b.kind not in DAMAGES:
             raise ValueError(f"{TEST_BAD_CONTEXT_ENV}: expected PREFIX:KIND:N entries with KIND one of {DAMAGES}, "
-                             f"got {entry!r}")
-        out.append(BadContext(parts[0], parts[1], int(parts[2])))
-    return tuple(out)
+                             f"got {b.prefix}:{b.kind}:{b.attempts}")
+    return entries
 
 
 @dataclass(frozen=True)
@@ -224,9 +222,9 @@ class KvSender(PrefillConnector):
     then `add` a ticket per request before the engine sees the request."""
 
     def __init__(self, transport: TransferEngine, staging_slots: int = STAGING_SLOTS, *,
-                 place: Place | None = None) -> None:
+                 place: Place | None = None, faults: FaultPlan = NO_FAULTS) -> None:
         """`place(spec, provider)`: where each rank's pool is (kv_messenger.pool; default: this
-        host's /sys)."""
+        host's /sys); `faults`: the test-only fault plan (its bad_context), none by default."""
         self.transport = transport
         self._staging_slots = staging_slots
         self._place = place
@@ -253,10 +251,9 @@ class KvSender(PrefillConnector):
         self._fence_buf = bytearray(FENCE_BYTES)      # registered with the pool: a fence's source
         self._fence_region: MemoryRegion | None = None
         self._host_pool = True
-        self._test_bad_contexts = parse_bad_contexts(os.environ.get(TEST_BAD_CONTEXT_ENV, ""))
-        if self._test_bad_contexts:
-            logger.warning("TEST ONLY: %s=%r: those requests' attempts get a damaged context record",
-                           TEST_BAD_CONTEXT_ENV, os.environ[TEST_BAD_CONTEXT_ENV])
+        self._faults = faults
+        if _checked_damages(faults.bad_context):
+            logger.warning("TEST ONLY: %r: those requests' attempts get a damaged context record", faults.bad_context)
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
 
@@ -461,15 +458,14 @@ class KvSender(PrefillConnector):
             self._lock.notify()
 
     def _test_damage(self, t: _Transfer, slot: int, ident: TransferIdentity) -> None:
-        """TEST ONLY (TEST_BAD_CONTEXT_ENV): damage the record just encoded. No effect unset."""
-        for bad in self._test_bad_contexts:
-            if t.target.request_id.startswith(bad.prefix) and t.target.attempt < bad.attempts:
-                other = TransferIdentity(f"{ident.request_id}~other", ident.decode_engine_id, ident.attempt,
-                                         ident.imm_tag)
-                how = self.codec.damage(self._staging, slot, bad.kind, other)
-                logger.warning("TEST ONLY (%s): request %s attempt %d: context record damaged: %s",
-                               TEST_BAD_CONTEXT_ENV, t.target.request_id, t.target.attempt, how)
-                return
+        """TEST ONLY (FaultPlan.bad_context): damage the record just encoded. No effect without a plan."""
+        kind = self._faults.context_damage(t.target.request_id, t.target.attempt)
+        if kind is not None:
+            other = TransferIdentity(f"{ident.request_id}~other", ident.decode_engine_id, ident.attempt,
+                                     ident.imm_tag)
+            how = self.codec.damage(self._staging, slot, kind, other)
+            logger.warning("TEST ONLY (%s): request %s attempt %d: context record damaged: %s",
+                           TEST_BAD_CONTEXT_ENV, t.target.request_id, t.target.attempt, how)
 
     # --- messenger thread ----------------------------------------------------------------------
 

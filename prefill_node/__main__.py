@@ -7,6 +7,7 @@ import sys
 import uuid
 from collections.abc import Sequence
 
+from pdserve.engine.faults import FaultPlan
 from pdserve.serving.engine_args import add_engine_args, engine_config
 from pdserve.serving.node_server import PREFILL_PORT, NodeServer, add_node_args, run_main, serve_options
 from prefill_node.server import node_server
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 def make(args: argparse.Namespace) -> NodeServer:
     node_id = args.node_id or (f"prefill-{args.port}" if args.port else f"prefill-{uuid.uuid4().hex[:12]}")
     config = PrefillNodeConfig(engine=engine_config(args), provider=args.provider, fabric_node=args.fabric_node,
-                               node_id=node_id)
+                               node_id=node_id, faults=FaultPlan.from_env())   # TEST ONLY variables (faults.py)
     return node_server(config, serve_options(args))
 
 

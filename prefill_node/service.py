@@ -108,6 +108,7 @@ from kv_messenger.sender import PostError
 from kv_messenger.ticket import TransferKey
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_thread import EngineDeadError, EngineThread
+from pdserve.engine.faults import NO_FAULTS, FaultPlan
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -187,6 +188,7 @@ class PrefillNodeConfig:
     provider: str | None = "shm"        # libfabric provider; None: $FI_PROVIDER or the default
     fabric_node: str | None = None      # local address the fabric endpoint binds (not for shm)
     node_id: str = field(default_factory=lambda: f"prefill-{uuid.uuid4().hex[:12]}")
+    faults: FaultPlan = NO_FAULTS       # TEST ONLY: the injected fault plan (pdserve.engine.faults)
 
 
 @dataclass(frozen=True)
@@ -294,10 +296,10 @@ class PrefillNode:
         self.transport = TransferEngine(FabricConfig(provider=config.provider, node=config.fabric_node,
                                                   close_timeout_s=FABRIC_CLOSE_WAIT_S))
         try:
-            self.sender = KvSender(self.transport)
+            self.sender = KvSender(self.transport, faults=config.faults)
             try:
                 # UnsupportedModelError (a ValueError) for sliding-window / hybrid models
-                self.engine = EngineThread(LLMEngine(config.engine, kv_connector=self.sender))
+                self.engine = EngineThread(LLMEngine(config.engine, kv_connector=self.sender), faults=config.faults)
             except BaseException:
                 self.sender.close()
                 raise

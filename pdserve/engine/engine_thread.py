@@ -21,9 +21,10 @@ the thread for at most its `timeout`. The error outputs of a dead or stopped eng
 `node_error=True` (the node failed, not the request: a router resumes the request elsewhere, S10);
 a failed step's do not (a request of its batch may be what failed it).
 
-Test-only fault injection: with $PDSERVE_TEST_ONLY_ENGINE_DEATH_FILE set (never in production;
-"{pid}" in it becomes the process id), the engine thread dies as from a BaseException escaping a
-step once that file exists, checked before every step and idle tick; unset, nothing is checked.
+Test-only fault injection: built with a fault plan whose `engine_death_file` is set
+(pdserve.engine.faults; a node's entry point reads it from $PDSERVE_TEST_ONLY_ENGINE_DEATH_FILE,
+never set in production), the engine thread dies as from a BaseException escaping a step once
+that file exists, checked before every step and idle tick; with no plan, nothing is checked.
 
 Metrics: after every step, and at every idle tick (at least once a second), the engine thread
 stores `engine.metrics()` in `last_metrics` and refreshes `last_load` (which the engine also takes
@@ -43,6 +44,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+from pdserve.engine.faults import ENGINE_DEATH_FILE_ENV, NO_FAULTS, FaultPlan
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -55,11 +57,11 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
 
 
-TEST_DEATH_FILE_ENV = "PDSERVE_TEST_ONLY_ENGINE_DEATH_FILE"
+TEST_DEATH_FILE_ENV = ENGINE_DEATH_FILE_ENV   # deprecated alias: pdserve.engine.faults.ENGINE_DEATH_FILE_ENV
 
 
 class InjectedEngineDeath(BaseException):
-    """The test-only fault of $PDSERVE_TEST_ONLY_ENGINE_DEATH_FILE (a BaseException: it ends the thread)."""
+    """The test-only fault of FaultPlan.engine_death_file (a BaseException: it ends the thread)."""
 
 
 _Command = Callable[[], None]
@@ -72,8 +74,9 @@ class _Stream:
 
 
 class EngineThread:
-    def __init__(self, engine: LLMEngine) -> None:
-        """Start the thread that owns `engine` from now on (no other thread may touch it)."""
+    def __init__(self, engine: LLMEngine, faults: FaultPlan = NO_FAULTS) -> None:
+        """Start the thread that owns `engine` from now on (no other thread may touch it); `faults`:
+        the test-only fault plan (its engine_death_file), none by default."""
         self.engine = engine
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -87,8 +90,7 @@ class EngineThread:
         self.last_metrics: EngineMetrics | None = None  # written by the engine thread only
         engine.last_load = engine.load()
         self._metrics_failed = False
-        death_file = os.environ.get(TEST_DEATH_FILE_ENV)
-        self._test_death_file = death_file.replace("{pid}", str(os.getpid())) if death_file else None
+        self._test_death_file = faults.engine_death_file
         self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
         self._thread.start()
 
