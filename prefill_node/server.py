@@ -37,6 +37,7 @@ import logging
 
 import grpc
 
+from kv_messenger.prefill_transfers import AbortedError, AbortSpec
 from kv_messenger.ticket import TransferKey, TransferTicket, peer_from_bytes, peer_to_bytes, remote_from_bytes
 from pdserve.serving.admission import AdmissionGate
 from pdserve.serving.channels import caller_identity
@@ -46,14 +47,7 @@ from pdserve.serving.node_server import NodeHolder, NodeServer, ServeOptions, se
 from pdserve_api.servers import UnavailableError
 from pdserve_api.v1 import common_pb2, node_pb2, node_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from prefill_node.authz import PeerBindings, authorize_abort, authorize_prefill
-from prefill_node.service import (
-    AbortedError,
-    AbortSpec,
-    PrefillNode,
-    PrefillNodeConfig,
-    PrefillOutcome,
-    PrefillSpec,
-)
+from prefill_node.service import PrefillNode, PrefillNodeConfig, PrefillOutcome, PrefillSpec
 
 logger = logging.getLogger(__name__)
 
