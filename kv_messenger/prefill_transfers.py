@@ -12,6 +12,8 @@ the KvSender it feeds (the node hands the sender to its engine as the PrefillCon
   REMEMBERED_FINISHED). The same key twice is refused; a retry is a new attempt, a new key.
 - `begin`: connect the decode peer (once, kv_messenger.prefill_peers), refuse an aborted or
   repeated key, `KvSender.add`, register. The node queues the engine request in the same loop turn.
+- `run_to_release`: a Prefill's wait for its transfer, with its deadline (past it: abort, then
+  TimeoutError) and its caller's cancellation (abort).
 - the release: when nothing of a transfer is in flight (its sender future is done, any thread), the
   loop retires a peer that failed at the fabric (before the source pages are freed), ends the
   engine request if it still runs and frees its held blocks (`HeldPages`, the node's engine side),
@@ -24,7 +26,9 @@ progress thread resolve the sender's futures, whose callbacks only hand the rele
 
 Blocking waits and their bounds:
 - `begin`: the handshake with a new decode fabric peer, 5 s (fabric.peers), then UNAVAILABLE.
-- `wait_released` (a Prefill's deadline, an abort, a drain): the caller's `timeout`; the release
+- `run_to_release` (a Prefill): its `deadline_s` (then `released_within`, ABORT_WAIT_S, and
+  TimeoutError), else the caller's own gRPC deadline or its cancellation.
+- `released_within` (past a deadline, an abort): the caller's `timeout`; the release
   itself comes once the engine ended the request and every posted write completed or failed (a
   peer with writes out and no completion fails after FabricConfig.peer_timeout_s, default 5 s).
 - `settled` (after the release): the sender's future's bridge (settled before the release, so at
@@ -143,6 +147,8 @@ class PrefillTransfers:
     def __init__(self, transport: TransferEngine, sender: KvSender) -> None:
         self.transport = transport
         self.sender = sender
+        self.peer: PeerDescriptor = transport.peer_descriptor   # this process's endpoint, as decode nodes see it
+        self.provider: str = transport.provider
         self.peers = DecodePeers(transport)
         self._loop: asyncio.AbstractEventLoop | None = None   # the serving loop, from start()
         self._pages: HeldPages | None = None
@@ -169,14 +175,6 @@ class PrefillTransfers:
     @property
     def started(self) -> bool:
         return self._loop is not None
-
-    @property
-    def peer(self) -> PeerDescriptor:
-        return self.transport.peer_descriptor
-
-    @property
-    def provider(self) -> str:
-        return self.transport.provider
 
     def __len__(self) -> int:
         """Transfers begun and not released yet."""
@@ -221,13 +219,31 @@ class PrefillTransfers:
         await t.queued.wait()   # never abort before the add: the add would then run unchecked
         await self._pages.stop(t.request_id)   # hold_blocks: the blocks stay until the release
 
-    async def wait_released(self, t: PrefillTransfer, timeout: float) -> bool:
+    async def released_within(self, t: PrefillTransfer, timeout: float) -> bool:
         try:
             await asyncio.wait_for(t.released.wait(), timeout)
             return True
         except TimeoutError:
             logger.error("request %s: transfer still in flight %.0f s after its abort", t.request_id, timeout)
             return False
+
+    async def run_to_release(self, t: PrefillTransfer, deadline_s: float | None) -> None:
+        """Wait for `t`'s release, at most `deadline_s` (None: the caller's own gRPC deadline or its
+        going away). Past the deadline the transfer is aborted, its release awaited ABORT_WAIT_S,
+        then TimeoutError naming the deadline; a cancelled caller aborts it (S4, S5)."""
+        try:
+            async with asyncio.timeout(deadline_s):
+                await t.released.wait()
+        except TimeoutError:
+            self.abort_transfer(t)
+            await self.released_within(t, ABORT_WAIT_S)
+            raise TimeoutError(f"request {t.request_id}: prefill exceeded its deadline of {deadline_s} s") from None
+        except asyncio.CancelledError:
+            # The caller went away (decode node cancelled or died): nothing more is posted; the
+            # release follows once no write is in flight (S4, S5).
+            logger.info("request %s: Prefill call cancelled by the caller; aborting its transfer", t.request_id)
+            self.abort_transfer(t)
+            raise
 
     async def settled(self, t: PrefillTransfer) -> None:
         """After the release: the sender's future is done (at once), else TimeoutError naming ABORT_WAIT_S."""
@@ -318,7 +334,7 @@ class PrefillTransfers:
         t = self._active.get(key.engine_request_id)
         if t is not None:
             self.abort_transfer(t)
-            if not await self.wait_released(t, timeout):
+            if not await self.released_within(t, timeout):
                 return AbortOutcome(False, ACTIVE)
         tomb = self._finished.get(key)
         if tomb is None:

@@ -27,7 +27,7 @@ Blocking waits and their bounds:
 - a Prefill's handshake with a new decode fabric peer (PrefillTransfers.begin, in a worker thread,
   so the loop keeps answering): TransferEngine.connect's timeout (5 s, fabric.peers), then
   UNAVAILABLE.
-- a Prefill's wait for its release (`PrefillTransfer.released`): the request's `deadline_s`, else
+- a Prefill's wait for its release (PrefillTransfers.run_to_release): the request's `deadline_s`, else
   the gRPC call's own deadline (the decode node always sets one, DecodeNodeConfig.prefill_timeout_s)
   or the caller going away (cancelled; the server's keepalive finds a stopped caller within
   seconds). The release itself comes once the engine ended the request and every posted write
@@ -284,21 +284,8 @@ class PrefillNode:
             raise UnavailableError(f"prefill node {self.node_id} is shutting down")
         self.validate(spec)
         t = await self.transfers.begin(spec.key, spec.target, spec.peer, received)
-        rid = t.request_id
-        engine_task = asyncio.create_task(self._run_engine(t, spec.token_ids), name=f"prefill-{rid}")
-        try:
-            async with asyncio.timeout(spec.deadline_s):
-                await t.released.wait()
-        except TimeoutError:
-            self.transfers.abort_transfer(t)
-            await self.transfers.wait_released(t, ABORT_WAIT_S)
-            raise TimeoutError(f"request {rid}: prefill exceeded its deadline of {spec.deadline_s} s") from None
-        except asyncio.CancelledError:
-            # The caller went away (decode node cancelled or died): nothing more is posted; the
-            # release follows once no write is in flight (S4, S5).
-            logger.info("request %s: Prefill call cancelled by the caller; aborting its transfer", rid)
-            self.transfers.abort_transfer(t)
-            raise
+        engine_task = asyncio.create_task(self._run_engine(t, spec.token_ids), name=f"prefill-{t.request_id}")
+        await self.transfers.run_to_release(t, spec.deadline_s)   # TimeoutError past the deadline
         return await self._outcome(t, engine_task)
 
     async def _run_engine(self, t: PrefillTransfer, token_ids: list[int]) -> _EngineEnd:
