@@ -36,13 +36,10 @@ Primitives (D6-D8, D11-D13):
   record of kv_messenger.context (D19) naming the ticket's transfer (request id, the decode
   engine, attempt, imm tag) and the position it is of (num_prefill_tokens - 1). It goes once per
   transfer, to `ticket.context` (the decode leader's landing area under TP), whatever the TP sizes.
-- TEST-ONLY: a sender built with a fault plan (pdserve.engine.faults; a prefill node's entry point
-  reads its `bad_context` from $PDSERVE_TEST_ONLY_BAD_CONTEXT="PREFIX:KIND:N[,...]") damages the
-  context record of attempts 0 .. N-1 of every request whose id starts with PREFIX,
-  after encoding and before it is hashed (S7) and posted, one way (KIND, ContextCodec.damage):
-  "flip" a body byte, a wrong "version", or another request's "identity"; logged as a warning
-  (TEST ONLY), for the tests that prove the decode side rejects it
-  (tests/integration/test_context_record_cluster.py). Without a plan (always, outside those tests): no effect.
+- TEST-ONLY: a sender built with a fault plan (pdserve.engine.faults, its `bad_context`) damages
+  the context records of the attempts it names, after encoding and before they are hashed (S7) and
+  posted (kv_messenger.context_staging, which owns the staging slots and the records' encoding).
+  Without a plan (always, outside those tests): no effect.
 - a dedicated messenger thread waits on the counter (a condition variable: no busy spin that
   would steal the forward pass's core) and, as soon as layer L is done, posts the writes of the
   pages each chunk completed in layer L: one entry per page and side (K, V), all tagged with the
@@ -107,13 +104,12 @@ import numpy as np
 from fabric import FabricError, MemoryRegion, RemoteDescriptor, TransferEngine
 from kv_messenger import checksum
 from kv_messenger.context import (
-    DAMAGES,
     ContextCodec,
     ContextEncodeError,
     SlotPool,
     StagingFullError,
-    TransferIdentity,
 )
+from kv_messenger.context_staging import ContextStaging, checked_damages
 from kv_messenger.placement import ShardPlacement, pin_thread_to
 from kv_messenger.plan import KvLayout, completed_pages
 from kv_messenger.pool import Place, register_pool
@@ -151,16 +147,7 @@ TEST_BAD_CONTEXT_ENV = BAD_CONTEXT_ENV   # deprecated alias: pdserve.engine.faul
 
 def parse_bad_contexts(raw: str) -> tuple[BadContext, ...]:
     """Deprecated: FaultPlan.from_env parses the variable; this checks KIND against DAMAGES too."""
-    return _checked_damages(_parse_bad_contexts(raw))
-
-
-def _checked_damages(entries: tuple[BadContext, ...]) -> tuple[BadContext, ...]:
-    """ValueError naming an entry whose KIND is not one of context.DAMAGES."""
-    for b in entries:
-        if b.kind not in DAMAGES:
-            raise ValueError(f"{TEST_BAD_CONTEXT_ENV}: expected PREFIX:KIND:N entries with KIND one of {DAMAGES}, "
-                             f"got {b.prefix}:{b.kind}:{b.attempts}")
-    return entries
+    return checked_damages(_parse_bad_contexts(raw))
 
 
 class KvSender(PrefillConnector):
@@ -185,9 +172,9 @@ class KvSender(PrefillConnector):
         self._rng = random.Random(random.SystemRandom().getrandbits(64))   # source replica per request
         self.placements: tuple[ShardPlacement, ...] = ()   # D16, set by register_kv_cache
         self._pin: ShardPlacement | None = None            # taken once by the messenger thread
-        self.codec: ContextCodec | None = None
-        self._staging = None
+        self.codec: ContextCodec | None = None          # set by register_kv_cache
         self.staging_slots = SlotPool(staging_slots)   # full: that prefill fails alone (S8)
+        self.context_staging = ContextStaging(self.staging_slots, faults)   # ValueError: a bad fault plan
         self._lock = threading.Condition()
         self._transfers: dict[str, OutgoingTransfer] = {}
         self._passes: deque[ForwardPass] = deque()
@@ -197,16 +184,14 @@ class KvSender(PrefillConnector):
         self._fence_buf = bytearray(FENCE_BYTES)      # registered with the pool: a fence's source
         self._fence_region: MemoryRegion | None = None
         self._host_pool = True
-        self._faults = faults
-        if _checked_damages(faults.bad_context):
-            logger.warning("TEST ONLY: %r: those requests' attempts get a damaged context record", faults.bad_context)
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
 
     def register_kv_cache(self, spec: KvCacheSpec) -> None:
         # ValueError: cannot be moved
         pool = register_pool(self.transport, spec, self._staging_slots, place=self._place)
-        self.layout, self.kv_region, self.codec, self._staging = pool.layout, pool.region, pool.codec, pool.context
+        self.layout, self.kv_region, self.codec = pool.layout, pool.region, pool.codec
+        self.context_staging.attach(pool.codec, pool.context)
         self.kv_regions, self.shards = pool.regions, pool.shards
         self.placements = pool.placements
         with self._lock:   # D16: the messenger thread moves to the CPUs nearest rank 0's pool
@@ -381,37 +366,25 @@ class KvSender(PrefillConnector):
             if t is None or t.aborted:
                 return
             try:
-                slot = self.staging_slots.take(t.key)
+                slot = self.context_staging.take(t.key)
             except StagingFullError as e:   # this transfer fails once its posted writes settled
                 logger.warning("%s", e)
                 t.error = e
                 self._maybe_finish(t)
                 return
-        tk = t.target
-        ident = TransferIdentity(tk.request_id, tk.context.peer.engine_id, tk.attempt, tk.imm_tag)
-        try:   # done.hidden: [hidden_size] of position num_prefill_tokens - 1; done.logits: [vocab]
-            self.codec.encode_into(self._staging, slot, done.hidden, done.logits, ident, tk.num_prefill_tokens - 1)
+        try:
+            self.context_staging.encode(slot, t.target, done)
         except ValueError as e:   # a hidden state or logits of the wrong shape: this transfer fails alone
             logger.error("transfer %s: context record not encoded: %s", t.key, e)
             with self._lock:
-                self.staging_slots.give(slot)
+                self.context_staging.give(slot)
                 t.error = ContextEncodeError(f"transfer {t.key}: context record not encoded: {e}")
                 self._maybe_finish(t)
             return
-        self._test_damage(t, slot, ident)
+        self.context_staging.test_damage(slot, t.target)
         with self._lock:
             self._contexts.append((t, slot))
             self._lock.notify()
-
-    def _test_damage(self, t: OutgoingTransfer, slot: int, ident: TransferIdentity) -> None:
-        """TEST ONLY (FaultPlan.bad_context): damage the record just encoded. No effect without a plan."""
-        kind = self._faults.context_damage(t.target.request_id, t.target.attempt)
-        if kind is not None:
-            other = TransferIdentity(f"{ident.request_id}~other", ident.decode_engine_id, ident.attempt,
-                                     ident.imm_tag)
-            how = self.codec.damage(self._staging, slot, kind, other)
-            logger.warning("TEST ONLY (%s): request %s attempt %d: context record damaged: %s",
-                           TEST_BAD_CONTEXT_ENV, t.target.request_id, t.target.attempt, how)
 
     # --- messenger thread ----------------------------------------------------------------------
 
@@ -493,23 +466,21 @@ class KvSender(PrefillConnector):
             t.checksums[layer][:, :, at] = crc.reshape(len(t.plan.runs), 2, len(src))
 
     def _post_context(self, t: OutgoingTransfer, slot: int) -> None:
-        off = np.asarray([self.codec.slot_offset(slot)], dtype=np.uint64)
-        dst = np.asarray([t.target.context_offset], dtype=np.uint64)
-        lengths = np.asarray([self.codec.slot_nbytes], dtype=np.uint64)
+        off, lengths = self.context_staging.extent(slot)              # [1], [1]
+        dst = np.asarray([t.target.context_offset], dtype=np.uint64)  # [1]
 
         def free_slot() -> None:
             with self._lock:
-                self.staging_slots.give(slot)
+                self.context_staging.give(slot)
 
         if t.checksums is not None:   # before the post: the slot is freed once its write completed
-            region = self._staging.region
             try:
-                t.context_crc = int(checksum.crc32c_runs_at(region.address, region.length, off, lengths)[0])
+                t.context_crc = self.context_staging.crc(slot)
             except BaseException:
                 free_slot()   # never posted: nothing else gives it back
                 raise
 
-        self._post(t, off, t.target.context, dst, lengths, self._staging.region, after=free_slot)
+        self._post(t, off, t.target.context, dst, lengths, self.context_staging.region, after=free_slot)
         with self._lock:
             t.all_posted = True
             self._maybe_finish(t)
