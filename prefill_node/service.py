@@ -194,6 +194,7 @@ class PrefillNode:
         self.config = config
         self.node_id = config.node_id
         self._closing = False
+        self._engine_tasks: set[asyncio.Task] = set()   # each Prefill's engine stream consumer (_run_engine)
         # The transport first: the engine hands its KV pool to the sender (a PrefillConnector)
         # while it is built, and the sender registers it (the engine's pool is on huge pages).
         self.transfers = PrefillTransfers.open(config.provider, config.fabric_node, config.faults)
@@ -285,6 +286,8 @@ class PrefillNode:
         self.validate(spec)
         t = await self.transfers.begin(spec.key, spec.target, spec.peer, received)
         engine_task = asyncio.create_task(self._run_engine(t, spec.token_ids), name=f"prefill-{t.request_id}")
+        self._engine_tasks.add(engine_task)   # held until it ends, even once this call was cancelled
+        engine_task.add_done_callback(self._engine_tasks.discard)
         await self.transfers.run_to_release(t, spec.deadline_s)   # TimeoutError past the deadline
         return await self._outcome(t, engine_task)
 
