@@ -36,13 +36,10 @@ Primitives (D6-D8, D11-D13):
   record of kv_messenger.context (D19) naming the ticket's transfer (request id, the decode
   engine, attempt, imm tag) and the position it is of (num_prefill_tokens - 1). It goes once per
   transfer, to `ticket.context` (the decode leader's landing area under TP), whatever the TP sizes.
-- TEST-ONLY: a sender built with a fault plan (pdserve.engine.faults; a prefill node's entry point
-  reads its `bad_context` from $PDSERVE_TEST_ONLY_BAD_CONTEXT="PREFIX:KIND:N[,...]") damages the
-  context record of attempts 0 .. N-1 of every request whose id starts with PREFIX,
-  after encoding and before it is hashed (S7) and posted, one way (KIND, ContextCodec.damage):
-  "flip" a body byte, a wrong "version", or another request's "identity"; logged as a warning
-  (TEST ONLY), for the tests that prove the decode side rejects it
-  (tests/integration/test_context_record_cluster.py). Without a plan (always, outside those tests): no effect.
+- TEST-ONLY: a sender built with a fault plan (pdserve.engine.faults, its `bad_context`) damages
+  the context records of the attempts it names, after encoding and before they are hashed (S7) and
+  posted (kv_messenger.context_staging, which owns the staging slots and the records' encoding).
+  Without a plan (always, outside those tests): no effect.
 - a dedicated messenger thread waits on the counter (a condition variable: no busy spin that
   would steal the forward pass's core) and, as soon as layer L is done, posts the writes of the
   pages each chunk completed in layer L: one entry per page and side (K, V), all tagged with the
@@ -84,6 +81,11 @@ Blocking waits and their bounds:
   never across a post, a hash, a registration or a wait (the condition's wait releases it).
 - `close`: joins the messenger thread for at most CLOSE_JOIN_S (logged if it still runs: a daemon
   thread, left to the process's exit).
+
+Every write (KV runs, context records, fences) goes through one call of the transport's write path,
+`KvSender._write`. The per-transfer and per-pass bookkeeping is kv_messenger.sender_state; the
+prefill node's transfer registry over this sender is kv_messenger.prefill_transfers
+(docs/transfer-prefill-side.md).
 """
 
 from __future__ import annotations
@@ -96,23 +98,29 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from fabric import FabricError, MemoryRegion, RemoteDescriptor, TransferEngine
 from kv_messenger import checksum
 from kv_messenger.context import (
-    DAMAGES,
     ContextCodec,
     ContextEncodeError,
     SlotPool,
     StagingFullError,
-    TransferIdentity,
 )
+from kv_messenger.context_staging import ContextStaging, checked_damages
 from kv_messenger.placement import ShardPlacement, pin_thread_to
 from kv_messenger.plan import KvLayout, completed_pages
 from kv_messenger.pool import Place, register_pool
+from kv_messenger.sender_state import (  # PassFailedError, PostError, TransferResult: importable from here too
+    ForwardPass,
+    OutgoingTransfer,
+    PassFailedError,
+    PassItem,
+    PostError,
+    TransferResult,
+)
 from kv_messenger.shard_plan import KvShards, ShardPlan, plan_transfer
 from kv_messenger.ticket import TransferTicket
 from pdserve.engine.faults import (
@@ -125,6 +133,9 @@ from pdserve.engine.faults import (
 from pdserve.engine.kv_connector import KvCacheSpec, PrefillConnector, PrefillDone
 from pdserve.engine.scheduler.output import SchedulerOutput
 
+__all__ = ["CLOSE_JOIN_S", "FENCE_BYTES", "STAGING_SLOTS", "TEST_BAD_CONTEXT_ENV", "KvSender", "PassFailedError",
+           "PostError", "TransferResult", "parse_bad_contexts"]
+
 logger = logging.getLogger(__name__)
 
 STAGING_SLOTS = 256     # context records that may wait for their write at once
@@ -136,85 +147,7 @@ TEST_BAD_CONTEXT_ENV = BAD_CONTEXT_ENV   # deprecated alias: pdserve.engine.faul
 
 def parse_bad_contexts(raw: str) -> tuple[BadContext, ...]:
     """Deprecated: FaultPlan.from_env parses the variable; this checks KIND against DAMAGES too."""
-    return _checked_damages(_parse_bad_contexts(raw))
-
-
-def _checked_damages(entries: tuple[BadContext, ...]) -> tuple[BadContext, ...]:
-    """ValueError naming an entry whose KIND is not one of context.DAMAGES."""
-    for b in entries:
-        if b.kind not in DAMAGES:
-            raise ValueError(f"{TEST_BAD_CONTEXT_ENV}: expected PREFIX:KIND:N entries with KIND one of {DAMAGES}, "
-                             f"got {b.prefix}:{b.kind}:{b.attempts}")
-    return entries
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    request_id: str
-    num_writes: int
-    bytes_written: int
-    first_post_time: float          # time.monotonic() of the first posted write
-    last_layer_time: float          # when the last layer of the last chunk finished computing
-    done_time: float                # when the last write completed locally
-    layer_post_times: tuple[float, ...]  # first post time of each layer (overlap evidence)
-    kv_checksums: bytes = b""       # with ticket.kv_checksum: checksum.pack of every run, canonical order
-    num_kv_checksums: int = 0
-
-
-@dataclass
-class _Transfer:
-    target: TransferTicket
-    future: concurrent.futures.Future
-    plan: ShardPlan            # which runs of each page go from which of our ranks to which decode rank
-    key: str = ""              # the engine's request id for the transfer (KvSender.add)
-    # per attention group (KvCacheSpec.groups order), the request's pages: filled at schedule time
-    src_tables: list[list[int]] = field(default_factory=list)
-    # per layer: (first request page sent, its destination pages), from the ticket
-    layer_targets: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    posted_writes: int = 0
-    posted_bytes: int = 0
-    outstanding: int = 0       # write batches not yet completed
-    all_posted: bool = False
-    error: FabricError | StagingFullError | ContextEncodeError | PassFailedError | PostError | None = None
-    aborted: bool = False
-    first_post: float = 0.0
-    last_layer: float = 0.0
-    layer_posts: dict[int, float] = field(default_factory=dict)
-    # Request pages [0, pages_claimed) belong to a pass already: every later pass starts here.
-    # A prompt whose leading pages were prefix-cache hits starts computing mid-prompt; those
-    # pages hold valid KV at every layer, so the first pass sends them too.
-    pages_claimed: int = 0
-    # S7: per layer, [plan runs, 2 (K, V), pages that layer sends] CRC32C of each posted entry; and
-    # of the context record
-    checksums: list[np.ndarray] | None = None
-    context_crc: int = 0
-
-
-@dataclass
-class _Item:
-    transfer: _Transfer
-    pages: range               # request-relative page indices this chunk completes
-    last_chunk: bool
-
-
-@dataclass
-class _Pass:
-    items: list[_Item]
-    layers_done: int = 0
-    layers_posted: int = 0
-    cut_short: bool = False    # its forward failed before its last layer: no more layers will come
-
-
-class PassFailedError(RuntimeError):
-    """The forward pass computing a chunk of this transfer failed before its last layer (the step
-    raised): the chunk's later layers will never be written. Not a StatusError: the prefill node
-    answers with the engine's own error for the step (EngineThread fails every request of it)."""
-
-
-class PostError(RuntimeError):
-    """Posting a transfer's writes raised something other than a fabric error (a bug, not the
-    network): the transfer fails with it (once its posted writes settle) and the messenger thread
-    goes on with the others."""
+    return checked_damages(_parse_bad_contexts(raw))
 
 
 class KvSender(PrefillConnector):
@@ -239,28 +172,26 @@ class KvSender(PrefillConnector):
         self._rng = random.Random(random.SystemRandom().getrandbits(64))   # source replica per request
         self.placements: tuple[ShardPlacement, ...] = ()   # D16, set by register_kv_cache
         self._pin: ShardPlacement | None = None            # taken once by the messenger thread
-        self.codec: ContextCodec | None = None
-        self._staging = None
+        self.codec: ContextCodec | None = None          # set by register_kv_cache
         self.staging_slots = SlotPool(staging_slots)   # full: that prefill fails alone (S8)
+        self.context_staging = ContextStaging(self.staging_slots, faults)   # ValueError: a bad fault plan
         self._lock = threading.Condition()
-        self._transfers: dict[str, _Transfer] = {}
-        self._passes: deque[_Pass] = deque()
-        self._current: _Pass | None = None  # the pass the engine is running now, if it sends anything
-        self._contexts: deque[tuple[_Transfer, int]] = deque()
+        self._transfers: dict[str, OutgoingTransfer] = {}
+        self._passes: deque[ForwardPass] = deque()
+        self._current: ForwardPass | None = None  # the pass the engine is running now, if it sends anything
+        self._contexts: deque[tuple[OutgoingTransfer, int]] = deque()
         self._stop = False
         self._fence_buf = bytearray(FENCE_BYTES)      # registered with the pool: a fence's source
         self._fence_region: MemoryRegion | None = None
         self._host_pool = True
-        self._faults = faults
-        if _checked_damages(faults.bad_context):
-            logger.warning("TEST ONLY: %r: those requests' attempts get a damaged context record", faults.bad_context)
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
 
     def register_kv_cache(self, spec: KvCacheSpec) -> None:
         # ValueError: cannot be moved
         pool = register_pool(self.transport, spec, self._staging_slots, place=self._place)
-        self.layout, self.kv_region, self.codec, self._staging = pool.layout, pool.region, pool.codec, pool.context
+        self.layout, self.kv_region, self.codec = pool.layout, pool.region, pool.codec
+        self.context_staging.attach(pool.codec, pool.context)
         self.kv_regions, self.shards = pool.regions, pool.shards
         self.placements = pool.placements
         with self._lock:   # D16: the messenger thread moves to the CPUs nearest rank 0's pool
@@ -323,7 +254,7 @@ class KvSender(PrefillConnector):
                 self._multi_endpoint.move_to_end(target.context.peer.engine_id)
                 while len(self._multi_endpoint) > MULTI_ENDPOINT_ENGINES:
                     self._multi_endpoint.popitem(last=False)
-            self._transfers[key] = _Transfer(target, fut, plan, key=key, checksums=sums, layer_targets=targets)
+            self._transfers[key] = OutgoingTransfer(target, fut, plan, key=key, checksums=sums, layer_targets=targets)
         return fut
 
     def _check_groups(self, target: TransferTicket) -> None:
@@ -353,8 +284,8 @@ class KvSender(PrefillConnector):
 
         one = np.zeros(1, dtype=np.uint64)
         try:
-            self.transport.write_pages(self._fence_region, one, dst, one, np.full(1, FENCE_BYTES, dtype=np.uint64),
-                                       tag, lambda: fut.set_result(None), failed, imm_mode="every")
+            self._write(self._fence_region, one, dst, one, np.full(1, FENCE_BYTES, dtype=np.uint64), tag,
+                        lambda: fut.set_result(None), failed)
         except ValueError as e:
             raise FabricError(22, f"fence write: {e}") from e
         return fut
@@ -389,8 +320,8 @@ class KvSender(PrefillConnector):
                 t.pages_claimed = pages.stop
                 if not t.src_tables or len(t.src_tables[0]) < pages.stop:
                     t.src_tables = [list(table) for table in block_ids[c.request_id]]
-                items.append(_Item(t, pages, c.end == final))
-            self._current = _Pass(items) if items else None
+                items.append(PassItem(t, pages, c.end == final))
+            self._current = ForwardPass(items) if items else None
             if self._current is not None:
                 self._passes.append(self._current)
 
@@ -435,37 +366,25 @@ class KvSender(PrefillConnector):
             if t is None or t.aborted:
                 return
             try:
-                slot = self.staging_slots.take(t.key)
+                slot = self.context_staging.take(t.key)
             except StagingFullError as e:   # this transfer fails once its posted writes settled
                 logger.warning("%s", e)
                 t.error = e
                 self._maybe_finish(t)
                 return
-        tk = t.target
-        ident = TransferIdentity(tk.request_id, tk.context.peer.engine_id, tk.attempt, tk.imm_tag)
-        try:   # done.hidden: [hidden_size] of position num_prefill_tokens - 1; done.logits: [vocab]
-            self.codec.encode_into(self._staging, slot, done.hidden, done.logits, ident, tk.num_prefill_tokens - 1)
+        try:
+            self.context_staging.encode(slot, t.target, done)
         except ValueError as e:   # a hidden state or logits of the wrong shape: this transfer fails alone
             logger.error("transfer %s: context record not encoded: %s", t.key, e)
             with self._lock:
-                self.staging_slots.give(slot)
+                self.context_staging.give(slot)
                 t.error = ContextEncodeError(f"transfer {t.key}: context record not encoded: {e}")
                 self._maybe_finish(t)
             return
-        self._test_damage(t, slot, ident)
+        self.context_staging.test_damage(slot, t.target)
         with self._lock:
             self._contexts.append((t, slot))
             self._lock.notify()
-
-    def _test_damage(self, t: _Transfer, slot: int, ident: TransferIdentity) -> None:
-        """TEST ONLY (FaultPlan.bad_context): damage the record just encoded. No effect without a plan."""
-        kind = self._faults.context_damage(t.target.request_id, t.target.attempt)
-        if kind is not None:
-            other = TransferIdentity(f"{ident.request_id}~other", ident.decode_engine_id, ident.attempt,
-                                     ident.imm_tag)
-            how = self.codec.damage(self._staging, slot, kind, other)
-            logger.warning("TEST ONLY (%s): request %s attempt %d: context record damaged: %s",
-                           TEST_BAD_CONTEXT_ENV, t.target.request_id, t.target.attempt, how)
 
     # --- messenger thread ----------------------------------------------------------------------
 
@@ -501,10 +420,10 @@ class KvSender(PrefillConnector):
     def _has_work(self) -> bool:
         return bool(self._contexts) or any(p.layers_done > p.layers_posted for p in self._passes)
 
-    def _take_work(self) -> list[tuple[_Transfer, Callable[[], None]]]:
+    def _take_work(self) -> list[tuple[OutgoingTransfer, Callable[[], None]]]:
         """Under the lock: collect the posts that are ready, in pass and layer order, each with the
         transfer it posts for."""
-        work: list[tuple[_Transfer, Callable[[], None]]] = []
+        work: list[tuple[OutgoingTransfer, Callable[[], None]]] = []
         while self._passes:
             p = self._passes[0]
             for layer in range(p.layers_posted, p.layers_done):
@@ -520,7 +439,7 @@ class KvSender(PrefillConnector):
             work.append((t, lambda t=t, slot=slot: self._post_context(t, slot)))
         return work
 
-    def _post_layer(self, it: _Item, layer: int) -> None:
+    def _post_layer(self, it: PassItem, layer: int) -> None:
         """Post layer `layer` of the pages chunk `it` completed: one write_pages call per (our rank,
         decode rank) pair of the plan, its entries in the plan's canonical order."""
         t = it.transfer
@@ -546,29 +465,28 @@ class KvSender(PrefillConnector):
             at = slice(pages.start - first, pages.stop - first)
             t.checksums[layer][:, :, at] = crc.reshape(len(t.plan.runs), 2, len(src))
 
-    def _post_context(self, t: _Transfer, slot: int) -> None:
-        off = np.asarray([self.codec.slot_offset(slot)], dtype=np.uint64)
-        dst = np.asarray([t.target.context_offset], dtype=np.uint64)
-        lengths = np.asarray([self.codec.slot_nbytes], dtype=np.uint64)
+    def _post_context(self, t: OutgoingTransfer, slot: int) -> None:
+        off, lengths = self.context_staging.extent(slot)              # [1], [1]
+        dst = np.asarray([t.target.context_offset], dtype=np.uint64)  # [1]
 
         def free_slot() -> None:
             with self._lock:
-                self.staging_slots.give(slot)
+                self.context_staging.give(slot)
 
         if t.checksums is not None:   # before the post: the slot is freed once its write completed
-            region = self._staging.region
             try:
-                t.context_crc = int(checksum.crc32c_runs_at(region.address, region.length, off, lengths)[0])
+                t.context_crc = self.context_staging.crc(slot)
             except BaseException:
                 free_slot()   # never posted: nothing else gives it back
                 raise
 
-        self._post(t, off, t.target.context, dst, lengths, self._staging.region, after=free_slot)
+        self._post(t, off, t.target.context, dst, lengths, self.context_staging.region, after=free_slot)
         with self._lock:
             t.all_posted = True
             self._maybe_finish(t)
 
-    def _post(self, t: _Transfer, src, dst_desc, dst, lengths, region, after: Callable[[], None] | None = None) -> None:
+    def _post(self, t: OutgoingTransfer, src, dst_desc, dst, lengths, region,
+              after: Callable[[], None] | None = None) -> None:
         with self._lock:
             if t.aborted or t.error is not None:
                 if after:
@@ -596,8 +514,7 @@ class KvSender(PrefillConnector):
                 self._maybe_finish(t)
 
         try:
-            self.transport.write_pages(region, src, dst_desc, dst, lengths, t.target.imm_tag, done, failed,
-                                    imm_mode="every")
+            self._write(region, src, dst_desc, dst, lengths, t.target.imm_tag, done, failed)
         except (FabricError, ValueError) as err:
             failed(err if isinstance(err, FabricError) else FabricError(22, str(err)))
             return
@@ -609,7 +526,15 @@ class KvSender(PrefillConnector):
             t.posted_writes += len(lengths)
             t.posted_bytes += int(lengths.sum())
 
-    def _maybe_finish(self, t: _Transfer) -> None:
+    def _write(self, region: MemoryRegion, src: np.ndarray, dst_desc: RemoteDescriptor, dst: np.ndarray,
+               lengths: np.ndarray, tag: int, on_done: Callable[[], None],
+               on_error: Callable[[FabricError], None]) -> None:
+        """The sender's one call into the transport's write path (every KV run, context record and
+        fence goes through here): src / dst / lengths [n] byte offsets and lengths, every entry
+        tagged `tag` (imm_mode "every"); raises what write_pages raises, before anything is posted."""
+        self.transport.write_pages(region, src, dst_desc, dst, lengths, tag, on_done, on_error, imm_mode="every")
+
+    def _maybe_finish(self, t: OutgoingTransfer) -> None:
         """Under the lock: resolve the transfer once nothing of it is in flight."""
         if t.outstanding or t.future.done():
             return
@@ -625,10 +550,4 @@ class KvSender(PrefillConnector):
             if t.posted_writes != t.target.expected_writes:
                 logger.error("request %s: posted %d writes but the decode side expects %d",
                              rid, t.posted_writes, t.target.expected_writes)
-            posts = tuple(t.layer_posts.get(i, 0.0) for i in range(self.layout.num_layers))
-            sums, n_sums = b"", 0
-            if t.checksums is not None:
-                values = np.concatenate([c.reshape(-1) for c in t.checksums] + [np.asarray([t.context_crc], np.uint32)])
-                sums, n_sums = checksum.pack(values), int(values.size)
-            t.future.set_result(TransferResult(rid, t.posted_writes, t.posted_bytes, t.first_post,
-                                               t.last_layer, time.monotonic(), posts, sums, n_sums))
+            t.future.set_result(t.result(self.layout.num_layers, time.monotonic()))

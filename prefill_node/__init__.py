@@ -7,7 +7,8 @@ goes; the node feeds its own batch scheduler (chunked prefill), pushes each fini
 with one-sided writes, writes the context (hidden state, top logits), frees its pages once every
 write completed locally, and answers. Any number of decode nodes may call one node (D1).
 
-Modules: `service` (engine + fabric + sender, the request lifecycle; no gRPC server), `server`
+Modules: `service` (the engine and the prefill side of the transfer, kv_messenger.prefill_transfers,
+which builds the fabric endpoint and the sender: the request lifecycle; no gRPC server), `server`
 (thin gRPC servicers and wire conversion; the process lifecycle is pdserve.serving.node_server's),
 `__main__` (parses the command line, nothing else).
 """

@@ -31,10 +31,11 @@ from dataclasses import replace
 
 import grpc
 
-from fabric import PeerDescriptor
+from kv_messenger.prefill_transfers import AbortSpec
+from kv_messenger.transport import PeerDescriptor
 from pdserve.serving.channels import CallerIdentity, is_local_address
 from pdserve_api.servers import StatusError
-from prefill_node.service import AbortSpec, PrefillSpec
+from prefill_node.service import PrefillSpec
 
 REMEMBERED_BINDINGS = 4096   # decode engines whose certificate identity is remembered
 

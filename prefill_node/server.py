@@ -37,6 +37,16 @@ import logging
 
 import grpc
 
+from kv_messenger.prefill_transfers import (
+    ACTIVE,
+    CONNECTION_FAILED,
+    FINISHED,
+    REFUSED,
+    UNKNOWN,
+    WRONG_ENGINE,
+    AbortedError,
+    AbortSpec,
+)
 from kv_messenger.ticket import TransferKey, TransferTicket, peer_from_bytes, peer_to_bytes, remote_from_bytes
 from pdserve.serving.admission import AdmissionGate
 from pdserve.serving.channels import caller_identity
@@ -46,14 +56,7 @@ from pdserve.serving.node_server import NodeHolder, NodeServer, ServeOptions, se
 from pdserve_api.servers import UnavailableError
 from pdserve_api.v1 import common_pb2, node_pb2, node_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from prefill_node.authz import PeerBindings, authorize_abort, authorize_prefill
-from prefill_node.service import (
-    AbortedError,
-    AbortSpec,
-    PrefillNode,
-    PrefillNodeConfig,
-    PrefillOutcome,
-    PrefillSpec,
-)
+from prefill_node.service import PrefillNode, PrefillNodeConfig, PrefillOutcome, PrefillSpec
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +95,10 @@ def spec_from_pb(req: prefill_pb2.PrefillRequest) -> PrefillSpec:
     )
 
 
-_STATES = {"unknown": prefill_pb2.TRANSFER_STATE_UNKNOWN, "active": prefill_pb2.TRANSFER_STATE_ACTIVE,
-           "finished": prefill_pb2.TRANSFER_STATE_FINISHED, "refused": prefill_pb2.TRANSFER_STATE_REFUSED,
-           "connection_failed": prefill_pb2.TRANSFER_STATE_CONNECTION_FAILED,
-           "wrong_engine": prefill_pb2.TRANSFER_STATE_WRONG_ENGINE}
+_STATES = {UNKNOWN: prefill_pb2.TRANSFER_STATE_UNKNOWN, ACTIVE: prefill_pb2.TRANSFER_STATE_ACTIVE,
+           FINISHED: prefill_pb2.TRANSFER_STATE_FINISHED, REFUSED: prefill_pb2.TRANSFER_STATE_REFUSED,
+           CONNECTION_FAILED: prefill_pb2.TRANSFER_STATE_CONNECTION_FAILED,
+           WRONG_ENGINE: prefill_pb2.TRANSFER_STATE_WRONG_ENGINE}
 
 
 def abort_from_pb(req: prefill_pb2.AbortPrefillRequest) -> AbortSpec:

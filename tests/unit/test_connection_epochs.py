@@ -1,4 +1,4 @@
-"""The prefill node's connection generations per decode peer (prefill_node.service.ConnectionEpochs):
+"""The prefill node's connection generations per decode peer (kv_messenger.prefill_peers.ConnectionEpochs):
 bounded, and a forgotten peer never reads a generation older than its failure (S5: a fence on a
 connection newer than a transfer's must not confirm that transfer)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefill_node.service import ConnectionEpochs
+from kv_messenger.prefill_peers import ConnectionEpochs
 
 
 def test_a_failed_peer_gets_a_new_generation_and_others_keep_theirs():
