@@ -64,7 +64,7 @@ def child_command(argv: Sequence[str], parent_pid: int, cpus: Sequence[int] = ()
 
 def spawn(argv: Sequence[str], cpus: Sequence[int] = (), **popen: object) -> subprocess.Popen:
     """Start `argv` (see child_command) as a child of this process that dies with it and runs on
-    `cpus`; `popen` are subprocess.Popen's keyword arguments (never preexec_fn: see Spawning)."""
+    `cpus`; `popen` are subprocess.Popen's keyword arguments (never preexec_fn: see Spawning above)."""
     if "preexec_fn" in popen:
         raise ValueError("spawn sets the child up in the child itself; preexec_fn is not accepted")
     return subprocess.Popen(child_command(argv, os.getpid(), cpus), **popen)  # type: ignore[call-overload]

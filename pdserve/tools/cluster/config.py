@@ -37,12 +37,13 @@ class ClusterConfig:
     "least-loaded" or "prefix" (prefix-aware; decode nodes of a disaggregated cluster then also
     prefer the prefill node that was sent a prompt's prefix). log_format: "text" or "json" lines
     for every process. tls: mTLS between every process, with certificates made for this cluster;
-    auth_token: a shared token on every gRPC call (see Security). prefill_tp / decode_tp: each
-    prefill / decode (or colocated) node's tensor_parallel_size (`-tp N`; None: engine_args or 1);
-    see Tensor parallelism. kv_checksum: decode nodes verify the CRC32C of every landed KV run
-    before scheduling (`--kv-checksum`, S7). speculative_config: speculative decoding on every decode and
-    colocated node (a SpeculativeConfig, its dict or its JSON; parsed and validated here, kept as a
-    SpeculativeConfig; see Speculative decoding)."""
+    auth_token: a shared token on every gRPC call (Security in pdserve.tools.cluster.running).
+    prefill_tp / decode_tp: each prefill / decode (or colocated) node's tensor_parallel_size (`-tp
+    N`; None: engine_args or 1); see Tensor parallelism here and in pdserve.tools.cluster.plan.
+    kv_checksum: decode nodes verify the CRC32C of every landed KV run before scheduling
+    (`--kv-checksum`, S7). speculative_config: speculative decoding on every decode and colocated
+    node (a SpeculativeConfig, its dict or its JSON; parsed and validated here, kept as a
+    SpeculativeConfig; see Speculative decoding here and in pdserve.tools.cluster.plan)."""
 
     prefill: int | None = None
     decode: int | None = None

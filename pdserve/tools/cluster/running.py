@@ -149,7 +149,7 @@ class Cluster:
         return self._client_security
 
     def _make_security(self) -> None:
-        """The certificates (tls) and the token (auth_token) every child's flags name (see Security)."""
+        """The certificates (tls) and the token (auth_token) every child's flags name (see Security above)."""
         if not (self.config.tls or self.config.auth_token):
             return
         d = self.security_dir
