@@ -110,6 +110,15 @@ class Attempt:
     tried: tuple[DecodeNode, ...] = ()  # nodes this request will not go to again (this one included)
 
 
+@dataclass(frozen=True)
+class _RpcEnding:
+    """How an attempt whose downstream call failed with a status ends (RouterGenerateService._on_rpc_error)."""
+
+    finish: str                 # the attempt's finish label in the router's log line
+    error: str | None = None    # a final error message to stream to the client
+    reraise: bool = False       # the client's stream has not begun: the status is the client's
+
+
 def resume_request(request: generate_pb2.GenerateRequest, progress: Progress,
                    default_max_tokens: int) -> generate_pb2.GenerateRequest | None:
     """`request` continued after what the client already has (S10), or None when nothing is left
@@ -285,50 +294,16 @@ class RouterGenerateService(generate_pb2_grpc.GenerateServiceServicer):
             if not attempt.node_down or (task is not None and task.cancelling()):
                 raise  # the client went away (or the server stops): not the node's failure
             finish = "node down"
-            attempt.reason = f"decode node {node.address} failed mid-stream: marked down ({node.reason})"
-            self._failed_mid_stream(attempt, progress, deadline)
-            if attempt.outcome == "done":
-                yield self._error(rid, attempt.reason, timer)
+            error = self._moved_off_down_node(attempt, progress, deadline)
+            if error is not None:
+                yield self._error(rid, error, timer)
         except grpc.aio.AioRpcError as e:
-            code, details = e.code(), e.details()
-            finish = code.name
-            attempt.reason = f"{code.name}: {details}"
-            if code == grpc.StatusCode.CANCELLED and attempt.node_down:
-                attempt.reason = f"decode node {node.address} failed mid-stream: marked down ({node.reason})"
-                self._failed_mid_stream(attempt, progress, deadline)
-                if attempt.outcome == "done":
-                    yield self._error(rid, attempt.reason, timer)
-                return
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= deadline - 0.05:
-                message = (f"request {rid} passed its deadline of {self._config.request_timeout_s:g} s "
-                           "(router --request-timeout-s) or the client's")
-                if not progress.messages:
-                    raise TimeoutError(message) from e
-                yield self._error(rid, message, timer)
-                return
-            if sent == 0 and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                logger.info("request_id=%s node=%s is full (%s); trying another node", rid, node.address, details)
-                attempt.outcome, attempt.full = "next", f"{node.address}: {details}"
-                return
-            if code == grpc.StatusCode.UNAVAILABLE:
-                self._pool.mark_failed(node, f"Generate failed: {code.name}: {details}")
-                if sent == 0 and not progress.token_ids:
-                    if self._can_move(attempt, progress, deadline):
-                        logger.warning("request_id=%s node=%s unavailable (%s); retrying on another node",
-                                       rid, node.address, details)
-                        finish = "retried"
-                        attempt.outcome = "next"
-                        return
-                else:
-                    self._failed_mid_stream(attempt, progress, deadline)
-                    if attempt.outcome != "done":
-                        finish = "migrated"
-                        return
-            if not progress.messages:
+            ending = self._on_rpc_error(e, attempt, progress, deadline, sent, rid)
+            finish = ending.finish
+            if ending.reraise:
                 raise
-            logger.warning("request_id=%s node=%s failed after %d messages: %s: %s",
-                           rid, node.address, sent, code.name, details)
-            yield self._error(rid, f"decode node {node.address} failed mid-stream: {code.name}: {details}", timer)
+            if ending.error is not None:
+                yield self._error(rid, ending.error, timer)
         finally:
             node.watchers.discard(node_down)
             call.cancel()  # no-op when finished; aborts the request downstream otherwise (R4)
@@ -337,6 +312,51 @@ class RouterGenerateService(generate_pb2_grpc.GenerateServiceServicer):
                 del self._running[rid]
             logger.info("done request_id=%s node=%s finish=%s messages=%d elapsed_s=%.3f",
                         rid, node.address, finish, sent, time.monotonic() - start)
+
+    def _moved_off_down_node(self, attempt: Attempt, progress: Progress, deadline: float) -> str | None:
+        """The pool marked the node down mid-stream (its call was cancelled for it): migrate if S10's
+        bounds allow; returns the final error message to stream when the request cannot move."""
+        attempt.reason = f"decode node {attempt.node.address} failed mid-stream: marked down ({attempt.node.reason})"
+        self._failed_mid_stream(attempt, progress, deadline)
+        return attempt.reason if attempt.outcome == "done" else None
+
+    def _on_rpc_error(self, e: grpc.aio.AioRpcError, attempt: Attempt, progress: Progress, deadline: float,
+                      sent: int, rid: str) -> _RpcEnding:
+        """What a downstream status means for this attempt: try another node, migrate, end the
+        client's stream with an error message, or re-raise the status (the stream has not begun).
+        Raises TimeoutError when the call's deadline passed before the client had a message."""
+        node = attempt.node
+        code, details = e.code(), e.details()
+        attempt.reason = f"{code.name}: {details}"
+        if code == grpc.StatusCode.CANCELLED and attempt.node_down:
+            return _RpcEnding(code.name, self._moved_off_down_node(attempt, progress, deadline))
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= deadline - 0.05:
+            message = (f"request {rid} passed its deadline of {self._config.request_timeout_s:g} s "
+                       "(router --request-timeout-s) or the client's")
+            if not progress.messages:
+                raise TimeoutError(message) from e
+            return _RpcEnding(code.name, message)
+        if sent == 0 and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            logger.info("request_id=%s node=%s is full (%s); trying another node", rid, node.address, details)
+            attempt.outcome, attempt.full = "next", f"{node.address}: {details}"
+            return _RpcEnding(code.name)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            self._pool.mark_failed(node, f"Generate failed: {code.name}: {details}")
+            if sent == 0 and not progress.token_ids:
+                if self._can_move(attempt, progress, deadline):
+                    logger.warning("request_id=%s node=%s unavailable (%s); retrying on another node",
+                                   rid, node.address, details)
+                    attempt.outcome = "next"
+                    return _RpcEnding("retried")
+            else:
+                self._failed_mid_stream(attempt, progress, deadline)
+                if attempt.outcome != "done":
+                    return _RpcEnding("migrated")
+        if not progress.messages:
+            return _RpcEnding(code.name, reraise=True)
+        logger.warning("request_id=%s node=%s failed after %d messages: %s: %s",
+                       rid, node.address, sent, code.name, details)
+        return _RpcEnding(code.name, f"decode node {node.address} failed mid-stream: {code.name}: {details}")
 
     def _failed_mid_stream(self, attempt: Attempt, progress: Progress, deadline: float) -> None:
         """The node failed after streaming part of the answer: migrate if S10's bounds allow."""

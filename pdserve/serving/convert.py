@@ -170,6 +170,10 @@ def fit_context(params: SamplingParams, prompt_tokens: int, max_model_len: int,
 
 # --- sampling -------------------------------------------------------------------------------------
 
+# SamplingOptions fields with presence (proto3 `optional`), named as SamplingParams' fields
+_OPTIONAL_SAMPLING = ("temperature", "top_p", "seed", "max_tokens", "logprobs", "skip_special_tokens")
+
+
 def sampling_from_pb(s: generate_pb2.SamplingOptions, limits: InputLimits = INPUT_LIMITS) -> SamplingParams:
     """SamplingOptions -> SamplingParams; invalid values, and values over `limits`, raise ValueError
     naming them."""
@@ -181,18 +185,9 @@ def sampling_from_pb(s: generate_pb2.SamplingOptions, limits: InputLimits = INPU
         "stop_token_ids": tuple(s.stop_token_ids),
         "ignore_eos": s.ignore_eos,
     }
-    if s.HasField("temperature"):
-        kw["temperature"] = s.temperature
-    if s.HasField("top_p"):
-        kw["top_p"] = s.top_p
-    if s.HasField("seed"):
-        kw["seed"] = s.seed
-    if s.HasField("max_tokens"):
-        kw["max_tokens"] = s.max_tokens
-    if s.HasField("logprobs"):
-        kw["logprobs"] = s.logprobs
-    if s.HasField("skip_special_tokens"):
-        kw["skip_special_tokens"] = s.skip_special_tokens
+    for name in _OPTIONAL_SAMPLING:   # unset: SamplingParams' own default
+        if s.HasField(name):
+            kw[name] = getattr(s, name)
     return SamplingParams(**kw)
 
 

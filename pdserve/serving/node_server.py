@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 import grpc
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health as grpc_health, health_pb2
 
 from pdserve.engine.engine_thread import EngineThread
 from pdserve.serving.channels import (
@@ -156,6 +156,43 @@ class NodeServer(Generic[N]):
     describe: Callable[[N, int], str]                  # the serving line, given the bound port
 
 
+class _HealthReporter:
+    """The grpc.health.v1 statuses of one node server (its serving loop): the whole server ("") and
+    the readiness services, set from the node's readiness() and its engine thread's life."""
+
+    def __init__(self, health: grpc_health.aio.HealthServicer, service_names: tuple[str, ...], name: str) -> None:
+        self._health = health               # the servicer add_standard_services_aio made
+        self._service_names = service_names
+        self._name = name
+        self._ready: bool | None = None     # whether the service names are SERVING; None before the first check
+
+    async def set(self, status: int, services: Sequence[str] | None = None) -> None:
+        for service in ("", *self._service_names) if services is None else services:
+            await self._health.set(service, status)
+
+    async def check_ready(self, readiness: Callable[[], str]) -> None:
+        why = readiness()
+        if (not why) == self._ready:
+            return
+        names = ", ".join(self._service_names)
+        if why:
+            logger.warning("%s: not ready, reporting %s NOT_SERVING: %s", self._name, names, why)
+            await self.set(health_pb2.HealthCheckResponse.NOT_SERVING, self._service_names)
+        else:
+            if self._ready is not None:
+                logger.info("%s: ready again, reporting %s SERVING", self._name, names)
+            await self.set(health_pb2.HealthCheckResponse.SERVING, self._service_names)
+        self._ready = not why
+
+    async def watchdog(self, engine: EngineThread, readiness: Callable[[], str]) -> None:
+        # An engine thread that died cannot serve: say so to health checks (the router stops routing here).
+        while engine.is_running:
+            await asyncio.sleep(WATCHDOG_S)
+            await self.check_ready(readiness)
+        logger.critical("%s: engine thread is dead; reporting NOT_SERVING", self._name)
+        await self.set(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
 async def serve_node(spec: NodeServer[N]) -> int:
     """Run a node server until SIGTERM/SIGINT; returns the process exit code."""
     loop = asyncio.get_running_loop()
@@ -185,10 +222,6 @@ async def serve_node(spec: NodeServer[N]) -> int:
     logger.info("%s: gRPC bound on %s:%d (%s), loading the model", name, opts.host, port,
                 opts.security.describe())
 
-    async def set_health(status: int, services: Sequence[str] = ("", *spec.service_names)) -> None:
-        for service in services:
-            await health.set(service, status)
-
     build = asyncio.ensure_future(asyncio.to_thread(spec.build))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([build, stopping], return_when=asyncio.FIRST_COMPLETED)
@@ -206,38 +239,15 @@ async def serve_node(spec: NodeServer[N]) -> int:
     await node.start()
 
     readiness: Callable[[], str] = getattr(node, "readiness", None) or (lambda: "")
-    ready: bool | None = None   # whether the service names are SERVING; None before the first check
-
-    async def check_ready() -> None:
-        nonlocal ready
-        why = readiness()
-        if (not why) == ready:
-            return
-        if why:
-            logger.warning("%s: not ready, reporting %s NOT_SERVING: %s", name, ", ".join(spec.service_names), why)
-            await set_health(health_pb2.HealthCheckResponse.NOT_SERVING, spec.service_names)
-        else:
-            if ready is not None:
-                logger.info("%s: ready again, reporting %s SERVING", name, ", ".join(spec.service_names))
-            await set_health(health_pb2.HealthCheckResponse.SERVING, spec.service_names)
-        ready = not why
-
-    async def watchdog() -> None:
-        # An engine thread that died cannot serve: say so to health checks (the router stops routing here).
-        while node.engine.is_running:
-            await asyncio.sleep(WATCHDOG_S)
-            await check_ready()
-        logger.critical("%s: engine thread is dead; reporting NOT_SERVING", name)
-        await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-
+    reporter = _HealthReporter(health, spec.service_names, name)
     watch = None
     if not stop.is_set():
-        await set_health(health_pb2.HealthCheckResponse.SERVING, ("",))
-        await check_ready()   # the service names: SERVING now, or once the node is ready
+        await reporter.set(health_pb2.HealthCheckResponse.SERVING, ("",))
+        await reporter.check_ready(readiness)   # the service names: SERVING now, or once the node is ready
         line = spec.describe(node, port)
         logger.info("%s", line)
         print(line, flush=True)
-        watch = asyncio.create_task(watchdog())
+        watch = asyncio.create_task(reporter.watchdog(node.engine, readiness))
         await stopping
     logger.info("%s: shutting down", name)
     if watch is not None:

@@ -159,14 +159,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def run_command(args: argparse.Namespace, errors: tuple[type[Exception], ...]) -> int:
+    """Log at args.log_level and run args.func; one of `errors` is printed as `error: ...`, exit status 2
+    (`pdserve` and `python -m pdserve.tools.bench` alike)."""
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except errors as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_command(build_parser().parse_args(argv), (ValueError, FileNotFoundError))
 
 
 if __name__ == "__main__":

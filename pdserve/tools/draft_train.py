@@ -359,6 +359,23 @@ def _recipe_of(cfg: DraftTrainConfig) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _RESUMABLE_CHANGES}
 
 
+def _resume_state(cfg: DraftTrainConfig, state_path: pathlib.Path, vocab: TargetVocab) -> dict[str, Any]:
+    """The checkpoint --resume continues from, checked against this run's recipe and target."""
+    import torch
+
+    from pdserve.engine.spec_decode.eagle import EagleConfig
+
+    if not state_path.is_file():
+        raise FileNotFoundError(f"--resume: no checkpoint '{state_path}'")
+    state = torch.load(state_path, weights_only=False)
+    if state["recipe"] != _recipe_of(cfg):
+        diff = sorted(k for k in _recipe_of(cfg) if state["recipe"].get(k) != _recipe_of(cfg)[k])
+        raise ValueError(f"--resume: checkpoint '{state_path}' was made with other settings: "
+                         + ", ".join(f"{k}={state['recipe'].get(k)!r} (now {_recipe_of(cfg)[k]!r})" for k in diff))
+    vocab.identity.check_same(EagleConfig.from_json(state["head_config"]).target, f"checkpoint '{state_path}'")
+    return state
+
+
 def train(cfg: DraftTrainConfig) -> TrainResult:
     import torch
 
@@ -372,16 +389,7 @@ def train(cfg: DraftTrainConfig) -> TrainResult:
     out = pathlib.Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / STATE_FILE
-    state: dict[str, Any] | None = None
-    if cfg.resume:
-        if not state_path.is_file():
-            raise FileNotFoundError(f"--resume: no checkpoint '{state_path}'")
-        state = torch.load(state_path, weights_only=False)
-        if state["recipe"] != _recipe_of(cfg):
-            diff = sorted(k for k in _recipe_of(cfg) if state["recipe"].get(k) != _recipe_of(cfg)[k])
-            raise ValueError(f"--resume: checkpoint '{state_path}' was made with other settings: "
-                             + ", ".join(f"{k}={state['recipe'].get(k)!r} (now {_recipe_of(cfg)[k]!r})" for k in diff))
-        vocab.identity.check_same(EagleConfig.from_json(state["head_config"]).target, f"checkpoint '{state_path}'")
+    state = _resume_state(cfg, state_path, vocab) if cfg.resume else None
     corpus = corpus_for(cfg, source.path, vocab.identity.weights_hash)
     train_texts = [s for s in corpus.texts(heldout=False) if corpus.length(s) >= 2 + cfg.unroll]
     if not train_texts:

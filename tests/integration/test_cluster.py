@@ -256,6 +256,15 @@ async def concurrent_streams(url: str, n: int) -> list[tuple[str, str, tuple[int
         return await asyncio.gather(*(one(i) for i in range(n)))
 
 
+def check_concurrent_streams(url: str, n: int,
+                             reference: dict) -> list[tuple[str, str, tuple[int, ...], str | None, str]]:
+    """`n` concurrent streams through the cluster at `url`, each equal to the reference; returns them."""
+    results = asyncio.run(asyncio.wait_for(concurrent_streams(url, n), 180))
+    for prompt, text, ids, finish, _ in results:
+        assert (text, ids, finish) == reference[prompt], prompt[:40]
+    return results
+
+
 # ---- 1 prefill, 2 decode -------------------------------------------------------------------------
 
 
@@ -272,9 +281,7 @@ class TestOnePrefillTwoDecode:
         assert_no_page_leak(cluster)
 
     def test_32_concurrent_streams_finish_right_spread_and_leak_nothing(self, cluster, reference):
-        results = asyncio.run(asyncio.wait_for(concurrent_streams(cluster.url, 32), 180))
-        for prompt, text, ids, finish, _ in results:
-            assert (text, ids, finish) == reference[prompt], prompt[:40]
+        results = check_concurrent_streams(cluster.url, 32, reference)
         used = {node for *_, node in results}
         assert used == {"decode-0", "decode-1"}, used
         assert_no_page_leak(cluster)
@@ -336,9 +343,7 @@ class TestTwoPrefillOneDecode:
 
     def test_greedy_outputs_equal_the_single_process_engine(self, cluster, reference):
         check_greedy(cluster.url, reference)
-        results = asyncio.run(asyncio.wait_for(concurrent_streams(cluster.url, 8), 180))
-        for prompt, text, ids, finish, _ in results:
-            assert (text, ids, finish) == reference[prompt], prompt[:40]
+        check_concurrent_streams(cluster.url, 8, reference)
         assert_no_page_leak(cluster)
 
 

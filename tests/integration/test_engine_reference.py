@@ -10,22 +10,21 @@ pages), E3 (chunked prefill), E18 (the Llama-family model against its reference)
 from __future__ import annotations
 
 import pytest
-from support.reference import REFERENCE_PROMPTS, hf_greedy
+from support.reference import REFERENCE_PROMPTS, checked_reference, hf_greedy, reference_llm
 
-from pdserve import LLM, SamplingParams
+from pdserve import SamplingParams
 
 MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(num_blocks=600, page_size=16, max_batch_tokens=64, max_requests_per_batch=16, num_threads=2)
+    return reference_llm()
 
 
 @pytest.fixture(scope="module")
 def reference(hf_reference):
-    assert all(len(r) == MAX_NEW for r in hf_reference)
-    return hf_reference
+    return checked_reference(hf_reference, MAX_NEW)
 
 
 def test_long_prompts_really_are_chunked_and_paged(llm):

@@ -294,6 +294,14 @@ def test_dead_node_leaves_rotation_and_returns_after_restart():
     run(go())
 
 
+async def started_stream(rig: Rig, request_id: str, max_tokens: int):
+    """A Generate stream through the router, its first message, and the index of the fake node serving it."""
+    stream = rig.client.generate([1], SamplingParams(max_tokens=max_tokens), request_id=request_id)
+    got = [await stream.__anext__()]
+    holder = next(i for i, f in enumerate(rig.fakes) if request_id in f.running)
+    return stream, got, holder
+
+
 async def not_serving(fake) -> None:
     """What a stopping node reports: the whole server and its services NOT_SERVING."""
     for service in ("", GENERATE_SERVICE):
@@ -334,9 +342,7 @@ def test_node_dying_mid_stream_moves_the_request_or_ends_it_with_an_error_messag
     # other node, resumed after the tokens already streamed, with max_tokens lowered by them.
     async def go():
         async with Rig(delay_s=0.2) as rig:
-            stream = rig.client.generate([1], SamplingParams(max_tokens=8), request_id="orphan")
-            got = [await stream.__anext__()]
-            holder = next(i for i, f in enumerate(rig.fakes) if "orphan" in f.running)
+            stream, got, holder = await started_stream(rig, "orphan", max_tokens=8)
             moved = sample("pdserve:router_request_migrations_total", node=f"fake-{holder}")
             await rig.servers[holder].stop(0)
             rig.servers[holder] = None
@@ -425,9 +431,7 @@ def test_a_node_marked_down_mid_stream_hands_its_streams_to_another_node():
     # streams move at once instead of hanging until their deadline (S10).
     async def go():
         async with Rig(delay_s=0.3) as rig:
-            stream = rig.client.generate([1], SamplingParams(max_tokens=6), request_id="moved")
-            got = [await stream.__anext__()]
-            holder = next(i for i, f in enumerate(rig.fakes) if "moved" in f.running)
+            stream, got, holder = await started_stream(rig, "moved", max_tokens=6)
             await not_serving(rig.fakes[holder])
             got += [c async for c in stream]
             assert [t for c in got for t in c.token_ids] == [1000 + t for t in range(6)]
@@ -442,9 +446,7 @@ def test_a_node_marked_down_keeps_the_streams_that_cannot_move():
     # streams are not cut.
     async def go():
         async with Rig(delay_s=0.3, max_migrations=0) as rig:
-            stream = rig.client.generate([1], SamplingParams(max_tokens=5), request_id="stays")
-            got = [await stream.__anext__()]
-            holder = next(i for i, f in enumerate(rig.fakes) if "stays" in f.running)
+            stream, got, holder = await started_stream(rig, "stays", max_tokens=5)
             await not_serving(rig.fakes[holder])
             await until(lambda: not rig.router.pool.nodes[holder].healthy, "the node to be marked down")
             got += [c async for c in stream]

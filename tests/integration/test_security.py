@@ -114,6 +114,16 @@ def _peer(name: str, host: str) -> PeerDescriptor:
                           host_id=host, pid=1, start_time=1)
 
 
+def _assert_prefill_node_refuses(cluster, cert: str, method: str, req: object, match: str) -> None:
+    """PrefillService.`method`(req), called with certificate `cert` and the token, is PERMISSION_DENIED
+    with details matching `match`."""
+    with open_sync_channel(cluster.addresses("prefill")[0], _security(cluster, cert, token=True)) as channel:
+        with pytest.raises(grpc.RpcError) as rpc:
+            getattr(prefill_pb2_grpc.PrefillServiceStub(channel), method)(req, timeout=30)
+    assert rpc.value.code() == grpc.StatusCode.PERMISSION_DENIED, rpc.value
+    assert re.search(match, rpc.value.details()), rpc.value.details()
+
+
 @pytest.mark.parametrize("cert, node_id, peer_host, kv_owner, match", [
     ("router", "decode-0", "here", "decode", r"decode_node_id 'decode-0' is not the caller's certificate identity"),
     ("decode-0", "decode-0", "here", "other", r"KV memory belongs to fabric engine"),
@@ -122,11 +132,7 @@ def _peer(name: str, host: str) -> PeerDescriptor:
 def test_prefill_node_refuses_another_nodes_prefill(cluster, cert, node_id, peer_host, kv_owner, match):
     peer = _peer("decode", host_id() if peer_host == "here" else "another-host/pid:[1]")
     req = _forged_prefill(node_id, peer, peer if kv_owner == "decode" else _peer("other", host_id()))
-    with open_sync_channel(cluster.addresses("prefill")[0], _security(cluster, cert, token=True)) as channel:
-        with pytest.raises(grpc.RpcError) as rpc:
-            prefill_pb2_grpc.PrefillServiceStub(channel).Prefill(req, timeout=30)
-    assert rpc.value.code() == grpc.StatusCode.PERMISSION_DENIED, rpc.value
-    assert re.search(match, rpc.value.details()), rpc.value.details()
+    _assert_prefill_node_refuses(cluster, cert, "Prefill", req, match)
     assert_no_page_leak(cluster)
 
 
@@ -151,11 +157,7 @@ def test_prefill_node_refuses_another_nodes_abort(cluster):
         req = prefill_pb2.AbortPrefillRequest(request_id="r-1", decode_engine_id=decode_peer.engine_id, attempt=0,
                                               prefill_engine_id=prefill_engine, fence_tag=5 if fence else 0,
                                               fence_region=fence)
-        with open_sync_channel(cluster.addresses("prefill")[0], _security(cluster, cert, token=True)) as channel:
-            with pytest.raises(grpc.RpcError) as rpc:
-                prefill_pb2_grpc.PrefillServiceStub(channel).AbortPrefill(req, timeout=30)
-        assert rpc.value.code() == grpc.StatusCode.PERMISSION_DENIED, rpc.value
-        assert re.search(match, rpc.value.details()), rpc.value.details()
+        _assert_prefill_node_refuses(cluster, cert, "AbortPrefill", req, match)
     assert_no_page_leak(cluster)
 
 

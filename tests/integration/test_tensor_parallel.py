@@ -27,6 +27,7 @@ import textwrap
 
 import pytest
 import torch
+from support.connectors import NoOpPrefillConnector
 from support.paths import ROOT, child_env
 from support.reference import hf_greedy
 from support.tiny_models import make_tiny_checkpoint
@@ -168,6 +169,14 @@ def test_impossible_split_is_refused_at_start(tmp_path):
     assert _pool_files(os.getpid()) == []
 
 
+def _assert_fails_for_good(llm: LLM, match: str, max_tokens: int) -> None:
+    """A generate call fails with a RuntimeError matching `match`, and the next one finds the engine failed."""
+    with pytest.raises(RuntimeError, match=match):
+        llm.generate(["hello there"], SamplingParams(temperature=0, max_tokens=max_tokens))
+    with pytest.raises(RuntimeError, match="tensor-parallel engine failed"):   # failed for good
+        llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=2))
+
+
 def test_a_dead_worker_fails_the_engine_naming_it(tmp_path):
     path = make_tiny_checkpoint("llama", tmp_path / "tiny")
     llm = LLM(model=str(path), num_blocks=16, max_model_len=128, tensor_parallel_size=2)
@@ -175,29 +184,17 @@ def test_a_dead_worker_fails_the_engine_naming_it(tmp_path):
         (pid,) = llm.engine.tp.worker_pids
         os.kill(pid, signal.SIGKILL)
         wait_until(lambda: not _alive(pid), 10, "the killed worker to exit")
-        with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\)"):
-            llm.generate(["hello there"], SamplingParams(temperature=0, max_tokens=4))
-        with pytest.raises(RuntimeError, match="tensor-parallel engine failed"):   # failed for good
-            llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=2))
+        _assert_fails_for_good(llm, r"rank 1 \(pid \d+\)", max_tokens=4)
     finally:
         llm.close()
 
 
-class FailingLayerHook(PrefillConnector):
+class FailingLayerHook(NoOpPrefillConnector):
     """Raises a KeyError (not a RuntimeError / ValueError) from the leader's layer hook mid-pass."""
-
-    def register_kv_cache(self, spec: KvCacheSpec) -> None:
-        pass
-
-    def on_schedule(self, sched, block_ids) -> None:
-        pass
 
     def on_layer_done(self, layer: int) -> None:
         if layer == 1:
             raise KeyError(f"layer {layer}")
-
-    def on_prefill_done(self, done: PrefillDone) -> None:
-        pass
 
 
 def test_any_failure_of_the_leaders_pass_fails_the_group_for_good(tmp_path):
@@ -207,10 +204,7 @@ def test_any_failure_of_the_leaders_pass_fails_the_group_for_good(tmp_path):
     llm = LLM(model=str(path), num_blocks=16, max_model_len=128, tensor_parallel_size=2,
               kv_connector=FailingLayerHook())
     try:
-        with pytest.raises(RuntimeError, match="a pass failed on the leader: KeyError"):
-            llm.generate(["hello there"], SamplingParams(temperature=0, max_tokens=2))
-        with pytest.raises(RuntimeError, match="tensor-parallel engine failed"):   # failed for good
-            llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=2))
+        _assert_fails_for_good(llm, "a pass failed on the leader: KeyError", max_tokens=2)
     finally:
         llm.close()
 

@@ -32,3 +32,17 @@ def hf_greedy(model, tokenizer, prompt: str | list[int], max_new_tokens: int, ig
             pad_token_id=tokenizer.eos_token_id,
         )
     return out[0, len(ids):].tolist()
+
+
+def reference_llm():
+    """The engine the reference-equality modules share (one per module): batches of up to 16
+    sequences, 64-token prefill chunks that cut the long prompts, 16-token pages."""
+    from pdserve import LLM
+
+    return LLM(num_blocks=600, page_size=16, max_batch_tokens=64, max_requests_per_batch=16, num_threads=2)
+
+
+def checked_reference(hf_reference: list[list[int]], max_new: int) -> list[list[int]]:
+    """The session's transformers reference ids, checked to be `max_new` tokens each (what a module compares)."""
+    assert all(len(r) == max_new for r in hf_reference)
+    return hf_reference

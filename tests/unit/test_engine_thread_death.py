@@ -15,11 +15,11 @@ import asyncio
 import threading
 
 import pytest
+from support.connectors import NoOpPrefillConnector
 
 from pdserve import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_thread import EngineDeadError, EngineThread
-from pdserve.engine.kv_connector import PrefillConnector
 from pdserve.engine.llm_engine import LLMEngine
 
 BOUND_S = 10.0   # the longest any failure may take to reach its caller here
@@ -29,7 +29,7 @@ class InjectedCrash(BaseException):
     """Not an Exception: nothing in the engine thread's loop catches it."""
 
 
-class CrashingConnector(PrefillConnector):
+class CrashingConnector(NoOpPrefillConnector):
     """A prefill connector whose on_schedule, once armed, waits until released, then raises."""
 
     def __init__(self) -> None:
@@ -37,20 +37,11 @@ class CrashingConnector(PrefillConnector):
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def register_kv_cache(self, spec) -> None:
-        pass
-
     def on_schedule(self, sched, block_ids) -> None:
         if self.armed.is_set():
             self.entered.set()
             self.release.wait(BOUND_S)
             raise InjectedCrash("injected failure in on_schedule")
-
-    def on_layer_done(self, layer: int) -> None:
-        pass
-
-    def on_prefill_done(self, done) -> None:
-        pass
 
 
 @pytest.mark.timeout(120)

@@ -16,11 +16,11 @@ import asyncio
 import threading
 
 import pytest
+from support.connectors import NoOpPrefillConnector
 
 from pdserve import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_thread import EngineThread
-from pdserve.engine.kv_connector import PrefillConnector
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import CompletionOutput, RequestOutput
 from pdserve.serving.convert import output_to_pb
@@ -30,25 +30,16 @@ from router.service import _node_error
 BOUND_S = 60.0   # the longest any output may take to arrive here (two shared cores)
 
 
-class FailingConnector(PrefillConnector):
+class FailingConnector(NoOpPrefillConnector):
     """A prefill connector whose on_schedule raises a RuntimeError once armed (the step fails)."""
 
     def __init__(self) -> None:
         self.armed = threading.Event()
 
-    def register_kv_cache(self, spec) -> None:
-        pass
-
     def on_schedule(self, sched, block_ids) -> None:
         if self.armed.is_set():
             self.armed.clear()
             raise RuntimeError("injected step failure")
-
-    def on_layer_done(self, layer: int) -> None:
-        pass
-
-    def on_prefill_done(self, done) -> None:
-        pass
 
 
 @pytest.mark.timeout(300)
