@@ -20,8 +20,9 @@ Public API (the only names other packages import):
 Inside (only fabric's own tests name these): backend
 (TransferBackend, the transport interface and its ownership / threading
 rules; SyncResult, what write_pages_sync returns), engine (the facade),
-endpoint, regions, writes, peers, protocol, control (wire format), stale,
-imm, memory, liveness, shmclean, errors.
+endpoint, environment (the FI_* variables a config asks of libfabric),
+regions, writes, peers, protocol, control (wire format), stale, imm,
+memory, liveness, shmclean, errors.
 """
 
 from fabric.config import FabricConfig

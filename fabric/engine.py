@@ -52,7 +52,6 @@ close_timeout_s); each progress thread's stop: fabric.endpoint).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -78,12 +77,6 @@ logger = logging.getLogger(__name__)
 _DRAIN_POLL_S = 0.002  # close(): how often it looks whether outstanding work finished
 _BYE_TIMEOUT_S = 1.0  # close(): the longest wait for the goodbyes to leave
 _MAX_MARKS = 1024  # progress_mark(): marks remembered (the oldest forgotten: progressed() then True)
-
-# ``disconnect`` must end a peer's connection: ofi_rxm closes the connection of an address removed
-# from the AV (dropping the operations still queued on it, so nothing more is read from their
-# source buffers) only with this set; libfabric reads it when it first initializes (fi_getinfo).
-os.environ.setdefault("FI_AV_REMOVE_CLEANUP", "1")
-
 
 @dataclass(frozen=True)
 class RailInfo:

@@ -18,7 +18,7 @@ of that peer at once), not that the provider let go of its writes: with a shared
 (tcp;ofi_rxm, verbs;ofi_rxm) the operations may still sit in the provider's queue of that peer's
 connection and be sent later, reading the source region. So the source memory of a failed batch
 may be reused only after ``TransferEngine.disconnect(peer)``, which closes that connection and
-drops what it queued (FI_AV_REMOVE_CLEANUP, set by fabric.engine); shm closes the peer's own
+drops what it queued (FI_AV_REMOVE_CLEANUP: FabricConfig.av_remove_cleanup); shm closes the peer's own
 transmit endpoint at peer_fail already. The prefill node does so before freeing its pages.
 
 Threads: write_pages / write_pages_sync from any thread but the progress thread's callbacks
