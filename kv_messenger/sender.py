@@ -100,7 +100,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fabric import FabricError, MemoryRegion, RemoteDescriptor, TransferEngine
+from fabric import FabricError, MemoryRegion, PageWrites, RemoteDescriptor, TransferEngine
 from kv_messenger import checksum
 from kv_messenger.context import (
     DAMAGES,
@@ -596,8 +596,8 @@ class KvSender(PrefillConnector):
                 self._maybe_finish(t)
 
         try:
-            self.transport.write_pages(region, src, dst_desc, dst, lengths, t.target.imm_tag, done, failed,
-                                    imm_mode="every")
+            self.transport.write(PageWrites(region, src, dst_desc, dst, lengths, t.target.imm_tag, imm_mode="every"),
+                                 done, failed)
         except (FabricError, ValueError) as err:
             failed(err if isinstance(err, FabricError) else FabricError(22, str(err)))
             return

@@ -36,7 +36,7 @@ print(json.dumps(seen))
 # and how many sockets a disconnect closes (rxm closes the connection only with FI_AV_REMOVE_CLEANUP).
 EFFECT = """
 import json, os, socket, time
-from fabric import FabricConfig, TransferEngine
+from fabric import FabricConfig, PageWrites, TransferEngine
 from pdserve.engine.cache.hostmem import alloc_buffer
 
 def tcp_sockets():
@@ -59,7 +59,7 @@ cfg = FabricConfig(provider="tcp;ofi_rxm", node="127.0.0.1", **%(config)r)
 a, b = TransferEngine(cfg), TransferEngine(cfg)
 pa, pb = alloc_buffer(1 << 16), alloc_buffer(1 << 16)
 ra, rb = a.register(pa.view), b.register(pb.view)
-a.write_pages_sync(ra, [0], rb.descriptor, [0], [4096], 1, timeout=10)
+a.write_sync(PageWrites(ra, [0], rb.descriptor, [0], [4096], 1), timeout=10)
 before = tcp_sockets()
 a.disconnect(b.peer_descriptor)
 deadline = time.monotonic() + 5
