@@ -23,11 +23,11 @@ Threading rules:
   must not be called from a callback.
 - Callbacks (on_done, on_error, ImmCounter.on_complete, message handlers) run
   on the backend's progress thread: keep them short, never block in them
-  (and never call write_pages_sync from one: it waits for that thread).
+  (and never call write_sync from one: it waits for that thread).
 Blocking waits: ``connect`` and ``wait_peer_gone`` wait at most their timeout;
-``write_pages_sync`` at most its ``timeout`` (None: until the batch completes or
+``write_sync`` at most its ``timeout`` (None: until the batch completes or
 fails, which a backend bounds with its peer timeout); ``close`` drains for a
-bounded time (TransferEngine: FabricConfig.close_timeout_s). ``write_pages`` and
+bounded time (TransferEngine: FabricConfig.close_timeout_s). ``write`` and
 ``send`` never wait for the peer (the first write to a peer may wait for its
 handshake, which is bounded like ``connect``).
 """

@@ -96,8 +96,8 @@ def test_a_second_backend_implements_write_and_gets_the_rest():
     assert res.writes == 2 and res.slept
     # the deprecated positional forms are shims over write / write_sync, with the same fields
     w = be.posted[0]
-    be.write_pages(w.src_region, w.src_offsets, w.dst, w.dst_offsets, w.lengths, w.imm, lambda: done.append(2), pytest.fail,
-                   imm_mode="every")
+    be.write_pages(w.src_region, w.src_offsets, w.dst, w.dst_offsets, w.lengths, w.imm, lambda: done.append(2),
+                   pytest.fail, imm_mode="every")
     assert _fields(be.posted[-1]) == _fields(w)[:-1] + ("every",)
     be.write_pages_sync(w.src_region, w.src_offsets, w.dst, w.dst_offsets, w.lengths, w.imm, timeout=5)
     assert _fields(be.posted[-1]) == _fields(w)
