@@ -8,9 +8,11 @@ registers (the engine owns its KV pool: pdserve.engine.cache.hostmem).
 
 Public API (the only names other packages import):
     TransferEngine(config) -> register / deregister / connect / disconnect /
-        write_pages / write_pages_sync / send / wait_peer_gone / close, plus
+        write / write_sync (one PageWrites batch; write_pages / write_pages_sync:
+        the deprecated positional forms) / send / wait_peer_gone / close, plus
         .imm_counter and stats(); open_rail(domain) / rails: one endpoint per NIC
         domain, a region registered on one (D16)
+    PageWrites (a batch of page writes, the request typed once),
     FabricConfig, FabricError, MemoryRegion, RemoteDescriptor, PeerDescriptor,
     ImmCounter, IMM_TAG_MAX (the largest immediate-data tag)
     fabric.topology: the host's NUMA nodes and NIC locality from /sys,
@@ -18,12 +20,14 @@ Public API (the only names other packages import):
         kv_messenger.placement and `pdserve topology`)
 
 Inside (only fabric's own tests name these): backend
-(TransferBackend, the transport interface and its ownership / threading
-rules; SyncResult, what write_pages_sync returns), engine (the facade),
-endpoint, regions, writes, peers, protocol, control (wire format), stale,
-imm, memory, liveness, shmclean, errors.
+(TransferBackend, the transport interface a second backend implements, and
+its ownership / threading rules; SyncResult, what write_sync returns), engine (the facade),
+endpoint, environment (the FI_* variables a config asks of libfabric),
+regions, writes, peers, protocol, control (wire format), stale, imm,
+memory, liveness, shmclean, errors.
 """
 
+from fabric.backend import PageWrites
 from fabric.config import FabricConfig
 from fabric.descriptors import PeerDescriptor, RemoteDescriptor
 from fabric.errors import FabricError
@@ -47,6 +51,7 @@ __all__ = [
     "FabricError",
     "ImmCounter",
     "MemoryRegion",
+    "PageWrites",
     "PeerDescriptor",
     "RemoteDescriptor",
     "TransferEngine",

@@ -1,7 +1,14 @@
-"""TransferBackend: the seam between pdserve and a transport implementation.
+"""TransferBackend: the seam between pdserve and a transport implementation, and
+PageWrites, the one typed value a batch of page writes crosses it as.
 
 The libfabric engine (fabric.engine.TransferEngine) is the one implementation
-today; a UCX or NIXL backend would implement the same methods.
+today; a UCX backend (issue 32) implements the same abstract methods. A write
+request is written once, as the fields of ``PageWrites``: ``write(writes,
+on_done, on_error)`` posts it, ``write_sync(writes, ...)`` posts it and waits.
+One PageWrites per batch (a batch holds every page of a layer for one rank
+pair: its offsets are arrays), so the hot path gains one small object per
+call and no per-page Python work. ``write_pages`` / ``write_pages_sync``, the
+old positional spellings, remain as deprecated shims over them.
 
 Ownership rules:
 - A backend owns its endpoint, its registrations and its progress thread.
@@ -16,11 +23,11 @@ Threading rules:
   must not be called from a callback.
 - Callbacks (on_done, on_error, ImmCounter.on_complete, message handlers) run
   on the backend's progress thread: keep them short, never block in them
-  (and never call write_pages_sync from one: it waits for that thread).
+  (and never call write_sync from one: it waits for that thread).
 Blocking waits: ``connect`` and ``wait_peer_gone`` wait at most their timeout;
-``write_pages_sync`` at most its ``timeout`` (None: until the batch completes or
+``write_sync`` at most its ``timeout`` (None: until the batch completes or
 fails, which a backend bounds with its peer timeout); ``close`` drains for a
-bounded time (TransferEngine: FabricConfig.close_timeout_s). ``write_pages`` and
+bounded time (TransferEngine: FabricConfig.close_timeout_s). ``write`` and
 ``send`` never wait for the peer (the first write to a peer may wait for its
 handshake, which is bounded like ``connect``).
 """
@@ -31,7 +38,9 @@ import abc
 import errno
 import threading
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from fabric.descriptors import PeerDescriptor, RemoteDescriptor
 from fabric.errors import FabricError
@@ -40,7 +49,30 @@ from fabric.memory import MemoryRegion
 
 OnDone = Callable[[], None]
 OnError = Callable[[FabricError], None]
-Offsets = Sequence[int]
+Offsets = Sequence[int] | np.ndarray   # [n] non-negative ints; a uint64 array passes through as is
+
+
+@dataclass(frozen=True, slots=True, eq=False)   # eq by identity: its offsets are arrays
+class PageWrites:
+    """One batch of one-sided writes: entry i moves ``lengths[i]`` bytes from
+    ``src_region + src_offsets[i]`` to ``dst + dst_offsets[i]``.
+
+    The offset and length sequences are equally long (n entries); a uint64
+    numpy array passes through without a copy. ``imm`` is the tag (0..IMM_TAG_MAX)
+    the receiver's ImmCounter counts: one unit per batch with imm_mode "last",
+    one per entry with "every", however entries were coalesced; None sends no
+    immediate data. ``imm_mode`` None: the backend's configured mode. The
+    backend validates everything when the batch is posted (ValueError for bad
+    values, FabricError for bad handles) and posts nothing then.
+    """
+
+    src_region: MemoryRegion
+    src_offsets: Offsets          # [n] byte offsets within src_region
+    dst: RemoteDescriptor
+    dst_offsets: Offsets          # [n] byte offsets within dst's region
+    lengths: Offsets              # [n] bytes of each entry
+    imm: int | None
+    imm_mode: str | None = None
 
 
 @dataclass(frozen=True)
@@ -92,31 +124,11 @@ class TransferBackend(abc.ABC):
         """Forget ``peer``; its queued and outstanding writes fail."""
 
     @abc.abstractmethod
-    def write_pages(
-        self,
-        src_region: MemoryRegion,
-        src_offsets: Offsets,
-        dst: RemoteDescriptor,
-        dst_offsets: Offsets,
-        lengths: Offsets,
-        imm: int | None,
-        on_done: OnDone,
-        on_error: OnError,
-    ) -> int:
-        """Queue one batch of writes; exactly one of on_done/on_error runs. Returns a batch id."""
+    def write(self, writes: PageWrites, on_done: OnDone, on_error: OnError) -> int:
+        """Queue one batch; exactly one of on_done/on_error runs later (progress thread). Returns a batch id."""
 
-    def write_pages_sync(
-        self,
-        src_region: MemoryRegion,
-        src_offsets: Offsets,
-        dst: RemoteDescriptor,
-        dst_offsets: Offsets,
-        lengths: Offsets,
-        imm: int | None,
-        *,
-        timeout: float | None = None,
-    ) -> SyncResult:
-        """write_pages, returning once the batch completed (raises its FabricError if it failed).
+    def write_sync(self, writes: PageWrites, *, timeout: float | None = None) -> SyncResult:
+        """``write``, returning once the batch completed (raises its FabricError if it failed).
 
         This default waits for the callbacks; backends override it with a
         path that polls on the calling thread (TransferEngine does)."""
@@ -127,12 +139,25 @@ class TransferBackend(abc.ABC):
             errors.append(err)
             done.set()
 
-        batch_id = self.write_pages(src_region, src_offsets, dst, dst_offsets, lengths, imm, done.set, failed)
+        batch_id = self.write(writes, done.set, failed)
         if not done.wait(timeout):
-            raise FabricError(errno.ETIMEDOUT, f"write_pages_sync batch {batch_id}: not completed within {timeout}s")
+            raise FabricError(errno.ETIMEDOUT, f"write_sync batch {batch_id}: not completed within {timeout}s")
         if errors:
             raise errors[0]
-        return SyncResult(batch_id=batch_id, writes=len(lengths), spin_us=0.0, rounds=0, slept=True)
+        return SyncResult(batch_id=batch_id, writes=len(writes.lengths), spin_us=0.0, rounds=0, slept=True)
+
+    def write_pages(self, *args: Any, imm_mode: str | None = None) -> int:
+        """Deprecated (issue 30): ``write(PageWrites(...), on_done, on_error)``. The old positional
+        form ``write_pages(src_region, src_offsets, dst, dst_offsets, lengths, imm, on_done, on_error,
+        *, imm_mode=None)``."""
+        *fields, on_done, on_error = args
+        return self.write(PageWrites(*fields, imm_mode=imm_mode), on_done, on_error)
+
+    def write_pages_sync(self, *args: Any, imm_mode: str | None = None, **wait: Any) -> SyncResult:
+        """Deprecated (issue 30): ``write_sync(PageWrites(...), timeout=..., ...)``. The old positional
+        form ``write_pages_sync(src_region, src_offsets, dst, dst_offsets, lengths, imm, *,
+        imm_mode=None, timeout=None, ...)``; ``wait``: write_sync's keywords."""
+        return self.write_sync(PageWrites(*args, imm_mode=imm_mode), **wait)
 
     @abc.abstractmethod
     def send(self, peer: PeerDescriptor, payload: bytes) -> None:

@@ -69,6 +69,16 @@ class FabricConfig:
         (NIC) asked for, so that the KV messenger registers each TP shard's pool on the NIC its
         placement names (kv_messenger.pool). False: open_rail refuses and every shard stays on
         the one endpoint. A host with one NIC (or none) never gets a second rail either way.
+    tcp_nodelay: FI_TCP_NODELAY. Nagle on the tcp provider's sockets delays the small messages rxm
+        answers with (acknowledgements, completions): on loopback it made a lone 64 KiB write
+        several times slower and halved bandwidth at 64 KiB (bench/results/fabric.md).
+    av_remove_cleanup: FI_AV_REMOVE_CLEANUP. ``disconnect`` must end a peer's connection: ofi_rxm
+        closes the connection of an address removed from the AV (dropping the operations still
+        queued on it, so nothing more is read from their source buffers) only with this set.
+        False only to study libfabric without it: disconnect then leaves rxm's connection open.
+    Both are process-wide libfabric variables, read once when libfabric first initializes: applied
+    at the first endpoint's open where the environment has no value (an explicit FI_* setting
+    wins), and a later config asking otherwise is refused (fabric.environment).
     """
 
     provider: str | None = None
@@ -89,6 +99,8 @@ class FabricConfig:
     peer_timeout_s: float = 5.0
     close_timeout_s: float = 5.0
     multi_rail: bool = True
+    tcp_nodelay: bool = True
+    av_remove_cleanup: bool = True
 
     def __post_init__(self) -> None:
         if self.locality not in LOCALITIES:
@@ -111,6 +123,9 @@ class FabricConfig:
             raise ValueError(f"peer_timeout_s={self.peer_timeout_s!r}: expected 0..3600 seconds")
         if not isinstance(self.multi_rail, bool):
             raise ValueError(f"multi_rail={self.multi_rail!r}: expected a bool")
+        for name in ("tcp_nodelay", "av_remove_cleanup"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected a bool")
         if not isinstance(self.busy_poll, bool):
             raise ValueError(f"busy_poll={self.busy_poll!r}: expected a bool")
         if self.sync_spin_us > 1_000_000:
@@ -125,6 +140,11 @@ class FabricConfig:
         if self.delivery_complete is not None:
             return self.delivery_complete
         return not provider.startswith("tcp")
+
+    def libfabric_environment(self) -> dict[str, tuple[str, str]]:
+        """The FI_* variables this config asks of libfabric: name -> (value, the field asking it)."""
+        return {"FI_TCP_NODELAY": ("1" if self.tcp_nodelay else "0", "tcp_nodelay"),
+                "FI_AV_REMOVE_CLEANUP": ("1" if self.av_remove_cleanup else "0", "av_remove_cleanup")}
 
     def resolved_provider(self) -> str:
         """The provider to open: explicit, else $FI_PROVIDER, else by locality."""

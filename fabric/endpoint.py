@@ -13,6 +13,10 @@ shm, on a doorbell: a small shared-memory word per engine (/dev/shm/pdserve-bell
 that peers on this host ring after posting to it (csrc/pdf_wait.h). An idle engine therefore
 costs no CPU and still answers in microseconds.
 
+Opening applies the config's process-wide libfabric settings first (FI_TCP_NODELAY,
+FI_AV_REMOVE_CLEANUP: fabric.environment), since libfabric reads them at its first fi_getinfo,
+inside ``pdf_open``.
+
 Threads and waits:
 - ``fabric-progress-<engine>``: the progress thread. Each ``pdf_progress`` call returns within
   _PROGRESS_SLICE_US (100 ms) or at once after ``stop``; dispatch runs the callbacks, which
@@ -35,7 +39,7 @@ import threading
 import uuid
 from typing import Callable, Iterator
 
-from fabric import shmclean
+from fabric import environment, shmclean
 from fabric._libfabric import ffi, lib
 from fabric.config import FabricConfig
 from fabric.descriptors import PeerDescriptor
@@ -43,13 +47,6 @@ from fabric.errors import FabricError
 from fabric.liveness import host_id, process_start_time
 
 logger = logging.getLogger(__name__)
-
-# Nagle on the tcp provider's sockets delays the small messages rxm answers with
-# (acknowledgements, completions): on loopback it made a lone 64 KiB write several times slower
-# and halved bandwidth at 64 KiB (the fabric benchmark runs C and Python with this default:
-# bench/results/fabric.md). libfabric reads it when it first initializes its providers, so it is
-# set before any engine opens (an explicit setting wins).
-os.environ.setdefault("FI_TCP_NODELAY", "1")
 
 EVENT_CAP = 1024  # events one pdf_progress / pdf_fail_* call returns at most
 _PROGRESS_SLICE_US = 100_000  # the longest one pdf_progress call blocks
@@ -108,6 +105,31 @@ class Endpoint:
         self.asked_domain = domain
         self.engine_id = engine_id or uuid.uuid4().hex
         shmclean.sweep()  # files of killed processes: memory, and pid clashes for shm
+        # FI_TCP_NODELAY / FI_AV_REMOVE_CLEANUP: libfabric reads them at its first fi_getinfo (in pdf_open)
+        environment.apply(config)
+        self.h = self._open(provider, node, domain)
+        info = ffi.new("pdf_info *")
+        rc = lib.pdf_get_info(self.h, info)
+        if rc:
+            lib.pdf_close(self.h)
+            raise FabricError(rc, "fi_getname")
+        self._take_info(info)
+        self.max_write = config.max_write_bytes or min(self.max_msg_size, 1 << 62)
+        self.lock = threading.Lock()
+        # one counter: region, batch, send ids and probe nonces (shared by an engine's rails)
+        self.ids: Iterator[int] = ids if ids is not None else itertools.count(1)
+        self.closing = False
+        self.closed = False
+        self._generation = 0  # progress rounds completed (wait_peer_gone's drain fence)
+        self._dispatch: Dispatch | None = None
+        self._pin: tuple[int, ...] | None = None   # CPUs the progress thread moves to at its next round
+        self.pinned: tuple[int, ...] = ()          # the CPUs it was pinned to (): never pinned
+        name = f"fabric-progress-{self.engine_id[:8]}" + (f"-rail{rail}" if rail else "")
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _open(self, provider: str, node: str | None, domain: str | None):
+        """pdf_open with this config; the native engine handle, or FabricError naming where it failed."""
+        config = self.config
         me = PeerDescriptor(provider, b"", self.engine_id, host_id(), os.getpid(), process_start_time(os.getpid()))
         out = ffi.new("pdf_engine **")
         errbuf = ffi.new("char[384]")
@@ -133,12 +155,10 @@ class Endpoint:
             where = f"node={node!r}" + (f", domain={domain!r}" if domain else "")
             raise FabricError(rc, f"opening provider {provider!r} ({where}) failed at "
                                   f"{ffi.string(errbuf).decode()}")
-        self.h = out[0]
-        info = ffi.new("pdf_info *")
-        rc = lib.pdf_get_info(self.h, info)
-        if rc:
-            lib.pdf_close(self.h)
-            raise FabricError(rc, "fi_getname")
+        return out[0]
+
+    def _take_info(self, info) -> None:
+        """The attributes the provider granted (a pdf_info the native open filled)."""
         self.provider: str = ffi.string(info.provider).decode()
         self.domain: str = ffi.string(info.domain).decode()
         self.mr_mode: int = int(info.mr_mode)
@@ -160,18 +180,6 @@ class Endpoint:
             pid=os.getpid(),
             start_time=process_start_time(os.getpid()),
         )
-        self.max_write = config.max_write_bytes or min(self.max_msg_size, 1 << 62)
-        self.lock = threading.Lock()
-        # one counter: region, batch, send ids and probe nonces (shared by an engine's rails)
-        self.ids: Iterator[int] = ids if ids is not None else itertools.count(1)
-        self.closing = False
-        self.closed = False
-        self._generation = 0  # progress rounds completed (wait_peer_gone's drain fence)
-        self._dispatch: Dispatch | None = None
-        self._pin: tuple[int, ...] | None = None   # CPUs the progress thread moves to at its next round
-        self.pinned: tuple[int, ...] = ()          # the CPUs it was pinned to (): never pinned
-        name = f"fabric-progress-{self.engine_id[:8]}" + (f"-rail{rail}" if rail else "")
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def next_id(self) -> int:
         return next(self.ids)

@@ -12,8 +12,9 @@ A thin facade over the parts, each with one job:
 - fabric.stale: the process-wide memory of closed engines and revoked regions.
 
 This module composes them and routes each event of the progress thread to its part
-(``_Rail.dispatch``). Primitives: register/deregister, connect/disconnect, write_pages,
-write_pages_sync, send, wait_peer_gone, close; plus the receiver's ImmCounter and stats().
+(``_Rail.dispatch``). Primitives: register/deregister, connect/disconnect, write / write_sync
+(a PageWrites batch; write_pages / write_pages_sync: the deprecated positional forms), send,
+wait_peer_gone, close; plus the receiver's ImmCounter and stats().
 
 Rails (D16): an engine has one endpoint per libfabric domain (NIC) it is asked for, each a
 ``_Rail`` with all the parts above and its own progress thread. Rail 0 is the endpoint opened as
@@ -52,7 +53,6 @@ close_timeout_s); each progress thread's stop: fabric.endpoint).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -61,9 +61,9 @@ from typing import Callable
 
 from fabric import control, stale, topology
 from fabric._libfabric import lib
-from fabric.backend import OnDone, OnError, SyncResult, TransferBackend
+from fabric.backend import OnDone, OnError, PageWrites, SyncResult, TransferBackend
 from fabric.config import FabricConfig
-from fabric.descriptors import PeerDescriptor, RemoteDescriptor
+from fabric.descriptors import PeerDescriptor
 from fabric.endpoint import Endpoint
 from fabric.errors import FabricError
 from fabric.imm import ImmCounter, provider_names_writers, writer_id
@@ -71,19 +71,13 @@ from fabric.memory import MemoryRegion
 from fabric.peers import PeerTable
 from fabric.protocol import ControlChannel, ControlProtocol
 from fabric.regions import RegionTable
-from fabric.writes import FabricStats, Offsets, WritePath
+from fabric.writes import FabricStats, WritePath
 
 logger = logging.getLogger(__name__)
 
 _DRAIN_POLL_S = 0.002  # close(): how often it looks whether outstanding work finished
 _BYE_TIMEOUT_S = 1.0  # close(): the longest wait for the goodbyes to leave
 _MAX_MARKS = 1024  # progress_mark(): marks remembered (the oldest forgotten: progressed() then True)
-
-# ``disconnect`` must end a peer's connection: ofi_rxm closes the connection of an address removed
-# from the AV (dropping the operations still queued on it, so nothing more is read from their
-# source buffers) only with this set; libfabric reads it when it first initializes (fi_getinfo).
-os.environ.setdefault("FI_AV_REMOVE_CLEANUP", "1")
-
 
 @dataclass(frozen=True)
 class RailInfo:
@@ -440,20 +434,9 @@ class TransferEngine(TransferBackend):
 
     # -------------------------------------------------------------- writes
 
-    def write_pages(
-        self,
-        src_region: MemoryRegion,
-        src_offsets: Offsets,
-        dst: RemoteDescriptor,
-        dst_offsets: Offsets,
-        lengths: Offsets,
-        imm: int | None,
-        on_done: OnDone,
-        on_error: OnError,
-        *,
-        imm_mode: str | None = None,
-    ) -> int:
-        """Write ``lengths[i]`` bytes from ``src_region+src_offsets[i]`` to ``dst+dst_offsets[i]``.
+    def write(self, writes: PageWrites, on_done: OnDone, on_error: OnError) -> int:
+        """Post ``writes`` (see PageWrites): entry i moves ``lengths[i]`` bytes from
+        ``src_region + src_offsets[i]`` to ``dst + dst_offsets[i]``.
 
         ``imm`` (a tag, 0..IMM_TAG_MAX) is delivered to the receiver's
         ImmCounter: one unit per call with imm_mode "last", one unit per
@@ -465,24 +448,11 @@ class TransferEngine(TransferBackend):
         values raise ValueError, bad handles FabricError. Returns the batch id (unique across
         rails). Posted on ``src_region``'s rail, to the endpoint ``dst`` names.
         """
-        return self._rail_of(src_region, "write_pages")._writes.write_pages(
-            src_region, src_offsets, dst, dst_offsets, lengths, imm, on_done, on_error, imm_mode
-        )
+        return self._rail_of(writes.src_region, "write_pages")._writes.write(writes, on_done, on_error)
 
-    def write_pages_sync(
-        self,
-        src_region: MemoryRegion,
-        src_offsets: Offsets,
-        dst: RemoteDescriptor,
-        dst_offsets: Offsets,
-        lengths: Offsets,
-        imm: int | None,
-        *,
-        imm_mode: str | None = None,
-        timeout: float | None = None,
-        spin_us: int | None = None,
-    ) -> SyncResult:
-        """``write_pages``, waiting for completion on the calling thread.
+    def write_sync(self, writes: PageWrites, *, timeout: float | None = None,
+                   spin_us: int | None = None) -> SyncResult:
+        """``write``, waiting for completion on the calling thread.
 
         For lone, latency-bound writes: the batch is posted and its
         completion polled by this thread (GIL released) for up to
@@ -494,11 +464,9 @@ class TransferEngine(TransferBackend):
         the batch failed (nothing or part of it landed), or
         FabricError(FI_ETIMEDOUT) once ``timeout`` seconds pass (the batch
         then stays in flight and the region busy until it completes or
-        fails). Validation as in write_pages (and the rail: ``src_region``'s).
+        fails). Validation as in write (and the rail: ``src_region``'s).
         """
-        return self._rail_of(src_region, "write_pages_sync")._writes.write_pages_sync(
-            src_region, src_offsets, dst, dst_offsets, lengths, imm, imm_mode, timeout, spin_us
-        )
+        return self._rail_of(writes.src_region, "write_pages_sync")._writes.write_sync(writes, timeout, spin_us)
 
     # ------------------------------------------------------------ messages
 

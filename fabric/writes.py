@@ -7,8 +7,9 @@ on first use; the native side (``pdf_submit_writes`` / ``pdf_write_sync``) coale
 contiguous at both ends, splits long ones, posts within the tx credits and tags the writes with
 immediate data (fabric.imm). Each batch keeps its region busy (``inflight``) until its outcome.
 
-Two ways to learn that writes completed: ``write_pages`` (batches, callbacks on the progress
-thread: the KV messenger's path, for throughput) and ``write_pages_sync`` (one batch, the
+A batch arrives as one ``PageWrites`` (fabric.backend: the request typed once). Two ways to
+learn that writes completed: ``write`` (batches, callbacks on the progress
+thread: the KV messenger's path, for throughput) and ``write_sync`` (one batch, the
 calling thread polls the completion queue itself for up to config.sync_spin_us with the GIL
 released, then sleeps while the progress thread finishes: for lone latency-bound writes, it
 saves the two thread wake-ups of progress thread -> callback -> waiter).
@@ -18,13 +19,13 @@ of that peer at once), not that the provider let go of its writes: with a shared
 (tcp;ofi_rxm, verbs;ofi_rxm) the operations may still sit in the provider's queue of that peer's
 connection and be sent later, reading the source region. So the source memory of a failed batch
 may be reused only after ``TransferEngine.disconnect(peer)``, which closes that connection and
-drops what it queued (FI_AV_REMOVE_CLEANUP, set by fabric.engine); shm closes the peer's own
+drops what it queued (FI_AV_REMOVE_CLEANUP: FabricConfig.av_remove_cleanup); shm closes the peer's own
 transmit endpoint at peer_fail already. The prefill node does so before freeing its pages.
 
-Threads: write_pages / write_pages_sync from any thread but the progress thread's callbacks
-(write_pages_sync refuses it: it may wait for that thread); ``on_batch_*`` on the progress
-thread. Blocking waits: write_pages never waits (the first write to a peer waits for its
-handshake, see fabric.peers.PeerTable.connect); write_pages_sync waits at most its
+Threads: write / write_sync from any thread but the progress thread's callbacks
+(write_sync refuses it: it may wait for that thread); ``on_batch_*`` on the progress
+thread. Blocking waits: write never waits (the first write to a peer waits for its
+handshake, see fabric.peers.PeerTable.connect); write_sync waits at most its
 ``timeout`` (None: until the batch completes or fails, which the peer timeout
 config.peer_timeout_s bounds unless it is 0).
 """
@@ -33,13 +34,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
 from fabric import stale
 from fabric._libfabric import ffi, lib
-from fabric.backend import OnDone, OnError, SyncResult
+from fabric.backend import Offsets, OnDone, OnError, PageWrites, SyncResult
 from fabric.descriptors import RemoteDescriptor
 from fabric.endpoint import Endpoint
 from fabric.errors import FabricError
@@ -52,8 +52,6 @@ logger = logging.getLogger(__name__)
 
 _IMM_MODES = {"last": lib.PDF_IMM_LAST, "every": lib.PDF_IMM_EVERY}
 _SHORT = 64  # offsets lists up to this long take _as_offsets' direct conversion
-
-Offsets = Sequence[int] | np.ndarray
 
 
 @dataclass
@@ -134,23 +132,13 @@ class WritePath:
         self._batches: dict[int, _Batch] = {}
         self._stats = [0, 0, 0, 0]  # batches, entries, writes, bytes
 
-    def write_pages(
-        self,
-        src_region: MemoryRegion,
-        src_offsets: Offsets,
-        dst: RemoteDescriptor,
-        dst_offsets: Offsets,
-        lengths: Offsets,
-        imm: int | None,
-        on_done: OnDone,
-        on_error: OnError,
-        imm_mode: str | None,
-    ) -> int:
+    def write(self, writes: PageWrites, on_done: OnDone, on_error: OnError) -> int:
         if not callable(on_done) or not callable(on_error):
             raise TypeError("write_pages: on_done and on_error must be callable")
         ep = self._ep
-        w = self._prepare("write_pages", src_region, src_offsets, dst, dst_offsets, lengths, imm, imm_mode)
+        w = self._prepare("write_pages", writes)
         batch_id = self._open_batch(w, on_done, on_error)
+        src_region, dst = writes.src_region, writes.dst
         rc = lib.pdf_submit_writes(
             ep.h, batch_id, w.fi_addr, src_region.address, src_region._desc, dst.base, dst.key,
             w.src_c, w.dst_c, w.lens_c, w.n, w.imm, w.imm_flag, ep.max_write, int(ep.config.coalesce),
@@ -161,18 +149,7 @@ class WritePath:
         self._count(w, int(rc))
         return batch_id
 
-    def write_pages_sync(
-        self,
-        src_region: MemoryRegion,
-        src_offsets: Offsets,
-        dst: RemoteDescriptor,
-        dst_offsets: Offsets,
-        lengths: Offsets,
-        imm: int | None,
-        imm_mode: str | None,
-        timeout: float | None,
-        spin_us: int | None,
-    ) -> SyncResult:
+    def write_sync(self, writes: PageWrites, timeout: float | None, spin_us: int | None) -> SyncResult:
         ep = self._ep
         if ep.on_progress_thread():
             raise RuntimeError("write_pages_sync called from a fabric callback (it may wait for that thread)")
@@ -181,8 +158,9 @@ class WritePath:
         spin = ep.config.sync_spin_us if spin_us is None else spin_us
         if not isinstance(spin, int) or not 0 <= spin <= 1_000_000:
             raise ValueError(f"spin_us={spin!r}: expected an int in 0..1000000")
-        w = self._prepare("write_pages_sync", src_region, src_offsets, dst, dst_offsets, lengths, imm, imm_mode)
+        w = self._prepare("write_pages_sync", writes)
         batch_id = self._open_batch(w, _detached_done, _detached_error)
+        src_region, dst = writes.src_region, writes.dst
         res = ffi.new("pdf_sync_result *")
         rc = lib.pdf_write_sync(
             ep.h, batch_id, w.fi_addr, src_region.address, src_region._desc, dst.base, dst.key,
@@ -244,25 +222,18 @@ class WritePath:
 
     # ------------------------------------------------------------ internals
 
-    def _prepare(
-        self,
-        what: str,
-        src_region: MemoryRegion,
-        src_offsets: Offsets,
-        dst: RemoteDescriptor,
-        dst_offsets: Offsets,
-        lengths: Offsets,
-        imm: int | None,
-        imm_mode: str | None,
-    ) -> _Prepared:
+    def _prepare(self, what: str, writes: PageWrites) -> _Prepared:
         """Validate a batch (nothing is posted if anything is wrong) and resolve its peer."""
         ep = self._ep
         ep.check_open()
+        if not isinstance(writes, PageWrites):
+            raise TypeError(f"{what}: expected a PageWrites, got {type(writes).__name__}")
+        src_region, dst, imm = writes.src_region, writes.dst, writes.imm
         self._regions.check(src_region, what)
         self.check_remote(dst)
-        src = _as_offsets(src_offsets, "src_offsets")
-        dsto = _as_offsets(dst_offsets, "dst_offsets")
-        lens = _as_offsets(lengths, "lengths")
+        src = _as_offsets(writes.src_offsets, "src_offsets")
+        dsto = _as_offsets(writes.dst_offsets, "dst_offsets")
+        lens = _as_offsets(writes.lengths, "lengths")
         n = src.size
         if n == 0:
             raise ValueError(f"{what}: empty batch (no offsets)")
@@ -270,7 +241,7 @@ class WritePath:
             raise ValueError(
                 f"{what}: lengths differ: src_offsets={n}, dst_offsets={dsto.size}, lengths={lens.size}"
             )
-        mode = imm_mode or ep.config.imm_mode
+        mode = writes.imm_mode or ep.config.imm_mode
         if mode not in _IMM_MODES:
             raise ValueError(f"imm_mode={mode!r}: expected one of {tuple(_IMM_MODES)}")
         if imm is not None and (not isinstance(imm, int) or not 0 <= imm <= IMM_MAX):

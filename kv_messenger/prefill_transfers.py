@@ -34,7 +34,7 @@ Blocking waits and their bounds:
 - `settled` (after the release): the sender's future's bridge (settled before the release, so at
   once), ABORT_WAIT_S, then TimeoutError naming it.
 - `abort`: an active transfer's release after its abort, its `timeout` (ABORT_WAIT_S), then ACTIVE,
-  unconfirmed. The fence is posted on the loop and never awaited: its write_pages does not wait
+  unconfirmed. The fence is posted on the loop and never awaited: its write does not wait
   (the endpoint shook hands at the transfer's connect; else at most that handshake, 5 s).
 - `HeldPages.stop` / `free` (in the release and in background tasks nobody awaits without a bound):
   one engine step, or EngineDeadError at once; each first waits for the transfer's engine add to be

@@ -17,7 +17,7 @@ Primitives (D6-D8, D11-D13):
 - tensor parallelism (D14, D15): the engine hands over every rank's pool (KvCacheSpec.shards, mapped
   in this process); each is registered with the one transport, and every transfer follows its shard
   plan (`shard_plan.plan_transfer` of this node's split and the ticket's decode split, the source
-  replica of each run drawn at random per request): per layer, one `write_pages` call per (prefill
+  replica of each run drawn at random per request): per layer, one `TransferEngine.write` call per (prefill
   rank, decode rank) pair of the plan, from that rank's registration into that decode rank's
   descriptor. TP 1 on both sides is the one-run plan: every page of a layer and side one entry.
 - rails (D16, kv_messenger.pool): each rank's pool is registered on the rail of the NIC nearest
@@ -68,7 +68,7 @@ Blocking waits and their bounds:
   pass; a pass whose forward failed (the step raised) is ended at the next `on_schedule`
   (`_end_failed_pass`): its transfers fail with PassFailedError, and later passes never wait
   behind it.
-- the messenger thread, posting: write_pages never waits for a completion; the first write to a
+- the messenger thread, posting: TransferEngine.write never waits for a completion; the first write to a
   remote endpoint not yet handshaken (a decode rank on another endpoint) waits for the handshake,
   at most 5 s (fabric.peers), then that transfer fails with FabricError. The hashes (S7) are CPU
   work, no wait. A post that raises anything else (a bug) fails its own transfer with PostError;
@@ -101,7 +101,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from fabric import FabricError, MemoryRegion, RemoteDescriptor, TransferEngine
+from fabric import FabricError, MemoryRegion, PageWrites, RemoteDescriptor, TransferEngine
 from kv_messenger import checksum
 from kv_messenger.context import (
     ContextCodec,
@@ -440,7 +440,7 @@ class KvSender(PrefillConnector):
         return work
 
     def _post_layer(self, it: PassItem, layer: int) -> None:
-        """Post layer `layer` of the pages chunk `it` completed: one write_pages call per (our rank,
+        """Post layer `layer` of the pages chunk `it` completed: one TransferEngine.write call per (our rank,
         decode rank) pair of the plan, its entries in the plan's canonical order."""
         t = it.transfer
         first, targets = t.layer_targets[layer]
@@ -518,7 +518,7 @@ class KvSender(PrefillConnector):
         except (FabricError, ValueError) as err:
             failed(err if isinstance(err, FabricError) else FabricError(22, str(err)))
             return
-        except Exception as err:   # a bug below; nothing was posted (write_pages checks before it posts)
+        except Exception as err:   # a bug below; nothing was posted (the write checks before it posts)
             logger.exception("transfer %s: write_pages raised; failing it", t.key)
             failed(PostError(f"transfer {t.key}: posting its writes raised {err!r}"))
             return
@@ -531,8 +531,8 @@ class KvSender(PrefillConnector):
                on_error: Callable[[FabricError], None]) -> None:
         """The sender's one call into the transport's write path (every KV run, context record and
         fence goes through here): src / dst / lengths [n] byte offsets and lengths, every entry
-        tagged `tag` (imm_mode "every"); raises what write_pages raises, before anything is posted."""
-        self.transport.write_pages(region, src, dst_desc, dst, lengths, tag, on_done, on_error, imm_mode="every")
+        tagged `tag` (imm_mode "every"); raises what TransferEngine.write raises, before anything is posted."""
+        self.transport.write(PageWrites(region, src, dst_desc, dst, lengths, tag, imm_mode="every"), on_done, on_error)
 
     def _maybe_finish(self, t: OutgoingTransfer) -> None:
         """Under the lock: resolve the transfer once nothing of it is in flight."""

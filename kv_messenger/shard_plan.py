@@ -4,16 +4,14 @@ write), the receiver (what to count: `ShardPlan.expected_writes`, the same numbe
 plan: `expected_page_writes`) and the compatibility check (`check_compatible`), so the three can
 never disagree.
 
-Head assignment (`shard_kv_heads`, the one rule the engine's ranks and this plan share). With K KV
-heads on N ranks:
-- K % N == 0: an even contiguous split, rank r holds heads [r*K/N, (r+1)*K/N).
-- N > K and N % K == 0: each head is replicated on R = N/K ranks, rank r holds head r // R (ranks
-  [h*R, (h+1)*R) form head h's replica set).
-- N < K and K % N != 0: whole GQA groups, unevenly: the first K % N ranks hold ceil(K/N) heads,
-  the rest floor(K/N), contiguous in rank order (K=3, N=2: rank 0 heads (0, 1), rank 1 head (2,)).
-- anything else (N > K with N % K != 0) cannot be split: ValueError naming both counts.
-A rank holds the query heads of its KV heads' groups; under replication the G = Q/K query heads of a
-group are split evenly over its R replicas (`shard_query_heads`; G % R == 0 or ValueError).
+Head assignment: `TpScheme.split` applies THE engine's rule (`shard_kv_heads`, written once in
+pdserve/model/tp.py, reached through the engine's connector seam pdserve.engine.kv_connector, as
+the layering forbids this room the model) to either side's tensor-parallel size: the prefill node
+applies it to the decode node's TP size and the decode node to the prefill node's, so both sides
+plan with the split the other's engine really made. In short, K KV heads on N ranks: contiguous
+whole GQA groups, the first K % N ranks holding one more; replica sets when N > K and N % K == 0
+(rank r holds head r // (N / K)); anything else refused. How nodes of different TP sizes pair
+(this plan, the write counts, the refusals): docs/tp-shard-mismatch.md.
 
 Geometry: a node's KV buffer is `[layers, 2 (K, V), pages, kv_heads, page_size, head_dim]` (HND,
 `KvLayout`) on every rank, with that rank's heads in ascending order, so one page of one layer and
@@ -38,7 +36,7 @@ How each side uses it (both know both schemes: the ticket carries the decode sid
 info the prefill side's):
 - sender, per request: `plan = plan_transfer(src, dst, rng)`; per finished layer,
   `plan.layer_writes(layer, src_pages, dst_pages)` gives one `RankWrites` per (prefill rank,
-  decode rank) pair: one `write_pages` call from that prefill rank's registered pool to that decode
+  decode rank) pair: one `TransferEngine.write` call from that prefill rank's registered pool to that decode
   rank's descriptor (D15: one messenger holds every rank's registration).
 - receiver: `expected_page_writes(src, dst, pages).total` is its ImmCounter target (`per_rank`
   splits it; the context write counts on rank 0, the leader).
@@ -53,6 +51,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
+
+from pdserve.engine.kv_connector import shard_kv_heads
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -107,49 +107,7 @@ class KvLayout:
                 raise ValueError(f"KV layouts differ in {name}: {a!r} here vs {b!r} on the peer")
 
 
-# --- head assignment -----------------------------------------------------------------------------
-
-def shard_kv_heads(num_kv_heads: int, tp_size: int) -> tuple[tuple[int, ...], ...]:
-    """The global KV heads each of `tp_size` ranks holds (ascending, contiguous), by the rule in the
-    module docstring; ValueError naming both counts when no split exists."""
-    k, n = num_kv_heads, tp_size
-    if isinstance(k, bool) or isinstance(n, bool) or not isinstance(k, int) or not isinstance(n, int) \
-            or k < 1 or n < 1:
-        raise ValueError(f"cannot split {k!r} KV heads over tensor-parallel size {n!r}: both must be integers >= 1")
-    if n > k:
-        if n % k:
-            raise ValueError(f"cannot split {k} KV heads over tensor-parallel size {n}: with more ranks than KV "
-                             f"heads the size must be a multiple of the head count (replica sets), and "
-                             f"{n} % {k} = {n % k}")
-        r = n // k
-        return tuple((rank // r,) for rank in range(n))
-    base, extra = divmod(k, n)
-    out, start = [], 0
-    for rank in range(n):
-        count = base + (1 if rank < extra else 0)
-        out.append(tuple(range(start, start + count)))
-        start += count
-    return tuple(out)
-
-
-def shard_query_heads(num_q_heads: int, num_kv_heads: int, tp_size: int) -> tuple[tuple[int, ...], ...]:
-    """The global query heads each rank holds: those of its KV heads' GQA groups; under replication
-    a group's query heads split evenly over its replica set. ValueError naming the counts otherwise."""
-    kv = shard_kv_heads(num_kv_heads, tp_size)    # validates both counts first (no division by 0)
-    if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads < 1 \
-            or num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads!r} query heads are not whole GQA groups of {num_kv_heads} KV heads")
-    g = num_q_heads // num_kv_heads
-    if tp_size <= num_kv_heads:
-        return tuple(tuple(q for h in heads for q in range(h * g, (h + 1) * g)) for heads in kv)
-    r = tp_size // num_kv_heads
-    if g % r:
-        raise ValueError(f"cannot split {num_q_heads} query heads ({g} per KV head, {num_kv_heads} KV heads) over "
-                         f"tensor-parallel size {tp_size}: each KV head's {r} replicas need {g} % {r} == 0")
-    per = g // r
-    return tuple(tuple(range(heads[0] * g + (rank % r) * per, heads[0] * g + (rank % r + 1) * per))
-                 for rank, heads in enumerate(kv))
-
+# --- head assignment (the rule is the engine's `shard_kv_heads`; a scheme is its answer) ---------
 
 @dataclass(frozen=True)
 class TpScheme:
@@ -176,7 +134,7 @@ class TpScheme:
 
     @classmethod
     def split(cls, num_kv_heads: int, tp_size: int) -> TpScheme:
-        """The engine's scheme: `shard_kv_heads`."""
+        """The split an engine of `tp_size` ranks makes: `shard_kv_heads`, the engine's own rule."""
         return cls(tp_size, num_kv_heads, shard_kv_heads(num_kv_heads, tp_size))
 
     @property
@@ -273,7 +231,7 @@ class LayerEntries:
 @dataclass(frozen=True)
 class RankWrites:
     """One layer's entries from one source rank's buffer to one destination rank's buffer, in the
-    arrays `TransferEngine.write_pages` takes (byte offsets within each rank's own buffer), in the
+    arrays `TransferEngine.write` takes (PageWrites) (byte offsets within each rank's own buffer), in the
     canonical order (`LayerEntries`) restricted to this pair."""
 
     src_rank: int

@@ -30,6 +30,12 @@ which is `EngineThread`'s thread in servers), except `register_kv_cache`, which 
 that constructs the engine. They must not block: they record, notify another thread and return.
 Whatever they start on other threads reports back through the engine's own calls (`kv_ready`,
 `kv_abandoned`, `release_blocks`), which the connector's owner runs on the engine thread.
+
+The KV-head split (`shard_kv_heads`, written once in pdserve/model/tp.py) is part of this seam: the
+spec carries this engine's split (`KvShardPool.kv_heads`), and a connector applies the same rule to
+a peer's tensor-parallel size, which this engine never sees (kv_messenger's shard plan: a transfer
+between nodes of different TP sizes, docs/tp-shard-mismatch.md). It is re-exported here because the
+layering lets a connector import the engine, not the model. A pure function: any thread.
 """
 
 from __future__ import annotations
@@ -42,6 +48,19 @@ import torch
 
 from pdserve.engine.cache.kv_cache import KVCacheShape
 from pdserve.engine.scheduler.output import SchedulerOutput
+from pdserve.model.tp import shard_kv_heads
+
+__all__ = [
+    "AttentionGroupSpec",
+    "DecodeConnector",
+    "KvCacheSpec",
+    "KvConnector",
+    "KvShardPool",
+    "KvWait",
+    "PrefillConnector",
+    "PrefillDone",
+    "shard_kv_heads",
+]
 
 
 @dataclass(frozen=True)
@@ -60,7 +79,7 @@ class KvShardPool:
     rank: int
     # buffer: [num_layers, 2, num_pages, len(kv_heads), page_size, head_dim]  (HND pages of this rank's heads)
     buffer: torch.Tensor
-    kv_heads: tuple[int, ...]       # the global KV heads this rank holds (pdserve/model/tp.py)
+    kv_heads: tuple[int, ...]       # the global KV heads this rank holds: shard_kv_heads(total, tp)[rank]
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,9 @@ from pdserve.engine.sampling.sampler import token_seed
 from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pdserve.engine.cache.prefix_cache import BlockHash
+    # the leaf module; only for the annotation: importing the cache package at runtime from here
+    # would run its __init__, whose manager imports this module
+    from pdserve.engine.cache.block_hash import BlockHash
 
 
 class RequestStatus(enum.Enum):

@@ -3,17 +3,19 @@ holds, and the TP-invariant fold of the row-parallel sums (E22, issue 16). Both 
 same way: column-parallel q|k|v and gate|up, row-parallel o_proj and down_proj; everything else
 (embedding, norms, Gemma's embedding scale and q/k norms, which are per head) is replicated.
 
-Head assignment (`shard_kv_heads`, `shard_query_heads`), K KV heads over N ranks:
+Head assignment (`shard_kv_heads`, `shard_query_heads`), K KV heads over N ranks: THE rule, written
+only here. The engine's ranks hold their heads by it, and the transfer plan applies it to both
+sides of a transfer (kv_messenger/shard_plan.py reaches it through the engine's connector seam,
+pdserve.engine.kv_connector, as the layering forbids kv_messenger the model room; how prefill and
+decode nodes of different TP sizes pair: docs/tp-shard-mismatch.md):
 
 - N <= K: contiguous whole GQA groups; when K % N != 0 the earlier ranks get the extra group
   (K=3, N=2: rank 0 holds KV heads {0, 1}, rank 1 holds {2}); each rank holds the query heads of
   its groups.
-- N > K with N % K == 0: replica sets; rank r holds KV head r // (N / K), and that head's G query
-  heads split evenly over its N / K replicas (refused unless G % (N / K) == 0).
+- N > K with N % K == 0: replica sets; rank r holds KV head r // (N / K) (ranks [h*R, (h+1)*R)
+  form head h's replica set), and that head's G query heads split evenly over its R = N / K
+  replicas (refused unless G % R == 0).
 - anything else is refused with a ValueError naming the counts.
-
-kv_messenger/shard_plan.py states the same rule for the transfer plan (the engine room may not
-import it; a cross-check test keeps the two equal).
 
 The MLP splits by whole fold blocks of the intermediate axis (below), contiguous, the earlier
 ranks getting the extra block; a tensor-parallel size above the number of blocks is refused.
@@ -67,18 +69,22 @@ class TPComm(Protocol):
     def broadcast(self, t: torch.Tensor, src: int) -> None: ...
 
 
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
 def shard_kv_heads(num_kv_heads: int, tp_size: int) -> tuple[tuple[int, ...], ...]:
-    """The global KV heads each of `tp_size` ranks holds, by the module docstring's rule: contiguous
-    whole groups, earlier ranks get the extra group (K=3, N=2 -> rank 0 {0, 1}, rank 1 {2});
-    replicas (N > K, N % K == 0): rank r holds KV head r // (N / K). ValueError naming the counts."""
+    """[tp_size] the global KV heads each rank holds (ascending, contiguous), by the module
+    docstring's rule: K=3, N=2 -> rank 0 (0, 1), rank 1 (2,); replicas (N > K, N % K == 0): rank r
+    holds KV head r // (N / K). ValueError naming both counts when no split exists."""
     k, n = num_kv_heads, tp_size
-    if isinstance(k, bool) or isinstance(n, bool) or not isinstance(k, int) or not isinstance(n, int) \
-            or k < 1 or n < 1:
-        raise ValueError(f"cannot split {k!r} KV heads over tensor_parallel_size {n!r}: both must be integers >= 1")
+    if not (_is_count(k) and _is_count(n)):
+        raise ValueError(f"cannot split {k!r} KV heads over tensor-parallel size {n!r}: both must be integers >= 1")
     if n > k:
         if n % k:
-            raise ValueError(f"cannot split {k} KV heads over tensor_parallel_size {n}: with more ranks than KV "
-                             f"heads the size must be a multiple of the KV head count (replica sets)")
+            raise ValueError(f"cannot split {k} KV heads over tensor-parallel size {n}: with more ranks than KV "
+                             f"heads the size must be a multiple of the KV head count (replica sets), and "
+                             f"{n} % {k} = {n % k}")
         return tuple((rank // (n // k),) for rank in range(n))
     base, extra = divmod(k, n)
     out, start = [], 0
@@ -90,18 +96,18 @@ def shard_kv_heads(num_kv_heads: int, tp_size: int) -> tuple[tuple[int, ...], ..
 
 
 def shard_query_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[tuple[int, int], ...]:
-    """[start, end) of the global query heads each rank holds: its groups' heads, or under
+    """[tp_size] [start, end) of the global query heads each rank holds: its groups' heads, or under
     replication its share of its KV head's group. ValueError naming the counts."""
-    if num_heads < 1 or num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not whole GQA groups of {num_kv_heads} KV heads")
+    kv = shard_kv_heads(num_kv_heads, tp_size)    # validates both counts first (no division by 0)
+    if not _is_count(num_heads) or num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads!r} query heads are not whole GQA groups of {num_kv_heads} KV heads")
     g = num_heads // num_kv_heads
-    kv = shard_kv_heads(num_kv_heads, tp_size)
     if tp_size <= num_kv_heads:
         return tuple((heads[0] * g, (heads[-1] + 1) * g) for heads in kv)
     r = tp_size // num_kv_heads
     if g % r:
         raise ValueError(f"cannot split {num_heads} query heads ({g} per KV head, {num_kv_heads} KV heads) over "
-                         f"tensor_parallel_size {tp_size}: each KV head's {r} replicas need {g} % {r} == 0")
+                         f"tensor-parallel size {tp_size}: each KV head's {r} replicas need {g} % {r} == 0")
     per = g // r
     return tuple((heads[0] * g + (rank % r) * per, heads[0] * g + (rank % r + 1) * per)
                  for rank, heads in enumerate(kv))
@@ -159,8 +165,12 @@ def plan_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: i
     when the split cannot be made (heads, or more ranks than MLP fold blocks)."""
     if tp_size > MAX_TP_SIZE:
         raise ValueError(f"tensor_parallel_size {tp_size} is above the largest supported, {MAX_TP_SIZE}")
-    kv = shard_kv_heads(num_kv_heads, tp_size)
-    q = shard_query_heads(num_heads, num_kv_heads, tp_size)
+    try:
+        kv = shard_kv_heads(num_kv_heads, tp_size)
+        q = shard_query_heads(num_heads, num_kv_heads, tp_size)
+    except ValueError as e:   # name the engine's setting too: the rule speaks of tensor-parallel sizes
+        raise ValueError(f"{num_heads} query heads and {num_kv_heads} KV heads over tensor_parallel_size "
+                         f"{tp_size}: {e}") from e
     o_heads = o_proj_fold_heads(num_heads, num_kv_heads)
     block = mlp_fold_block(intermediate_size)
     nblocks = -(-intermediate_size // block)

@@ -23,7 +23,7 @@ import threading
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
 
-from fabric import FabricConfig, TransferEngine  # noqa: E402
+from fabric import FabricConfig, PageWrites, TransferEngine  # noqa: E402
 from pdserve.engine.cache.hostmem import alloc_buffer  # noqa: E402
 
 POOL = 24 << 20
@@ -60,14 +60,14 @@ def main() -> int:
         for line in sys.stdin:
             cmd = json.loads(line)
             if "warm" in cmd:
-                engine.write_pages_sync(region, [0], target, [0], [int(cmd["warm"])], WARM_TAG, timeout=30)
+                engine.write_sync(PageWrites(region, [0], target, [0], [int(cmd["warm"])], WARM_TAG), timeout=30)
                 out({"warm": True})
             elif "burst" in cmd:
                 n = int(cmd["burst"]) // PIECE
                 for i in range(n):
                     off = WARM_MAX + i * PIECE
-                    engine.write_pages(region, [off], target, [off], [PIECE], BURST_TAG,
-                                       lambda: settle("done"), lambda _e: settle("failed"))
+                    engine.write(PageWrites(region, [off], target, [off], [PIECE], BURST_TAG),
+                                 lambda: settle("done"), lambda _e: settle("failed"))
                 posted += n
                 out({"posted": n})
             elif "drop" in cmd:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from fabric import FabricConfig, PeerDescriptor, RemoteDescriptor
+from fabric import FabricConfig, PageWrites, PeerDescriptor, RemoteDescriptor
 
 CALL_TIMEOUT_S = 30.0
 
@@ -89,7 +89,7 @@ def _serve(conn: Any, config: FabricConfig, pool_bytes: int, netns: str | None) 
                 result.append(err)
                 done.set()
 
-            engine.write_pages(region, src_offs, dst, dst_offs, lens, tag, ok, failed)
+            engine.write(PageWrites(region, src_offs, dst, dst_offs, lens, tag), ok, failed)
             conn.send(result[0] if done.wait(20) else TimeoutError("write did not complete"))
         elif cmd == "send":
             peer, payloads = args

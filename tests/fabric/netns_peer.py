@@ -19,7 +19,7 @@ import threading
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
 
-from fabric import FabricConfig, TransferEngine  # noqa: E402
+from fabric import FabricConfig, PageWrites, TransferEngine  # noqa: E402
 from pdserve.engine.cache.hostmem import alloc_buffer  # noqa: E402
 
 POOL = 32 << 20
@@ -70,8 +70,8 @@ def main() -> int:
         errors: list[str] = []
         for batch in batches:
             s, d, n = zip(*batch, strict=True)
-            engine.write_pages(region, s, desc, d, n, TAG, done.release,
-                               lambda e: (errors.append(str(e)), done.release()))
+            engine.write(PageWrites(region, s, desc, d, n, TAG),
+                         done.release, lambda e: (errors.append(str(e)), done.release()))
         for _ in batches:
             if not done.acquire(timeout=60):
                 out({"error": "timed out waiting for completions"})

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from fabric import FabricConfig, TransferEngine
+from fabric import FabricConfig, PageWrites, TransferEngine
 from pdserve.engine.cache.hostmem import alloc_buffer
 
 KiB = 1024
@@ -55,8 +55,8 @@ def engines(provider: str):
 def _write(a, src, dst, s, d, n, tag, mode) -> None:
     done = threading.Event()
     errors: list[Exception] = []
-    a.write_pages(src, s, dst.descriptor, d, n, tag, done.set, lambda e: (errors.append(e), done.set()),
-                  imm_mode=mode)
+    a.write(PageWrites(src, s, dst.descriptor, d, n, tag, imm_mode=mode),
+            done.set, lambda e: (errors.append(e), done.set()))
     assert done.wait(10) and not errors, errors
 
 

@@ -10,7 +10,7 @@ import pytest
 from fabric_peer import PeerProcess
 from support.wait import wait_until
 
-from fabric import FabricConfig, FabricError, ImmCounter, TransferEngine
+from fabric import FabricConfig, FabricError, ImmCounter, PageWrites, TransferEngine
 from fabric.errors import fi_strerror
 from pdserve.engine.cache.hostmem import alloc_buffer
 
@@ -39,7 +39,7 @@ def _assert_nothing_posted(a: TransferEngine, b: TransferEngine, src, dst) -> No
     """Fence: a good write with another tag, posted after the refused ones, lands; anything the
     refused calls had posted on the same connection would have landed before it."""
     assert a.outstanding() == 0
-    a.write_pages_sync(src, [0], dst.descriptor, [0], [4096], FENCE_TAG)
+    a.write_sync(PageWrites(src, [0], dst.descriptor, [0], [4096], FENCE_TAG))
     wait_until(lambda: b.imm_counter.landed(FENCE_TAG) == 1, 10, "the fence write to land")
     assert b.imm_counter.landed(5) == 0
 
@@ -61,7 +61,7 @@ def _assert_nothing_posted(a: TransferEngine, b: TransferEngine, src, dst) -> No
 def test_out_of_range_offsets_name_the_values(pair, src_offs, dst_offs, lens, match) -> None:
     a, b, src, dst = pair
     with pytest.raises(ValueError, match=match):
-        a.write_pages(src, src_offs, dst.descriptor, dst_offs, lens, 5, _never, _never)
+        a.write(PageWrites(src, src_offs, dst.descriptor, dst_offs, lens, 5), _never, _never)
     _assert_nothing_posted(a, b, src, dst)
 
 
@@ -70,9 +70,9 @@ def test_bad_imm_and_mode(pair) -> None:
     a, b, src, dst = pair
     # the tag is 24 bits: the low 8 bits of the immediate data are its unit count
     with pytest.raises(ValueError, match=r"imm=16777216: expected None or an int in 0..16777215"):
-        a.write_pages(src, [0], dst.descriptor, [0], [4096], 2**24, _never, _never)
+        a.write(PageWrites(src, [0], dst.descriptor, [0], [4096], 2**24), _never, _never)
     with pytest.raises(ValueError, match=r"imm_mode='sometimes'"):
-        a.write_pages(src, [0], dst.descriptor, [0], [4096], 5, _never, _never, imm_mode="sometimes")
+        a.write(PageWrites(src, [0], dst.descriptor, [0], [4096], 5, imm_mode="sometimes"), _never, _never)
     _assert_nothing_posted(a, b, src, dst)
 
 
@@ -80,16 +80,16 @@ def test_bad_imm_and_mode(pair) -> None:
 def test_unregistered_memory_is_refused(pair) -> None:
     a, b, src, dst = pair
     with pytest.raises(TypeError, match="expected a MemoryRegion, got bytearray"):
-        a.write_pages(bytearray(4096), [0], dst.descriptor, [0], [4096], 5, _never, _never)
+        a.write(PageWrites(bytearray(4096), [0], dst.descriptor, [0], [4096], 5), _never, _never)
     # a region of another engine is not registered with this one
     with pytest.raises(FabricError, match="belongs to engine") as info:
-        a.write_pages(dst, [0], dst.descriptor, [0], [4096], 5, _never, _never)
+        a.write(PageWrites(dst, [0], dst.descriptor, [0], [4096], 5), _never, _never)
     assert fi_strerror(info.value.code) in str(info.value)
     # a deregistered region
     extra = a.register(alloc_buffer(MiB).view)
     a.deregister(extra)
     with pytest.raises(FabricError, match="deregistered"):
-        a.write_pages(extra, [0], dst.descriptor, [0], [4096], 5, _never, _never)
+        a.write(PageWrites(extra, [0], dst.descriptor, [0], [4096], 5), _never, _never)
     _assert_nothing_posted(a, b, src, dst)
 
 
@@ -100,13 +100,13 @@ def test_stale_descriptors_in_process(pair, provider: str) -> None:
     stale_region = other.descriptor
     b.deregister(other)
     with pytest.raises(FabricError, match="region .* was deregistered") as info:
-        a.write_pages(src, [0], stale_region, [0], [4096], 5, _never, _never)
+        a.write(PageWrites(src, [0], stale_region, [0], [4096], 5), _never, _never)
     assert info.value.code == 2  # FI_ENOENT
     c = TransferEngine(FabricConfig(provider=provider, node="127.0.0.1"))
     gone = c.register(alloc_buffer(MiB).view).descriptor
     c.close()
     with pytest.raises(FabricError, match="engine .* is closed"):
-        a.write_pages(src, [0], gone, [0], [4096], 5, _never, _never)
+        a.write(PageWrites(src, [0], gone, [0], [4096], 5), _never, _never)
     _assert_nothing_posted(a, b, src, dst)
 
 
@@ -119,13 +119,13 @@ def test_stale_descriptors_from_another_process(provider: str) -> None:
     try:
         src = engine.register(alloc_buffer(MiB).view)
         done = threading.Event()
-        engine.write_pages(src, [0], peer.descriptor, [0], [4096], 5, done.set, _never)
+        engine.write(PageWrites(src, [0], peer.descriptor, [0], [4096], 5), done.set, _never)
         assert done.wait(10)
         peer.call("deregister")
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             try:
-                engine.write_pages(src, [0], peer.descriptor, [0], [4096], 6, lambda: None, lambda e: None)
+                engine.write(PageWrites(src, [0], peer.descriptor, [0], [4096], 6), lambda: None, lambda e: None)
             except FabricError as exc:
                 assert "was deregistered" in str(exc)
                 break
@@ -158,7 +158,7 @@ def test_stale_descriptor_refused_by_a_writer_that_connects_later(provider: str)
         owner.call("deregister")
         src = engine.register(alloc_buffer(MiB).view)
         with pytest.raises(FabricError, match="was deregistered") as info:
-            engine.write_pages(src, [0], stale, [0], [4096], 5, _never, _never)
+            engine.write(PageWrites(src, [0], stale, [0], [4096], 5), _never, _never)
         assert info.value.code == 2  # FI_ENOENT
         assert engine.outstanding() == 0
     finally:

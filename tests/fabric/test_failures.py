@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from fabric_peer import PeerProcess, digest
 
-from fabric import FabricConfig, FabricError, TransferEngine
+from fabric import FabricConfig, FabricError, PageWrites, TransferEngine
 from pdserve.engine.cache.hostmem import alloc_buffer
 
 MiB = 1 << 20
@@ -49,7 +49,8 @@ def test_receiver_killed_mid_transfer_fails_every_batch(provider: str) -> None:
         lens = np.full(32, page, dtype=np.uint64)
         batches = 600  # ~4.8 GB: far more than can land before the kill
         for i in range(batches):
-            engine.write_pages(region, offs, peer.descriptor, offs[::-1].copy(), lens, i, out.on_done, out.on_error)
+            engine.write(PageWrites(region, offs, peer.descriptor, offs[::-1].copy(), lens, i),
+                         out.on_done, out.on_error)
         deadline = time.monotonic() + 20
         while len(out.done) < 3 and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -68,7 +69,7 @@ def test_receiver_killed_mid_transfer_fails_every_batch(provider: str) -> None:
         assert settled_at - killed_at < 6.0
         # the failed peer is refused before anything is posted
         with pytest.raises(FabricError, match="failed|closed|stale"):
-            engine.write_pages(region, [0], peer.descriptor, [0], [4096], 1, out.on_done, out.on_error)
+            engine.write(PageWrites(region, [0], peer.descriptor, [0], [4096], 1), out.on_done, out.on_error)
         # nothing is left in flight: what the dead peer held was written off with it
         assert engine.outstanding() == 0
     finally:
@@ -97,11 +98,11 @@ def test_other_peers_keep_working_after_one_dies(provider: str) -> None:
         offs = np.arange(32, dtype=np.uint64) * page
         lens = np.full(32, page, dtype=np.uint64)
         first = _Outcomes()
-        engine.write_pages(region, [0], healthy.descriptor, [0], [4096], 1, first.on_done, first.on_error)
+        engine.write(PageWrites(region, [0], healthy.descriptor, [0], [4096], 1), first.on_done, first.on_error)
         doomed_out = _Outcomes()
         for i in range(300):
-            engine.write_pages(region, offs, doomed.descriptor, offs[::-1].copy(), lens, i, doomed_out.on_done,
-                               doomed_out.on_error)
+            engine.write(PageWrites(region, offs, doomed.descriptor, offs[::-1].copy(), lens, i),
+                         doomed_out.on_done, doomed_out.on_error)
         deadline = time.monotonic() + 20
         while not doomed_out.done and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -114,8 +115,8 @@ def test_other_peers_keep_working_after_one_dies(provider: str) -> None:
         healthy.call("expect", [(0x77, 3 * 32)])
         out = _Outcomes()
         for _ in range(3):
-            engine.write_pages(region, offs, healthy.descriptor, offs, lens, 0x77, out.on_done, out.on_error,
-                               imm_mode="every")
+            engine.write(PageWrites(region, offs, healthy.descriptor, offs, lens, 0x77, imm_mode="every"),
+                         out.on_done, out.on_error)
         deadline = time.monotonic() + 10
         while out.count() < 3 and time.monotonic() < deadline:
             time.sleep(0.005)

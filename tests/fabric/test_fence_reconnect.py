@@ -44,7 +44,7 @@ for _path in (os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))):   
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from fabric import FabricConfig, TransferEngine  # noqa: E402
+from fabric import FabricConfig, PageWrites, TransferEngine  # noqa: E402
 from pdserve.engine.cache.hostmem import alloc_buffer  # noqa: E402
 
 POOL = 16 << 20
@@ -92,13 +92,13 @@ def _writer(node: str) -> int:
         for line in sys.stdin:
             cmd = json.loads(line)
             if "warm" in cmd:
-                engine.write_pages_sync(region, [0], target, [0], [WARM], WARM_TAG, timeout=30)
+                engine.write_sync(PageWrites(region, [0], target, [0], [WARM], WARM_TAG), timeout=30)
                 _out({"warm": True})
             elif "burst" in cmd:
                 for i in range(BURST // PIECE):
                     off = BURST_AT + i * PIECE
-                    engine.write_pages(region, [off], target, [off], [PIECE], BURST_TAG,
-                                       lambda: settle("done"), lambda _e: settle("failed"))
+                    engine.write(PageWrites(region, [off], target, [off], [PIECE], BURST_TAG),
+                                 lambda: settle("done"), lambda _e: settle("failed"))
                 posted = BURST // PIECE
                 time.sleep(SETTLE_S)
                 with changed:
@@ -107,9 +107,8 @@ def _writer(node: str) -> int:
                 engine.disconnect(target.peer)
                 _out({"dropped": True})
             elif "fence" in cmd:
-                engine.write_pages(region, [0], fence_dst, [0], [FENCE_BYTES], FENCE_TAG,
-                                   lambda: settle("fence_done"), lambda _e: settle("fence_failed"),
-                                   imm_mode="every")
+                engine.write(PageWrites(region, [0], fence_dst, [0], [FENCE_BYTES], FENCE_TAG, imm_mode="every"),
+                             lambda: settle("fence_done"), lambda _e: settle("fence_failed"))
                 _out({"fence_posted": True})
             elif "wait" in cmd:
                 with changed:

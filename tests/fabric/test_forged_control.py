@@ -18,7 +18,7 @@ import threading
 import pytest
 from support.wait import wait_until
 
-from fabric import FabricConfig, FabricError, PeerDescriptor, TransferEngine, control as wire
+from fabric import FabricConfig, FabricError, PageWrites, PeerDescriptor, TransferEngine, control as wire
 from fabric._libfabric import ffi, lib
 from pdserve.engine.cache.hostmem import alloc_buffer
 
@@ -44,7 +44,7 @@ def _forge(attacker: TransferEngine, target: TransferEngine, kind: int, value: i
 
 
 def _write_lands(a: TransferEngine, b: TransferEngine, region_a, region_b, tag: int) -> None:
-    a.write_pages_sync(region_a, [0], region_b.descriptor, [0], [4096], tag, timeout=10)
+    a.write_sync(PageWrites(region_a, [0], region_b.descriptor, [0], [4096], tag), timeout=10)
     wait_until(lambda: b.imm_counter.landed(tag) == 1, 10, f"write with tag {tag} to land")
 
 

@@ -29,7 +29,7 @@ import torch
 from support.kv_events import QueueEvents
 from support.wait import wait_until
 
-from fabric import FabricConfig, FabricError, TransferEngine
+from fabric import FabricConfig, FabricError, PageWrites, TransferEngine
 from fabric._libfabric import lib
 from fabric.imm import WRITER_UNKNOWN, ImmCounter, provider_names_writers
 from kv_messenger import KvReceiver
@@ -74,7 +74,7 @@ def test_the_writer_flag_says_what_the_provider_reports(provider: str) -> None:
         assert len(set(at.values())) == 2, at
         for i, e in enumerate((a, b)):
             src = e.register(alloc_buffer(MiB, huge_pages=False).view)
-            e.write_pages_sync(src, [0], dst.descriptor, [4096 * i], [4096], 100 + i, timeout=10)
+            e.write_sync(PageWrites(src, [0], dst.descriptor, [4096 * i], [4096], 100 + i), timeout=10)
         wait_until(lambda: d.imm_counter.landed(100) == 1 and d.imm_counter.landed(101) == 1, 10,
                    "both writes to land")
         reported = {tag: addr for tag, addr in seen if tag in (100, 101)}
@@ -131,13 +131,13 @@ def test_a_third_engine_writing_a_live_tag_is_stale_where_writers_are_named() ->
             e.connect(d.peer_descriptor)
         page = LAYERS * 2 * PAGES * PAGE_SIZE * HEAD_DIM * 4 // (LAYERS * 2 * PAGES)
         src_x = x.register(alloc_buffer(MiB, huge_pages=False).view)
-        x.write_pages_sync(src_x, [0], ticket.kv, [0], [page], ticket.imm_tag, timeout=10)
+        x.write_sync(PageWrites(src_x, [0], ticket.kv, [0], [page], ticket.imm_tag), timeout=10)
         wait_until(lambda: rx.stale_writes == 1, 10, "the third engine's write to be counted stale")
         assert rx.landed("r") == 0 and events.jobs.empty()
         src_p = p.register(alloc_buffer(MiB, huge_pages=False).view)
         offs = np.arange(n, dtype=np.uint64) * page
-        p.write_pages_sync(src_p, offs, ticket.kv, offs, np.full(n, page, dtype=np.uint64), ticket.imm_tag,
-                           imm_mode="every", timeout=10)
+        p.write_sync(PageWrites(src_p, offs, ticket.kv, offs, np.full(n, page, dtype=np.uint64), ticket.imm_tag,
+                                imm_mode="every"), timeout=10)
         assert events.jobs.get(timeout=10) == ("ready", "r")
         assert rx.stale_writes == 1 and events.stale == [(ticket.imm_tag, 1)]
         rx.finish("r")

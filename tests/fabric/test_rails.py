@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from fabric import FabricConfig, FabricError, TransferEngine
+from fabric import FabricConfig, FabricError, PageWrites, TransferEngine
 from fabric.endpoint import Endpoint
 from fabric.topology import interface_ipv4
 from pdserve.engine.cache.hostmem import alloc_buffer
@@ -78,8 +78,8 @@ def _write(a: TransferEngine, src, dst, pages: list[int], tag: int) -> None:
     done = threading.Event()
     errors: list[Exception] = []
     off = np.asarray(pages, dtype=np.uint64) * PAGE
-    a.write_pages(src, off, dst.descriptor, off, np.full(len(pages), PAGE, dtype=np.uint64), tag, done.set,
-                  lambda e: (errors.append(e), done.set()), imm_mode="every")
+    a.write(PageWrites(src, off, dst.descriptor, off, np.full(len(pages), PAGE, dtype=np.uint64), tag,
+                       imm_mode="every"), done.set, lambda e: (errors.append(e), done.set()))
     assert done.wait(10) and not errors, errors
 
 
@@ -121,7 +121,7 @@ def test_two_rails_on_two_domains_write_rail_to_rail(pair):
     assert b.rails[1].peer not in a._rails[0]._peers.addresses_of(b.engine_id)
     # a region is used on its own rail only
     with pytest.raises(FabricError, match="is on rail 1, not 0"):
-        a._rails[0]._writes.write_pages(src1, [0], dst0.descriptor, [0], [PAGE], None, print, print, None)
+        a._rails[0]._writes.write(PageWrites(src1, [0], dst0.descriptor, [0], [PAGE], None), print, print)
     for r in (src0, src1):
         a.deregister(r)
     for r in (dst0, dst1):

@@ -12,7 +12,7 @@ import pytest
 from fabric_peer import PeerProcess, digest
 from support.wait import wait_until
 
-from fabric import FabricConfig, FabricError, TransferEngine
+from fabric import FabricConfig, FabricError, PageWrites, TransferEngine
 from fabric.backend import SyncResult
 from pdserve.engine.cache.hostmem import alloc_buffer
 
@@ -50,8 +50,8 @@ def test_sync_writes_land_and_count(provider: str, spin_us: int) -> None:
             dst = np.cumsum(np.concatenate(([dst_next], sizes[:-1] + 64))).astype(np.uint64)
             dst_next = int(dst[-1] + sizes[-1] + 64)
             tag = 1000 + i % 5
-            res = engine.write_pages_sync(region, src, peer.descriptor, dst, sizes.astype(np.uint64), tag,
-                                          spin_us=spin_us, timeout=30)
+            res = engine.write_sync(PageWrites(region, src, peer.descriptor, dst, sizes.astype(np.uint64), tag),
+                                    spin_us=spin_us, timeout=30)
             assert isinstance(res, SyncResult) and res.writes == k
             expected[tag] = expected.get(tag, 0) + k
             writes += list(zip(src.tolist(), dst.tolist(), sizes.tolist(), strict=True))
@@ -97,8 +97,8 @@ def test_sync_and_async_interleaved(provider: str) -> None:
             i = 0
             while not stop.is_set() or i < 300:  # overlaps the sync writer's whole run
                 off = (i % 64) * 64 * KiB
-                engine.write_pages(region, [off], peer.descriptor, [off], [64 * KiB], 77,
-                                   lambda i=i: on_done(i), errors.append)
+                engine.write(PageWrites(region, [off], peer.descriptor, [off], [64 * KiB], 77),
+                             lambda i=i: on_done(i), errors.append)
                 i += 1
                 if i % 32 == 0:
                     time.sleep(0.001)  # keep a few in flight, not thousands
@@ -108,7 +108,7 @@ def test_sync_and_async_interleaved(provider: str) -> None:
             i = 0
             while not stop.is_set() or i < 200:
                 off = half + (i % 64) * 64 * KiB
-                engine.write_pages_sync(region, [off], peer.descriptor, [off], [64 * KiB], 78, timeout=30)
+                engine.write_sync(PageWrites(region, [off], peer.descriptor, [off], [64 * KiB], 78), timeout=30)
                 i += 1
             sync_done[0] = i
 
@@ -148,23 +148,23 @@ def test_sync_validation_before_posting(provider: str) -> None:
     try:
         _, region = _filled(engine, MiB, seed=1)
         with pytest.raises(ValueError, match="exceeds"):
-            engine.write_pages_sync(region, [0], peer.descriptor, [POOL - 10], [4096], 1)
+            engine.write_sync(PageWrites(region, [0], peer.descriptor, [POOL - 10], [4096], 1))
         with pytest.raises(ValueError, match="spin_us"):
-            engine.write_pages_sync(region, [0], peer.descriptor, [0], [4096], 1, spin_us=-1)
+            engine.write_sync(PageWrites(region, [0], peer.descriptor, [0], [4096], 1), spin_us=-1)
         with pytest.raises(ValueError, match="timeout"):
-            engine.write_pages_sync(region, [0], peer.descriptor, [0], [4096], 1, timeout=-1.0)
+            engine.write_sync(PageWrites(region, [0], peer.descriptor, [0], [4096], 1), timeout=-1.0)
         # from a callback (the progress thread) it could wait for itself: refused
         refused: list[Exception] = []
         done = threading.Event()
 
         def on_done() -> None:
             try:
-                engine.write_pages_sync(region, [0], peer.descriptor, [0], [4096], 1)
+                engine.write_sync(PageWrites(region, [0], peer.descriptor, [0], [4096], 1))
             except RuntimeError as exc:
                 refused.append(exc)
             done.set()
 
-        engine.write_pages(region, [0], peer.descriptor, [0], [4096], 1, on_done, refused.append)
+        engine.write(PageWrites(region, [0], peer.descriptor, [0], [4096], 1), on_done, refused.append)
         assert done.wait(30)
         assert len(refused) == 1 and isinstance(refused[0], RuntimeError), refused
         assert engine.stats().batches == 1
@@ -194,14 +194,14 @@ def test_sync_timeout_detaches_then_completes() -> None:
     engine = TransferEngine(config)
     try:
         _, region = _filled(engine, MiB, seed=2)
-        engine.write_pages_sync(region, [0], peer.descriptor, [0], [64 * KiB], 5, timeout=30)  # connected
+        engine.write_sync(PageWrites(region, [0], peer.descriptor, [0], [64 * KiB], 5), timeout=30)  # connected
         os.kill(peer.pid, signal.SIGSTOP)
         try:
             # the signal takes effect when the target is next scheduled: on a loaded machine the
             # write below could otherwise be served by a target that is still running
             wait_until(lambda: _state(peer.pid) == "T", 10, "the peer to be stopped")
             with pytest.raises(FabricError, match="still in flight") as exc:
-                engine.write_pages_sync(region, [0], peer.descriptor, [0], [256 * KiB], 5, timeout=0.3)
+                engine.write_sync(PageWrites(region, [0], peer.descriptor, [0], [256 * KiB], 5), timeout=0.3)
             assert exc.value.code == 110  # FI_ETIMEDOUT
             assert region.inflight == 1
             with pytest.raises(FabricError, match="in flight"):
@@ -225,13 +225,13 @@ def test_sync_fails_when_receiver_dies(provider: str) -> None:
     engine = TransferEngine(config)
     try:
         _, region = _filled(engine, POOL, seed=4)
-        engine.write_pages_sync(region, [0], peer.descriptor, [0], [4096], 9, timeout=30)
+        engine.write_sync(PageWrites(region, [0], peer.descriptor, [0], [4096], 9), timeout=30)
         peer.kill()
         offs = np.arange(16, dtype=np.uint64) * MiB
         lens = np.full(16, MiB, dtype=np.uint64)
         with pytest.raises(FabricError):
             for _ in range(200):  # the first writes may still land in socket buffers (tcp)
-                engine.write_pages_sync(region, offs, peer.descriptor, offs, lens, 9, timeout=20)
+                engine.write_sync(PageWrites(region, offs, peer.descriptor, offs, lens, 9), timeout=20)
         assert region.inflight == 0
     finally:
         engine.close()
@@ -247,13 +247,13 @@ def test_close_releases_a_blocked_sync_caller() -> None:
     outcome: list[object] = []
     try:
         _, region = _filled(engine, MiB, seed=5)
-        engine.write_pages_sync(region, [0], peer.descriptor, [0], [4096], 5, timeout=30)
+        engine.write_sync(PageWrites(region, [0], peer.descriptor, [0], [4096], 5), timeout=30)
         os.kill(peer.pid, signal.SIGSTOP)
         wait_until(lambda: _state(peer.pid) == "T", 10, "the peer to be stopped")   # see above
 
         def blocked() -> None:
             try:
-                outcome.append(engine.write_pages_sync(region, [0], peer.descriptor, [0], [512 * KiB], 5))
+                outcome.append(engine.write_sync(PageWrites(region, [0], peer.descriptor, [0], [512 * KiB], 5)))
             except FabricError as exc:
                 outcome.append(exc)
 

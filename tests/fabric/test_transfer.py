@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from fabric_peer import PeerProcess, digest
 
-from fabric import FabricConfig, FabricError, TransferEngine
+from fabric import FabricConfig, FabricError, PageWrites, TransferEngine
 from pdserve.engine.cache.hostmem import alloc_buffer
 
 POOL = 48 << 20
@@ -122,7 +122,7 @@ def _run_rounds(provider: str, imm_mode: str, rounds: int, seed: int, node: str 
             waiter = _Waiter(len(batches))
             for tag, part in batches:
                 s, d, n = zip(*part, strict=True)
-                engine.write_pages(region, s, peer.descriptor, d, n, tag, waiter.on_done, waiter.on_error)
+                engine.write(PageWrites(region, s, peer.descriptor, d, n, tag), waiter.on_done, waiter.on_error)
             waiter.wait(60)
             peer.call("expect", [(t, per_tag[t]) for t in tags[2:]])
             fired = peer.call("wait_fired", (tags, 30))

@@ -192,15 +192,15 @@ def test_a_failed_pass_or_a_raising_post_fails_only_its_transfer(monkeypatch):
 
         # the transport itself raising a non-fabric error (here on the context record's write): the
         # write is not counted outstanding, its staging slot comes back, the transfer fails
-        real_write = sender.transport.write_pages
+        real_write = sender.transport.write
         ctx_ticket = None
 
-        def write_pages(region, src, dst_desc, *args, **kw):
-            if ctx_ticket is not None and dst_desc == ctx_ticket.context:
+        def write(writes, *args, **kw):
+            if ctx_ticket is not None and writes.dst == ctx_ticket.context:
                 raise TypeError("injected: a bug below write_pages")
-            return real_write(region, src, dst_desc, *args, **kw)
+            return real_write(writes, *args, **kw)
 
-        monkeypatch.setattr(sender.transport, "write_pages", write_pages)
+        monkeypatch.setattr(sender.transport, "write", write)
         ctx_ticket, f4 = start("r4", PROMPTS[0])
         prefill_all()
         with pytest.raises(PostError, match="injected: a bug below write_pages"):

@@ -75,7 +75,7 @@ def test_integrity_check_reports_numbers():
 
 
 def _h(name: str):
-    from pdserve.engine.cache.prefix_cache import hash_block
+    from pdserve.engine.cache.block_hash import hash_block
 
     return hash_block(None, [ord(c) for c in name])
 

@@ -7,10 +7,11 @@ import pytest
 from support.tiny_models import make_tiny_checkpoint
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.cache.block_hash import hash_block
 from pdserve.engine.cache.block_pool import BlockPool
 from pdserve.engine.cache.groups import FULL, AttentionGroup
 from pdserve.engine.cache.manager import KVCacheManager
-from pdserve.engine.cache.prefix_cache import hash_block, request_block_hashes
+from pdserve.engine.cache.prefix_cache import request_block_hashes
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.kv_connector import DecodeConnector, KvCacheSpec, KvWait, PrefillConnector, PrefillDone
 from pdserve.engine.request import Request
@@ -224,3 +225,9 @@ def test_remote_prefill_blocks_join_the_cache_only_when_their_kv_has_landed(tiny
     assert eng.cache_manager.lookup_prefix(probe).block_ids == tuple(waits["remote"][:9])
     eng.abort_request("remote")
     eng.check_integrity()
+
+
+def test_block_hash_old_path_still_importable():
+    # BlockHash / hash_block moved to the leaf block_hash (issue 30); prefix_cache keeps the old names
+    from pdserve.engine.cache import block_hash, prefix_cache
+    assert prefix_cache.hash_block is block_hash.hash_block and prefix_cache.BlockHash is block_hash.BlockHash

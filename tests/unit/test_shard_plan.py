@@ -26,8 +26,8 @@ from kv_messenger.shard_plan import (
     expected_page_writes,
     plan_transfer,
     shard_kv_heads,
-    shard_query_heads,
 )
+from pdserve.model.tp import shard_query_heads as query_head_ranges
 
 TPS = (1, 2, 4, 8)
 HEADS = (1, 2, 3, 4, 8)
@@ -36,6 +36,11 @@ SRC_PAGES = np.array([3, 0, 4])      # request page i sits at SRC_PAGES[i] on ev
 DST_PAGES = np.array([5, 1, 2])      # ... and at DST_PAGES[i] on every decode rank
 SRC_POOL, DST_POOL = 5, 6
 ELEM = {"float32": np.uint32, "bfloat16": np.uint16}
+
+
+def shard_query_heads(num_q_heads: int, num_kv_heads: int, tp_size: int) -> tuple[tuple[int, ...], ...]:
+    """The engine's query-head rule ([start, end) per rank; the plan never needs it) as the heads."""
+    return tuple(tuple(range(a, b)) for a, b in query_head_ranges(num_q_heads, num_kv_heads, tp_size))
 
 
 def splittable(k: int, n: int) -> bool:

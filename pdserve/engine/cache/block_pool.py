@@ -30,7 +30,7 @@ import logging
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
-from pdserve.engine.cache.prefix_cache import BlockHash
+from pdserve.engine.cache.block_hash import BlockHash
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,6 @@
-"""Prefix cache (E12): complete blocks are named by a hash of their tokens chained with the hash of
-the block before them, so equal hashes mean equal prefixes up to and including that block.
-
-    h[0] = H(b"",   tokens[0:P])
-    h[i] = H(h[i-1], tokens[i*P:(i+1)*P])
-
-H is SHA-256 over the parent digest and the token ids as little-endian int64: collisions are not a
-practical concern, so a hit can be trusted without comparing tokens.
+"""Prefix cache (E12): complete blocks are named by the chained hash of their tokens
+(`block_hash.BlockHash`, `hash_block`: equal hashes mean equal prefixes up to and including that
+block), and this module turns those names into reuse.
 
 `PrefixCache` turns a request's tokens into hits on the block pool (lookup) and publishes a
 request's complete blocks once their KV is valid (register). It never writes into a block: a hit
@@ -13,31 +8,24 @@ covers whole blocks before the request's last target token, so the request's fir
 position starts a block of its own, and the last prompt token (whose logits are needed) is always
 computed.
 
+`BlockHash` and `hash_block` moved to the leaf `pdserve.engine.cache.block_hash` (issue 30); they
+stay importable from here for old importers (deprecated: import them from block_hash).
+
 Threading: owned by the engine thread.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NewType
 
-if TYPE_CHECKING:
-    from pdserve.engine.cache.block_pool import BlockPool
-    from pdserve.engine.request import Request
+from pdserve.engine.cache.block_hash import BlockHash, hash_block
+from pdserve.engine.cache.block_pool import BlockPool
+from pdserve.engine.request import Request
 
-BlockHash = NewType("BlockHash", bytes)
-
-
-def hash_block(parent: BlockHash | None, tokens: "array[int] | list[int]") -> BlockHash:
-    """The chained hash of one complete block of token ids."""
-    h = hashlib.sha256(parent or b"")
-    h.update(array("q", tokens).tobytes())
-    return BlockHash(h.digest())
+__all__ = ["NO_HIT", "BlockHash", "PrefixCache", "PrefixHit", "hash_block", "request_block_hashes"]
 
 
-def request_block_hashes(request: "Request", num_blocks: int, page_size: int) -> list[BlockHash]:
+def request_block_hashes(request: Request, num_blocks: int, page_size: int) -> list[BlockHash]:
     """The hashes of the request's first num_blocks complete blocks (kept on the request, extended
     on demand: its tokens only ever grow)."""
     if num_blocks * page_size > request.num_tokens:
@@ -68,13 +56,13 @@ NO_HIT = PrefixHit(block_ids=(), num_tokens=0)
 class PrefixCache:
     """Lookups and registrations over one block pool; counts queried and hit tokens."""
 
-    def __init__(self, pool: "BlockPool", page_size: int) -> None:
+    def __init__(self, pool: BlockPool, page_size: int) -> None:
         self.pool = pool
         self.page_size = page_size
         self.num_queried_tokens = 0  # tokens looked up (monotonic)
         self.num_hit_tokens = 0      # of those, tokens whose KV was reused (monotonic)
 
-    def lookup(self, request: "Request") -> PrefixHit:
+    def lookup(self, request: Request) -> PrefixHit:
         """The longest run of cached blocks from the start of the request's tokens.
 
         Only blocks that end before the request's last target token qualify: that token must be
@@ -91,12 +79,12 @@ class PrefixCache:
             ids.append(b)
         return PrefixHit(block_ids=tuple(ids), num_tokens=len(ids) * P)
 
-    def record(self, request: "Request", hit: PrefixHit) -> None:
+    def record(self, request: Request, hit: PrefixHit) -> None:
         """Count one admitted lookup (the hit rate is over admitted requests' target tokens)."""
         self.num_queried_tokens += request.target_computed_tokens
         self.num_hit_tokens += hit.num_tokens
 
-    def register(self, request: "Request", table: list[int], num_registered: int) -> int:
+    def register(self, request: Request, table: list[int], num_registered: int) -> int:
         """Publish the request's blocks that are complete and computed, from index num_registered
         on; returns the new number of blocks considered (pass it back next time)."""
         P = self.page_size
