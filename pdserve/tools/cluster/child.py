@@ -34,9 +34,11 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     env.pop(TOKEN_ENV, None)   # a cluster's token is its own (auth_token), never one inherited by accident
-    # pdserve/, the folder pdserve/tools/launcher.py's parents[1] named. The check was written when the
-    # launcher was pdserve/launcher.py and meant the checkout; kept as it is (issue 30 changes no behaviour).
-    root = str(Path(__file__).resolve().parents[2])
+    # The checkout this launcher runs from (pdserve/tools/cluster/child.py -> its parents[3]) goes
+    # first on the children's path, so that a cluster started from a checkout (a worktree, a second
+    # tree beside an editable install) runs that checkout's nodes and router. (It named pdserve/, the
+    # launcher's parents[1], since the launcher moved into pdserve/tools/: never a checkout.)
+    root = str(Path(__file__).resolve().parents[3])
     if (Path(root) / "router").is_dir():
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env
