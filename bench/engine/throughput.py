@@ -38,31 +38,24 @@ Targets (from the issue; defined for float32, same run): pdserve >= 5x hf-cb and
 output tokens/s, and the batch-32 decode step <= 1.5x its matmul time. bfloat16 (``--dtype
 bfloat16``) is reported separately: its results file gets the tag "bfloat16" unless --tag is given.
 
-Results: ``<results-dir>/engine_throughput[-tag].json`` (all numbers, config, machine) and
-``.md`` (table, machine, command).
+Results: ``<results-dir>/engine_throughput[-tag].json`` (all numbers, config, the stamp) and
+``.md`` (tables, then the stamp: commit, date, machine, command); default bench/results/engine/.
 
-Run (takes a while; run it on an otherwise idle machine):
-    cd /work/main && .venv/bin/python bench/engine_throughput.py
-    .venv/bin/python bench/engine_throughput.py --dtype bfloat16
-Smoke run:
-    .venv/bin/python bench/engine_throughput.py --num-requests 4 --output-len 8 --min-prompt 16 \\
+Run (takes a while; run it on an otherwise idle machine), from the repository root:
+    python -m bench.engine.throughput
+    python -m bench.engine.throughput --dtype bfloat16
+Smoke run (tests/bench/test_smoke.py runs this on a tiny model):
+    python -m bench.engine.throughput --num-requests 4 --output-len 8 --min-prompt 16 \\
         --max-prompt 32 --tag smoke --results-dir /tmp/benchsmoke
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
 import logging
-import os
-import platform
 import random
-import shlex
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -70,13 +63,11 @@ from typing import Any
 
 import torch
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
-
-from pdserve import LLM, SamplingParams  # noqa: E402
-from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.kernels.ops.linear import linear  # noqa: E402
-from pdserve.model.loader import ModelSource, resolve_model  # noqa: E402
+from bench.common.results import add_results_args, write_results
+from pdserve import LLM, SamplingParams
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kernels.ops.linear import linear
+from pdserve.model.loader import ModelSource, resolve_model
 
 SYSTEMS = ("pdserve", "hf-cb", "hf-static")
 STATIC_BATCH = 16
@@ -311,8 +302,8 @@ def decode_step_bench(engine: LLMEngine, batch: int, prompt_len: int, steps: int
     seen: list[tuple[int, int]] = []   # (chunks, tokens) of each timed step's pass
     schedule = engine.scheduler.schedule
 
-    def recording_schedule():  # the scheduler's own method, noting what each pass runs
-        s = schedule()
+    def recording_schedule(*args: Any, **kwargs: Any):  # the scheduler's own method (whatever it takes),
+        s = schedule(*args, **kwargs)                   # noting what each pass runs
         seen.append((len(s.chunks), s.num_batched_tokens))
         return s
 
@@ -346,50 +337,6 @@ def decode_step_bench(engine: LLMEngine, batch: int, prompt_len: int, steps: int
             "attention_s": attn, "other_s": step - matmul - attn, "step_over_matmul": step / matmul,
             "step_over_matmul_min": min(step_times) / min(matmul_times),
             "step_over_matmul_paired": statistics.median(s / m for s, m in zip(step_times, matmul_times, strict=True))}
-
-
-# --- machine -----------------------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def mem_total_gib() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 2**20
-    return float("nan")
-
-
-def git_commit() -> str:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=REPO_ROOT, capture_output=True, text=True, check=False).stdout.strip()
-
-    commit = git("rev-parse", "HEAD") or "unknown"
-    return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-
-
-def machine_info() -> dict[str, Any]:
-    import transformers
-
-    return {
-        "nproc": os.cpu_count(),
-        "affinity_cpus": len(os.sched_getaffinity(0)),
-        "cpu_model": cpu_model(),
-        "mem_total_gib": round(mem_total_gib(), 1),
-        "load_average": [round(x, 2) for x in os.getloadavg()],
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
-    }
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -426,7 +373,7 @@ def target_lines(results: dict[str, SystemResult], step: dict[str, Any] | None, 
 
 
 def report_lines(args: argparse.Namespace, results: dict[str, SystemResult], step: dict[str, Any] | None,
-                 targets: list[dict[str, Any]], machine: dict[str, Any], command: str) -> list[str]:
+                 targets: list[dict[str, Any]]) -> list[str]:
     pd = results.get("pdserve")
     kv = "" if args.kv_cache_dtype in ("auto", args.dtype) else f", pdserve KV cache {args.kv_cache_dtype}"
     lines = [f"# Engine throughput: pdserve vs transformers ({args.dtype}{kv}, {args.threads} threads)", ""]
@@ -463,22 +410,7 @@ def report_lines(args: argparse.Namespace, results: dict[str, SystemResult], ste
         margin = "n/a" if t["margin"] is None else f"{t['margin']:.2f}x the goal" if t["verdict"] == "PASS" \
             else f"short by {1 / t['margin']:.2f}x"
         lines.append(f"| {t['target']} | {value} | {t['verdict']} | {margin} |")
-    lines += ["", "Machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()), "",
-              f"Command: `{command}`"]
     return lines
-
-
-def write_results(args: argparse.Namespace, payload: dict[str, Any], lines: list[str]) -> tuple[str, str]:
-    os.makedirs(args.results_dir, exist_ok=True)
-    stem = "engine_throughput" + (f"-{args.tag}" if args.tag else "")
-    json_path = os.path.join(args.results_dir, stem + ".json")
-    md_path = os.path.join(args.results_dir, stem + ".md")
-    with open(json_path, "w") as f:
-        json.dump(payload, f, indent=2)
-        f.write("\n")
-    with open(md_path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return json_path, md_path
 
 
 # --- main --------------------------------------------------------------------------------------
@@ -502,7 +434,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-attn", default="sdpa", help="transformers attn_implementation (sdpa or eager)")
     p.add_argument("--decode-batch", type=int, default=32)
     p.add_argument("--decode-steps", type=int, default=30)
-    p.add_argument("--results-dir", default=os.path.join(REPO_ROOT, "bench", "results"))
+    add_results_args(p, "engine")
     p.add_argument("--tag", default=None, help="results file suffix (default: the dtype when not float32, "
                                                 "then kv-<dtype> when --kv-cache-dtype is set)")
     args = p.parse_args(argv)
@@ -524,8 +456,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
-    command = " ".join(shlex.quote(a) for a in [".venv/bin/python", "bench/engine_throughput.py",
-                                                  *(sys.argv[1:] if argv is None else argv)])
     source = resolve_model(args.model)
     token_range = regular_token_range(source)
     prompts = make_prompts(args.num_requests, args.min_prompt, args.max_prompt, args.seed, token_range)
@@ -558,15 +488,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         gc.collect()  # the system's model and KV cache go before the next one loads
 
     targets = target_lines(results, step, args.dtype, args.kv_cache_dtype)
-    machine = machine_info()
-    lines = report_lines(args, results, step, targets, machine, command)
+    lines = report_lines(args, results, step, targets)
     print("\n" + "\n".join(lines), flush=True)
+    import transformers
+
     config = {k: v for k, v in vars(args).items() if k != "results_dir"}
     payload = {"config": config, "model": {"name": source.name, "path": str(source.path)},
                "systems": {name: {**asdict(r), "tokens_per_s": r.tokens_per_s} for name, r in results.items()},
-               "decode_step": step, "targets": targets, "machine": machine, "command": command}
-    json_path, md_path = write_results(args, payload, lines)
-    print(f"\nwrote {json_path} and {md_path}")
+               "decode_step": step, "targets": targets, "transformers": transformers.__version__}
+    stem = "engine_throughput" + (f"-{args.tag}" if args.tag else "")
+    write_results(args.results_dir, stem, payload=payload, lines=lines, argv=None if argv is None else list(argv))
 
 
 if __name__ == "__main__":
