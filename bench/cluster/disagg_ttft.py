@@ -1,6 +1,6 @@
 """TTFT of a disaggregated cluster split into its parts, for prompts of 128, 512 and 2048 tokens.
 
-    .venv/bin/python bench/disagg_ttft.py [--lengths 128,512,2048] [--repeats 3] [--provider shm]
+    python -m bench.cluster.disagg_ttft [--lengths 128,512,2048] [--repeats 3] [--provider shm]
 
 Starts `pdserve up`'s cluster (router + 1 prefill + 1 decode node), then sends one request at a
 time (so queueing is only admission) and reads the decode node's server timings:
@@ -9,70 +9,43 @@ time (so queueing is only admission) and reads the decode node's server timings:
 - transfer tail: from then until the decode node's immediate-data count completed (what the
   client waits for beyond the prefill compute itself);
 - first decode step: count complete until the first token was ready.
-Client TTFT (through the router) is reported too. Results go to bench/results/disagg_ttft.{md,json}.
+Client TTFT (through the router) is reported too. Results go to bench/results/cluster/disagg_ttft.{md,json}.
 Target (issue): transfer tail <= 5% of TTFT at 512 tokens.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.tools.client import Client  # noqa: E402
-from pdserve.tools.launcher import Cluster  # noqa: E402
-
-
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit, "loadavg": os.getloadavg()}
+from bench.common.cluster import add_cluster_args, one_by_one, stream_timed
+from bench.common.results import add_results_args, write_results
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="128,512,2048")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--provider", default="shm")
-    ap.add_argument("--threads-per-node", type=int, default=1)
-    ap.add_argument("--max-batch-tokens", type=int, default=512)
-    ap.add_argument("--results-dir", default=str(ROOT / "bench" / "results"))
+    add_cluster_args(ap)
+    add_results_args(ap, "cluster")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     rng = random.Random(0)
     rows = []
-    with Cluster(prefill=1, decode=1, port=0, provider=args.provider, threads_per_node=args.threads_per_node,
-                 num_blocks=1024, engine_args=("--max-batch-tokens", str(args.max_batch_tokens)),
-                 startup_timeout_s=300) as cluster, Client(cluster.url, timeout=300) as client:
+    with one_by_one(args) as (_, client):
         client.complete([rng.randrange(17, 49152) for _ in range(64)], SamplingParams(temperature=0, max_tokens=2))
         for n in lengths:
             samples = []
             for _ in range(args.repeats):
                 ids = [rng.randrange(17, 49152) for _ in range(n)]
-                t0 = time.monotonic()
-                first = None
-                last = None
-                for chunk in client.generate(ids, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)):
-                    if first is None and chunk.token_ids:
-                        first = time.monotonic()
-                    last = chunk
-                tm = last.timings
+                streamed = stream_timed(client, ids, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+                tm = streamed.last.timings
                 compute = tm.prefill_time_s - tm.kv_transfer_time_s
                 samples.append({
-                    "client_ttft_s": first - t0, "server_ttft_s": tm.time_to_first_token_s,
+                    "client_ttft_s": streamed.client_ttft_s, "server_ttft_s": tm.time_to_first_token_s,
                     "queue_s": tm.queue_time_s, "prefill_compute_s": compute, "transfer_tail_s": tm.kv_transfer_time_s,
                     "first_decode_step_s": tm.time_to_first_token_s - tm.queue_time_s - tm.prefill_time_s,
                 })
@@ -83,14 +56,8 @@ def main() -> int:
                   f"{med['prefill_compute_s']*1e3:8.1f} + transfer tail {med['transfer_tail_s']*1e3:6.1f} "
                   f"({med['tail_pct_of_ttft']:.1f}%) + first decode {med['first_decode_step_s']*1e3:6.1f} ms; "
                   f"client TTFT {med['client_ttft_s']*1e3:8.1f} ms", flush=True)
-    out = Path(args.results_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    m = machine()
-    (out / "disagg_ttft.json").write_text(json.dumps({"machine": m, "args": vars(args), "rows": rows}, indent=1))
     lines = ["# Disaggregated TTFT split", "",
-             f"Command: `.venv/bin/python bench/disagg_ttft.py {' '.join(sys.argv[1:])}`",
-             f"Machine: {m['nproc']} cores, {m['cpu']}, Python {m['python']}, {m['date']}, commit {m['commit']}, "
-             f"load average at end {m['loadavg'][0]:.2f}", f"Cluster: 1 prefill + 1 decode, provider {args.provider}, "
+             f"Cluster: 1 prefill + 1 decode, provider {args.provider}, "
              f"{args.threads_per_node} thread(s) per node, medians of {args.repeats} sequential requests", "",
              "| prompt tokens | server TTFT ms | queue ms | prefill compute ms | transfer tail ms | tail % of TTFT "
              "| first decode step ms | client TTFT ms |",
@@ -105,8 +72,8 @@ def main() -> int:
         ok = r512["tail_pct_of_ttft"] <= 5.0
         lines += ["", f"Target: transfer tail <= 5% of TTFT at 512 tokens: {r512['tail_pct_of_ttft']:.1f}% "
                       f"-> {'MET' if ok else 'MISSED'}"]
-    (out / "disagg_ttft.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    write_results(args.results_dir, "disagg_ttft", payload={"args": vars(args), "rows": rows}, lines=lines)
     return 0
 
 

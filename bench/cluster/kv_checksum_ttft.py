@@ -1,14 +1,14 @@
 """What --kv-checksum (S7) costs on the TTFT tail: the same prompts, in the same order, through a
 1 prefill + 1 decode cluster started without and with the decode node's --kv-checksum.
 
-    .venv/bin/python bench/kv_checksum_ttft.py [--lengths 512,2048] [--repeats 10] [--rounds 2]
+    python -m bench.cluster.kv_checksum_ttft [--lengths 512,2048] [--repeats 10] [--rounds 2]
 
 Paired: every round starts the cluster off, then on (rounds alternate the order: off/on, on/off,
 ...), and sends the identical prompts (random token ids, seeded per round and length) one at a
 time, 2 tokens each. Per request the decode node's server TTFT (Timings.time_to_first_token_s)
 and the client's (through the router); per length and mode the median, p90 and max over every
 round, and the median of the paired differences (on - off, same prompt). Results go to
-bench/results/kv_checksum.{md,json}. Not a test: numbers depend on the machine and its load.
+bench/results/cluster/kv_checksum.{md,json}. Not a test: numbers depend on the machine and its load.
 Also, in this process, what the hashing alone costs per request (one side; each side hashes the
 same bytes once): checksum.kv_runs + crc32c_runs_at over a pool of the default model's geometry
 (30 layers, 3 KV heads x 64, float32, 16-token pages), median of 20.
@@ -17,41 +17,20 @@ same bytes once): checksum.kv_runs + crc32c_runs_at over a pool of the default m
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from kv_messenger import checksum  # noqa: E402
-from kv_messenger.plan import KvLayout  # noqa: E402
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.tools.client import Client  # noqa: E402
-from pdserve.tools.launcher import Cluster  # noqa: E402
+from bench.common.cluster import add_cluster_args, one_by_one, percentile, stream_timed
+from bench.common.results import add_results_args, write_results
+from kv_messenger import checksum
+from kv_messenger.plan import KvLayout
+from pdserve.engine.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-
-
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit, "loadavg": os.getloadavg()}
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
 def hash_ms(n_tokens: int) -> tuple[float, float]:
@@ -71,20 +50,13 @@ def hash_ms(n_tokens: int) -> tuple[float, float]:
 def run_mode(args, checksum: bool, prompts: dict[int, list[list[int]]]) -> dict[int, list[tuple[float, float]]]:
     """(server TTFT, client TTFT) per prompt, per length."""
     out: dict[int, list[tuple[float, float]]] = {}
-    with Cluster(prefill=1, decode=1, port=0, provider=args.provider, threads_per_node=args.threads_per_node,
-                 num_blocks=1024, engine_args=("--max-batch-tokens", str(args.max_batch_tokens)),
-                 startup_timeout_s=300, kv_checksum=checksum) as cluster, Client(cluster.url, timeout=300) as client:
+    with one_by_one(args, kv_checksum=checksum) as (_, client):
         client.complete(list(range(100, 164)), PARAMS)   # warm-up
         for n, batch in prompts.items():
             rows = out.setdefault(n, [])
             for ids in batch:
-                t0 = time.monotonic()
-                first = last = None
-                for chunk in client.generate(ids, PARAMS):
-                    if first is None and chunk.token_ids:
-                        first = time.monotonic()
-                    last = chunk
-                rows.append((last.timings.time_to_first_token_s, first - t0))
+                streamed = stream_timed(client, ids, PARAMS)
+                rows.append((streamed.last.timings.time_to_first_token_s, streamed.client_ttft_s))
     return out
 
 
@@ -93,10 +65,8 @@ def main() -> int:
     ap.add_argument("--lengths", default="512,2048")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--provider", default="shm")
-    ap.add_argument("--threads-per-node", type=int, default=1)
-    ap.add_argument("--max-batch-tokens", type=int, default=512)
-    ap.add_argument("--results-dir", default=str(ROOT / "bench" / "results"))
+    add_cluster_args(ap)
+    add_results_args(ap, "cluster")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     data: dict[bool, dict[int, list[tuple[float, float]]]] = {False: {}, True: {}}
@@ -115,23 +85,17 @@ def main() -> int:
         for name, xs in (("off", off), ("on", on)):
             srv = [s for s, _ in xs]
             cli = [c for _, c in xs]
-            r[name] = {"server_p50_ms": 1e3 * statistics.median(srv), "server_p90_ms": 1e3 * pct(srv, 0.9),
+            r[name] = {"server_p50_ms": 1e3 * statistics.median(srv), "server_p90_ms": 1e3 * percentile(srv, 0.9),
                        "server_max_ms": 1e3 * max(srv), "client_p50_ms": 1e3 * statistics.median(cli),
-                       "client_p90_ms": 1e3 * pct(cli, 0.9)}
+                       "client_p90_ms": 1e3 * percentile(cli, 0.9)}
         r["paired_server_delta_p50_ms"] = 1e3 * statistics.median(b[0] - a[0] for a, b in zip(off, on, strict=True))
         r["hash_ms"], r["hash_mb"] = hash_ms(n)
         rows.append(r)
         print(f"{n:5d} tokens: server TTFT p50/p90 off {r['off']['server_p50_ms']:.1f}/{r['off']['server_p90_ms']:.1f} "
               f"ms, on {r['on']['server_p50_ms']:.1f}/{r['on']['server_p90_ms']:.1f} ms; paired delta p50 "
               f"{r['paired_server_delta_p50_ms']:+.1f} ms", flush=True)
-    m = machine()
-    out = Path(args.results_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kv_checksum.json").write_text(json.dumps({"machine": m, "args": vars(args), "rows": rows}, indent=1))
     lines = ["# --kv-checksum (S7): TTFT without and with", "",
-             f"Command: `.venv/bin/python bench/kv_checksum_ttft.py {' '.join(sys.argv[1:])}`", "",
-             f"Machine: {m['nproc']} CPUs ({m['cpu']}), python {m['python']}, commit {m['commit']}, {m['date']}, "
-             f"load average {m['loadavg'][0]:.2f}. Cluster: 1 prefill + 1 decode + router, {args.provider}, "
+             f"Cluster: 1 prefill + 1 decode + router, {args.provider}, "
              f"{args.threads_per_node} thread(s) per node, default model, --max-batch-tokens {args.max_batch_tokens}; "
              f"{args.rounds} round(s) x {args.repeats} prompts per length, one request at a time, 2 tokens each.", "",
              "| prompt tokens | n | server TTFT p50 off / on ms | p90 off / on ms | max off / on ms "
@@ -144,7 +108,7 @@ def main() -> int:
                      f"| {a['server_max_ms']:.1f} / {b['server_max_ms']:.1f} "
                      f"| {a['client_p50_ms']:.1f} / {b['client_p50_ms']:.1f} "
                      f"| {r['paired_server_delta_p50_ms']:+.1f} | {r['hash_ms']:.2f} ms ({r['hash_mb']:.1f} MB) |")
-    (out / "kv_checksum.md").write_text("\n".join(lines) + "\n")
+    write_results(args.results_dir, "kv_checksum", payload={"args": vars(args), "rows": rows}, lines=lines)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Prefix-aware vs least-loaded routing (R3) on a workload of request families sharing long prefixes.
 
-    .venv/bin/python bench/prefix_routing.py [--families 8] [--rounds 4] [--concurrency 4] [--seeds 0,1]
+    python -m bench.cluster.prefix_routing [--families 8] [--rounds 4] [--concurrency 4] [--seeds 0,1]
 
 Why colocated nodes: a prefix-cache hit happens in the engine that runs the prefill. In a colocated
 cluster that is the decode node the router chose, so the router's policy decides the hit rate
@@ -20,47 +20,33 @@ The first round is all misses under either policy (no node has seen any family),
 reported over the later rounds alone ("warm"), where only the routing differs. Each seed is a
 different workload; the policies run one after the other per seed, and the summary pools the seeds.
 
-Results: bench/results/prefix_routing.json (with the machine and its load average) and a table on stdout.
+Results: bench/results/cluster/prefix_routing.json (stamped with commit and machine) and a table on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from prometheus_client.parser import text_string_to_metric_families
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.tools.client import AsyncClient, Client  # noqa: E402
-from pdserve.tools.launcher import Cluster  # noqa: E402
-from router.config import RouterConfig  # noqa: E402
-from router.policy import RoutingConfig, make_policy  # noqa: E402
-from router.server import RouterServer  # noqa: E402
+from bench.common.results import add_results_args, write_results
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.tools.client import AsyncClient, Client
+from pdserve.tools.launcher import Cluster
+from router.config import RouterConfig
+from router.policy import RoutingConfig, make_policy
+from router.server import RouterServer
 
 WORDS = ("river stone market lantern harbor violet engine garden copper meadow signal archive winter "
          "orchard compass thunder ribbon canyon velvet beacon quarry saddle mirror prairie anchor "
          "glacier timber falcon harvest spindle tapestry ember lagoon summit cobalt thistle").split()
-
-
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit, "loadavg_start": os.getloadavg()}
 
 
 def workload(families: int, rounds: int, prefix_words: int, seed: int) -> list[tuple[int, str]]:
@@ -193,16 +179,15 @@ def main() -> int:
     ap.add_argument("--engine-args", default="", help="more engine flags for both nodes, one string")
     ap.add_argument("--policies", default="least-loaded,prefix")
     ap.add_argument("--seeds", default="0,1", help="one workload per seed (comma-separated)")
-    ap.add_argument("--results", default=str(ROOT / "bench" / "results" / "prefix_routing.json"))
+    add_results_args(ap, "cluster")
     args = ap.parse_args()
-    info = machine()
+    load_start = os.getloadavg()
     results = []
     for seed in (int(x) for x in args.seeds.split(",")):
         order = workload(args.families, args.rounds, args.prefix_words, seed)
         for policy in args.policies.split(","):
             print(f"seed {seed}: running {policy} ({len(order)} requests) ...", flush=True)
             results.append(run_policy(policy, order, args, seed))
-    info["loadavg_end"] = os.getloadavg()
     summary = [pooled(policy, [r for r in results if r["policy"] == policy]) for policy in args.policies.split(",")]
     header = (f"{'policy':<14} {'seed':>5} {'hit rate':>8} {'mean TTFT':>10} {'warm TTFT':>10} "
               f"{'p50 TTFT':>9} {'p90 TTFT':>9}")
@@ -210,12 +195,8 @@ def main() -> int:
     for r in results + summary:
         print(f"{r['policy']:<14} {r['seed']:>5} {r['prefix_cache_hit_rate']:>8.1%} {r['mean_ttft_s']:>9.3f}s "
               f"{r['mean_ttft_warm_rounds_s']:>9.3f}s {r['p50_ttft_s']:>8.3f}s {r['p90_ttft_s']:>8.3f}s")
-    print(f"machine: {info}")
-    out = Path(args.results)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": info, "args": vars(args), "summary": summary, "results": results},
-                              indent=1) + "\n")
-    print(f"wrote {out}")
+    write_results(args.results_dir, "prefix_routing", payload={
+        "load_average_start": load_start, "args": vars(args), "summary": summary, "results": results})
     return 0
 
 

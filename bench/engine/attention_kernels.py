@@ -32,13 +32,10 @@ import logging
 import os
 import platform
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 
 from pdserve.engine.cache.hostmem import alloc_tensor
 from pdserve.kernels.attention import cpu_kernels

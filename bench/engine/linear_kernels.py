@@ -24,8 +24,6 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-
 from pdserve.kernels.ops import linear as ops_linear
 
 HIDDEN, INTER, LAYERS, VOCAB, Q_HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 30, 49152, 9, 3, 64

@@ -13,14 +13,11 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import time
 import zlib
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kv_messenger import checksum
 

@@ -46,15 +46,12 @@ import platform
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 
 from fabric import FabricConfig, FabricError, TransferEngine
 from pdserve.engine.cache.hostmem import alloc_buffer, thp_mode

@@ -53,15 +53,14 @@ from pathlib import Path
 import grpc
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from support import netfault as nf  # noqa: E402
-from support.cluster import node_load, process_pid, routed, transfer_leftovers  # noqa: E402
-from support.wait import wait_until  # noqa: E402
+from support import netfault as nf
+from support.cluster import node_load, process_pid, routed, transfer_leftovers
+from support.wait import wait_until
 
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.tools.client import Client, ClientError  # noqa: E402
-from pdserve.tools.launcher import Cluster  # noqa: E402
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.tools.client import Client, ClientError
+from pdserve.tools.launcher import Cluster
 
 NETNS, LOOPBACK = "netns", "loopback"
 CLUSTERS = {

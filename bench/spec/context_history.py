@@ -36,19 +36,17 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from kv_messenger.context import ContextCodec, ExpectedRecord, TransferIdentity  # noqa: E402
-from pdserve.engine.spec_decode.config import EAGLE_HISTORY_ROWS  # noqa: E402
-from pdserve.engine.spec_decode.eagle import EagleHead, load_target_vocab, shipped_head_for  # noqa: E402
-from pdserve.model.loader import resolve_model  # noqa: E402
+from kv_messenger.context import ContextCodec, ExpectedRecord, TransferIdentity
+from pdserve.engine.spec_decode.config import EAGLE_HISTORY_ROWS
+from pdserve.engine.spec_decode.eagle import EagleHead, load_target_vocab, shipped_head_for
+from pdserve.model.loader import resolve_model
 
 RESULTS = REPO / "bench" / "results" / "context_history.md"
 TOP_K = 32

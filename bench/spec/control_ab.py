@@ -26,14 +26,12 @@ import time
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "bench"))
 
-import spec_decode as sd  # noqa: E402
+import spec_decode as sd
 
-from pdserve import LLM, SamplingParams  # noqa: E402
-from pdserve.engine.spec_decode.config import SpeculativeConfig  # noqa: E402
-from pdserve.engine.spec_decode.speculator import make_speculator  # noqa: E402
+from pdserve import LLM, SamplingParams
+from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.spec_decode.speculator import make_speculator
 
 
 def run(engine, spec, prompts, tokens: int) -> tuple[float, list[list[int]]]:

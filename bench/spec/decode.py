@@ -81,15 +81,13 @@ from typing import Any
 import torch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
-sys.path.insert(0, os.path.join(REPO_ROOT, "tests"))
 
-from support.reference import REFERENCE_PROMPTS  # noqa: E402
+from support.reference import REFERENCE_PROMPTS
 
-from pdserve import LLM, SamplingParams  # noqa: E402
-from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.engine.spec_decode.config import SpeculativeConfig  # noqa: E402
-from pdserve.engine.spec_decode.speculator import Speculator, make_speculator  # noqa: E402
+from pdserve import LLM, SamplingParams
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.spec_decode.speculator import Speculator, make_speculator
 
 GOAL_SPEEDUP_BATCH1 = 1.5      # per-user TPS at batch 1: n-gram on repetition, the best draft on prose
 GOAL_SYSTEM_RATIO = 1.0        # system TPS at batch 16: no loss against plain

@@ -18,14 +18,12 @@ import sys
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "bench"))
 
-import spec_decode as sd  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+import spec_decode as sd
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pdserve.engine.spec_decode.eagle import EagleHead, load_target_vocab  # noqa: E402
-from pdserve.model.loader import resolve_model  # noqa: E402
+from pdserve.engine.spec_decode.eagle import EagleHead, load_target_vocab
+from pdserve.model.loader import resolve_model
 
 
 def main(dirs: list[str]) -> None:

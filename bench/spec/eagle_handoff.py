@@ -97,8 +97,6 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "tests"))
 
 
 def _load_spec_bench() -> Any:
@@ -114,12 +112,12 @@ def _load_spec_bench() -> Any:
 
 spec_bench = _load_spec_bench()
 
-from support import prometheus  # noqa: E402
-from support.reference import REFERENCE_PROMPTS  # noqa: E402
+from support import prometheus
+from support.reference import REFERENCE_PROMPTS
 
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.tools.client import AsyncClient, GenerationChunk  # noqa: E402
-from pdserve.tools.launcher import Cluster  # noqa: E402
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.tools.client import AsyncClient, GenerationChunk
+from pdserve.tools.launcher import Cluster
 
 RESULTS = REPO_ROOT / "bench" / "results" / "eagle_handoff"
 DECODE_NODE = "decode-0"

@@ -26,20 +26,18 @@ import os
 import pathlib
 import platform
 import statistics
-import sys
 import time
 from typing import Any, Callable
 
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
 
-import spec_decode as sd  # noqa: E402
+import spec_decode as sd
 
-from pdserve import LLM, SamplingParams  # noqa: E402
-from pdserve.engine.spec_decode.config import SpeculativeConfig  # noqa: E402
-from pdserve.engine.spec_decode.speculator import make_speculator  # noqa: E402
+from pdserve import LLM, SamplingParams
+from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.engine.spec_decode.speculator import make_speculator
 
 PHASES = ("drafts", "schedule", "execute", "update")   # `sample` runs inside `update`
 

@@ -1,7 +1,7 @@
 """Issue 16's benchmark: disaggregated tensor-parallel pairs (prefill TP A -> decode TP B).
 
-    .venv/bin/python bench/tp_pairs.py [--parts a,b,c] [--pairs 1:1,2:1,1:2,2:2] [--lengths 512,2048]
-                                       [--repeats 512:4,2048:2 | 3] [--max-tokens 4] [--tp-ab-threads 1,2]
+    python -m bench.tp.pairs [--parts a,b,c] [--pairs 1:1,2:1,1:2,2:2] [--lengths 512,2048]
+                             [--repeats 512:4,2048:2 | 3] [--max-tokens 4] [--tp-ab-threads 1,2]
 
 (a) TTFT and the KV transfer tail per pair. One cluster per pair (`Cluster(prefill_tp=A, decode_tp=B)`:
     router + 1 prefill + 1 decode node, shm, default model, greedy), all started up front and kept
@@ -25,23 +25,20 @@
     page), but a head slice of a page (shard mismatch) is page_size separate ranges, so it needs one
     write per token per run.
 (c) TP 2 decode step (and prefill) against TP 1 in one process, with the TP 2 leader's time in the
-    row-parallel collectives: runs bench/tp_ab.py (one process per TP 1 thread count in
+    row-parallel collectives: runs bench.tp.ab (one process per TP 1 thread count in
     --tp-ab-threads) and parses its summary lines.
 
-Results go to bench/results/tp_pairs.{md,json}, the machine recorded. Not a test: the numbers depend
+Results go to bench/results/tp/tp_pairs.{md,json}, stamped with commit and machine. Not a test: the numbers depend
 on the machine and its load.
 
 Blocking waits: each cluster's start, --startup-timeout-s; each request, --request-timeout-s (the
-client's gRPC deadline); each metrics scrape, 10 s; each bench/tp_ab.py run, --tp-ab-timeout-s.
+client's gRPC deadline); each metrics scrape, 10 s; each bench.tp.ab run, --tp-ab-timeout-s.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
-import platform
 import random
 import re
 import shlex
@@ -50,20 +47,18 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from kv_messenger.plan import ShardingScheme, expected_writes, num_prompt_pages  # noqa: E402
-from kv_messenger.shard_plan import KvLayout, KvShards, plan_transfer  # noqa: E402
-from pdserve.engine.config import CacheConfig  # noqa: E402
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.model.arch import ModelArch  # noqa: E402
-from pdserve.model.loader import load_config, resolve_model  # noqa: E402
-from pdserve.tools.bench.prometheus import Histogram, scrape  # noqa: E402
-from pdserve.tools.client import Client  # noqa: E402
-from pdserve.tools.launcher import Cluster  # noqa: E402
+from bench.common.cluster import percentile
+from bench.common.results import BENCH_DIR, add_results_args, write_results
+from kv_messenger.plan import ShardingScheme, expected_writes, num_prompt_pages
+from kv_messenger.shard_plan import KvLayout, KvShards, plan_transfer
+from pdserve.engine.config import CacheConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.model.arch import ModelArch
+from pdserve.model.loader import load_config, resolve_model
+from pdserve.tools.bench.prometheus import Histogram, scrape
+from pdserve.tools.client import Client
+from pdserve.tools.launcher import Cluster
 
 KV_SECONDS = "pdserve:kv_transfer_seconds"
 ERROR_CHARS = 600   # of a failure's message kept in the results (a start failure carries a log tail)
@@ -84,22 +79,6 @@ class Pair:
         if not sep or not a.isdigit() or not b.isdigit() or int(a) < 1 or int(b) < 1:
             raise ValueError(f"a TP pair is PREFILL_TP:DECODE_TP with both >= 1, got {text!r}")
         return cls(int(a), int(b))
-
-
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
-    return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
-            "tree_modified": bool(dirty), "loadavg": os.getloadavg()}
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
 def default_layout(num_pages: int) -> KvLayout:
@@ -254,7 +233,7 @@ def pair_rows(runs: list[PairRun], lengths: list[int]) -> list[dict]:
             stats = {"n": len(xs)}
             for key in xs[0]:
                 vals = [x[key] for x in xs]
-                stats[key] = {"p50_ms": 1e3 * statistics.median(vals), "p90_ms": 1e3 * pct(vals, 0.9)}
+                stats[key] = {"p50_ms": 1e3 * statistics.median(vals), "p90_ms": 1e3 * percentile(vals, 0.9)}
             stats["tail_pct_of_ttft_p50"] = 100 * stats["transfer_tail_s"]["p50_ms"] / stats["server_ttft_s"]["p50_ms"]
             row["lengths"][n] = stats
         row["samples"] = {n: run.samples.get(n, []) for n in lengths}
@@ -262,16 +241,16 @@ def pair_rows(runs: list[PairRun], lengths: list[int]) -> list[dict]:
     return rows
 
 
-# --- (c) TP 2 vs TP 1 in one process: bench/tp_ab.py ----------------------------------------------
+# --- (c) TP 2 vs TP 1 in one process: bench.tp.ab --------------------------------------------------
 
 _TP_AB_LINE = re.compile(r"^(prefill|decode): TP1 ([\d.]+) ms, TP2 ([\d.]+) ms \(paired median TP2 - TP1 "
                          r"([+-][\d.]+) ms\), TP2 leader in collectives ([\d.]+) ms")
 
 
 def run_tp_ab(args: argparse.Namespace, threads: int) -> dict:
-    cmd = [sys.executable, str(ROOT / "bench" / "tp_ab.py"), "--threads", str(threads), *args.tp_ab_args.split()]
+    cmd = [sys.executable, "-m", "bench.tp.ab", "--threads", str(threads), *args.tp_ab_args.split()]
     try:
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.tp_ab_timeout_s)
+        out = subprocess.run(cmd, cwd=BENCH_DIR.parent, capture_output=True, text=True, timeout=args.tp_ab_timeout_s)
     except subprocess.TimeoutExpired as e:
         return {"threads": threads, "command": cmd, "error": f"timed out after {e.timeout:.0f} s"}
     res: dict = {"threads": threads, "command": cmd, "stdout": out.stdout}
@@ -289,7 +268,7 @@ def run_tp_ab(args: argparse.Namespace, threads: int) -> dict:
         elif line.startswith("greedy tokens identical:"):
             res["tokens_identical"] = line.split(":", 1)[1].strip() == "True"
     if "decode" not in res:
-        res["error"] = "bench/tp_ab.py printed no decode summary line"
+        res["error"] = "bench.tp.ab printed no decode summary line"
     return res
 
 
@@ -305,21 +284,16 @@ def command(args: argparse.Namespace) -> str:
             "--max-tokens", str(args.max_tokens), "--threads-per-node", str(args.threads_per_node),
             "--max-batch-tokens", str(args.max_batch_tokens), "--tp-ab-threads", args.tp_ab_threads,
             "--tp-ab-args", args.tp_ab_args]
-    return ".venv/bin/python bench/tp_pairs.py " + shlex.join(opts)
+    return "python -m bench.tp.pairs " + shlex.join(opts)
 
 
-def write_results(args: argparse.Namespace, m: dict, pairs: list[dict] | None, writes: list[WritesRow] | None,
+def write_tp_pairs(args: argparse.Namespace, run_s: float, pairs: list[dict] | None, writes: list[WritesRow] | None,
                   tp_ab: list[dict] | None, layout: KvLayout) -> None:
-    out = Path(args.results_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    data = {"machine": m, "args": vars(args), "pairs": pairs, "writes": [asdict(w) for w in writes or []],
+    data = {"run_s": run_s, "args": vars(args), "pairs": pairs, "writes": [asdict(w) for w in writes or []],
             "tp_ab": tp_ab}
-    (out / "tp_pairs.json").write_text(json.dumps(data, indent=1))
     lines = ["# Disaggregated tensor-parallel pairs (issue 16)", "",
-             f"Command: `{command(args)}`", "",
-             f"Machine: {m['nproc']} CPUs ({m['cpu']}), python {m['python']}, commit {m['commit']}"
-             f"{' + uncommitted changes in the tree' if m['tree_modified'] else ''}, {m['date']}, load average at "
-             f"end {m['loadavg'][0]:.2f} (the host is shared by other sessions' tests); the run took {m['run_s']} s.",
+             f"Every option spelled out: `{command(args)}`", "",
+             f"The run took {run_s:.0f} s (the host is shared by other sessions' tests).",
              f"Default model geometry: {layout.num_layers} layers, {layout.kv_heads} KV heads x {layout.head_dim}, "
              f"{layout.dtype}, {layout.page_size}-token pages.", ""]
     if pairs is not None:
@@ -362,10 +336,10 @@ def write_results(args: argparse.Namespace, m: dict, pairs: list[dict] | None, w
                          f"| {w.nhd_over_hnd:.1f}x |")
         lines.append("")
     if tp_ab is not None:
-        lines += ["## (c) TP 2 against TP 1 in one process (bench/tp_ab.py)", "",
-                  f"`bench/tp_ab.py {args.tp_ab_args} --threads T` (TP 1 on T threads; TP 2: leader + pinned worker, "
-                  "1 thread each); medians in ms; collectives = the TP 2 leader's time inside the row-parallel "
-                  "folds' send / recv / broadcast (waiting for the other rank included).", "",
+        lines += ["## (c) TP 2 against TP 1 in one process (bench.tp.ab)", "",
+                  f"`python -m bench.tp.ab {args.tp_ab_args} --threads T` (TP 1 on T threads; TP 2: leader + "
+                  "pinned worker, 1 thread each); medians in ms; collectives = the TP 2 leader's time inside the "
+                  "row-parallel folds' send / recv / broadcast (waiting for the other rank included).", "",
                   "| TP 1 threads | phase | TP 1 | TP 2 | paired TP 2 - TP 1 | TP 2 leader in collectives "
                   "| share of TP 2 | tokens identical |", "|---|---|---|---|---|---|---|---|"]
         for r in tp_ab:
@@ -381,7 +355,7 @@ def write_results(args: argparse.Namespace, m: dict, pairs: list[dict] | None, w
                                  f"| {p['comm_share_pct']:.0f}% | {'yes' if r.get('tokens_identical') else 'NO'} |")
         setups = sorted({r["setup"] for r in tp_ab if r.get("setup")})
         lines += [""] + [f"tp_ab: {s}" for s in setups] + [""]
-    (out / "tp_pairs.md").write_text("\n".join(lines))
+    write_results(args.results_dir, "tp_pairs", payload=data, lines=lines)
 
 
 def main() -> int:
@@ -401,10 +375,10 @@ def main() -> int:
     ap.add_argument("--num-blocks", type=int, default=192, help="KV pages per node (2048 tokens take 128)")
     ap.add_argument("--startup-timeout-s", type=float, default=300)
     ap.add_argument("--request-timeout-s", type=float, default=180)
-    ap.add_argument("--tp-ab-threads", default="1,2", help="TP 1 thread counts, one bench/tp_ab.py run each")
+    ap.add_argument("--tp-ab-threads", default="1,2", help="TP 1 thread counts, one bench.tp.ab run each")
     ap.add_argument("--tp-ab-args", default="--rounds 3 --prefill-tokens 128 --batch 8 --ctx 32 --steps 3")
     ap.add_argument("--tp-ab-timeout-s", type=float, default=240)
-    ap.add_argument("--results-dir", default=str(ROOT / "bench" / "results"))
+    add_results_args(ap, "tp")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     if not parts <= {"a", "b", "c"}:
@@ -436,9 +410,7 @@ def main() -> int:
     pair_results = None
     if "a" in parts:
         pair_results = pair_rows(run_pairs(args, pairs, lengths), lengths)
-    m = machine()
-    m["run_s"] = round(time.monotonic() - t0)
-    write_results(args, m, pair_results, writes, tp_ab, layout)
+    write_tp_pairs(args, round(time.monotonic() - t0), pair_results, writes, tp_ab, layout)
     print(f"done in {time.monotonic() - t0:.0f} s; results in {args.results_dir}/tp_pairs.md", flush=True)
     return 0
 
