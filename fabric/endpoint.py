@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 # Nagle on the tcp provider's sockets delays the small messages rxm answers with
 # (acknowledgements, completions): on loopback it made a lone 64 KiB write several times slower
 # and halved bandwidth at 64 KiB (the fabric benchmark runs C and Python with this default:
-# bench/results/fabric.md). libfabric reads it when it first initializes its providers, so it is
+# bench/results/fabric/fabric.md). libfabric reads it when it first initializes its providers, so it is
 # set before any engine opens (an explicit setting wins).
 os.environ.setdefault("FI_TCP_NODELAY", "1")
 

@@ -21,7 +21,7 @@ bandwidth drift hit all three alike); per-call min / median and the median of th
 ratios float32-pool time / this time.
 
 Run:
-    cd /work/main && .venv/bin/python bench/attention_kernels.py [--threads 2] [--out PATH]
+    cd /work/main && python -m bench.engine.attention_kernels [--threads 2] [--out PATH]
 """
 
 from __future__ import annotations
@@ -299,7 +299,7 @@ def main() -> None:
          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     emit("- dtype column: q (and out) dtype / K/V pool dtype")
     emit("- times per call (one layer): min / median over the reps; ratio and GB/s use the mins")
-    emit("- command: `.venv/bin/python bench/attention_kernels.py`")
+    emit("- command: `python -m bench.engine.attention_kernels`")
     for threads in thread_counts:
         run_tables(threads, args.quick, emit)
     emit()

@@ -1,6 +1,6 @@
 """Paired A/B of a batch-32 float32 decode step between two source trees (default model).
 
-    .venv/bin/python bench/layer_loop_ab.py --old /tmp/tree-before --new . [--rounds 12 --steps 5]
+    python -m bench.engine.layer_loop_ab --old /tmp/tree-before --new . [--rounds 12 --steps 5]
 
 Starts one worker process per tree (each imports pdserve from its own tree, so the trees need
 their C modules built in place), gives each engine the same --batch prompts of --ctx token ids,
@@ -10,7 +10,7 @@ the other). Each measured step must be a pure decode step of --batch tokens. Pri
 medians, the median of the paired per-round differences (new - old) and whether every
 generated token agrees between the trees (greedy decoding: it must).
 
-    .venv/bin/python bench/layer_loop_ab.py --old /tmp/tree-before --new . --glue [--rounds 12]
+    python -m bench.engine.layer_loop_ab --old /tmp/tree-before --new . --glue [--rounds 12]
 
 measures the layer loop's own cost instead, which a loaded machine's step times hide: a
 30-layer float32 Llama with tiny dimensions (hidden 64, so every kernel takes a few

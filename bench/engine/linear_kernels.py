@@ -7,8 +7,8 @@ weights (~540 MB float32) are far larger than L3, as in a real step, so each lay
 come from memory.
 
 Run (quiet machine; the result depends on what else runs):
-    cd /work/main && .venv/bin/python bench/linear_kernels.py [--threads 1] [--rows 1,2,4,8,16,32] \
-        [--record bench/results/linear_kernels.md]
+    cd /work/main && python -m bench.engine.linear_kernels [--threads 1] [--rows 1,2,4,8,16,32] \
+        [--record bench/results/engine/linear_kernels.md]
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def main() -> None:
     lines = [
         f"# Linear layers of one SmolLM2-135M decode step ({weight_bytes / 1e6:.0f} MB float32 weights)",
         "",
-        f"`.venv/bin/python bench/linear_kernels.py --threads {args.threads} --rows {args.rows} --clock {args.clock}`, "
+        f"`python -m bench.engine.linear_kernels --threads {args.threads} --rows {args.rows} --clock {args.clock}`, "
         f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
         f"threads {args.threads}, median of {args.repeats} steps, {args.clock} clock.",
         "",

@@ -1,6 +1,6 @@
 """Paired A/B of the engine's prefill and decode passes between two source trees, alternating.
 
-    .venv/bin/python bench/engine_ab.py --old /tmp/tree-before --new . [--rounds 10]
+    python -m bench.engine.passes_ab --old /tmp/tree-before --new . [--rounds 10]
 
 One worker process per tree imports pdserve from that tree (its C modules built in place with
 `python setup.py build_ext --inplace`; only the public API, `pdserve.LLM` and `SamplingParams`,
@@ -14,7 +14,7 @@ Prints each tree's median per measure and the median of the per-round paired dif
 (new - old), and checks that both trees generate the same greedy tokens.
 
 The worker started first (--old) was favoured on the prefill pass whichever tree it ran
-(bench/results/restructure_ab.md), so run it both ways round (--old A --new B, then --old B --new A)
+(bench/results/ab/restructure_ab.md), so run it both ways round (--old A --new B, then --old B --new A)
 and read the two together.
 """
 

@@ -1,7 +1,7 @@
 """Prefix cache (E12) on the default model: requests that share a long prefix, with and without
 block sharing. Reports prefill wall time, prompt tokens computed and the engine's hit rate.
 
-    .venv/bin/python bench/prefix_cache.py [--prefix-tokens 1024] [--requests 8] [--threads 2]
+    python -m bench.engine.prefix_cache [--prefix-tokens 1024] [--requests 8] [--threads 2]
 
 Each request is the same prefix plus its own 32-token suffix and generates one token, so the
 time is almost all prefill. The first request always computes the prefix; with sharing on, the

@@ -2,7 +2,7 @@
 slicing-by-8 table) against zlib.crc32, on one 1 MiB buffer and on that buffer cut into page-shard
 runs (crc32c_runs, one value per run, as the sender and receiver hash what the shard plan writes).
 
-    .venv/bin/python bench/checksum.py [--repeat 200] [--run-bytes 12288] [--out bench/results/checksum.md]
+    python -m bench.fabric.checksum [--repeat 200] [--run-bytes 12288] [--out bench/results/fabric/checksum.md]
 
 Median of `--repeat` timed calls after a warm-up, single thread, process CPU clock. Seconds-long.
 """
@@ -70,7 +70,7 @@ def main() -> None:
     lines = [
         "# Page-shard checksum: CRC32C (kv_messenger.checksum) vs zlib.crc32",
         "",
-        f"`.venv/bin/python bench/checksum.py --repeat {args.repeat} --run-bytes {args.run_bytes}`, "
+        f"`python -m bench.fabric.checksum --repeat {args.repeat} --run-bytes {args.run_bytes}`, "
         f"{time.strftime('%Y-%m-%d')}, {machine()}, SSE4.2: {checksum.hardware()}, one thread, median of "
         f"{args.repeat} calls (process CPU time).",
         "",

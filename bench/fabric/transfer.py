@@ -1,6 +1,6 @@
 """Write bandwidth and latency of TransferEngine next to C and memcpy.
 
-    .venv/bin/python bench/fabric_transfer.py [--providers shm,tcp;ofi_rxm] [--pages both|huge|normal]
+    python -m bench.fabric.transfer [--providers shm,tcp;ofi_rxm] [--pages both|huge|normal]
                                               [--bytes N] [--sizes S,...] [--repeat R] [--record]
 
 For each provider, page kind (transparent huge pages or normal pages, for
@@ -25,7 +25,7 @@ window), and prints Python as % of C. It also measures:
   C, and numpy copyto.
 
 With --repeat R every measurement runs R times and the median is kept (all
-values go to the JSON). --record writes bench/results/fabric.md and .json.
+values go to the JSON). --record writes bench/results/fabric/fabric.md and .json.
 A short check that it runs: --providers shm --pages huge --sizes 65536 --bytes 8388608.
 
 Pools come from the engine's allocator (pdserve.engine.cache.hostmem, as the KV pool does);
@@ -364,7 +364,7 @@ def render(info: dict, rows: list[Row], args: argparse.Namespace) -> str:
     lines = [
         "# fabric benchmark",
         "",
-        f"Command: `python bench/fabric_transfer.py --pages {args.pages} --bytes {args.bytes} --repeat {args.repeat}`",
+        f"Command: `python -m bench.fabric.transfer --pages {args.pages} --bytes {args.bytes} --repeat {args.repeat}`",
         "",
         f"Machine: {info['nproc']} cores, {info['cpu']}, kernel {info['kernel']}, libfabric "
         f"{info['libfabric']}, THP `{info['thp']}`; {info['date']}. Load average (1 min) "
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pages", choices=("both", "huge", "normal"), default="both")
     parser.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="write sizes in bytes")
     parser.add_argument("--repeat", type=int, default=1, help="runs per measurement (median kept)")
-    parser.add_argument("--record", action="store_true", help="write bench/results/fabric.md and .json")
+    parser.add_argument("--record", action="store_true", help="write bench/results/fabric/fabric.md and .json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     # importing TransferEngine (above) set the engine's FI_TCP_NODELAY default, which the C runs inherit

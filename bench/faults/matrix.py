@@ -2,12 +2,12 @@
 node (tests/support/netfault.py: the prefill node in its own network namespace across a veth wire,
 faults dropped or shaped in transit, tcp;ofi_rxm) and process faults on the prefill node, on a decode
 node and on the router, each struck against a batch of concurrent requests on a running cluster; a
-table of fault x outcome in bench/results/faults.md.
+table of fault x outcome in bench/results/faults/faults.md.
 
-    sudo .venv/bin/python bench/faults.py            # every row (~3 min on 2 cores)
-    sudo .venv/bin/python bench/faults.py --rows loss-1%,loss-20%
-    sudo .venv/bin/python bench/faults.py --rows partition-long,loss-20% --update   # rerun rows in place
-    sudo .venv/bin/python bench/faults.py --rotate-key-after 2   # the decode node releases unfenced holds
+    sudo python -m bench.faults.matrix            # every row (~3 min on 2 cores)
+    sudo python -m bench.faults.matrix --rows loss-1%,loss-20%
+    sudo python -m bench.faults.matrix --rows partition-long,loss-20% --update   # rerun rows in place
+    sudo python -m bench.faults.matrix --rotate-key-after 2   # the decode node releases unfenced holds
 
 With --update the rows run replace the same rows of the existing results file, the others stay, and
 a line under the header says which rows were rerun, when, on which machine and commit.
@@ -446,7 +446,7 @@ def main() -> int:
         p.error(f"--rotate-key-after must be > 0, got {args.rotate_key_after}")
     reason = nf.unavailable()
     if reason:
-        print(f"bench/faults.py cannot run here: {reason}", file=sys.stderr)
+        print(f"bench.faults.matrix cannot run here: {reason}", file=sys.stderr)
         return 2
     wanted = [w for w in args.rows.split(",") if w]
     unknown = set(wanted) - {r.name for r in ROWS}
@@ -466,7 +466,7 @@ def main() -> int:
     text = [
         "# Fault matrix (issue 15)",
         "",
-        f"`sudo .venv/bin/python bench/faults.py{flags}` on "
+        f"`sudo python -m bench.faults.matrix{flags}` on "
         f"{started:%Y-%m-%d %H:%M} UTC, {time.monotonic() - t0:.0f} s. Machine: {_machine()}. Commit {commit}{tree}.",
         "",
         "Clusters, one after the other; every node SmolLM2-135M float32, 160 pages, 1 thread, tcp;ofi_rxm; decode "
@@ -495,7 +495,7 @@ def main() -> int:
     ]
     if args.update and Path(args.out).exists():
         text = updated(Path(args.out).read_text().split("\n"), results,
-                       f"Rows {', '.join(r.name for r in rows)} rerun with `sudo .venv/bin/python bench/faults.py"
+                       f"Rows {', '.join(r.name for r in rows)} rerun with `sudo python -m bench.faults.matrix"
                        f"{flags} --update` on {started:%Y-%m-%d %H:%M} UTC, "
                        f"{time.monotonic() - t0:.0f} s. Machine: {_machine()}. Commit {commit}{tree}.")
     Path(args.out).write_text("\n".join(text))

@@ -1,6 +1,6 @@
 """The draft head's prompt history on a decode node (issue 18): what each way of getting it costs.
 
-    .venv/bin/python bench/context_history.py [--repeats 200] [--update]
+    python -m bench.spec.context_history [--repeats 200] [--update]
 
 A decode node's eagle head needs its own rows (K/V of one layer) for the prompt's last
 EAGLE_HISTORY_ROWS positions. Two ways:
@@ -19,9 +19,9 @@ Both put the same work on the path to the first token except for the size of the
 where the head's compute runs: the decode node's engine thread in A), so the difference in TTFT
 between them is the extra bytes' cost: encoding and checking a bigger record (measured
 here, with a record of B's size as the stand-in, history rows of equal bytes) and writing it over
-the fabric (bench/results/fabric.md's bandwidth at that size). The head's compute, measured here
+the fabric (bench/results/fabric/fabric.md's bandwidth at that size). The head's compute, measured here
 too, is what both pay once. TTFT through clusters with and without the history:
-bench/results/eagle_handoff.md (eagle vs eagle-nohist).
+bench/results/spec/eagle_handoff.md (eagle vs eagle-nohist).
 
 One process, the default model's sizes (hidden 576, top-k 32) and its shipped head, float32,
 `torch.set_num_threads(1)` (a node's thread), medians over --repeats.
@@ -104,7 +104,7 @@ def main() -> None:
     lines = [
         "# A decode node's draft-head history: hidden states handed over (A) vs head K/V shipped (B)",
         "",
-        f"`.venv/bin/python bench/context_history.py --repeats {args.repeats}{' --update' if args.update else ''}` "
+        f"`python -m bench.spec.context_history --repeats {args.repeats}{' --update' if args.update else ''}` "
         f"on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()}, "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}, 1 thread, commit {_commit()}; load average "
         f"{[round(x, 2) for x in os.getloadavg()]}. Medians of {args.repeats}.",
@@ -117,9 +117,9 @@ def main() -> None:
         f"side): history_kv {compute:.3f} ms, writing them into the pool {copy:.3f} ms.",
         "",
         f"A's record is {extra:,} bytes larger than B's would be: over shm at 256 KiB writes (normal pages, "
-        f"~3.9 GB/s, bench/results/fabric.md) ~{extra / 3.9e9 * 1e6:.0f} us, over tcp;ofi_rxm (~2.5 GB/s) "
+        f"~3.9 GB/s, bench/results/fabric/fabric.md) ~{extra / 3.9e9 * 1e6:.0f} us, over tcp;ofi_rxm (~2.5 GB/s) "
         f"~{extra / 2.5e9 * 1e6:.0f} us, plus the encode/decode difference above; against a TTFT of "
-        "~100-500 ms at batch 1 (bench/results/eagle_handoff.md): B would save well under a millisecond "
+        "~100-500 ms at batch 1 (bench/results/spec/eagle_handoff.md): B would save well under a millisecond "
         "of a first token. Where the head's compute runs differs: in A on the decode node's engine thread, "
         f"which stalls every decoding sequence's next step for those {compute:.1f} ms once per arriving "
         "request; in B on the prefill node, after a prefill that takes far longer. Kept: A, so prefill nodes "

@@ -3,9 +3,9 @@ speculation does not pay): the engine's control (pdserve/engine/spec_decode/cont
 another version of that module given by path, both in one engine, runs alternating.
 
     git show REV:pdserve/engine/spec_decode/control.py > /tmp/old_control.py
-    .venv/bin/python bench/spec_control_ab.py --old /tmp/old_control.py [--rounds 4 --tokens 48]
+    python -m bench.spec.control_ab --old /tmp/old_control.py [--rounds 4 --tokens 48]
 
-Workload: bench/spec_decode.py's prose prompts (where drafts are mostly rejected), 16 requests
+Workload: bench.spec.decode's prose prompts (where drafts are mostly rejected), 16 requests
 added at once, greedy, EOS ignored, --tokens each. Configurations: plain, and n-gram K=2 n=1..4 and
 the 4-layer self-draft K=2, each with the new and the old control (one speculator per
 configuration, kept across rounds so its control learns as a server's does; the first round is

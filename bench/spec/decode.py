@@ -1,8 +1,8 @@
 """Speculative decoding (E20, issue 17) on the default model: per-user TPS at batch 1 and system TPS
 at batch 16 with and without each method, paired and alternating in one process.
 
-    .venv/bin/python bench/spec_decode.py [--rounds 3 --budget-s 480 --max-tokens 64 --batch-max-tokens 32] [--update]
-    .venv/bin/python bench/spec_decode.py --configs plain,ngram-k4-n1,self-k8-K2 --rounds 1 \\
+    python -m bench.spec.decode [--rounds 3 --budget-s 480 --max-tokens 64 --batch-max-tokens 32] [--update]
+    python -m bench.spec.decode --configs plain,ngram-k4-n1,self-k8-K2 --rounds 1 \\
         --max-tokens 16 --batch 4          # a smoke run
 
 One engine (float32, --threads torch threads, the prefix cache on, the pool faulted in) serves
@@ -54,8 +54,9 @@ Correctness: greedy speculative output must equal plain output token for token; 
 compared with plain's run of the same prompt (batch 1) or batch (batch 16) in the same round, and
 a mismatch is printed loudly and counted in the results (it is a bug, not noise).
 
---update writes bench/results/spec_decode.md and .json (the machine, commit, date, load average
-and the exact command); without it the report is only printed.
+--update writes <--results-dir>/spec_decode.md and .json (default bench/results/spec/; stamped with
+commit, date, machine and the exact command, plus the load average); without it the report is only
+printed.
 
 Bounds: nothing here waits on anything but the engine's own steps in this thread; a run ends when
 its requests finish (max_tokens each, EOS ignored), at most --max-tokens steps per request.
@@ -80,18 +81,15 @@ from typing import Any
 
 import torch
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-from support.reference import REFERENCE_PROMPTS
-
+from bench.common.results import add_results_args, write_results
 from pdserve import LLM, SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.spec_decode.speculator import Speculator, make_speculator
+from tests.support.reference import REFERENCE_PROMPTS
 
 GOAL_SPEEDUP_BATCH1 = 1.5      # per-user TPS at batch 1: n-gram on repetition, the best draft on prose
 GOAL_SYSTEM_RATIO = 1.0        # system TPS at batch 16: no loss against plain
-RESULTS = os.path.join(REPO_ROOT, "bench", "results", "spec_decode")
 
 # --- configurations ----------------------------------------------------------------------------
 
@@ -544,35 +542,14 @@ def fmt(x: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if x is None else f"{x:{spec}}{suffix}"
 
 
-def machine_info() -> dict[str, Any]:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=REPO_ROOT, capture_output=True, text=True, check=False).stdout.strip()
-
-    cpu = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    return {"cpus": os.cpu_count(), "cpu_model": cpu, "kernel": platform.release(), "python": platform.python_version(),
-            "torch": torch.__version__, "commit": git("rev-parse", "--short", "HEAD"),
-            "dirty_files": len(dirty.splitlines()) if dirty else 0,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-
-
 def report(rows: list[dict[str, Any]], goal_rows: list[dict[str, Any]], loads: dict[str, list[Prompt]],
-           args: argparse.Namespace, machine: dict[str, Any], loadavg: dict[str, list[float]], wall_s: float,
-           command: str, mismatches: list[str], num_layers: int,
+           args: argparse.Namespace, loadavg: dict[str, list[float]], wall_s: float,
+           mismatches: list[str], num_layers: int,
            ceiling: dict[str, dict[int, float]]) -> list[str]:
     b = args.batch
     lines = ["# Speculative decoding: per-user and system TPS (issue 17)", "",
-             f"`{command}` on {machine['date']}, {wall_s:.0f} s. Machine: {machine['cpus']} cores "
-             f"({machine['cpu_model']}), Linux {machine['kernel']}, python {machine['python']}, torch "
-             f"{machine['torch']}. Commit {machine['commit']}"
-             + (f" plus uncommitted changes in the shared tree ({machine['dirty_files']} files)"
-                if machine["dirty_files"] else "") +
-             f". Load average (1/5/15 min) at start {loadavg['start']}, at end {loadavg['end']} (a shared machine).",
+             f"{wall_s:.0f} s (commit, machine and command at the end). Load average (1/5/15 min) at start "
+             f"{loadavg['start']}, at end {loadavg['end']} (a shared machine).",
              "",
              f"Default model (SmolLM2-135M-Instruct, {num_layers} layers), float32, {args.threads} threads, one "
              f"engine; greedy, EOS ignored, {args.max_tokens} output tokens per request at batch 1, "
@@ -674,7 +651,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eagle-head", default=None,
                    help="a draft head trained for the target (pdserve draft train): adds configs eagle-K2, eagle-K4")
     p.add_argument("--workloads", default=None, help="comma list of repetition, prose (default: both)")
-    p.add_argument("--update", action="store_true", help=f"write {os.path.relpath(RESULTS, REPO_ROOT)}.md/.json")
+    p.add_argument("--update", action="store_true", help="write spec_decode.md/.json into --results-dir")
+    add_results_args(p, "spec")
     args = p.parse_args(argv)
     args.self_draft_workloads = [w.strip() for w in args.self_draft_workloads.split(",") if w.strip()]
     if args.rounds < 1 or min(args.max_tokens, args.batch_max_tokens) < 2 or args.batch < 2:
@@ -685,8 +663,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    command = " ".join(shlex.quote(a) for a in [".venv/bin/python", "bench/spec_decode.py",
-                                                  *(sys.argv[1:] if argv is None else argv)])
     loadavg = {"start": [round(x, 2) for x in os.getloadavg()]}
     t0 = time.perf_counter()
     torch.set_num_threads(args.threads)
@@ -716,23 +692,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = summarize(configs, loads, args.batch, tallies, timer)
     goal_rows = goals(rows, args.batch)
     loadavg["end"] = [round(x, 2) for x in os.getloadavg()]
-    machine = machine_info()
-    lines = report(rows, goal_rows, loads, args, machine, loadavg, time.perf_counter() - t0, command, mismatches,
-                   num_layers, ceiling)
+    lines = report(rows, goal_rows, loads, args, loadavg, time.perf_counter() - t0, mismatches, num_layers, ceiling)
     print("\n" + "\n".join(lines), flush=True)
     if mismatches:
         print(f"\n!!! {len(mismatches)} MISMATCHES between speculative and plain greedy output !!!", flush=True)
     if args.update:
-        payload = {"command": command, "machine": machine, "load_average": loadavg, "config": vars(args),
+        payload = {"load_average": loadavg, "config": {k: v for k, v in vars(args).items() if k != "results_dir"},
                    "workloads": {w: [{"name": p.name, "prompt_tokens": len(p.token_ids)} for p in ps]
                                  for w, ps in loads.items()},
                    "rows": rows, "goals": goal_rows, "self_draft_ceiling": ceiling, "mismatches": mismatches}
-        with open(RESULTS + ".json", "w") as f:
-            json.dump(payload, f, indent=1)
-            f.write("\n")
-        with open(RESULTS + ".md", "w") as f:
-            f.write("\n".join(lines) + "\n")
-        print(f"wrote {RESULTS}.md and .json", flush=True)
+        write_results(args.results_dir, "spec_decode", payload=payload, lines=lines,
+                      argv=None if argv is None else list(argv))
 
 
 if __name__ == "__main__":

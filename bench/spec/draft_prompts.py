@@ -1,11 +1,11 @@
 """Writes bench/data/draft_prompts.jsonl: the prompt set the shipped eagle head was distilled on
 (`pdserve draft train --prompts bench/data/draft_prompts.jsonl`, issue 18).
 
-    .venv/bin/python bench/draft_prompts.py [--out bench/data/draft_prompts.jsonl]
+    python -m bench.spec.draft_prompts [--out bench/data/draft_prompts.jsonl]
 
 The 48 bench prompts (pdserve/tools/bench/data/prompts.jsonl) gave a head that agrees with the
 target on 0.38 of held-out rows of the same prompts but on ~0.13 of the spec-decode bench's
-texts (bench/results/eagle_handoff.md): too few, too alike. This set is wider, and made only from
+texts (bench/results/spec/eagle_handoff.md): too few, too alike. This set is wider, and made only from
 what a fresh machine has, so it is the same on every machine with this Python:
 - the bench prompts themselves;
 - the opening paragraph of the docstring of every pure-Python standard-library module that
@@ -13,7 +13,7 @@ what a fresh machine has, so it is the same on every machine with this Python:
 - the first lines of the source of one public function of each such module (code to continue);
 - instructions: every task template below over a rotating subset of the topics (chat-style);
 - story and essay openings of many kinds (prose to continue).
-The spec-decode bench's own prompts (bench/spec_decode.py workloads) are not in it: its results
+The spec-decode bench's own prompts (bench.spec.decode workloads) are not in it: its results
 measure the head on text it never saw.
 
 Deterministic: sorted module names, fixed templates, no randomness. Nothing here waits.

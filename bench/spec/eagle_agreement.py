@@ -1,7 +1,7 @@
 """Teacher-forced top-1 agreement of eagle heads with the target on the spec-decode bench's
-prompts (bench/spec_decode.py workloads: text no shipped head was trained on), issue 18.
+prompts (bench.spec.decode workloads: text no shipped head was trained on), issue 18.
 
-    .venv/bin/python bench/eagle_agreement.py HEAD_DIR [HEAD_DIR ...]
+    python -m bench.spec.eagle_agreement HEAD_DIR [HEAD_DIR ...]
 
 For each prompt, transformers writes up to 64 greedy tokens (stopping at EOS) and gives its
 final-norm hidden state at every position; each head then drafts one token from (h_t, x_{t+1})

@@ -1,11 +1,11 @@
 """The speculative hidden-state handoff through `pdserve up` (issue 18): TTFT, time to the second
 token and per-user TPS at batch 1 and 8, eagle vs draft vs n-gram vs none, on 1P+1D clusters.
 
-    .venv/bin/python bench/eagle_handoff.py --rounds 3 --budget-s 1200 --max-tokens 64 --batch 8 \\
+    python -m bench.spec.eagle_handoff --rounds 3 --budget-s 1200 --max-tokens 64 --batch 8 \\
         --update                                         # the full run, on an idle machine (~15 min)
         # add --train-log LOG (the draft train run's log) and/or --train-time-s S for the training line;
         # --eagle-head DIR to measure another head than the shipped one
-    .venv/bin/python bench/eagle_handoff.py --configs none,ngram --rounds 1 --max-tokens 8 \\
+    python -m bench.spec.eagle_handoff --configs none,ngram --rounds 1 --max-tokens 8 \\
         --batch 2                                        # a smoke run
 
 Configurations (speculative_config of the decode node; never the prefill node's, see launcher.py):
@@ -31,7 +31,7 @@ the default model, --threads-per-node (1: the two nodes do not fight on a 2-core
 pays its prefill and its transfer, as a fresh prompt does: TTFT is the point here). Each is
 warmed up (every prompt once, then one batch, 4 tokens each) before any measurement.
 
-Prompts (token ids, built once with the default model's tokenizer): bench/spec_decode.py's
+Prompts (token ids, built once with the default model's tokenizer): bench.spec.decode's
 workloads (imported, not copied: repetition = tests/support/reference.py REFERENCE_PROMPTS[6], [7],
 the accessor class, the chat "rewrite this paragraph"; prose = the raw and the chat story), plus
 REFERENCE_PROMPTS[0] and [4] as short prose. Greedy, --max-tokens (64) output tokens, EOS ignored.
@@ -69,7 +69,7 @@ report warns when config.json changed during the run (a training run writing the
 
 A round starts only if, by the last round's time, the run ends within --budget-s (1200 s,
 counted from the start, cluster starts included); the results say how many rounds ran. --update
-writes bench/results/eagle_handoff.md and .json (the machine, commit, date, load average and the
+writes bench/results/spec/eagle_handoff.md and .json (the machine, commit, date, load average and the
 exact command); without it the report is only printed.
 
 Bounds: each cluster's start, at most --startup-timeout-s (300 s; Cluster.start); each request,
@@ -96,30 +96,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_spec_bench() -> Any:
-    """bench/spec_decode.py as a module (its prompt builder, machine_info and fmt), by path: bench/
-    is not a package."""
-    spec = importlib.util.spec_from_file_location("bench_spec_decode", REPO_ROOT / "bench" / "spec_decode.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod   # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-spec_bench = _load_spec_bench()
-
-from support import prometheus
-from support.reference import REFERENCE_PROMPTS
-
+from bench.common.results import add_results_args, write_results
+from bench.spec import decode as spec_bench
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tools.client import AsyncClient, GenerationChunk
 from pdserve.tools.launcher import Cluster
+from tests.support import prometheus
+from tests.support.reference import REFERENCE_PROMPTS
 
-RESULTS = REPO_ROOT / "bench" / "results" / "eagle_handoff"
 DECODE_NODE = "decode-0"
 WARMUP_TOKENS = 4
 
@@ -555,17 +539,13 @@ def finish_training_info(info: dict[str, Any], logs: Sequence[str]) -> dict[str,
 fmt = spec_bench.fmt
 
 
-def report(rows: list[dict[str, Any]], prompts: list[Prompt], args: argparse.Namespace, machine: dict[str, Any],
-           loadavg: dict[str, list[float]], wall_s: float, command: str, mismatches: list[str],
+def report(rows: list[dict[str, Any]], prompts: list[Prompt], args: argparse.Namespace,
+           loadavg: dict[str, list[float]], wall_s: float, mismatches: list[str],
            train: dict[str, Any] | None) -> list[str]:
     b = args.batch
     lines = ["# Speculative hidden-state handoff through `pdserve up` (issue 18)", "",
-             f"`{command}` on {machine['date']}, {wall_s:.0f} s. Machine: {machine['cpus']} cores "
-             f"({machine['cpu_model']}), Linux {machine['kernel']}, python {machine['python']}, torch "
-             f"{machine['torch']}. Commit {machine['commit']}"
-             + (f" plus uncommitted changes in the shared tree ({machine['dirty_files']} files)"
-                if machine["dirty_files"] else "") +
-             f". Load average (1/5/15 min) at start {loadavg['start']}, at end {loadavg['end']} (a shared machine).",
+             f"{wall_s:.0f} s (commit, machine and command at the end). Load average (1/5/15 min) at start "
+             f"{loadavg['start']}, at end {loadavg['end']} (a shared machine).",
              "",
              f"One cluster per configuration (1 prefill + 1 decode + router, shm, default model, "
              f"{args.threads_per_node} thread(s) per node, {args.num_blocks} blocks, prefix cache "
@@ -660,7 +640,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-cache", action="store_true", help="keep the nodes' prefix cache on (default off)")
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
     p.add_argument("--request-timeout-s", type=float, default=300.0)
-    p.add_argument("--update", action="store_true", help=f"write {RESULTS.relative_to(REPO_ROOT)}.md/.json")
+    p.add_argument("--update", action="store_true", help="write eagle_handoff.md/.json into --results-dir")
+    add_results_args(p, "spec")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.max_tokens < 2 or args.batch < 2:
         p.error(f"need --rounds >= 1, --max-tokens >= 2, --batch >= 2 (got {args.rounds}, {args.max_tokens}, "
@@ -672,8 +653,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    command = " ".join(shlex.quote(a) for a in [".venv/bin/python", "bench/eagle_handoff.py",
-                                                  *(sys.argv[1:] if argv is None else argv)])
     loadavg = {"start": [round(x, 2) for x in os.getloadavg()]}
     t_start = time.perf_counter()
     known = all_configs(args.eagle_head)
@@ -704,21 +683,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if train is not None:
         train = finish_training_info(train, args.train_log)
     loadavg["end"] = [round(x, 2) for x in os.getloadavg()]
-    machine = spec_bench.machine_info()
-    lines = report(rows, prompts, args, machine, loadavg, time.perf_counter() - t_start, command, mismatches, train)
+    lines = report(rows, prompts, args, loadavg, time.perf_counter() - t_start, mismatches, train)
     print("\n" + "\n".join(lines), flush=True)
     if mismatches:
         print(f"\n!!! {len(mismatches)} MISMATCHES between speculative and plain greedy output !!!", flush=True)
     if args.update:
-        payload = {"command": command, "machine": machine, "load_average": loadavg, "config": vars(args),
+        payload = {"load_average": loadavg, "config": {k: v for k, v in vars(args).items() if k != "results_dir"},
                    "configs": [asdict(c) for c in configs],
                    "prompts": [{"name": p.name, "workload": p.workload, "prompt_tokens": len(p.token_ids)}
                                for p in prompts],
                    "rows": rows, "mismatches": mismatches,
                    "training": None if train is None else {k: v for k, v in train.items() if k != "config_text"}}
-        RESULTS.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
-        RESULTS.with_suffix(".md").write_text("\n".join(lines) + "\n")
-        print(f"wrote {RESULTS}.md and .json", flush=True)
+        write_results(args.results_dir, "eagle_handoff", payload=payload, lines=lines,
+                      argv=None if argv is None else list(argv))
     return 1 if mismatches else 0
 
 

@@ -3,9 +3,9 @@ at batch 16): the engine's phases (proposals, schedule, the pass, the update and
 timed around the engine's own methods, plain vs n-gram K=2 and K=8 (n=1..4), in one engine,
 configurations alternating in a rotating order, the first round a warm-up.
 
-    .venv/bin/python bench/spec_phases.py [--workload prose|repetition] [--rounds 4 --tokens 32]
+    python -m bench.spec.phases [--workload prose|repetition] [--rounds 4 --tokens 32]
 
-Workloads are bench/spec_decode.py's. 16 requests added at once, greedy, EOS ignored; with
+Workloads are bench.spec.decode's. 16 requests added at once, greedy, EOS ignored; with
 --steady N, N requests of which 16 are in flight at every step (each finished one replaced at once,
 as a serving load of concurrency 16 keeps it). The difference matters: a closed batch of 16 drains,
 and its system TPS is bound by its slowest sequence's step count: speculation that speeds the
@@ -153,7 +153,7 @@ def main() -> None:
         mode = f"{args.steady} requests, 16 in flight" if args.steady else "batch 16"
         steady = (f" --steady {args.steady}" if args.steady else "") + (" --passes" if args.passes else "")
         head = (f"\n## {args.workload}, {mode}, {args.tokens} tokens, {args.rounds} rounds\n\n"
-                f"`.venv/bin/python bench/spec_phases.py --workload {args.workload} --rounds {args.rounds} "
+                f"`python -m bench.spec.phases --workload {args.workload} --rounds {args.rounds} "
                 f"--tokens {args.tokens}{steady}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
                 f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
                 f"load average at start {load0}, at end {list(os.getloadavg())}.\n\n")

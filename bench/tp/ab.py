@@ -1,6 +1,6 @@
 """TP 2 against TP 1 on this machine, paired and alternating in one process (default model, float32).
 
-    .venv/bin/python bench/tp_ab.py [--rounds 6 --prefill-tokens 512 --batch 16 --ctx 128 --steps 5]
+    python -m bench.tp.ab [--rounds 6 --prefill-tokens 512 --batch 16 --ctx 128 --steps 5]
 
 Builds two engines in one process: `LLM(tensor_parallel_size=1, num_threads=--threads)` and
 `LLM(tensor_parallel_size=2)` (its worker rank pinned to its own core where there are two).

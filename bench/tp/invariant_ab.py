@@ -1,6 +1,6 @@
 """What the TP-invariant blocked fold costs TP 1: paired passes in one engine, the fold switched per pass.
 
-    .venv/bin/python bench/tp_invariant_ab.py [--rounds 8 --prefill-tokens 256 --batch 16 --ctx 64 --steps 3]
+    python -m bench.tp.invariant_ab [--rounds 8 --prefill-tokens 256 --batch 16 --ctx 64 --steps 3]
 
 One engine (default model, float32, --threads torch threads, the default config: at TP 1 its
 row-parallel layers sum in one block, which the bench checks first). Each round, in an order
