@@ -107,3 +107,13 @@ def write_results(directory: Path | str, stem: str, *, payload: dict[str, Any] |
     for path in written:
         print(f"wrote {path}", flush=True)
     return written
+
+
+def append_section(path: Path | str, lines: list[str], argv: list[str] | None = None) -> Path:
+    """Append `lines` and the stamp's footer to a Markdown file that collects several runs."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write("\n".join([*lines, *stamp(argv).lines()]) + "\n")
+    print(f"appended to {path}", flush=True)
+    return path

@@ -30,25 +30,18 @@ One process, the default model's sizes (hidden 576, top-k 32) and its shipped he
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
-import os
-import platform
 import statistics
-import subprocess
 import time
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-
+from bench.common.results import add_results_args, write_results
 from kv_messenger.context import ContextCodec, ExpectedRecord, TransferIdentity
 from pdserve.engine.spec_decode.config import EAGLE_HISTORY_ROWS
 from pdserve.engine.spec_decode.eagle import EagleHead, load_target_vocab, shipped_head_for
 from pdserve.model.loader import resolve_model
 
-RESULTS = REPO / "bench" / "results" / "context_history.md"
 TOP_K = 32
 
 
@@ -65,7 +58,8 @@ def median_ms(fn, repeats: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=200)
-    p.add_argument("--update", action="store_true", help=f"write {RESULTS.relative_to(REPO)}")
+    p.add_argument("--update", action="store_true", help="write context_history.md into --results-dir")
+    add_results_args(p, "spec")
     args = p.parse_args()
     torch.set_num_threads(1)
     vocab = load_target_vocab(str(resolve_model(None).path))
@@ -104,10 +98,7 @@ def main() -> None:
     lines = [
         "# A decode node's draft-head history: hidden states handed over (A) vs head K/V shipped (B)",
         "",
-        f"`python -m bench.spec.context_history --repeats {args.repeats}{' --update' if args.update else ''}` "
-        f"on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {platform.machine()}, "
-        f"{os.cpu_count()} CPUs, torch {torch.__version__}, 1 thread, commit {_commit()}; load average "
-        f"{[round(x, 2) for x in os.getloadavg()]}. Medians of {args.repeats}.",
+        f"1 thread, medians of {args.repeats} (commit, machine and command at the end).",
         "",
         "| context record | slot bytes | encode ms | decode + check ms |",
         "|---|---:|---:|---:|",
@@ -126,19 +117,9 @@ def main() -> None:
         "hold no head and serve decode nodes of any head (or none); B is the move if decode nodes' engine "
         "time at high arrival rates matters more than that.",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
+    print("\n".join(lines))
     if args.update:
-        RESULTS.write_text(text)
-        print(f"wrote {RESULTS}")
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        write_results(args.results_dir, "context_history", lines=lines)
 
 
 if __name__ == "__main__":

@@ -25,10 +25,9 @@ import time
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-import spec_decode as sd
-
+from bench.common.paired import rounds_in_order
+from bench.common.results import write_results
+from bench.spec import decode as sd
 from pdserve import LLM, SamplingParams
 from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.spec_decode.speculator import make_speculator
@@ -52,6 +51,8 @@ def main() -> None:
     ap.add_argument("--old", required=True, help="path of the other control.py")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--results-dir", type=pathlib.Path, default=None,
+                    help="also write spec_control_ab.md there (default: print only)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     spec_ = importlib.util.spec_from_file_location("old_control", args.old)
@@ -74,8 +75,7 @@ def main() -> None:
             specs[f"{name} {which}"] = s
     names = list(specs)
     ratios: dict[str, list[float]] = {n: [] for n in names}
-    for rnd in range(args.rounds + 1):
-        order = names[rnd % len(names):] + names[:rnd % len(names)]
+    for rnd, order in rounds_in_order(args.rounds + 1, names):
         tps: dict[str, float] = {}
         outs: dict[str, list[list[int]]] = {}
         for n in order:
@@ -88,9 +88,15 @@ def main() -> None:
         if rnd:
             for n in names:
                 ratios[n].append(tps[n] / tps["plain"])
+    lines = ["# Speculation control A/B (system TPS at batch 16, prose)", "",
+             f"{args.rounds} rounds (+1 warm-up), {args.tokens} tokens per request, old control {args.old}.", "",
+             "| configuration | median x plain | rounds |", "|---|---:|---|"]
     for n in names:
         print(f"{n}: median x plain {statistics.median(ratios[n]):.3f} (rounds: "
               f"{' '.join(f'{r:.3f}' for r in ratios[n])})")
+        lines.append(f"| {n} | {statistics.median(ratios[n]):.3f} | {' '.join(f'{r:.3f}' for r in ratios[n])} |")
+    if args.results_dir is not None:
+        write_results(args.results_dir, "spec_control_ab", lines=lines)
 
 
 if __name__ == "__main__":

@@ -65,14 +65,8 @@ its requests finish (max_tokens each, EOS ignored), at most --max-tokens steps p
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import shlex
 import statistics
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence

@@ -29,8 +29,10 @@ import pathlib
 import sys
 import warnings
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-BENCH_PROMPTS = ROOT / "pdserve" / "tools" / "bench" / "data" / "prompts.jsonl"
+import pdserve.tools.bench as serving_bench
+from bench.common.results import BENCH_DIR
+
+BENCH_PROMPTS = pathlib.Path(serving_bench.__file__).resolve().parent / "data" / "prompts.jsonl"
 SKIP_MODULES = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "pydoc_data", "lib2to3",
                 "ensurepip", "venv", "test", "xxlimited", "xxlimited_35", "xxsubtype", "_pydecimal"}
 
@@ -159,7 +161,7 @@ def prompts() -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "data" / "draft_prompts.jsonl"))
+    ap.add_argument("--out", default=str(BENCH_DIR / "data" / "draft_prompts.jsonl"))
     args = ap.parse_args()
     ps = prompts()
     out = pathlib.Path(args.out)

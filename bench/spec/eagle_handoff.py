@@ -82,11 +82,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import re
-import shlex
 import statistics
 import sys
 import time

@@ -24,17 +24,14 @@ import argparse
 import collections
 import os
 import pathlib
-import platform
 import statistics
 import time
 from typing import Any, Callable
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-import spec_decode as sd
-
+from bench.common.results import append_section
+from bench.spec import decode as sd
 from pdserve import LLM, SamplingParams
 from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.spec_decode.speculator import make_speculator
@@ -152,13 +149,10 @@ def main() -> None:
     if args.out:
         mode = f"{args.steady} requests, 16 in flight" if args.steady else "batch 16"
         steady = (f" --steady {args.steady}" if args.steady else "") + (" --passes" if args.passes else "")
-        head = (f"\n## {args.workload}, {mode}, {args.tokens} tokens, {args.rounds} rounds\n\n"
+        head = ["", f"## {args.workload}, {mode}, {args.tokens} tokens, {args.rounds} rounds", "",
                 f"`python -m bench.spec.phases --workload {args.workload} --rounds {args.rounds} "
-                f"--tokens {args.tokens}{steady}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-                f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}; "
-                f"load average at start {load0}, at end {list(os.getloadavg())}.\n\n")
-        with args.out.open("a") as f:
-            f.write(head + "\n".join(lines) + "\n")
+                f"--tokens {args.tokens}{steady}`; load average at start {load0}, at end {list(os.getloadavg())}.", ""]
+        append_section(args.out, head + lines)
 
 
 if __name__ == "__main__":
