@@ -8,7 +8,9 @@ prefills them, then alternates: `--steps` decode steps of the old tree, `--steps
 tree, `--rounds` times, the order flipped every round (so neither tree always runs first after
 the other). Each measured step must be a pure decode step of --batch tokens. Prints per-step
 medians, the median of the paired per-round differences (new - old) and whether every
-generated token agrees between the trees (greedy decoding: it must).
+generated token agrees between the trees (greedy decoding: it must). Workers are
+bench.common.paired.TreeWorker processes; each answer is awaited at most 900 s (model load and
+prefill included). --results-dir also writes layer_loop_ab.md there.
 
     python -m bench.engine.layer_loop_ab --old /tmp/tree-before --new . --glue [--rounds 12]
 
@@ -21,46 +23,46 @@ microseconds) and an attention backend that does nothing, one forward pass of --
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
-_BOUND_S = 900  # the longest a worker may take to answer one command (model load + prefill included)
+from bench.common.paired import Paired, TreeWorker, rounds_in_order, serve_commands
+from bench.common.results import write_results
 
 
-def _worker(batch: int, ctx: int, max_tokens: int, threads: int | None) -> None:
-    """Runs in a tree's directory: reads commands on stdin, answers one JSON line each."""
+def _worker(batch: int, ctx: int, max_tokens: int, threads: int | None, model: str | None) -> None:
+    """Runs with a tree's pdserve: {"op": "run", "steps": N} -> step times; {"op": "tokens"} -> the tokens."""
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.sampling_params import SamplingParams
 
-    threads_opt = {} if threads is None else {"num_threads": threads}
-    engine = LLMEngine(EngineConfig.from_options(max_batch_tokens=512, max_requests_per_batch=batch, **threads_opt))
+    opts: dict[str, Any] = {} if threads is None else {"num_threads": threads}
+    if model is not None:
+        opts["model"] = model
+    engine = LLMEngine(EngineConfig.from_options(max_batch_tokens=512, max_requests_per_batch=batch, **opts))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     requests = [engine.add_request([100 + (7 * s + 13 * i) % 20000 for i in range(ctx)], params)
                 for s in range(batch)]
     while any(not r.output_token_ids for r in requests):  # prefill (chunked) until every request sampled once
         engine.step()
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        cmd = line.split()
-        if cmd[0] == "run":
-            times = []
-            for _ in range(int(cmd[1])):
-                before = engine.num_forward_tokens
-                t0 = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - t0)
-                if engine.num_forward_tokens - before != batch:
-                    raise RuntimeError(f"step ran {engine.num_forward_tokens - before} tokens, "
-                                       f"not a batch-{batch} decode")
-            print(json.dumps({"times": times}), flush=True)
-        elif cmd[0] == "tokens":
-            print(json.dumps({"tokens": [r.output_token_ids for r in requests]}), flush=True)
-            return
+
+    def handle(cmd: dict[str, Any]) -> dict[str, Any]:
+        if cmd["op"] == "tokens":
+            return {"tokens": [r.output_token_ids for r in requests]}
+        times = []
+        for _ in range(cmd["steps"]):
+            before = engine.num_forward_tokens
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+            if engine.num_forward_tokens - before != batch:
+                raise RuntimeError(f"step ran {engine.num_forward_tokens - before} tokens, not a batch-{batch} decode")
+        return {"times": times}
+
+    serve_commands(handle)
 
 
 def _glue_worker(batch: int) -> None:
@@ -88,43 +90,23 @@ def _glue_worker(batch: int) -> None:
     last = torch.arange(batch)
     backend = NoAttention()
     logits, _ = model(ids, pos, pools, pools, backend, None, last)
-    print(json.dumps({"ready": True, "checksum": float(logits.double().sum())}), flush=True)
-    for line in sys.stdin:
-        cmd = line.split()
-        if cmd[0] != "run":
-            return
+
+    def handle(cmd: dict[str, Any]) -> dict[str, Any]:
         times = []
-        for _ in range(int(cmd[1])):
+        for _ in range(cmd["steps"]):
             t0 = time.perf_counter()
             model(ids, pos, pools, pools, backend, None, last)
             times.append(time.perf_counter() - t0)
-        print(json.dumps({"times": times}), flush=True)
+        return {"times": times}
+
+    serve_commands(handle, ready={"checksum": float(logits.double().sum())})
 
 
-class _Tree:
-    def __init__(self, path: str, args: argparse.Namespace) -> None:
-        self.path = os.path.abspath(path)
-        env = dict(os.environ, PYTHONPATH=self.path)
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--batch", str(args.batch), "--ctx",
-               str(args.ctx), "--max-tokens", str(args.rounds * args.steps + 64)] + (["--glue"] if args.glue else [])
-        cmd += [] if args.threads is None else ["--threads", str(args.threads)]
-        self.proc = subprocess.Popen(cmd, cwd=self.path, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
-
-    def ask(self, command: str | None = None) -> dict:
-        if command is not None:
-            self.proc.stdin.write(command + "\n")
-            self.proc.stdin.flush()
-        import selectors
-
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            if not sel.select(timeout=_BOUND_S):
-                raise TimeoutError(f"worker of {self.path} gave no answer to {command!r} within {_BOUND_S} s")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker of {self.path} exited (code {self.proc.wait(timeout=30)})")
-        return json.loads(line)
+def _workers(args: argparse.Namespace) -> dict[str, TreeWorker]:
+    wargs = ["--batch", str(args.batch), "--ctx", str(args.ctx), "--max-tokens", str(args.rounds * args.steps + 64)]
+    wargs += (["--glue"] if args.glue else []) + ([] if args.threads is None else ["--threads", str(args.threads)])
+    wargs += [] if args.model is None else ["--model", args.model]
+    return {"old": TreeWorker(args.old, __spec__.name, wargs), "new": TreeWorker(args.new, __spec__.name, wargs)}
 
 
 def main() -> int:
@@ -137,6 +119,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5, help="decode steps per tree per round")
     p.add_argument("--glue", action="store_true", help="the layer loop's own cost (see above)")
     p.add_argument("--threads", type=int, default=None, help="torch threads of each engine (default: torch's)")
+    p.add_argument("--model", default=None, help="checkpoint dir (default: pdserve's default model; not --glue)")
+    p.add_argument("--results-dir", type=Path, default=None, help="also write layer_loop_ab.md there")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--max-tokens", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -144,68 +128,64 @@ def main() -> int:
         if args.glue:
             _glue_worker(args.batch)
         else:
-            _worker(args.batch, args.ctx, args.max_tokens, args.threads)
+            _worker(args.batch, args.ctx, args.max_tokens, args.threads, args.model)
         return 0
-    if args.glue:
-        return _glue_main(args)
     if not args.old or not args.new:
         p.error("--old and --new are required")
-    trees = {"old": _Tree(args.old, args), "new": _Tree(args.new, args)}
-    for name, tree in trees.items():  # one at a time: loading both at once would skew nothing, but halves the cores
-        tree.ask()
-        print(f"{name}: {tree.path} ready", flush=True)
-    steps: dict[str, list[float]] = {"old": [], "new": []}
-    diffs = []
-    for r in range(args.rounds):
-        order = ("old", "new") if r % 2 == 0 else ("new", "old")
-        medians = {}
-        for name in order:
-            times = trees[name].ask(f"run {args.steps}")["times"]
-            steps[name] += times
-            medians[name] = statistics.median(times)
-        diffs.append(medians["new"] - medians["old"])
-        print(f"round {r:2d} ({order[0]} first): old {1e3 * medians['old']:7.2f} ms  new {1e3 * medians['new']:7.2f} ms"
-              f"  new-old {1e3 * diffs[-1]:+6.2f} ms", flush=True)
-    tokens = {name: tree.ask("tokens")["tokens"] for name, tree in trees.items()}
-    for tree in trees.values():
-        tree.proc.wait(timeout=60)
-    old_med, new_med = statistics.median(steps["old"]), statistics.median(steps["new"])
-    print(f"batch-{args.batch} decode step, {args.threads or 'default'} threads, "
-          f"{args.rounds} rounds x {args.steps} steps per tree, "
-          f"context about {args.ctx}..{args.ctx + 16 + args.rounds * args.steps}:")
-    print(f"  median step: old {1e3 * old_med:.2f} ms, new {1e3 * new_med:.2f} ms "
-          f"({100 * (new_med / old_med - 1):+.1f}%)")
-    print(f"  median paired difference (new - old, per round): {1e3 * statistics.median(diffs):+.2f} ms; "
-          f"new faster in {sum(d < 0 for d in diffs)} of {len(diffs)} rounds")
-    same = tokens["old"] == tokens["new"]
-    print(f"  generated tokens identical: {same} ({sum(len(t) for t in tokens['new'])} tokens)")
+    trees = _workers(args)
+    lines, same = (_glue_main if args.glue else _steps_main)(args, trees)
+    print("\n".join(lines), flush=True)
+    if args.results_dir is not None:
+        write_results(args.results_dir, "layer_loop_ab", lines=["# Layer loop A/B, two trees paired", "", *lines])
     return 0 if same else 1
 
 
-def _glue_main(args: argparse.Namespace) -> int:
-    trees = {"old": _Tree(args.old, args), "new": _Tree(args.new, args)}
+def _steps_main(args: argparse.Namespace, trees: dict[str, TreeWorker]) -> tuple[list[str], bool]:
+    for name, tree in trees.items():  # one at a time: loading both at once would skew nothing, but halves the cores
+        tree.ask()
+        print(f"{name}: {tree.tree} ready", flush=True)
+    steps: dict[str, list[float]] = {"old": [], "new": []}
+    medians: dict[str, list[float]] = {"old": [], "new": []}
+    for r, order in rounds_in_order(args.rounds, ("old", "new")):
+        for name in order:
+            times = trees[name].ask({"op": "run", "steps": args.steps})["times"]
+            steps[name] += times
+            medians[name].append(statistics.median(times))
+        print(f"round {r:2d} ({order[0]} first): old {1e3 * medians['old'][-1]:7.2f} ms  "
+              f"new {1e3 * medians['new'][-1]:7.2f} ms", flush=True)
+    tokens = {name: tree.ask({"op": "tokens"})["tokens"] for name, tree in trees.items()}
+    for tree in trees.values():
+        tree.close()
+    paired = Paired.of("old", "new", medians["old"], medians["new"])
+    old_med, new_med = statistics.median(steps["old"]), statistics.median(steps["new"])
+    same = tokens["old"] == tokens["new"]
+    return [f"batch-{args.batch} decode step, {args.threads or 'default'} threads, "
+            f"{args.rounds} rounds x {args.steps} steps per tree, "
+            f"context about {args.ctx}..{args.ctx + 16 + args.rounds * args.steps}:",
+            f"  median step: old {1e3 * old_med:.2f} ms, new {1e3 * new_med:.2f} ms "
+            f"({100 * (new_med / old_med - 1):+.1f}%)",
+            f"  median paired difference (new - old, per round): {1e3 * paired.median_diff_s:+.2f} ms; "
+            f"new faster in {paired.b_faster_rounds} of {paired.rounds} rounds",
+            f"  generated tokens identical: {same} ({sum(len(t) for t in tokens['new'])} tokens)"], same
+
+
+def _glue_main(args: argparse.Namespace, trees: dict[str, TreeWorker]) -> tuple[list[str], bool]:
     sums = {name: tree.ask()["checksum"] for name, tree in trees.items()}
     mins: dict[str, list[float]] = {"old": [], "new": []}
-    diffs = []
-    for r in range(args.rounds):
-        order = ("old", "new") if r % 2 == 0 else ("new", "old")
+    for r, order in rounds_in_order(args.rounds, ("old", "new")):
         for name in order:
-            mins[name].append(min(trees[name].ask("run 50")["times"]))
-        diffs.append(mins["new"][-1] - mins["old"][-1])
+            mins[name].append(min(trees[name].ask({"op": "run", "steps": 50})["times"]))
         print(f"round {r:2d} ({order[0]} first): old {1e3 * mins['old'][-1]:6.3f} ms  "
-              f"new {1e3 * mins['new'][-1]:6.3f} ms"
-              f"  new-old {1e3 * diffs[-1]:+6.3f} ms", flush=True)
+              f"new {1e3 * mins['new'][-1]:6.3f} ms", flush=True)
     for tree in trees.values():
-        tree.proc.stdin.close()
-        tree.proc.wait(timeout=60)
-    print(f"30-layer layer loop, {args.batch} tokens, no-op attention, min of 50 passes per tree per round, "
-          f"{args.rounds} rounds:")
-    print(f"  median of the round minima: old {1e3 * statistics.median(mins['old']):.3f} ms, "
-          f"new {1e3 * statistics.median(mins['new']):.3f} ms")
-    print(f"  median paired difference (new - old): {1e3 * statistics.median(diffs):+.3f} ms; "
-          f"new faster in {sum(d < 0 for d in diffs)} of {len(diffs)} rounds")
-    print(f"  logits checksum identical: {sums['old'] == sums['new']} ({sums['new']!r})")
-    return 0 if sums["old"] == sums["new"] else 1
+        tree.close()
+    paired = Paired.of("old", "new", mins["old"], mins["new"])
+    return [f"30-layer layer loop, {args.batch} tokens, no-op attention, min of 50 passes per tree per round, "
+            f"{args.rounds} rounds:",
+            f"  median of the round minima: old {1e3 * paired.a_median_s:.3f} ms, new {1e3 * paired.b_median_s:.3f} ms",
+            f"  median paired difference (new - old): {1e3 * paired.median_diff_s:+.3f} ms; "
+            f"new faster in {paired.b_faster_rounds} of {paired.rounds} rounds",
+            f"  logits checksum identical: {sums['old'] == sums['new']} ({sums['new']!r})"], sums["old"] == sums["new"]
 
 
 if __name__ == "__main__":
