@@ -23,13 +23,12 @@ and read the two together.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from bench.common.paired import Paired, TreeWorker, rounds_in_order, serve_commands
+from bench.common.passes import add_pass_args
 from bench.common.results import write_results
 
 
@@ -37,7 +36,8 @@ def _worker(args: argparse.Namespace) -> None:
     """Runs with a tree's pdserve: answers {"op": "prefill" | "decode"} with {"s": seconds, "tokens": ...}."""
     import torch
 
-    from pdserve import LLM, SamplingParams
+    from bench.common.passes import decode_steps, prefill_pass, synthetic_prompt
+    from pdserve import LLM
 
     torch.manual_seed(0)
     llm = LLM(model=args.model, num_blocks=args.batch * (args.ctx // 16 + 4) + args.prefill_tokens // 16 + 8,
@@ -45,7 +45,7 @@ def _worker(args: argparse.Namespace) -> None:
               num_threads=args.threads)
     eng = llm.engine
     vocab = eng.arch.vocab_size
-    decode_prompts = [[(13 * i + 31 * j) % (vocab - 100) + 50 for i in range(args.ctx)] for j in range(args.batch)]
+    decode_prompts = [synthetic_prompt(vocab, args.ctx, 13, 31 * j) for j in range(args.batch)]
     n = 0
 
     def handle(cmd: dict[str, Any]) -> dict[str, Any]:
@@ -53,27 +53,12 @@ def _worker(args: argparse.Namespace) -> None:
         n += 1
         if cmd["op"] == "prefill":
             # a fresh prompt each round (the same sequence in both trees): no prefix-cache hit
-            prompt = [(7 * i + 101 * n) % (vocab - 100) + 50 for i in range(args.prefill_tokens)]
-            t0 = time.perf_counter()
-            eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), request_id=f"p{n}")
-            out = []
-            while eng.has_unfinished_requests():
-                out += [o for o in eng.step() if o.finished]
-            return {"s": time.perf_counter() - t0, "tokens": list(out[0].completion.token_ids)}
+            seconds, tokens = prefill_pass(eng, synthetic_prompt(vocab, args.prefill_tokens, 7, 101 * n), f"p{n}")
+            return {"s": seconds, "tokens": tokens}
         if cmd["op"] != "decode":
             raise ValueError(f"unknown command {cmd!r}")
-        params = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
-        reqs = [eng.add_request(p, params, request_id=f"d{n}-{j}") for j, p in enumerate(decode_prompts)]
-        while any(not r.output_token_ids for r in reqs):
-            eng.step()
-        times = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            eng.step()
-            times.append(time.perf_counter() - t0)
-        while eng.has_unfinished_requests():
-            eng.step()
-        return {"s": statistics.median(times), "tokens": [list(r.output_token_ids) for r in reqs]}
+        seconds, all_tokens = decode_steps(eng, decode_prompts, args.steps, f"d{n}")
+        return {"s": seconds, "tokens": all_tokens}
 
     serve_commands(handle)
 
@@ -89,12 +74,7 @@ def main() -> int:
     p.add_argument("--old", help="source tree before the change")
     p.add_argument("--new", help="source tree with the change")
     p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--prefill-tokens", type=int, default=512)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--ctx", type=int, default=320, help="prompt tokens of each decode request")
-    p.add_argument("--steps", type=int, default=5, help="timed decode steps per round")
-    p.add_argument("--threads", type=int, default=2, help="torch threads of each engine")
-    p.add_argument("--model", default=None, help="checkpoint dir (default: pdserve's default model)")
+    add_pass_args(p, prefill_tokens=512, batch=32, ctx=320, steps=5, threads=2)
     p.add_argument("--results-dir", type=Path, default=None, help="also write passes_ab.md there (default: print)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()

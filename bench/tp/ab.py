@@ -13,6 +13,8 @@ torch's thread count is set per engine before each pass (TP 1: --threads; TP 2's
 thread count its group chose). For TP 2 it also records the leader's time inside the row-parallel
 folds' collectives (send / recv / broadcast), the all-reduce share of the pass. Prints medians
 and checks that the two engines generate the same greedy tokens (they must: bit-identical).
+--results-dir also writes tp_ab.md there. Nothing waits but the engines' own steps (and TP 2's
+collectives inside them).
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
-from pdserve import LLM, SamplingParams
+from bench.common.paired import Paired, rounds_in_order
+from bench.common.passes import add_pass_args, decode_steps, prefill_pass, synthetic_prompt
+from bench.common.results import write_results
+from pdserve import LLM
 
 
 class _TimedComm:
@@ -47,47 +53,30 @@ class _TimedComm:
         self._timed("broadcast", t, src)
 
 
-def _prefill(llm: LLM, prompt: list[int], rid: str) -> tuple[float, list[int]]:
-    eng = llm.engine
-    t0 = time.perf_counter()
-    eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), request_id=rid)
-    out = []
-    while eng.has_unfinished_requests():
-        out += [o for o in eng.step() if o.finished]
-    return time.perf_counter() - t0, list(out[0].completion.token_ids)
-
-
 def _decode(llm: LLM, prompts: list[list[int]], steps: int, tag: str,
             timed: _TimedComm) -> tuple[float, list[list[int]], float]:
-    eng = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
-    reqs = [eng.add_request(p, params, request_id=f"{tag}-{j}") for j, p in enumerate(prompts)]
-    while any(not r.output_token_ids for r in reqs):
-        eng.step()
-    timed.seconds = 0.0
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        eng.step()
-        times.append(time.perf_counter() - t0)
-    comm = timed.seconds / steps
-    while eng.has_unfinished_requests():
-        eng.step()
-    return statistics.median(times), [list(r.output_token_ids) for r in reqs], comm
+    """(median step seconds, tokens, the leader's mean seconds in collectives per timed step)."""
+    comm = [0.0]
+
+    def reset() -> None:
+        timed.seconds = 0.0
+
+    def read() -> None:
+        comm[0] = timed.seconds / steps
+
+    step, tokens = decode_steps(llm.engine, prompts, steps, tag, before=reset, after=read)
+    return step, tokens, comm[0]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--prefill-tokens", type=int, default=512)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--ctx", type=int, default=128)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--threads", type=int, default=2, help="torch threads of the TP 1 engine")
+    add_pass_args(p, prefill_tokens=512, batch=16, ctx=128, steps=5, threads=2)
+    p.add_argument("--results-dir", type=Path, default=None, help="also write tp_ab.md there (default: print)")
     args = p.parse_args()
-    blocks = args.batch * (args.ctx // 16 + 4) + args.prefill_tokens // 16 + 8
+    blocks = max(args.batch * (args.ctx // 16 + 4) + args.prefill_tokens // 16 + 8, 512 // 16 + 8)  # max_model_len 512
     opts = dict(num_blocks=blocks, max_batch_tokens=max(args.prefill_tokens, args.batch),
-                max_requests_per_batch=args.batch, max_model_len=512)
+                max_requests_per_batch=args.batch, max_model_len=512, model=args.model)
     tp2 = LLM(tensor_parallel_size=2, **opts)
     tp2_threads = torch.get_num_threads()
     timed = _TimedComm(tp2.engine.tp.comm)
@@ -98,16 +87,15 @@ def main() -> None:
     res: dict[str, list[float]] = {k: [] for k in ("tp1_prefill", "tp2_prefill", "tp1_decode", "tp2_decode",
                                                    "tp2_prefill_comm", "tp2_decode_comm")}
     same = True
-    for r in range(args.rounds):
-        prompt = [(7 * i + 101 * r) % (vocab - 100) + 50 for i in range(args.prefill_tokens)]
-        dprompts = [[(13 * i + 31 * j + r) % (vocab - 100) + 50 for i in range(args.ctx)] for j in range(args.batch)]
-        order = ("tp1", "tp2") if r % 2 == 0 else ("tp2", "tp1")
+    for r, order in rounds_in_order(args.rounds, ("tp1", "tp2")):
+        prompt = synthetic_prompt(vocab, args.prefill_tokens, 7, 101 * r)
+        dprompts = [synthetic_prompt(vocab, args.ctx, 13, 31 * j + r) for j in range(args.batch)]
         toks: dict[str, object] = {}
         for name in order:
             llm, threads = engines[name]
             torch.set_num_threads(threads)
             timed.seconds = 0.0
-            s, t_pre = _prefill(llm, prompt, f"p{r}")
+            s, t_pre = prefill_pass(llm.engine, prompt, f"p{r}")
             res[f"{name}_prefill"].append(s)
             if name == "tp2":
                 res["tp2_prefill_comm"].append(timed.seconds)
@@ -119,14 +107,18 @@ def main() -> None:
         same = same and toks["tp1"] == toks["tp2"]
         print(f"round {r}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in res.items()), flush=True)
     med = {k: statistics.median(v) * 1e3 for k, v in res.items()}
-    print(f"rounds {args.rounds}, prefill {args.prefill_tokens} tokens, decode batch {args.batch} x ctx {args.ctx}, "
-          f"TP 1 threads {args.threads}, TP 2 leader threads {tp2_threads}, cores {tp2.engine.tp.cpus}")
-    for k in ("prefill", "decode"):
-        diffs = [b - a for a, b in zip(res[f"tp1_{k}"], res[f"tp2_{k}"], strict=True)]
-        print(f"{k}: TP1 {med[f'tp1_{k}']:.1f} ms, TP2 {med[f'tp2_{k}']:.1f} ms (paired median TP2 - TP1 "
-              f"{statistics.median(diffs) * 1e3:+.1f} ms), TP2 leader in collectives {med[f'tp2_{k}_comm']:.1f} ms")
-    print(f"greedy tokens identical: {same}")
+    lines = [f"rounds {args.rounds}, prefill {args.prefill_tokens} tokens, decode batch {args.batch} x ctx {args.ctx}, "
+          f"TP 1 threads {args.threads}, TP 2 leader threads {tp2_threads}, cores {tp2.engine.tp.cpus}"]
+    for k in ("prefill", "decode"):   # bench.tp.pairs parses these two lines
+        paired = Paired.of("tp1", "tp2", res[f"tp1_{k}"], res[f"tp2_{k}"])
+        lines.append(f"{k}: TP1 {med[f'tp1_{k}']:.1f} ms, TP2 {med[f'tp2_{k}']:.1f} ms (paired median TP2 - TP1 "
+                     f"{paired.median_diff_s * 1e3:+.1f} ms), TP2 leader in collectives "
+                     f"{med[f'tp2_{k}_comm']:.1f} ms")
+    lines.append(f"greedy tokens identical: {same}")
+    print("\n".join(lines), flush=True)
     tp2.close()
+    if args.results_dir is not None:
+        write_results(args.results_dir, "tp_ab", lines=["# TP 2 against TP 1, paired in one process", "", *lines])
 
 
 if __name__ == "__main__":

@@ -16,19 +16,23 @@ of --batch requests (the C ops path), then reports medians and paired difference
 Switching rebinds the C layer ops (their fold blocks are bound with the weights). Same process,
 same weights, same memory: only the fold differs. Greedy tokens are compared with plain's (they
 may differ where two logits are within float32 rounding; blocked and loop must agree exactly).
+--results-dir also writes tp_invariant_ab.md there. Nothing waits but the engine's own steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import pdserve.kernels.ops.linear as linear_mod
-from pdserve import LLM, SamplingParams
+from bench.common.paired import rounds_in_order
+from bench.common.passes import add_pass_args, decode_steps, prefill_pass, synthetic_prompt
+from bench.common.results import write_results
+from pdserve import LLM
 from pdserve.model.tp import mlp_fold_block, o_proj_fold_heads
 
 BMM_PARTS = linear_mod._torch_block_parts
@@ -51,17 +55,15 @@ def _set_mode(model: object, mode: str, folds: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--prefill-tokens", type=int, default=256)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--ctx", type=int, default=64)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    add_pass_args(p, prefill_tokens=256, batch=16, ctx=64, steps=3, threads=2)
+    p.add_argument("--results-dir", type=Path, default=None, help="also write tp_invariant_ab.md there")
     p.add_argument("--loop", action="store_true", help="also the per-block F.linear torch path")
     args = p.parse_args()
     modes = ("plain", "blocked", "loop") if args.loop else ("plain", "blocked")
     blocks = 2 * args.batch * (args.ctx // 16 + 4) + args.prefill_tokens // 16 + 16
     llm = LLM(num_blocks=blocks, max_batch_tokens=max(args.prefill_tokens, args.batch),
-              max_requests_per_batch=args.batch, num_threads=args.threads, allow_block_sharing=False)
+              max_requests_per_batch=args.batch, num_threads=args.threads, allow_block_sharing=False,
+              model=args.model)
     eng, model = llm.engine, llm.engine.model
     a = eng.arch
     plain_default = all(lin.fold_block == lin.weight.shape[1] for layer in model.layers
@@ -78,54 +80,44 @@ def main() -> None:
     agree = {f"{m}_{k}": 0 for m in modes[1:] for k in ("prefill", "decode")}
     blocked_loop_same = 0
     n = 0
-    for r in range(args.rounds):
-        prompt = [(7 * i + 101 * r) % (vocab - 100) + 50 for i in range(args.prefill_tokens)]
-        dprompts = [[(13 * i + 31 * j + r) % (vocab - 100) + 50 for i in range(args.ctx)] for j in range(args.batch)]
+    for r, order in rounds_in_order(args.rounds, modes):
+        prompt = synthetic_prompt(vocab, args.prefill_tokens, 7, 101 * r)
+        dprompts = [synthetic_prompt(vocab, args.ctx, 13, 31 * j + r) for j in range(args.batch)]
         toks = {}
-        for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
+        for mode in order:
             _set_mode(model, mode, folds)
             n += 1
-            t0 = time.perf_counter()
-            eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), request_id=f"p{n}")
-            out = []
-            while eng.has_unfinished_requests():
-                out += [o for o in eng.step() if o.finished]
-            res[f"{mode}_prefill"].append(time.perf_counter() - t0)
-            params = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
-            reqs = [eng.add_request(q, params, request_id=f"d{n}-{j}") for j, q in enumerate(dprompts)]
-            while any(not q.output_token_ids for q in reqs):
-                eng.step()
-            times = []
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                eng.step()
-                times.append(time.perf_counter() - t0)
-            while eng.has_unfinished_requests():
-                eng.step()
-            res[f"{mode}_decode"].append(statistics.median(times))
-            toks[mode] = (list(out[0].completion.token_ids), [list(q.output_token_ids) for q in reqs])
+            seconds, prefill_tokens = prefill_pass(eng, prompt, f"p{n}")
+            res[f"{mode}_prefill"].append(seconds)
+            step, decode_tokens = decode_steps(eng, dprompts, args.steps, f"d{n}")
+            res[f"{mode}_decode"].append(step)
+            toks[mode] = (prefill_tokens, decode_tokens)
         for m in modes[1:]:
             agree[f"{m}_prefill"] += toks[m][0] == toks["plain"][0]
             agree[f"{m}_decode"] += toks[m][1] == toks["plain"][1]
         blocked_loop_same += "loop" not in toks or toks["loop"] == toks["blocked"]
         print(f"round {r}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in res.items()), flush=True)
     _set_mode(model, "plain", folds)
-    print(f"rounds {args.rounds}, threads {args.threads}, prefill {args.prefill_tokens} tokens, decode batch "
+    lines = [f"rounds {args.rounds}, threads {args.threads}, prefill {args.prefill_tokens} tokens, decode batch "
           f"{args.batch} x ctx {args.ctx}, {args.steps} steps; blocked == loop tokens in {blocked_loop_same}/"
-          f"{args.rounds} rounds")
+          f"{args.rounds} rounds"]
     for k in ("prefill", "decode"):
         pl = res[f"plain_{k}"]
         for m in modes[1:]:
             b = res[f"{m}_{k}"]
             diffs = sorted((x - y) * 1e3 for x, y in zip(b, pl, strict=True))
-            print(f"{k}: {m} {statistics.median(b) * 1e3:.1f} ms, plain {statistics.median(pl) * 1e3:.1f} ms, "
-                  f"paired {m} - plain median {statistics.median(diffs):+.1f} ms (min {diffs[0]:+.1f}, max "
-                  f"{diffs[-1]:+.1f}); same greedy tokens as plain in {agree[f'{m}_{k}']}/{args.rounds} rounds")
+            lines.append(f"{k}: {m} {statistics.median(b) * 1e3:.1f} ms, plain {statistics.median(pl) * 1e3:.1f} ms, "
+                         f"paired {m} - plain median {statistics.median(diffs):+.1f} ms (min {diffs[0]:+.1f}, max "
+                         f"{diffs[-1]:+.1f}); same greedy tokens as plain in {agree[f'{m}_{k}']}/{args.rounds} rounds")
         if "loop" in modes:
             b, lo = res[f"blocked_{k}"], res[f"loop_{k}"]
             diffs = sorted((x - y) * 1e3 for x, y in zip(b, lo, strict=True))
-            print(f"{k}: paired blocked (bmm) - loop median {statistics.median(diffs):+.1f} ms "
-                  f"(min {diffs[0]:+.1f}, max {diffs[-1]:+.1f})")
+            lines.append(f"{k}: paired blocked (bmm) - loop median {statistics.median(diffs):+.1f} ms "
+                         f"(min {diffs[0]:+.1f}, max {diffs[-1]:+.1f})")
+    print("\n".join(lines), flush=True)
+    if args.results_dir is not None:
+        write_results(args.results_dir, "tp_invariant_ab",
+                      lines=["# The TP-invariant blocked fold at TP 1, paired in one engine", "", *lines])
 
 
 if __name__ == "__main__":
