@@ -20,23 +20,26 @@ per dtype, the three dtype pairs called round-robin (one call each per round, so
 bandwidth drift hit all three alike); per-call min / median and the median of the per-round
 ratios float32-pool time / this time.
 
-Run:
-    cd /work/main && python -m bench.engine.attention_kernels [--threads 2] [--out PATH]
+Run, from the repository root:
+    python -m bench.engine.attention_kernels [--threads 2] [--results-dir DIR]
+writes attention_kernels.md (default into bench/results/engine/; --quick writes only with an
+explicit --results-dir). Nothing waits but the kernels' own work.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
-import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench.common.machine import cpu_flags
+from bench.common.results import RESULTS_DIR, write_results
 from pdserve.engine.cache.hostmem import alloc_tensor
 from pdserve.kernels.attention import cpu_kernels
 
@@ -49,24 +52,6 @@ F32, BF16 = torch.float32, torch.bfloat16
 DTYPE_PAIRS = ((F32, F32), (F32, BF16), (BF16, BF16))  # (q / out, K/V pool)
 KV_LAYERS = 30         # KV-cache dtype section: distinct per-layer pools per dtype
 KV_LAYER_PAGES = 2048  # pages per layer pool there (2 disjoint batch-32 x 512 page sets)
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def cpu_flags() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-                keep = [x for x in flags if x.startswith(("avx", "fma", "amx"))]
-                return " ".join(sorted(keep))
-    return ""
 
 
 def timeit(fn, reps: int, warmup: int = 2) -> tuple[float, float]:
@@ -274,8 +259,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", default="2,1",
                         help="comma-separated thread counts; one set of tables per count")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
-                                                      "attention_kernels.md"))
+    parser.add_argument("--results-dir", type=Path, default=None,
+                        help="where attention_kernels.md goes (default bench/results/engine; with --quick: nowhere)")
     parser.add_argument("--quick", action="store_true", help="fewer cases (smoke run)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -291,24 +276,20 @@ def main() -> None:
 
     emit("# Attention kernels: C paged attention vs torch gather + SDPA")
     emit()
-    emit(f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}")
-    emit(f"- machine: {cpu_model()}, nproc={os.cpu_count()}, flags: {cpu_flags()}")
+    emit(f"- CPU flags: {cpu_flags()} (commit, date and machine at the end)")
     emit(f"- torch {torch.__version__}, kernel OpenMP={cpu_kernels.has_openmp()}")
     emit(f"- shapes: Hq={HQ}, Hkv={HKV}, D={D}, P={P}; pools cycled (> L3) so K/V come from DRAM")
     emit(f"- load average at start (other processes share this machine): "
          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     emit("- dtype column: q (and out) dtype / K/V pool dtype")
     emit("- times per call (one layer): min / median over the reps; ratio and GB/s use the mins")
-    emit("- command: `python -m bench.engine.attention_kernels`")
     for threads in thread_counts:
         run_tables(threads, args.quick, emit)
     emit()
     emit(f"- load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    if not args.quick:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
-        logger.info("wrote %s", args.out)
+    out = args.results_dir if args.results_dir is not None or args.quick else RESULTS_DIR / "engine"
+    if out is not None:
+        write_results(out, "attention_kernels", lines=lines)
 
 
 def run_tables(threads: int, quick: bool, emit) -> None:

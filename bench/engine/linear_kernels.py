@@ -6,17 +6,16 @@ implementations and prints the step total in ms and the weight-read bandwidth it
 weights (~540 MB float32) are far larger than L3, as in a real step, so each layer's weights
 come from memory.
 
-Run (quiet machine; the result depends on what else runs):
-    cd /work/main && python -m bench.engine.linear_kernels [--threads 1] [--rows 1,2,4,8,16,32] \
-        [--record bench/results/engine/linear_kernels.md]
+Run (quiet machine; the result depends on what else runs), from the repository root:
+    python -m bench.engine.linear_kernels [--threads 1] [--rows 1,2,4,8,16,32] [--record [--tag 2threads]]
+--record writes linear_kernels[-TAG].md into --results-dir (default bench/results/engine/). Nothing
+waits but the kernels' own work.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import statistics
 import sys
 import time
@@ -24,16 +23,18 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench.common.results import add_results_args, write_results
 from pdserve.kernels.ops import linear as ops_linear
 
 HIDDEN, INTER, LAYERS, VOCAB, Q_HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 30, 49152, 9, 3, 64
 
 
-def _weights() -> list[torch.Tensor]:
-    """Every weight matrix of one SmolLM2-135M forward, in call order (random values)."""
+def _weights(layers: int = LAYERS) -> list[torch.Tensor]:
+    """Every weight matrix of one SmolLM2-135M forward (its first `layers` layers), in call order
+    (random values)."""
     qkv = (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM
     per_layer = [(qkv, HIDDEN), (HIDDEN, Q_HEADS * HEAD_DIM), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
-    mats = [torch.randn(n, k) * 0.02 for _ in range(LAYERS) for n, k in per_layer]  # [N, K] each
+    mats = [torch.randn(n, k) * 0.02 for _ in range(layers) for n, k in per_layer]  # [N, K] each
     mats.append(torch.randn(VOCAB, HIDDEN) * 0.02)                                  # lm_head
     return mats
 
@@ -56,7 +57,10 @@ def main() -> None:
     parser.add_argument("--clock", choices=("thread", "wall"), default="thread",
                         help="thread: this thread's CPU time (default; robust to other processes "
                              "taking turns on the cores, single-threaded runs only); wall: elapsed time")
-    parser.add_argument("--record", help="also write the table (markdown) to this path")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="decoder layers' weights (default: all 30)")
+    parser.add_argument("--record", action="store_true", help="also write the table: linear_kernels[-TAG].md")
+    parser.add_argument("--tag", default=None, help="results file suffix, e.g. 2threads")
+    add_results_args(parser, "engine")
     args = parser.parse_args()
     if not ops_linear.available():
         sys.exit(f"kernel not built: {ops_linear.unavailable_reason()}")
@@ -64,15 +68,14 @@ def main() -> None:
         parser.error("--clock thread measures one thread: use it with --threads 1 (or --clock wall)")
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     torch.set_num_threads(args.threads)
-    mats = _weights()
+    mats = _weights(args.layers)
     weight_bytes = sum(w.numel() * 4 for w in mats)
     load_before = os.getloadavg()[0]
     lines = [
         f"# Linear layers of one SmolLM2-135M decode step ({weight_bytes / 1e6:.0f} MB float32 weights)",
         "",
-        f"`python -m bench.engine.linear_kernels --threads {args.threads} --rows {args.rows} --clock {args.clock}`, "
-        f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-        f"threads {args.threads}, median of {args.repeats} steps, {args.clock} clock.",
+        f"{args.layers} layers, threads {args.threads}, median of {args.repeats} steps, {args.clock} clock "
+        "(commit, machine and command at the end).",
         "",
         "| rows M | F.linear (MKL) ms | small kernel ms | speed-up | kernel GB/s of weights | kernel ms / M=1 ms |",
         "|---:|---:|---:|---:|---:|---:|",
@@ -92,8 +95,8 @@ def main() -> None:
     tail = f"Load average (1 min) before {load_before:.2f}, after {load_after:.2f}."
     print(tail)
     if args.record:
-        with open(args.record, "w") as f:
-            f.write("\n".join(lines + ["", tail, ""]))
+        stem = "linear_kernels" + (f"-{args.tag}" if args.tag else "")
+        write_results(args.results_dir, stem, lines=[*lines, "", tail])
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ block sharing. Reports prefill wall time, prompt tokens computed and the engine'
 
 Each request is the same prefix plus its own 32-token suffix and generates one token, so the
 time is almost all prefill. The first request always computes the prefix; with sharing on, the
-others compute only their suffix (plus the page their last token is in).
+others compute only their suffix (plus the page their last token is in). Prints the report as
+JSON; --results-dir also writes it there as prefix_cache.json (stamped). Nothing waits but the
+engine's own steps.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 
+from bench.common.results import write_results
 from pdserve import LLM, SamplingParams
 
 
-def run(sharing: bool, prefix: list[int], suffixes: list[list[int]], threads: int) -> dict:
-    llm = LLM(num_blocks=1024, page_size=16, max_batch_tokens=512, num_threads=threads,
+def run(sharing: bool, prefix: list[int], suffixes: list[list[int]], threads: int, model: str | None) -> dict:
+    llm = LLM(model=model, num_blocks=1024, page_size=16, max_batch_tokens=512, num_threads=threads,
               allow_block_sharing=sharing)
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -39,16 +43,21 @@ def main() -> None:
     ap.add_argument("--prefix-tokens", type=int, default=1024)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: pdserve's default model)")
+    ap.add_argument("--results-dir", type=Path, default=None, help="also write prefix_cache.json there")
     args = ap.parse_args()
     prefix = [(i * 131) % 40000 + 100 for i in range(args.prefix_tokens)]
     suffixes = [[(i * 7 + j * 13) % 40000 + 100 for j in range(32)] for i in range(args.requests)]
-    results = [run(s, prefix, suffixes, args.threads) for s in (False, True)]
+    results = [run(s, prefix, suffixes, args.threads, args.model) for s in (False, True)]
     if results[0]["outputs"] != results[1]["outputs"]:
         raise SystemExit("outputs differ between sharing on and off")
     for r in results:
         del r["outputs"]
-    print(json.dumps({"load_avg_1m": os.getloadavg()[0], "prefix_tokens": args.prefix_tokens,
-                      "requests_timed": args.requests - 1, "runs": results}, indent=1))
+    report = {"load_avg_1m": os.getloadavg()[0], "prefix_tokens": args.prefix_tokens,
+              "requests_timed": args.requests - 1, "runs": results}
+    print(json.dumps(report, indent=1))
+    if args.results_dir is not None:
+        write_results(args.results_dir, "prefix_cache", payload=report)
 
 
 if __name__ == "__main__":
