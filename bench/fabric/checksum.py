@@ -2,23 +2,23 @@
 slicing-by-8 table) against zlib.crc32, on one 1 MiB buffer and on that buffer cut into page-shard
 runs (crc32c_runs, one value per run, as the sender and receiver hash what the shard plan writes).
 
-    python -m bench.fabric.checksum [--repeat 200] [--run-bytes 12288] [--out bench/results/fabric/checksum.md]
+    python -m bench.fabric.checksum [--repeat 200] [--run-bytes 12288] [--record]
 
 Median of `--repeat` timed calls after a warm-up, single thread, process CPU clock. Seconds-long.
+--record writes checksum.md into --results-dir (default bench/results/fabric/). Nothing waits.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 import zlib
-from pathlib import Path
 
 import numpy as np
 
+from bench.common.results import add_results_args, write_results
 from kv_messenger import checksum
 
 MIB = 1 << 20
@@ -35,24 +35,13 @@ def median_s(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.machine()}, {model}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=200)
     ap.add_argument("--run-bytes", type=int, default=12288,
                     help="bytes of one page-shard run (default: 3 KV heads x 16 tokens x 64 x float32)")
-    ap.add_argument("--out", default="")
+    ap.add_argument("--record", action="store_true", help="write checksum.md into --results-dir")
+    add_results_args(ap, "fabric")
     args = ap.parse_args()
     buf = np.random.default_rng(0).integers(0, 256, size=MIB, dtype=np.uint8)   # [bytes]
     raw = buf.tobytes()
@@ -70,9 +59,8 @@ def main() -> None:
     lines = [
         "# Page-shard checksum: CRC32C (kv_messenger.checksum) vs zlib.crc32",
         "",
-        f"`python -m bench.fabric.checksum --repeat {args.repeat} --run-bytes {args.run_bytes}`, "
-        f"{time.strftime('%Y-%m-%d')}, {machine()}, SSE4.2: {checksum.hardware()}, one thread, median of "
-        f"{args.repeat} calls (process CPU time).",
+        f"SSE4.2: {checksum.hardware()}, one thread, median of {args.repeat} calls (process CPU time); "
+        "commit, machine and command at the end.",
         "",
         "| what | input | µs | GB/s | vs zlib.crc32 |",
         "|---|---|---:|---:|---:|",
@@ -81,10 +69,9 @@ def main() -> None:
     for name, what, s in rows:
         lines.append(f"| {name} | {what} | {s * 1e6:.1f} | {MIB / s / 1e9:.2f} | {base / s:.2f}x |")
     lines += ["", f"Load average (1 min) at the end: {load:.2f}."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text, encoding="utf-8")
+    print("\n".join(lines))
+    if args.record:
+        write_results(args.results_dir, "checksum", lines=lines)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ window), and prints Python as % of C. It also measures:
   C, and numpy copyto.
 
 With --repeat R every measurement runs R times and the median is kept (all
-values go to the JSON). --record writes bench/results/fabric/fabric.md and .json.
+values go to the JSON). --record writes fabric[-TAG].md and .json into --results-dir (default
+bench/results/fabric/), stamped with commit, date and machine.
 A short check that it runs: --providers shm --pages huge --sizes 65536 --bytes 8388608.
 
 Pools come from the engine's allocator (pdserve.engine.cache.hostmem, as the KV pool does);
@@ -37,12 +38,10 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
-import datetime
 import json
 import logging
 import multiprocessing as mp
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -53,6 +52,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from bench.common.results import add_results_args, write_results
 from fabric import FabricConfig, FabricError, TransferEngine
 from pdserve.engine.cache.hostmem import alloc_buffer, thp_mode
 
@@ -65,9 +65,7 @@ BATCH = 256
 LAT_ITERS = 200
 IDLE_S = 2.0
 TAG = 7
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-C_SOURCE = os.path.join(REPO, "bench", "fabric", "fi_bench.c")
-RESULTS = os.path.join(REPO, "bench", "results")
+C_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fi_bench.c")
 NIXL = {"shm": 12.5, "tcp;ofi_rxm": 5.6}  # GB/s, NIXL over UCX, 1 MiB, this machine (issue #3)
 
 
@@ -99,23 +97,11 @@ class Row:
         return 100.0 * self.py_gbps / self.c_gbps if self.c_gbps else 0.0
 
 
-def machine() -> dict:
-    model = "unknown"
-    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+def fabric_env() -> dict:
+    """What the transport's speed depends on beyond the machine (the results writer stamps that)."""
     v = _libfabric_version()
-    return {
-        "nproc": os.cpu_count(),
-        "cpu": model,
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "kernel": platform.release(),
-        "loadavg_before": round(os.getloadavg()[0], 2),
-        "libfabric": f"{v >> 16}.{v & 0xFFFF}",
-        "thp": thp_mode(),
-    }
+    return {"loadavg_before": round(os.getloadavg()[0], 2), "libfabric": f"{v >> 16}.{v & 0xFFFF}",
+            "thp": thp_mode()}
 
 
 def _libfabric_version() -> int:
@@ -360,15 +346,12 @@ def measure(exe: str, provider: str, size: int, total: int, huge: bool, repeat: 
     )
 
 
-def render(info: dict, rows: list[Row], args: argparse.Namespace) -> str:
+def render(info: dict, rows: list[Row], args: argparse.Namespace) -> list[str]:
     lines = [
         "# fabric benchmark",
         "",
-        f"Command: `python -m bench.fabric.transfer --pages {args.pages} --bytes {args.bytes} --repeat {args.repeat}`",
-        "",
-        f"Machine: {info['nproc']} cores, {info['cpu']}, kernel {info['kernel']}, libfabric "
-        f"{info['libfabric']}, THP `{info['thp']}`; {info['date']}. Load average (1 min) "
-        f"{info['loadavg_before']} before, {info.get('loadavg_after', '?')} after the run.",
+        f"libfabric {info['libfabric']}, THP `{info['thp']}` (commit, machine and command at the end). "
+        f"Load average (1 min) {info['loadavg_before']} before, {info.get('loadavg_after', '?')} after the run.",
         "",
         "A load average above the core count means other work shared the cores: C and Python "
         "rows then compete with it unevenly (the C receiver busy-polls, the engine's progress "
@@ -422,7 +405,7 @@ def render(info: dict, rows: list[Row], args: argparse.Namespace) -> str:
         )
     lines += ["", "NIXL over UCX on this machine at 1 MiB (issue #3): "
               + ", ".join(f"{p} path {g} GB/s" for p, g in NIXL.items()) + "."]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -432,12 +415,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pages", choices=("both", "huge", "normal"), default="both")
     parser.add_argument("--sizes", default=",".join(str(s) for s in SIZES), help="write sizes in bytes")
     parser.add_argument("--repeat", type=int, default=1, help="runs per measurement (median kept)")
-    parser.add_argument("--record", action="store_true", help="write bench/results/fabric/fabric.md and .json")
+    parser.add_argument("--record", action="store_true", help="write fabric[-TAG].md and .json into --results-dir")
+    parser.add_argument("--tag", default=None, help="results file suffix (e.g. loaded)")
+    add_results_args(parser, "fabric")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     # importing TransferEngine (above) set the engine's FI_TCP_NODELAY default, which the C runs inherit
 
-    info = machine()
+    info = fabric_env()
     kinds = {"both": (False, True), "huge": (True,), "normal": (False,)}[args.pages]
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="fabric-bench-") as tmp:
@@ -459,14 +444,12 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
     info["loadavg_after"] = round(os.getloadavg()[0], 2)
-    text = render(info, rows, args)
-    print(text)
+    lines = render(info, rows, args)
+    print("\n".join(lines))
     if args.record:
-        os.makedirs(RESULTS, exist_ok=True)
-        with open(os.path.join(RESULTS, "fabric.md"), "w", encoding="utf-8") as f:
-            f.write(text)
-        with open(os.path.join(RESULTS, "fabric.json"), "w", encoding="utf-8") as f:
-            json.dump({"machine": info, "rows": [asdict(r) | {"pct_of_c": r.pct} for r in rows]}, f, indent=2)
+        write_results(args.results_dir, "fabric" + (f"-{args.tag}" if args.tag else ""), lines=lines,
+                      payload={"fabric": info, "rows": [asdict(r) | {"pct_of_c": r.pct} for r in rows]},
+                      argv=argv)
     return 0
 
 
