@@ -4,10 +4,13 @@ faults dropped or shaped in transit, tcp;ofi_rxm) and process faults on the pref
 node and on the router, each struck against a batch of concurrent requests on a running cluster; a
 table of fault x outcome in bench/results/faults/faults.md.
 
-    sudo python -m bench.faults.matrix            # every row (~3 min on 2 cores)
-    sudo python -m bench.faults.matrix --rows loss-1%,loss-20%
-    sudo python -m bench.faults.matrix --rows partition-long,loss-20% --update   # rerun rows in place
-    sudo python -m bench.faults.matrix --rotate-key-after 2   # the decode node releases unfenced holds
+    sudo PYTHONPATH=tests python -m bench.faults.matrix            # every row (~3 min on 2 cores)
+    sudo PYTHONPATH=tests python -m bench.faults.matrix --rows loss-1%,loss-20%
+    sudo PYTHONPATH=tests python -m bench.faults.matrix --rows partition-long,loss-20% --update   # rerun rows
+    sudo PYTHONPATH=tests python -m bench.faults.matrix --rotate-key-after 2   # decode nodes release unfenced holds
+
+PYTHONPATH=tests: the matrix drives the suite's own fault harness (tests/support: netfault, cluster,
+wait), which imports itself as `support`, so the suite's folder must be on the path.
 
 With --update the rows run replace the same rows of the existing results file, the others stay, and
 a line under the header says which rows were rerun, when, on which machine and commit.
@@ -39,9 +42,7 @@ import argparse
 import contextlib
 import datetime
 import os
-import platform
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,15 +53,18 @@ from pathlib import Path
 
 import grpc
 
-ROOT = Path(__file__).resolve().parents[1]
-
-from support import netfault as nf
-from support.cluster import node_load, process_pid, routed, transfer_leftovers
-from support.wait import wait_until
-
+from bench.common.results import RESULTS_DIR, stamp
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tools.client import Client, ClientError
 from pdserve.tools.launcher import Cluster
+
+try:   # the suite's fault harness: tests/ on PYTHONPATH (see above)
+    from support import netfault as nf
+    from support.cluster import node_load, process_pid, routed, transfer_leftovers
+    from support.wait import wait_until
+except ImportError as e:   # a clear message instead of a bare ModuleNotFoundError
+    raise SystemExit(f"bench.faults.matrix needs the suite's helpers: run it as `sudo PYTHONPATH=tests python -m "
+                     f"bench.faults.matrix ...` from the repository root ({e})") from e
 
 NETNS, LOOPBACK = "netns", "loopback"
 CLUSTERS = {
@@ -248,19 +252,11 @@ ROWS = (
 )
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
-
-
-def _machine() -> str:
-    cpu = "?"
-    with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return (f"{platform.node()}: {os.cpu_count()} cores ({cpu}), Linux {platform.release()}, "
-            f"python {platform.python_version()}")
+def _stamp_line() -> str:
+    """Machine and commit for the results file's run lines (the file is updated in place, row by row)."""
+    st = stamp()
+    tree = f" plus uncommitted changes in the tree ({st.dirty} files)" if st.dirty else ""
+    return f"Machine: {st.machine.summary()}. Commit {st.commit}{tree}."
 
 
 def _crashes(cluster: Cluster) -> str:
@@ -433,7 +429,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="", help="comma-separated row names (default: all): "
                    + ", ".join(r.name for r in ROWS).replace("%", "%%"))   # argparse formats help with %
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "faults.md"))
+    p.add_argument("--out", default=str(RESULTS_DIR / "faults" / "faults.md"))
     p.add_argument("--log-dir", default=None,
                    help="the nodes' logs, a folder per cluster (default: a new temporary folder, kept)")
     p.add_argument("--update", action="store_true",
@@ -460,14 +456,12 @@ def main() -> int:
     results = run(rows, logs, args.rotate_key_after)
     flags = (f" --rows {args.rows}" if args.rows else "") + (
         f" --rotate-key-after {args.rotate_key_after:g}" if args.rotate_key_after is not None else "")
-    commit = _git("rev-parse", "--short", "HEAD")
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
-    tree = f" plus uncommitted changes in the shared tree ({len(dirty.splitlines())} files)" if dirty else ""
+    stamped = _stamp_line()
     text = [
         "# Fault matrix (issue 15)",
         "",
-        f"`sudo python -m bench.faults.matrix{flags}` on "
-        f"{started:%Y-%m-%d %H:%M} UTC, {time.monotonic() - t0:.0f} s. Machine: {_machine()}. Commit {commit}{tree}.",
+        f"`sudo PYTHONPATH=tests python -m bench.faults.matrix{flags}` on "
+        f"{started:%Y-%m-%d %H:%M} UTC, {time.monotonic() - t0:.0f} s. {stamped}",
         "",
         "Clusters, one after the other; every node SmolLM2-135M float32, 160 pages, 1 thread, tcp;ofi_rxm; decode "
         f"nodes {' '.join(decode_args(args.rotate_key_after))} (default --prefill-stall {nf.STALL_S:g} s); router "
@@ -495,9 +489,9 @@ def main() -> int:
     ]
     if args.update and Path(args.out).exists():
         text = updated(Path(args.out).read_text().split("\n"), results,
-                       f"Rows {', '.join(r.name for r in rows)} rerun with `sudo python -m bench.faults.matrix"
+                       f"Rows {', '.join(r.name for r in rows)} rerun with `sudo PYTHONPATH=tests python -m bench.faults.matrix"
                        f"{flags} --update` on {started:%Y-%m-%d %H:%M} UTC, "
-                       f"{time.monotonic() - t0:.0f} s. Machine: {_machine()}. Commit {commit}{tree}.")
+                       f"{time.monotonic() - t0:.0f} s. {stamped}")
     Path(args.out).write_text("\n".join(text))
     print("\n".join(text))
     return 0
