@@ -490,8 +490,8 @@ def main() -> int:
     if args.update and Path(args.out).exists():
         text = updated(Path(args.out).read_text().split("\n"), results,
                        f"Rows {', '.join(r.name for r in rows)} rerun with "
-                       f"`sudo PYTHONPATH=tests python -m bench.faults.matrix{flags} --update` on {started:%Y-%m-%d %H:%M} UTC, "
-                       f"{time.monotonic() - t0:.0f} s. {stamped}")
+                       f"`sudo PYTHONPATH=tests python -m bench.faults.matrix{flags} --update` on "
+                       f"{started:%Y-%m-%d %H:%M} UTC, {time.monotonic() - t0:.0f} s. {stamped}")
     Path(args.out).write_text("\n".join(text))
     print("\n".join(text))
     return 0
