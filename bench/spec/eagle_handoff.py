@@ -144,10 +144,10 @@ class Prompt:
     token_ids: tuple[int, ...]
 
 
-def build_prompts() -> list[Prompt]:
+def build_prompts(model: str | None = None) -> list[Prompt]:
     from pdserve.model.loader import load_tokenizer, resolve_model
 
-    tok = load_tokenizer(resolve_model(None))
+    tok = load_tokenizer(resolve_model(model))
     out = [Prompt(p.name, wl, tuple(p.token_ids)) for wl, ps in spec_bench.workloads(tok).items() for p in ps]
     for i, name in ((0, "capital-raw"), (4, "qa-raw")):
         out.append(Prompt(name, "prose", tuple(tok(REFERENCE_PROMPTS[i])["input_ids"])))
@@ -637,6 +637,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-blocks", type=int, default=256, help="KV blocks per node")
     p.add_argument("--prefix-cache", action="store_true", help="keep the nodes' prefix cache on (default off)")
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
+    p.add_argument("--model", default=None, help="the target checkpoint (default: pdserve's default model; "
+                                                 "the prompts need its tokenizer)")
     p.add_argument("--request-timeout-s", type=float, default=300.0)
     p.add_argument("--update", action="store_true", help="write eagle_handoff.md/.json into --results-dir")
     add_results_args(p, "spec")
@@ -659,7 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--configs: unknown {unknown}; known: {', '.join(c.name for c in known)}")
     configs = [c for c in known if c.name in want]
-    prompts = build_prompts()
+    prompts = build_prompts(args.model)
     # read before the clusters start: what they load (a training run may rewrite the head meanwhile)
     heads = want & {"eagle", "eagle-nohist"}
     train = training_info(args.eagle_head, args.train_time_s) if heads or args.train_log else None
@@ -671,7 +673,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for c in configs:
             t = time.perf_counter()
             cl = Cluster(prefill=1, decode=1, port=0, provider="shm", threads_per_node=args.threads_per_node,
-                         num_blocks=args.num_blocks, engine_args=engine_args + c.engine_args, speculative_config=c.spec,
+                         model=args.model, num_blocks=args.num_blocks, engine_args=engine_args + c.engine_args, speculative_config=c.spec,
                          startup_timeout_s=args.startup_timeout_s)
             stack.enter_context(cl)
             clusters[c.name] = cl
