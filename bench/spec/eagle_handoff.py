@@ -673,7 +673,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for c in configs:
             t = time.perf_counter()
             cl = Cluster(prefill=1, decode=1, port=0, provider="shm", threads_per_node=args.threads_per_node,
-                         model=args.model, num_blocks=args.num_blocks, engine_args=engine_args + c.engine_args, speculative_config=c.spec,
+                         model=args.model, num_blocks=args.num_blocks, engine_args=engine_args + c.engine_args,
+                         speculative_config=c.spec,
                          startup_timeout_s=args.startup_timeout_s)
             stack.enter_context(cl)
             clusters[c.name] = cl
