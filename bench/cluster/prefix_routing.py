@@ -121,7 +121,7 @@ async def serve_policy(cluster: Cluster, policy: str, order, args) -> dict:
 
 def run_policy(policy: str, order, args, seed: int) -> dict:
     engine = ("--max-batch-tokens", str(args.max_batch_tokens), *args.engine_args.split())
-    with Cluster(colocated=2, port=0, http_port=None, node_metrics=True, num_blocks=args.num_blocks,
+    with Cluster(colocated=2, port=0, http_port=None, node_metrics=True, num_blocks=args.num_blocks, model=args.model,
                  threads_per_node=args.threads_per_node, engine_args=engine, startup_timeout_s=300,
                  router_health_interval_s=0.5) as cluster:
         warm(cluster)
@@ -178,6 +178,7 @@ def main() -> int:
     ap.add_argument("--max-batch-tokens", type=int, default=256)
     ap.add_argument("--engine-args", default="", help="more engine flags for both nodes, one string")
     ap.add_argument("--policies", default="least-loaded,prefix")
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: pdserve's default model)")
     ap.add_argument("--seeds", default="0,1", help="one workload per seed (comma-separated)")
     add_results_args(ap, "cluster")
     args = ap.parse_args()
