@@ -33,12 +33,12 @@ from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.spec_decode.speculator import make_speculator
 
 
-def run(engine, spec, prompts, tokens: int) -> tuple[float, list[list[int]]]:
+def run(engine, spec, prompts, tokens: int, batch: int) -> tuple[float, list[list[int]]]:
     engine.speculator = spec
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     t0 = time.perf_counter()
     reqs = [engine.add_request(list(prompts[i % len(prompts)].token_ids), params, request_id=f"ab-{time.time_ns()}-{i}")
-            for i in range(16)]
+            for i in range(batch)]
     while engine.has_unfinished_requests():
         engine.step()
     dt = time.perf_counter() - t0
@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--old", required=True, help="path of the other control.py")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--batch", type=int, default=16, help="requests added at once")
     ap.add_argument("--results-dir", type=pathlib.Path, default=None,
                     help="also write spec_control_ab.md there (default: print only)")
     args = ap.parse_args()
@@ -59,7 +60,7 @@ def main() -> None:
     old = importlib.util.module_from_spec(spec_)
     sys.modules["old_control"] = old   # dataclasses look their module up while building
     spec_.loader.exec_module(old)   # type: ignore[union-attr]
-    llm = LLM(dtype="float32", num_threads=2, num_blocks=1024, max_batch_tokens=512, max_requests_per_batch=16,
+    llm = LLM(dtype="float32", num_threads=2, num_blocks=1024, max_batch_tokens=512, max_requests_per_batch=args.batch,
               kv_prefault=True)
     e = llm.engine
     prompts = sd.workloads(llm.tokenizer)["prose"]
@@ -79,7 +80,7 @@ def main() -> None:
         tps: dict[str, float] = {}
         outs: dict[str, list[list[int]]] = {}
         for n in order:
-            tps[n], outs[n] = run(e, specs[n], prompts, args.tokens)
+            tps[n], outs[n] = run(e, specs[n], prompts, args.tokens, args.batch)
         for n in names:
             if outs[n] != outs["plain"]:
                 print(f"MISMATCH: {n} greedy output differs from plain in round {rnd}", flush=True)
@@ -88,7 +89,7 @@ def main() -> None:
         if rnd:
             for n in names:
                 ratios[n].append(tps[n] / tps["plain"])
-    lines = ["# Speculation control A/B (system TPS at batch 16, prose)", "",
+    lines = [f"# Speculation control A/B (system TPS at batch {args.batch}, prose)", "",
              f"{args.rounds} rounds (+1 warm-up), {args.tokens} tokens per request, old control {args.old}.", "",
              "| configuration | median x plain | rounds |", "|---|---:|---|"]
     for n in names:

@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--workload", choices=("prose", "repetition"), default="prose")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=16, help="requests added at once (in flight with --steady)")
     ap.add_argument("--out", type=pathlib.Path, help="markdown file to append the table to")
     ap.add_argument("--steady", type=int, default=0, metavar="N",
                     help="N requests in all, 16 in flight at every step (a finished one is replaced at once, as "
@@ -63,10 +64,10 @@ def main() -> None:
                     help="also report each configuration's passes of its last round by query-token count: "
                          "how many, and their median milliseconds")
     args = ap.parse_args()
-    if args.steady and args.steady < 16:
-        ap.error(f"--steady {args.steady}: needs at least the 16 requests in flight")
+    if args.steady and args.steady < args.batch:
+        ap.error(f"--steady {args.steady}: needs at least the {args.batch} requests in flight (--batch)")
     torch.set_num_threads(2)
-    llm = LLM(dtype="float32", num_threads=2, num_blocks=1024, max_batch_tokens=512, max_requests_per_batch=16,
+    llm = LLM(dtype="float32", num_threads=2, num_blocks=1024, max_batch_tokens=512, max_requests_per_batch=args.batch,
               kv_prefault=True)
     e = llm.engine
     acc: dict[str, float] = collections.defaultdict(float)
@@ -104,19 +105,19 @@ def main() -> None:
             acc.clear()
             passes.clear()
             params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-            total = args.steady or 16
+            total = args.steady or args.batch
             stamp = time.time_ns()
 
             def add(i: int, params=params, stamp=stamp):
                 return e.add_request(list(prompts[i % len(prompts)].token_ids), params, request_id=f"ph-{stamp}-{i}")
 
-            reqs = [add(i) for i in range(16)]
+            reqs = [add(i) for i in range(args.batch)]
             t0 = time.perf_counter()
             steps = 0
             while e.has_unfinished_requests():
                 finished = sum(1 for o in e.step() if o.finished)
                 steps += 1
-                for _ in range(min(finished, total - len(reqs))):   # --steady: keep 16 in flight
+                for _ in range(min(finished, total - len(reqs))):   # --steady: keep --batch in flight
                     reqs.append(add(len(reqs)))
             dt = time.perf_counter() - t0
             outs[n] = [list(r.output_token_ids) for r in reqs]
@@ -147,7 +148,7 @@ def main() -> None:
         lines += [f"- {n}: {last_passes[n]}" for n in names]
         print("\n".join(lines[-len(names):]), flush=True)
     if args.out:
-        mode = f"{args.steady} requests, 16 in flight" if args.steady else "batch 16"
+        mode = f"{args.steady} requests, {args.batch} in flight" if args.steady else f"batch {args.batch}"
         steady = (f" --steady {args.steady}" if args.steady else "") + (" --passes" if args.passes else "")
         head = ["", f"## {args.workload}, {mode}, {args.tokens} tokens, {args.rounds} rounds", "",
                 f"`python -m bench.spec.phases --workload {args.workload} --rounds {args.rounds} "
