@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from support.paths import ROOT, child_env
+from support.paths import ROOT, TESTS, child_env
+
+__all__ = ["ROOT", "SMOKE_TIMEOUT_S", "TESTS", "BenchRun", "assert_json_stamped", "assert_stamped", "positive",
+           "run_bench"]
 
 SMOKE_TIMEOUT_S = 240   # one benchmark's smallest workload takes seconds; this only bounds a hang
 
