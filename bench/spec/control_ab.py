@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--old", required=True, help="path of the other control.py")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: pdserve's default model)")
     ap.add_argument("--batch", type=int, default=16, help="requests added at once")
     ap.add_argument("--results-dir", type=pathlib.Path, default=None,
                     help="also write spec_control_ab.md there (default: print only)")
@@ -60,7 +61,8 @@ def main() -> None:
     old = importlib.util.module_from_spec(spec_)
     sys.modules["old_control"] = old   # dataclasses look their module up while building
     spec_.loader.exec_module(old)   # type: ignore[union-attr]
-    llm = LLM(dtype="float32", num_threads=2, num_blocks=1024, max_batch_tokens=512, max_requests_per_batch=args.batch,
+    llm = LLM(model=args.model, dtype="float32", num_threads=2, num_blocks=1024, max_batch_tokens=512,
+              max_requests_per_batch=args.batch,
               kv_prefault=True)
     e = llm.engine
     prompts = sd.workloads(llm.tokenizer)["prose"]

@@ -545,7 +545,8 @@ def report(rows: list[dict[str, Any]], goal_rows: list[dict[str, Any]], loads: d
              f"{wall_s:.0f} s (commit, machine and command at the end). Load average (1/5/15 min) at start "
              f"{loadavg['start']}, at end {loadavg['end']} (a shared machine).",
              "",
-             f"Default model (SmolLM2-135M-Instruct, {num_layers} layers), float32, {args.threads} threads, one "
+             f"{'Default model (SmolLM2-135M-Instruct' if args.model is None else 'Model (' + args.model}, "
+             f"{num_layers} layers), float32, {args.threads} threads, one "
              f"engine; greedy, EOS ignored, {args.max_tokens} output tokens per request at batch 1, "
              f"{args.batch_max_tokens} at batch {b}; {args.rounds_run} rounds of --rounds {args.rounds} "
              f"(--budget-s {args.budget_s:.0f}; self-drafts in the first {args.self_draft_rounds}, on "
@@ -639,6 +640,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-max-tokens", type=int, default=32, help="output tokens per request at --batch")
     p.add_argument("--batch", type=int, default=16, help="requests of the system-TPS batch")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model", default=None, help="the target checkpoint (default: pdserve's default model, "
+                                                 "which the shipped heads and the self-draft depths are for)")
     p.add_argument("--configs", default=None, help="comma list of config names (default: all; plain always runs)")
     p.add_argument("--draft-model", default=None,
                    help="a checkpoint sharing the target's tokenizer: adds configs draft-K2, draft-K4")
@@ -660,8 +663,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     loadavg = {"start": [round(x, 2) for x in os.getloadavg()]}
     t0 = time.perf_counter()
     torch.set_num_threads(args.threads)
-    llm = LLM(dtype="float32", num_threads=args.threads, num_blocks=64 * args.batch, max_batch_tokens=512,
-              max_requests_per_batch=max(16, args.batch), kv_prefault=True)
+    llm = LLM(model=args.model, dtype="float32", num_threads=args.threads, num_blocks=64 * args.batch,
+              max_batch_tokens=512, max_requests_per_batch=max(16, args.batch), kv_prefault=True)
     num_layers = llm.engine.arch.num_layers
     configs = all_configs(num_layers, args.draft_model, args.eagle_head)
     if args.configs:

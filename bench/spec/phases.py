@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--workload", choices=("prose", "repetition"), default="prose")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: pdserve's default model)")
     ap.add_argument("--batch", type=int, default=16, help="requests added at once (in flight with --steady)")
     ap.add_argument("--out", type=pathlib.Path, help="markdown file to append the table to")
     ap.add_argument("--steady", type=int, default=0, metavar="N",
@@ -67,7 +68,8 @@ def main() -> None:
     if args.steady and args.steady < args.batch:
         ap.error(f"--steady {args.steady}: needs at least the {args.batch} requests in flight (--batch)")
     torch.set_num_threads(2)
-    llm = LLM(dtype="float32", num_threads=2, num_blocks=1024, max_batch_tokens=512, max_requests_per_batch=args.batch,
+    llm = LLM(model=args.model, dtype="float32", num_threads=2, num_blocks=1024, max_batch_tokens=512,
+              max_requests_per_batch=args.batch,
               kv_prefault=True)
     e = llm.engine
     acc: dict[str, float] = collections.defaultdict(float)

@@ -13,10 +13,11 @@ from bench_smoke import SMOKE_TIMEOUT_S, BenchRun, run_bench
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A 2-layer random llama with the default model's tokenizer (tests/support/tiny_models.py)."""
+    """A random llama of hidden 64 with the default model's tokenizer (tests/support/tiny_models.py),
+    6 layers so that the spec benchmarks' 4-layer self-draft fits; every smoke run shares it."""
     from support.tiny_models import make_tiny_checkpoint
 
-    return str(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("bench-tiny") / "llama"))
+    return str(make_tiny_checkpoint("llama", tmp_path_factory.mktemp("bench-tiny") / "llama", num_hidden_layers=6))
 
 
 @pytest.fixture

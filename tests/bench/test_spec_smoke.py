@@ -1,6 +1,7 @@
 """Smoke runs of the speculative-decoding benchmarks (bench.spec.*) on their smallest workloads:
-the default model in one engine (decode, phases, control A/B, the heads' agreement and history),
-one 1P+1D cluster on the tiny checkpoint (eagle_handoff), and the draft-prompt set writer. Each
+the tiny checkpoint in one engine (decode, phases, control A/B) and in one 1P+1D cluster
+(eagle_handoff), the default model where the shipped head needs it (agreement, history), and the
+draft-prompt set writer. Each
 report is checked for the fields and numbers it promises, greedy equality with plain included."""
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from bench_smoke import assert_json_stamped, assert_stamped, positive
 pytestmark = pytest.mark.integration   # whole models, processes: the integration suite's kind
 
 
-def test_decode_plain_and_ngram(bench):
-    run = bench("bench.spec.decode", "--configs", "ngram-k2-n1", "--workloads", "repetition", "--rounds", "1",
-                "--max-tokens", "4", "--batch", "2", "--batch-max-tokens", "2", "--threads", "1", "--update",
+def test_decode_plain_and_ngram(bench, tiny_model):
+    run = bench("bench.spec.decode", "--model", tiny_model, "--configs", "ngram-k2-n1", "--workloads", "repetition",
+                "--rounds", "1", "--max-tokens", "4", "--batch", "2", "--batch-max-tokens", "2", "--threads", "1", "--update",
                 "--results-dir", "{out}")
     data = run.json("spec_decode")
     assert data["mismatches"] == []
@@ -30,10 +31,10 @@ def test_decode_plain_and_ngram(bench):
     assert_stamped(run.md("spec_decode"), "bench.spec.decode")
 
 
-def test_phases(bench, tmp_path):
+def test_phases(bench, tiny_model, tmp_path):
     out = tmp_path / "spec_phases.md"
-    run = bench("bench.spec.phases", "--workload", "repetition", "--rounds", "1", "--tokens", "3", "--batch", "2",
-                "--passes", "--out", str(out))
+    run = bench("bench.spec.phases", "--model", tiny_model, "--workload", "repetition", "--rounds", "1",
+                "--tokens", "3", "--batch", "2", "--passes", "--out", str(out))
     md = out.read_text()
     for config in ("plain", "ngram K=2 n=1..4", "ngram K=8 n=1..4"):
         row = next(line for line in md.splitlines() if line.startswith(f"| {config} |"))
@@ -43,11 +44,11 @@ def test_phases(bench, tmp_path):
     assert "MISMATCH" not in run.stdout
 
 
-def test_control_ab_against_the_same_control(bench):
+def test_control_ab_against_the_same_control(bench, tiny_model):
     spec = importlib.util.find_spec("pdserve.engine.spec_decode.control")
     assert spec is not None and spec.origin is not None
-    run = bench("bench.spec.control_ab", "--old", spec.origin, "--rounds", "1", "--tokens", "2", "--batch", "2",
-                "--results-dir", "{out}")
+    run = bench("bench.spec.control_ab", "--model", tiny_model, "--old", spec.origin, "--rounds", "1",
+                "--tokens", "2", "--batch", "2", "--results-dir", "{out}")
     assert "MISMATCH" not in run.stdout
     md = run.md("spec_control_ab")
     for config in ("plain", "ngram-k2-n1 new", "ngram-k2-n1 old", "self-k4-K2 new", "self-k4-K2 old"):
