@@ -17,8 +17,8 @@ pytestmark = pytest.mark.integration   # whole models, processes: the integratio
 
 def test_decode_plain_and_ngram(bench, tiny_model):
     run = bench("bench.spec.decode", "--model", tiny_model, "--configs", "ngram-k2-n1", "--workloads", "repetition",
-                "--rounds", "1", "--max-tokens", "4", "--batch", "2", "--batch-max-tokens", "2", "--threads", "1", "--update",
-                "--results-dir", "{out}")
+                "--rounds", "1", "--max-tokens", "4", "--batch", "2", "--batch-max-tokens", "2", "--threads", "1",
+                "--update", "--results-dir", "{out}")
     data = run.json("spec_decode")
     assert data["mismatches"] == []
     assert {(r["config"], r["batch"]) for r in data["rows"]} == {(c, b) for c in ("plain", "ngram-k2-n1")
