@@ -44,7 +44,7 @@ Results: ``<results-dir>/engine_throughput[-tag].json`` (all numbers, config, th
 Run (takes a while; run it on an otherwise idle machine), from the repository root:
     python -m bench.engine.throughput
     python -m bench.engine.throughput --dtype bfloat16
-Smoke run (tests/bench/test_smoke.py runs this on a tiny model):
+Smoke run (tests/bench/test_engine_smoke.py runs one like it on a tiny checkpoint):
     python -m bench.engine.throughput --num-requests 4 --output-len 8 --min-prompt 16 \\
         --max-prompt 32 --tag smoke --results-dir /tmp/benchsmoke
 """
