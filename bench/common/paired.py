@@ -12,6 +12,7 @@ load included) for each answer. Called from the benchmark's main thread.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import selectors
@@ -62,16 +63,13 @@ class Paired:
                 f"{self.median_diff_s * 1e3:+.2f} ({pct:+.1f}%) | {self.b_faster_rounds} of {self.rounds} rounds |")
 
 
+@functools.cache
 def bench_home() -> Path:
-    """A folder (made once per process) that holds only a link to this bench package."""
-    global _HOME
-    if _HOME is None:
-        _HOME = Path(tempfile.mkdtemp(prefix="pdserve-bench-home-"))
-        (_HOME / "bench").symlink_to(BENCH_PACKAGE, target_is_directory=True)
-    return _HOME
-
-
-_HOME: Path | None = None
+    """A folder (made once per process, left in /tmp: it holds one symlink) with only a link to this
+    bench package, the first PYTHONPATH entry of a tree's processes."""
+    home = Path(tempfile.mkdtemp(prefix="pdserve-bench-home-"))
+    (home / "bench").symlink_to(BENCH_PACKAGE, target_is_directory=True)
+    return home
 
 
 def tree_env(tree: Path | str, base: dict[str, str] | None = None) -> dict[str, str]:
