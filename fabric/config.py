@@ -36,7 +36,7 @@ class FabricConfig:
         and RDMA providers, whose completions already wait for the target),
         not on tcp, where every write then waits for an acknowledgement from
         the target's progress (it cost 64 KiB writes much of their bandwidth:
-        bench/results/fabric-notes.md).
+        bench/results/fabric/fabric-notes.md).
         The engine's ``delivery_complete`` attribute says what was granted.
         shm control messages never use it (they must not wait on a peer that
         may have died). Nothing in pdserve depends on it: the receiver counts
@@ -48,7 +48,7 @@ class FabricConfig:
         uses no CPU; see csrc/pdf_wait.h). Short by default: on a small
         machine a spinning thread takes the core the peer or the caller
         needs (on 2 cores longer spins cost 64 KiB shm writes both bandwidth
-        and lone-write latency: bench/results/fabric-notes.md, commit 36e12b5).
+        and lone-write latency: bench/results/fabric/fabric-notes.md, commit 36e12b5).
     busy_spin_us: how long it spins without progress while its own writes
         are outstanding, before sleeping in steps up to sleep_max_us (the
         longest step of the timed sleeps, also used when the provider offers
@@ -60,7 +60,7 @@ class FabricConfig:
     busy_poll: the progress thread never sleeps: it keeps polling (yielding
         every 64 rounds). For latency-critical deployments with a core to
         spare per engine: an idle engine then costs a full core (measured in
-        bench/results/fabric-notes.md), and on a 2-core machine a second
+        bench/results/fabric/fabric-notes.md), and on a 2-core machine a second
         spinning thread starves the peer it waits for.
     peer_timeout_s: a peer with outstanding writes and no completion for
         this long is declared failed (its batches get on_error); 0 disables.
@@ -71,7 +71,7 @@ class FabricConfig:
         the one endpoint. A host with one NIC (or none) never gets a second rail either way.
     tcp_nodelay: FI_TCP_NODELAY. Nagle on the tcp provider's sockets delays the small messages rxm
         answers with (acknowledgements, completions): on loopback it made a lone 64 KiB write
-        several times slower and halved bandwidth at 64 KiB (bench/results/fabric.md).
+        several times slower and halved bandwidth at 64 KiB (bench/results/fabric/fabric.md).
     av_remove_cleanup: FI_AV_REMOVE_CLEANUP. ``disconnect`` must end a peer's connection: ofi_rxm
         closes the connection of an address removed from the AV (dropping the operations still
         queued on it, so nothing more is read from their source buffers) only with this set.

@@ -21,7 +21,7 @@ names the first bad run.
 
 The C code (csrc/checksum.c, built by _checksum_build.py into kv_messenger._checksum) uses the
 SSE4.2 crc32 instruction when the CPU has it and a slicing-by-8 table otherwise (`impl` forces one:
-"auto", "hw", "table"); speeds in bench/results/checksum.md. Every run is checked to lie inside the
+"auto", "hw", "table"); speeds in bench/results/fabric/checksum.md. Every run is checked to lie inside the
 buffer before any byte is read. The C call holds no lock and does not block; cffi releases the GIL
 around it.
 """

@@ -1,5 +1,5 @@
 /*
- * fi_bench.c - reference for bench/fabric_transfer.py: windowed fi_writedata
+ * fi_bench.c - reference for bench.fabric.transfer (bench/fabric/transfer.py): windowed fi_writedata
  * between two processes, written directly against libfabric.
  *
  * The process forks: the child receives (registers a pool, busy-polls its CQ

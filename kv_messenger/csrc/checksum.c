@@ -7,7 +7,7 @@
  *   A|B equals shift(state after A, |B|) ^ (state after B from 0), where shift(s, n) is s fed n
  *   zero bytes. shift for the two block sizes is a precomputed 4 x 256 table (one lookup per
  *   byte of the 32-bit state). The block sizes and the speed of each path are in
- *   bench/results/checksum.md.
+ *   bench/results/fabric/checksum.md.
  *
  * All state is in registers; the states here are the raw (not inverted) CRC register, inverted on
  * entry and exit of pd_crc32c as the standard CRC32C defines.

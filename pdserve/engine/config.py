@@ -168,7 +168,7 @@ class EngineConfig:
     tp_invariant: sum o_proj and down_proj in fixed fold blocks whatever the TP size, so float32
         logits and KV are bit-identical at every tensor_parallel_size. None (default, "auto"): on iff
         tensor_parallel_size > 1, so a single-shard engine runs the plain kernels' sums (one block,
-        as before the blocked fold; the fold slows a TP 1 prefill: bench/results/tp_invariant.md).
+        as before the blocked fold; the fold slows a TP 1 prefill: bench/results/tp/tp_invariant.md).
         True (--tp-invariant): a TP 1 engine that must give the same bits as TP > 1 engines of its
         cluster (e.g. a TP 1 decode node behind TP 2 prefill nodes: the KV it receives and the KV it
         computes must agree). False (--no-tp-invariant): one block per rank; TP N then differs from

@@ -31,7 +31,7 @@ sends it on; rank r adds its blocks' partials to what arrives from rank r - 1; t
 the bias and broadcasts). TP 1 runs the same blocked fold when asked to, so TP 1 and TP N give the
 same bits. The engine folds in blocks only where that is needed (EngineConfig.tp_invariant; auto:
 on iff tensor_parallel_size > 1): the blocked fold slows a TP 1 prefill
-(bench/results/tp_invariant.md), so a single-shard engine keeps the plain kernels' sums unless it
+(bench/results/tp/tp_invariant.md), so a single-shard engine keeps the plain kernels' sums unless it
 must give bit-identical KV / logits to TP > 1 engines of its cluster (e.g. a TP 1 decode node
 behind TP 2 prefill nodes): then it runs with --tp-invariant (`pdserve up` passes it to every node
 of a cluster where any node runs TP > 1).

@@ -19,7 +19,7 @@ node on two cores, a partition longer than the stall bound is survived by prefil
 --rotate-key-after 2: a hold whose abort ended unfenced, or whose prefill node went silent, is
 released by a key rotation, counted in pdserve:kv_key_rotations_total) + router, small pools.
 Recovery seconds (fault end to a fresh request's success) are printed, never asserted;
-bench/faults.py tabulates them with the 1% / 20% loss rows.
+bench.faults.matrix tabulates them with the 1% / 20% loss rows.
 """
 
 from __future__ import annotations

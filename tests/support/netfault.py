@@ -1,4 +1,4 @@
-"""Network faults between real nodes (tests/integration/test_network_faults.py, bench/faults.py).
+"""Network faults between real nodes (tests/integration/test_network_faults.py, bench.faults.matrix).
 
 The network. Two network namespaces and three veth pairs per `fault_net()` (names carry the pid
 and a count: two runs, or two networks of one run, never collide), all deleted on exit whatever
@@ -30,8 +30,8 @@ near_addr (a second prefill node the partition does not cut off).
 Every fault primitive is a context manager that undoes itself on exit, also after a failure.
 `strike` runs one fault against a batch of requests and reports a FaultOutcome (what the requests
 ended with, what the nodes still hold, stale writes, a fresh request's tokens, recovery seconds);
-the tests assert on it, bench/faults.py tabulates it. It also takes a plain launcher Cluster (no
-network namespace: process faults on decode nodes or the router, bench/faults.py's loopback rows);
+the tests assert on it, bench.faults.matrix tabulates it. It also takes a plain launcher Cluster (no
+network namespace: process faults on decode nodes or the router, bench.faults.matrix's loopback rows);
 its measures skip a node that has exited (a SIGKILL not followed by a restart).
 
 Blocking waits and their bounds: every `ip` / `iptables` / `tc` call IP_TIMEOUT_S; cluster start

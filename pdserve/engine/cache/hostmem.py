@@ -8,7 +8,7 @@ allocates it.
 Huge pages matter to the transports that copy through the kernel (shm moves
 data with process_vm_writev, tcp with socket copies): with 2 MiB pages the
 kernel pins and walks 512x fewer pages per byte, which raises shm bandwidth
-on large writes (huge vs normal pages: bench/results/fabric.md).
+on large writes (huge vs normal pages: bench/results/fabric/fabric.md).
 
 ``alloc_buffer`` maps anonymous memory, trims it to a 2 MiB aligned window,
 advises MADV_HUGEPAGE and optionally faults it in. When the kernel refuses

@@ -9,7 +9,7 @@ memory registration for the fabric.
 Allocation: by default a CPU pool is a fresh anonymous mapping on transparent huge pages
 (pdserve.engine.cache.hostmem, standard library only): decode attention reads it faster than
 4 KiB pages (fewer TLB misses, commit 5a48399), and the fabric registers the same memory (shm
-transfers are faster from and to huge pages: bench/results/fabric.md).
+transfers are faster from and to huge pages: bench/results/fabric/fabric.md).
 Seam: `PagedKVCache(..., allocate=fn)` takes the buffer from `fn(dims, dtype)` instead.
 """
 
@@ -95,7 +95,7 @@ def _default_allocate(dims: tuple[int, ...], dtype: torch.dtype, device: torch.d
     Decode attention streams every sequence's pages from DRAM; on 4 KiB pages each 4 KiB costs a
     TLB entry, so the same kernel runs faster on 2 MiB pages (30 layers of batch-32 decode
     pools, commit 5a48399). Shared-memory fabric transfers from and to huge pages are faster too
-    (bench/results/fabric.md). Where the kernel has no THP the pool stays on normal pages (logged once).
+    (bench/results/fabric/fabric.md). Where the kernel has no THP the pool stays on normal pages (logged once).
     A fresh mapping rather than torch.empty + madvise: torch's allocator may hand back heap memory
     that is already faulted in on small pages, which madvise does not convert.
     """

@@ -8,7 +8,7 @@ keeps two estimates and chooses the drafts that maximise tokens emitted per seco
 - pass time t(T) = a + b * T for T query tokens: a least-squares line through the engine's own
   recent passes of decodes and verifications (`observe`, exponentially forgotten, FORGET per
   pass; passes with a prefill chunk are not observed: their tokens cost on a steeper slope, and
-  a line through both once cut batch-1 drafts that paid 2x, bench/results/spec_decode.md). Until
+  a line through both once cut batch-1 drafts that paid 2x, bench/results/spec/spec_decode.md). Until
   the passes have varied enough to fit a line with a > 0 and b >= 0, nothing is cut (at batch 1
   the token counts rarely spread enough: every proposal is verified there).
 - per-token acceptance alpha of each sequence: accepted / (accepted + rejected) over its recent
@@ -34,8 +34,8 @@ brings it back), and probes spend at most PROBE_SHARE of the pass time: each ste
 share of its expected pass time, and the due sequences are probed together (one drafting call)
 once the credit covers them all at b + d per token. Without both, every sequence of a batch of
 16 probed at the same step every 16 steps, and on prose those steps cost 1.3-1.9x a decode step
-(bench/results/spec_decode.md, the run before the budget): by that arithmetic most of the 4-8%
-system-TPS loss at batch 16 measured there (bench/results/spec_control_ab.md: a paired A/B).
+(bench/results/spec/spec_decode.md, the run before the budget): by that arithmetic most of the 4-8%
+system-TPS loss at batch 16 measured there (bench/results/spec/spec_control_ab.md: a paired A/B).
 First look: a sequence none of whose drafts has been verified yet (its first decode step with a
 proposal: on a decode node the step right after the KV transfer, whose drafts come from the prefill
 node's shipped hidden state, D17; or its first step back after a preemption) verifies at least one
@@ -44,7 +44,7 @@ proposer that then drafts nothing, or a lookahead the step cannot fit, does not 
 is known of its own acceptance until then (the prior is the batch's), and the handoff step is where
 a hidden-state head drafts from the freshest state it ever gets; the cost is bounded by one
 verified draft token per request (b + d once: ~0.3 of a batch-1 decode step on the hosts of
-bench/results/spec_decode.md), and its verdict seeds the sequence's own estimate at once instead of
+bench/results/spec/spec_decode.md), and its verdict seeds the sequence's own estimate at once instead of
 after PROBE_AFTER idle steps.
 `SpeculativeConfig.adaptive=False` turns the control off (every proposal verified in full, as far
 as the step's budget goes).

@@ -3,7 +3,7 @@
 A decode step multiplies a handful of rows (one per running sequence) by every weight matrix.
 That product is bound by reading the weights once; torch's CPU GEMM does not behave that way
 for 2-32 rows (its time grows with the row count: the F.linear column of
-bench/results/linear_kernels.md). csrc/small_linear.c reads
+bench/results/engine/linear_kernels.md). csrc/small_linear.c reads
 each weight row once per call and reuses it for every input row. It is used when
 
 - x is a float32 CPU matrix [M, K] with unit column stride and M <= `MAX_ROWS` (32),
@@ -34,8 +34,8 @@ from pdserve.kernels.ops.native import available, lib as _lib, unavailable_reaso
 __all__ = ["MAX_ROWS", "available", "linear", "linear_block_parts", "linear_blocked", "max_rows", "small_linear",
            "unavailable_reason"]
 
-# Up to this many rows the kernel beats or matches MKL (bench/linear_kernels.py; 1 thread:
-# bench/results/linear_kernels.md, 2 threads: bench/results/linear_kernels-2threads.md, where MKL
+# Up to this many rows the kernel beats or matches MKL (bench.engine.linear_kernels; 1 thread:
+# bench/results/engine/linear_kernels.md, 2 threads: bench/results/engine/linear_kernels-2threads.md, where MKL
 # scales poorly across threads at these shapes); from 48 rows on 1 thread MKL wins.
 MAX_ROWS = 32
 _F32 = torch.float32
@@ -160,7 +160,7 @@ def _torch_block_parts(
     where K is whole blocks of a row-major x and a contiguous weight; else one F.linear per block.
     bmm gives each block the product F.linear gives it, bit for bit (the same GEMM per batch
     entry; tests/unit/test_tp_split_and_fold.py), in one call instead of nb (one OpenMP region
-    instead of nb: bench/results/tp_invariant.md)."""
+    instead of nb: bench/results/tp/tp_invariant.md)."""
     M, K = x.shape
     N = weight.shape[0]
     nb = -(-K // block)

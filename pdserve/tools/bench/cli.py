@@ -2,9 +2,9 @@
 
     pdserve bench serve --url 127.0.0.1:50051 --dataset random --input-len 512:2048 --output-len 128:256 \\
         --num-prompts 100 --request-rate 0.5 --goodput ttft:5000 tpot:200 --result-json out.json --plot-dir plots/
-    pdserve bench sweep --url ... --request-rates 0.1,0.2,0.4 --output-prefix bench/results/sweep
+    pdserve bench sweep --url ... --request-rates 0.1,0.2,0.4 --output-prefix bench/results/serving/sweep
     pdserve bench compare --input-len 512:2048 --output-len 128:256 --request-rate 0.05 --duration 180 \\
-        --output-prefix bench/results/compare
+        --output-prefix bench/results/serving/compare
 
 `add_parser(subparsers)` adds `bench` to a parent parser (pdserve.tools.cli); `python -m pdserve.tools.bench`
 runs the same sub-commands on their own. Exit status: 0 done, 1 the run failed (no request

@@ -35,7 +35,7 @@
  * few lines before each 8-key block of scores and PV and before the softmax (pf_step). A thread
  * claims its next item before running the current one, so that the current item's last page
  * prefetches the next item's first page. (Batch-32 decode at context 320, 30 layers' pools, 2
- * threads, paired runs: the per-block steps beat one burst per page (bench/results/attention_kernels.md);
+ * threads, paired runs: the per-block steps beat one burst per page (bench/results/engine/attention_kernels.md);
  * the per-iteration lines helped float32 further, bfloat16 unchanged (commit 87f134d).)
  *
  * Dtypes (q/out, K/V pools): (f32, f32), (bf16, bf16) and (f32, bf16), the last for a float32
