@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 TESTS = Path(__file__).resolve().parent
-FOLDER_MARKERS = ("unit", "integration", "fabric", "deploy")  # tests/<folder>/... -> pytest.mark.<folder>
+FOLDER_MARKERS = ("unit", "integration", "fabric", "deploy", "bench")  # tests/<folder>/... -> pytest.mark.<folder>
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
