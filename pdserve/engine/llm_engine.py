@@ -34,7 +34,6 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -43,7 +42,7 @@ from pdserve.engine.cache.block_pool import CacheIntegrityError
 from pdserve.engine.cache.groups import PADDING_BLOCK
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_connector import DecodeConnector, KvConnector, KvWait, PrefillConnector, PrefillDone
-from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.request import FinishReason, Request, RequestStatus
 from pdserve.engine.runner import ModelOutput
 from pdserve.engine.sampling.detokenizer import IncrementalDetokenizer
@@ -59,19 +58,13 @@ from pdserve.engine.spec_decode.decoder import (
     TargetRows,
 )
 from pdserve.engine.spec_decode.handoff import ContextTails
-from pdserve.engine.spec_decode.rejection import seeded_generators
+from pdserve.engine.spec_decode.rejection import row_generators
 from pdserve.engine.stats import EngineInfo, EngineLoad, EngineMetrics
+from pdserve.engine.tracked import TrackedRequest
 
 logger = logging.getLogger(__name__)
 
 QUARANTINE_PREFIX = "\x00quarantine:"   # cache tables of quarantined pages (no request id starts so)
-
-
-@dataclass
-class _Tracked:
-    request: Request
-    detok: IncrementalDetokenizer
-    logprobs: list[SampleLogprobs]
 
 
 class LLMEngine:
@@ -97,7 +90,7 @@ class LLMEngine:
         self.speculator: SpeculativeDecoder | None = parts.speculator
         self.sampler = Sampler()
         self._default_generator = torch.Generator().manual_seed(config.seed)
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, TrackedRequest] = {}
         # a prefill node's last hidden states per prefill-only request, for its context record (D17/D19)
         self._tails = ContextTails(config.context_history_rows) if config.context_history_rows else None
         self._hold_on_finish: set[str] = set()
@@ -179,7 +172,7 @@ class LLMEngine:
         )
         if hold_blocks:
             self._hold_on_finish.add(request_id)
-        self._tracked[request_id] = _Tracked(request, IncrementalDetokenizer(self.tokenizer, ids, params), [])
+        self._tracked[request_id] = TrackedRequest(request, IncrementalDetokenizer(self.tokenizer, ids, params), [])
         self.scheduler.add_request(request)
         return request
 
@@ -436,7 +429,7 @@ class LLMEngine:
         logits = out.logits if rows == list(range(out.logits.shape[0])) else out.logits[torch.tensor(rows)]
         return self.sampler.sample(logits, params, generators)
 
-    def _prefilled(self, tracked: _Tracked, c: ScheduledChunk, out: ModelOutput) -> RequestOutput:
+    def _prefilled(self, tracked: TrackedRequest, c: ScheduledChunk, out: ModelOutput) -> RequestOutput:
         """A prefill-only request computed its last token: hand the connector its pages, hidden
         state(s) and logits (D12), and finish it."""
         r = c.request
@@ -448,62 +441,21 @@ class LLMEngine:
         return self._finish(tracked, FinishReason.PREFILLED, new_ids=(), delta="")
 
     def _generators(self, c: ScheduledChunk) -> list[torch.Generator]:
-        """One generator per sampled row of a chunk. A seeded request's row j draws as its output
-        token number (tokens so far + j) would in plain decoding (sampler.token_seed); unseeded
-        rows share the engine's generator, drawn in row order."""
-        r = c.request
-        first = r.sample_generator() or self._default_generator
-        if c.num_sample_rows == 1:
-            return [first]
-        if r.sampling.seed is None:
-            return [first] * c.num_sample_rows
-        base = r.sampling.rng_skip_tokens + len(r.output_token_ids)
-        return [first] + seeded_generators(r.sampling.seed, base + 1, c.num_sample_rows - 1)
+        """One generator per sampled row of a chunk (spec_decode.rejection.row_generators)."""
+        return row_generators(c.request, c.num_sample_rows, self._default_generator)
 
-    def _append_token(self, tracked: _Tracked, token: int, lp: SampleLogprobs | None) -> RequestOutput:
+    def _append_token(self, tracked: TrackedRequest, token: int, lp: SampleLogprobs | None) -> RequestOutput:
         """Emit one sampled token of a request: detokenize it and check every stop condition."""
         self.num_generated_tokens += 1
-        r = tracked.request
-        r.output_token_ids.append(token)
-        r.status = RequestStatus.DECODING
-        if lp is not None:
-            tracked.logprobs.append(lp)
-        params = r.sampling
-        reason: FinishReason | None = None
-        delta = ""
-        # A token that ends the request by its id (EOS, a stop token) is kept in token_ids but
-        # not in the text, as the OpenAI-style APIs report it.
-        if token in params.stop_token_ids:
-            reason, r.stop_reason = FinishReason.STOP, token
-        elif not params.ignore_eos and token in r.eos_token_ids:
-            reason = FinishReason.STOP
-        else:
-            step = tracked.detok.push(token)
-            delta = step.delta_text
-            if step.stop_string is not None:
-                reason, r.stop_reason = FinishReason.STOP, step.stop_string
-            elif params.max_tokens is not None and len(r.output_token_ids) >= params.max_tokens:
-                reason = FinishReason.LENGTH
-            elif r.num_tokens >= r.max_total_tokens:
-                reason = FinishReason.LENGTH
+        reason, delta = tracked.push(token, lp)
         new_lp = (lp,) if lp is not None else ()
         if reason is not None:
             return self._finish(tracked, reason, new_ids=(token,), delta=delta, new_logprobs=new_lp)
-        return RequestOutput(
-            request_id=r.request_id,
-            new_token_ids=(token,),
-            delta_text=delta,
-            finished=False,
-            num_prompt_tokens=r.num_prompt_tokens,
-            num_output_tokens=len(r.output_token_ids),
-            new_logprobs=new_lp,
-            num_cached_tokens=r.num_reused_tokens or 0,
-            first_scheduled_time=r.first_scheduled_time,
-        )
+        return tracked.running_output((token,), delta, new_lp)
 
     def _finish(
         self,
-        tracked: _Tracked,
+        tracked: TrackedRequest,
         reason: FinishReason,
         new_ids: tuple[int, ...],
         delta: str,
@@ -528,27 +480,7 @@ class LLMEngine:
         del self._tracked[r.request_id]
         if self._tails is not None:
             self._tails.forget(r.request_id)
-        delta += tracked.detok.finish()
-        completion = CompletionOutput(
-            text=tracked.detok.text,
-            token_ids=tuple(r.output_token_ids),
-            finish_reason=reason.value,
-            logprobs=tuple(tracked.logprobs) if r.sampling.logprobs is not None else None,
-            stop_reason=r.stop_reason,
-        )
-        return RequestOutput(
-            request_id=r.request_id,
-            new_token_ids=new_ids,
-            delta_text=delta,
-            finished=True,
-            num_prompt_tokens=r.num_prompt_tokens,
-            num_output_tokens=len(r.output_token_ids),
-            new_logprobs=new_logprobs,
-            completion=completion,
-            error=error,
-            num_cached_tokens=r.num_reused_tokens or 0,
-            first_scheduled_time=r.first_scheduled_time,
-        )
+        return tracked.finished_output(reason, new_ids, delta, new_logprobs, error)
 
     def _stalled(self) -> list[RequestOutput]:
         """Nothing could be scheduled. If requests wait that can never fit, fail them explicitly."""

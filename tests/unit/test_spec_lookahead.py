@@ -23,7 +23,7 @@ import torch
 from pdserve.engine.cache.block_pool import BlockPool
 from pdserve.engine.cache.manager import KVCacheManager
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.llm_engine import LLMEngine, _Tracked
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ModelOutput
 from pdserve.engine.sampling.sampler import Sampler
@@ -33,6 +33,7 @@ from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.engine.spec_decode.proposers.base import Drafted, SlotProposer
 from pdserve.engine.spec_decode.proposers.ngram import NgramDrafts
 from pdserve.engine.spec_decode.speculator import Speculator
+from pdserve.engine.tracked import TrackedRequest
 
 PAGE = 4
 SCHEDULERS = ("fifo", "prefill_first")
@@ -270,7 +271,7 @@ class _Engine:
         self.speculator = Speculator(config, proposer or NgramDrafts(config), mgr)
         self.sampler = Sampler(seed=0)
         self._default_generator = torch.Generator().manual_seed(0)
-        self._tracked = {r.request_id: _Tracked(r, _NoText(), []) for r in requests}
+        self._tracked = {r.request_id: TrackedRequest(r, _NoText(), []) for r in requests}
         self.num_steps = self.num_forward_tokens = self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = self.num_first_steps = self.num_first_step_tokens = 0
 

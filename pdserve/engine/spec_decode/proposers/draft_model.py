@@ -45,7 +45,7 @@ class DraftModel(SlotProposer):
     pages come back into the request's new blocks and nothing is recomputed); a prefix-cache hit
     reads blocks whose draft K/V another request wrote from the same tokens, and is recomputed
     anyway (the count starts at 0), so a stale page is never trusted. Drafts are the draft's argmax
-    (q one-hot: exact verification by equality, module docstring). Under tensor parallelism the
+    (q one-hot: exact verification by equality, pdserve.engine.spec_decode.speculator). Under tensor parallelism the
     draft runs on the leader alone, unsharded (its pool is the leader's)."""
 
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner, draft_runner: ModelRunner,

@@ -27,7 +27,7 @@ class SelfDraft(SlotProposer):
     the last), which lie in the lookahead slots the scheduler granted; the verification pass then
     writes every layer there, and rejected slots are truncated or overwritten, never read as
     computed. Drafts are the draft's argmax (q one-hot), so verification by equality is exact
-    for greedy and sampled requests alike (module docstring). Under tensor parallelism every rank
+    for greedy and sampled requests alike (pdserve.engine.spec_decode.speculator). Under tensor parallelism every rank
     runs its shard of those k layers (the runner's StepMessage carries num_layers)."""
 
     def __init__(self, config: SpeculativeConfig, runner: ModelRunner) -> None:
