@@ -326,8 +326,7 @@ class LLMEngine:
         self.last_load = self.load()   # what runs now holds its pages: routing reads this during the pass
         out = self._run(sched)
         if self.speculator is not None:
-            self.speculator.after_pass(TargetPass(sched.chunks, sched.num_batched_tokens, out.all_hidden,
-                                                  time.perf_counter() - began))
+            self.speculator.after_pass(TargetPass(sched.chunks, sched.num_batched_tokens, out.all_hidden, began))
         results = self._update(sched, out)
         if sched.stalled:
             self.preemptor.relieve(sched.stalled)  # they run next step

@@ -7,7 +7,7 @@ each step it calls, in this order:
     sched = scheduler.schedule(drafts)           # each decoding chunk may grow by a prefix of its draft
     sched = decoder.fill(sched)                  # a drafting model drafts into its granted slots
     out = runner.execute(sched, all_hidden=decoder.wants_all_hidden)
-    decoder.after_pass(TargetPass(...))          # the pass's hidden states and its time
+    decoder.after_pass(TargetPass(...))          # the pass's hidden states and when it began
     for each chunk that samples:
         with drafts:  decoder.verify(chunk, TargetRows(...), append)  # accept, emit, roll back
         without:      decoder.decoded(DecodedRow(...))                # the latest token's state
@@ -56,7 +56,7 @@ class TargetPass:
     chunks: tuple[ScheduledChunk, ...]
     num_batched_tokens: int
     all_hidden: torch.Tensor | None   # [T, H] final-norm states of every fed token (wants_all_hidden)
-    seconds: float                    # from before `fill` to the pass's end (drafting included)
+    began: float                      # time.perf_counter() before `fill` (the pass's cost includes drafting)
 
 
 @dataclass(frozen=True)

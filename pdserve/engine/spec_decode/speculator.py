@@ -166,8 +166,9 @@ class Speculator(SpeculativeDecoder):
             self.proposer.after_pass(target.chunks, target.all_hidden)
         # what the control weighs drafts against: passes of decodes and verifications only (a
         # prefill chunk's tokens cost on another slope: compute-bound, and its attention)
+        # (timed to now: drafting, the pass and the head's row writes)
         if self.control is not None and all(c.samples and c.num_known == 1 for c in target.chunks):
-            self.control.observe(target.num_batched_tokens, target.seconds)
+            self.control.observe(target.num_batched_tokens, time.perf_counter() - target.began)
 
     def note(self, request: Request, hidden: torch.Tensor, position: int) -> None:
         """The target's hidden state at `position` ([H], where the request's latest token was sampled)."""
