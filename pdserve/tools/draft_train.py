@@ -1,4 +1,4 @@
-"""`pdserve draft train`: distil an EAGLE-style draft head (pdserve/engine/spec_decode/eagle.py)
+"""`pdserve draft train`: distil an EAGLE-style draft head (pdserve/model/eagle_head.py)
 for a target model from the target's own outputs, offline, on CPU (issue 18).
 
 1. Corpus (cached in OUT/corpus.safetensors, or --corpus FILE, reused when its recipe matches):
@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from pdserve.engine.spec_decode.eagle import EagleHead, TargetVocab
+    from pdserve.model.eagle_config import TargetVocab
+    from pdserve.model.eagle_head import EagleHead
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ def target_hidden_states(model: Any, ids: Sequence[int]) -> torch.Tensor:  # [n,
 def save_corpus(c: Corpus, path: pathlib.Path) -> None:
     from safetensors.torch import save_file
 
-    from pdserve.engine.spec_decode.eagle import atomic_write
+    from pdserve.model.eagle_config import atomic_write
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {"tokens": c.tokens, "hidden": c.hidden, "offsets": c.offsets, "heldout": c.heldout}
@@ -350,7 +351,7 @@ def evaluate(head: EagleHead, c: Corpus, seq_len: int) -> Agreement:
 def _atomic_torch_save(obj: Any, path: pathlib.Path) -> None:
     import torch
 
-    from pdserve.engine.spec_decode.eagle import atomic_write
+    from pdserve.model.eagle_config import atomic_write
 
     atomic_write(path, lambda p: torch.save(obj, p))
 
@@ -379,7 +380,8 @@ def _resume_state(cfg: DraftTrainConfig, state_path: pathlib.Path, vocab: Target
 def train(cfg: DraftTrainConfig) -> TrainResult:
     import torch
 
-    from pdserve.engine.spec_decode.eagle import EagleConfig, EagleHead, EagleTrainStats, load_target_vocab
+    from pdserve.model.eagle_config import EagleConfig, EagleTrainStats, load_target_vocab
+    from pdserve.model.eagle_head import EagleHead
     from pdserve.model.loader import resolve_model
 
     if cfg.num_threads:
@@ -439,7 +441,7 @@ def train(cfg: DraftTrainConfig) -> TrainResult:
     bar.close()
     head.eval()
     if cfg.draft_vocab:
-        from pdserve.engine.spec_decode.eagle import draft_vocab_from_counts
+        from pdserve.model.eagle_head import draft_vocab_from_counts
 
         V = head.target_lm_head.shape[0]
         written = torch.cat([corpus.tokens[int(corpus.offsets[s]):int(corpus.offsets[s + 1])] for s in train_texts])

@@ -12,7 +12,8 @@ import pytest
 import torch
 from support.tiny_models import make_tiny_checkpoint
 
-from pdserve.engine.spec_decode.eagle import EagleHead, load_target_vocab, read_config
+from pdserve.model.eagle_config import load_target_vocab, read_config
+from pdserve.model.eagle_head import EagleHead
 from pdserve.tools.cli import main as cli_main
 from pdserve.tools.draft_train import STATE_FILE, DraftTrainConfig, corpus_for, target_hidden_states, train
 

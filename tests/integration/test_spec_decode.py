@@ -17,7 +17,7 @@ from support.reference import REFERENCE_PROMPTS
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.spec_decode.config import SpeculativeConfig
-from pdserve.engine.spec_decode.speculator import make_speculator
+from pdserve.engine.spec_decode.loader import make_speculator
 
 MAX_NEW = 24
 
@@ -391,7 +391,7 @@ def test_a_decode_nodes_head_history_from_the_handed_over_states_is_the_colocate
     import torch
 
     from pdserve.engine.spec_decode.config import EAGLE_HISTORY_ROWS
-    from pdserve.engine.spec_decode.speculator import EagleDrafts
+    from pdserve.engine.spec_decode.proposers.eagle import EagleDrafts
 
     spec = speculate(llm, method="eagle", num_speculative_tokens=3, adaptive=False)
     prop = spec.proposer

@@ -11,7 +11,8 @@ import torch
 
 def write_random_head(out: pathlib.Path, target_dir: pathlib.Path, seed: int = 0) -> str:
     """Write a head for the checkpoint at `target_dir` into `out` (created); its path as a string."""
-    from pdserve.engine.spec_decode.eagle import EagleConfig, EagleHead, load_target_vocab
+    from pdserve.model.eagle_config import EagleConfig, load_target_vocab
+    from pdserve.model.eagle_head import EagleHead
 
     vocab = load_target_vocab(target_dir)
     hf = json.loads((target_dir / "config.json").read_text())

@@ -1,6 +1,7 @@
-"""The EAGLE-style draft head (pdserve/engine/spec_decode/eagle.py) on tiny random targets: shapes,
-what is trained and saved, the save/load roundtrip, refusal of another target, the target identity
-hash, and the greedy reference drafters (deterministic, batched == single, == the training forward)."""
+"""The EAGLE-style draft head (pdserve/model/eagle_head.py, its format pdserve/model/eagle_config.py)
+on tiny random targets: shapes, what is trained and saved, the save/load roundtrip, refusal of
+another target, the target identity hash, and the greedy reference drafters (deterministic,
+batched == single, == the training forward)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,10 @@ import pytest
 import torch
 from support.tiny_models import make_tiny_checkpoint
 
-from pdserve.engine.spec_decode.eagle import (
+from pdserve.model.eagle_config import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     EagleConfig,
-    EagleHead,
     EagleTrainStats,
     TargetIdentity,
     TargetVocab,
@@ -23,6 +23,7 @@ from pdserve.engine.spec_decode.eagle import (
     param_count_for,
     read_config,
 )
+from pdserve.model.eagle_head import EagleHead
 
 H, V = 64, 49152  # the tiny models' hidden size and vocabulary
 
@@ -210,7 +211,7 @@ def test_drafts_over_cached_history_equal_the_reference_that_recomputes_it(targe
 
 
 def test_a_shipped_head_is_found_by_its_target_and_another_target_is_told_to_train_one(vocab):
-    from pdserve.engine.spec_decode.eagle import SHIPPED_HEADS, shipped_head_for
+    from pdserve.model.eagle_config import SHIPPED_HEADS, shipped_head_for
 
     shipped = [d for d in SHIPPED_HEADS.iterdir() if (d / CONFIG_FILE).is_file()]
     assert shipped, f"no head ships under {SHIPPED_HEADS}"
@@ -221,7 +222,8 @@ def test_a_shipped_head_is_found_by_its_target_and_another_target_is_told_to_tra
 
 
 def test_a_draft_vocabulary_restricts_drafts_survives_save_load_and_is_checked(targets, vocab, tmp_path):
-    from pdserve.engine.spec_decode.eagle import DRAFT_VOCAB_FILE, draft_vocab_from_counts
+    from pdserve.model.eagle_config import DRAFT_VOCAB_FILE
+    from pdserve.model.eagle_head import draft_vocab_from_counts
 
     counts = torch.zeros(V, dtype=torch.long)
     counts[[7, 3, 500]] = torch.tensor([5, 9, 5])

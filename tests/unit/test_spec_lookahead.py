@@ -5,12 +5,12 @@ the K lookahead slots come out of `max_batch_tokens` and the pool, only from wha
 left once decodes, running prefills and admissions are scheduled (Scheduler._grant_lookahead); a
 draft that does not fit is cut or dropped and the sequence decodes plainly; lookahead never
 stalls or preempts a request. After the pass, the engine keeps the KV of the accepted drafts and
-gives back the pages past what the request keeps (LLMEngine._emit -> KVCacheManager.truncate).
+gives back the pages past what the request keeps (Speculator._emit -> KVCacheManager.truncate).
 
 Every case uses pages of 4 tokens and a pool whose first block (0) is padding, so a fresh pool
 hands out blocks 1, 2, 3, ... in order, and the books must balance after every step
 (empty + used + cached == usable). No model is loaded: the engine's own `_update` (with its
-`_verify` and `_emit`) runs on a stand-in engine over a made-up pass output.
+speculator's `verify` and `_emit`) runs on a stand-in engine over a made-up pass output.
 """
 
 from __future__ import annotations
@@ -23,14 +23,17 @@ import torch
 from pdserve.engine.cache.block_pool import BlockPool
 from pdserve.engine.cache.manager import KVCacheManager
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.llm_engine import LLMEngine, _Tracked
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ModelOutput
 from pdserve.engine.sampling.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import FifoScheduler, PrefillFirstScheduler, make_scheduler
 from pdserve.engine.spec_decode.config import SpeculativeConfig
-from pdserve.engine.spec_decode.speculator import Drafted, NgramDrafts, SlotProposer, Speculator
+from pdserve.engine.spec_decode.proposers.base import Drafted, SlotProposer
+from pdserve.engine.spec_decode.proposers.ngram import NgramDrafts
+from pdserve.engine.spec_decode.speculator import Speculator
+from pdserve.engine.tracked import TrackedRequest
 
 PAGE = 4
 SCHEDULERS = ("fifo", "prefill_first")
@@ -252,23 +255,23 @@ class _NoText:
 
 
 class _Engine:
-    """The part of LLMEngine a step's update runs on: the engine's own _update (and the _verify,
-    _emit, _append_token and _generators it calls) over a real cache manager, sampler and
-    speculator; the pass's output is made up (`logits_for`), no model is run."""
+    """The part of LLMEngine a step's update runs on: the engine's own _update (and the _sample,
+    _append_token and _generators it calls, and the speculator's verify and _emit) over a real
+    cache manager, sampler and speculator; the pass's output is made up (`logits_for`), no model
+    is run."""
 
     _update = LLMEngine._update
-    _verify = LLMEngine._verify
-    _emit = LLMEngine._emit
+    _sample = LLMEngine._sample
     _append_token = LLMEngine._append_token
     _generators = LLMEngine._generators
 
     def __init__(self, mgr: KVCacheManager, requests: list[Request], proposer=None, k: int = 8) -> None:
         config = SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=False)
         self.cache_manager = mgr
-        self.speculator = Speculator(config, proposer or NgramDrafts(config))
+        self.speculator = Speculator(config, proposer or NgramDrafts(config), mgr)
         self.sampler = Sampler(seed=0)
         self._default_generator = torch.Generator().manual_seed(0)
-        self._tracked = {r.request_id: _Tracked(r, _NoText(), []) for r in requests}
+        self._tracked = {r.request_id: TrackedRequest(r, _NoText(), []) for r in requests}
         self.num_steps = self.num_forward_tokens = self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = self.num_first_steps = self.num_first_step_tokens = 0
 

@@ -11,10 +11,12 @@ method "ngram": prompt lookup over the sequence's own tokens (prompt and output 
     only one is given the other takes its value, as vLLM does).
 method "draft_model": a smaller model drafts K tokens autoregressively. `self_draft_layers: k`
     is the built-in draft: the target's own first k decoder layers, its final norm and its
-    lm_head (pdserve.engine.spec_decode.self_draft). `model: PATH` names a separate checkpoint.
-method "eagle": a draft head (`pdserve draft train`; pdserve.engine.spec_decode.eagle) drafts from
+    lm_head (pdserve.engine.spec_decode.proposers.self_draft). `model: PATH` names a separate
+    checkpoint (proposers.draft_model).
+method "eagle": a draft head (`pdserve draft train`; pdserve.model.eagle_head) drafts from
     the target's own last hidden state: `model: DIR` names the head, trained for this target;
-    without a model, the head that ships for the target (eagle.SHIPPED_HEADS; the default model has one).
+    without a model, the head that ships for the target (pdserve/assets/heads/,
+    eagle_config.SHIPPED_HEADS; the default model has one).
 num_speculative_tokens (K): draft tokens verified per sequence per step, 1..MAX_SPECULATIVE_TOKENS.
 adaptive (pdserve's, default true): verify only the draft tokens expected to pay for their share
     of the pass (pdserve.engine.spec_decode.control), so speculation turns itself down where it

@@ -51,6 +51,7 @@ from numbers import Integral
 
 import torch
 
+from pdserve.engine.request import Request
 from pdserve.engine.sampling.sampler import token_seed
 
 
@@ -77,6 +78,19 @@ def seeded_generators(seed: int, first_index: int, count: int, device: torch.dev
         gens.append(g)
     return gens
 
+
+
+def row_generators(request: Request, num_rows: int, default: torch.Generator) -> list[torch.Generator]:
+    """One generator per sampled row of a request's chunk (1 + its drafts). A seeded request's
+    row j draws as its output token number (tokens so far + j) would in plain decoding
+    (sampler.token_seed); unseeded rows share `default` (the engine's), drawn in row order."""
+    first = request.sample_generator() or default
+    if num_rows == 1:
+        return [first]
+    if request.sampling.seed is None:
+        return [first] * num_rows
+    base = request.sampling.rng_skip_tokens + len(request.output_token_ids)
+    return [first] + seeded_generators(request.sampling.seed, base + 1, num_rows - 1)
 
 # ---- the procedure over a batch (randomness given) -----------------------------------------------
 
