@@ -15,13 +15,13 @@ slot (little-endian; record version 3, "ctx3" in NodeInfo.build's KV layout):
 
 - history_rows: the slot's capacity for earlier rows, a layout constant both sides configure (0:
   none, the version 2 body); history: how many this record holds (fewer for a short prompt).
-  A decode node whose engine drafts with a head (speculator.EagleDrafts) writes the head's rows
+  A decode node whose engine drafts with a head (spec_decode.proposers.eagle.EagleDrafts) writes the head's rows
   for those positions from them, so its first drafts attend over the end of the prompt as they
   would on a colocated node.
 
 - hidden_dtype: HIDDEN_DTYPES (1 = float32: the body always holds float32); hidden_kind: which
   state of the target it is, HIDDEN_KINDS (1 = "final_norm": the output of the target's final
-  norm, what the runner's ModelOutput.hidden holds and pdserve/engine/spec_decode/eagle.py drafts from).
+  norm, what the runner's ModelOutput.hidden holds and the head (pdserve/model/eagle_head.py) drafts from).
 - identity: blake2b-128 of (request id, the decode node's fabric engine id) -- the transfer's
   TransferKey without the attempt, which travels beside it with the imm tag (D20).
 - position: the prompt position the hidden state is of: num_prefill_tokens - 1 (the prefill

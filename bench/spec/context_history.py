@@ -39,7 +39,8 @@ import torch
 from bench.common.results import add_results_args, write_results
 from kv_messenger.context import ContextCodec, ExpectedRecord, TransferIdentity
 from pdserve.engine.spec_decode.config import EAGLE_HISTORY_ROWS
-from pdserve.engine.spec_decode.eagle import EagleHead, load_target_vocab, shipped_head_for
+from pdserve.model.eagle_config import load_target_vocab, shipped_head_for
+from pdserve.model.eagle_head import EagleHead
 from pdserve.model.loader import resolve_model
 
 TOP_K = 32

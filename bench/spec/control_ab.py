@@ -30,7 +30,7 @@ from bench.common.results import write_results
 from bench.spec import decode as sd
 from pdserve import LLM, SamplingParams
 from pdserve.engine.spec_decode.config import SpeculativeConfig
-from pdserve.engine.spec_decode.speculator import make_speculator
+from pdserve.engine.spec_decode.loader import make_speculator
 
 
 def run(engine, spec, prompts, tokens: int, batch: int) -> tuple[float, list[list[int]]]:

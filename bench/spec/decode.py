@@ -79,7 +79,8 @@ from bench.common.results import add_results_args, write_results
 from pdserve import LLM, SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.spec_decode.config import SpeculativeConfig
-from pdserve.engine.spec_decode.speculator import Speculator, make_speculator
+from pdserve.engine.spec_decode.loader import make_speculator
+from pdserve.engine.spec_decode.speculator import Speculator
 from tests.support.reference import REFERENCE_PROMPTS
 
 GOAL_SPEEDUP_BATCH1 = 1.5      # per-user TPS at batch 1: n-gram on repetition, the best draft on prose

@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bench.common.results import write_results
 from bench.spec import decode as sd
-from pdserve.engine.spec_decode.eagle import EagleHead, load_target_vocab
+from pdserve.model.eagle_config import load_target_vocab
+from pdserve.model.eagle_head import EagleHead
 from pdserve.model.loader import resolve_model
 
 

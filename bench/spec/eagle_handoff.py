@@ -15,7 +15,7 @@ Configurations (speculative_config of the decode node; never the prefill node's,
   target's first 8 layers, its norm and lm_head);
 - eagle: {"method": "eagle", "num_speculative_tokens": 3}, with --eagle-head DIR adding "model":
   DIR; without it, the head that ships with pdserve for the default model
-  (pdserve/engine/spec_decode/heads/, eagle.shipped_head_for). Both nodes run with
+  (pdserve/assets/heads/, pdserve.model.eagle_config.shipped_head_for). Both nodes run with
   --context-history-rows 128 (launcher.py does that for eagle): the context record carries the
   prompt's last 128 hidden states and the decode node writes the head's history rows from them;
 - eagle-nohist: the same with --context-history-rows 0: the head starts from the one shipped
@@ -502,7 +502,7 @@ def head_dir(eagle_head: str | None) -> tuple[str | None, str | None]:
     """The eagle head measured (given, or the one shipped for the default model), or why none."""
     if eagle_head is not None:
         return eagle_head, None
-    from pdserve.engine.spec_decode.eagle import load_target_vocab, shipped_head_for
+    from pdserve.model.eagle_config import load_target_vocab, shipped_head_for
     from pdserve.model.loader import resolve_model
 
     try:

@@ -34,7 +34,7 @@ from bench.common.results import append_section
 from bench.spec import decode as sd
 from pdserve import LLM, SamplingParams
 from pdserve.engine.spec_decode.config import SpeculativeConfig
-from pdserve.engine.spec_decode.speculator import make_speculator
+from pdserve.engine.spec_decode.loader import make_speculator
 
 PHASES = ("drafts", "schedule", "execute", "update")   # `sample` runs inside `update`
 

@@ -364,7 +364,7 @@ def _resume_state(cfg: DraftTrainConfig, state_path: pathlib.Path, vocab: Target
     """The checkpoint --resume continues from, checked against this run's recipe and target."""
     import torch
 
-    from pdserve.engine.spec_decode.eagle import EagleConfig
+    from pdserve.model.eagle_config import EagleConfig
 
     if not state_path.is_file():
         raise FileNotFoundError(f"--resume: no checkpoint '{state_path}'")

@@ -71,7 +71,7 @@ def test_eagle_handoff_one_cluster(bench, tiny_model):
 
 
 def test_eagle_agreement_of_the_shipped_head(bench):
-    from pdserve.engine.spec_decode.eagle import load_target_vocab, shipped_head_for
+    from pdserve.model.eagle_config import load_target_vocab, shipped_head_for
     from pdserve.model.loader import resolve_model
 
     try:
