@@ -33,6 +33,7 @@ import logging
 from dataclasses import dataclass
 
 from decode_node.prefill_pool import PREFILL_ROUTING, PrefillNode, PrefillPool, PrefixAffinity
+from kv_messenger import KvReceiver
 from kv_messenger.decode import (  # noqa: F401 (re-exported: the names' old home, deprecated)
     ABORT_RPC_TIMEOUT_S,
     CHECKSUM_RETRIES_SAME_NODE,
@@ -74,8 +75,9 @@ logger = logging.getLogger(__name__)
 
 POOL_REFRESH_S = 1.0         # GetNodeInfo of every prefill node, this often
 TEST_BAD_SHARD_KEY_ENV = BAD_SHARD_KEY_ENV   # deprecated alias: pdserve.engine.faults.BAD_SHARD_KEY_ENV
-# Deprecated aliases (issue 30): these moved to kv_messenger.decode; the constants above are re-exported from there.
-Transfer = Attempt   # kv_messenger.decode.Attempt
+# Deprecated (issue 30): the transfer's names moved to kv_messenger.decode; the constants, RequestState,
+# PrefillOutcome and Quarantine imported above are re-exported from here for their old importers.
+Transfer = Attempt   # deprecated alias: kv_messenger.decode.Attempt
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,6 @@ class DecodeNodeConfig:
             local_prefill_fallback=self.local_prefill_fallback, max_waiting_requests=self.max_waiting_requests,
             release_unfenced_by_close=self.release_unfenced_by_close, kv_checksum=self.kv_checksum,
             rotate_key_after_s=self.rotate_key_after_s, faults=self.faults)
-
 
 
 class DecodeNode:
@@ -183,7 +184,8 @@ class DecodeNode:
             bind_request_id=bind_request_id)
 
     @property
-    def receiver(self):   # KvReceiver | None (disaggregated: the engine's DecodeConnector)
+    def receiver(self) -> KvReceiver | None:
+        """Disaggregated: the engine's DecodeConnector (built by the transfers)."""
         return self.transfers.receiver if self.transfers is not None else None
 
     @property
@@ -197,14 +199,15 @@ class DecodeNode:
             cfg = self.config
             affinity = PrefixAffinity(block_tokens=self._page_size) if cfg.prefill_routing == "prefix" else None
             self.pool = PrefillPool(list(cfg.prefill_addresses), affinity, cfg.channel_security, self.identity)
+            assert self.transfers is not None
+            self.transfers.start(self.pool)
             await self.pool.refresh()
             # one loop per node: a stalled node's timeouts never delay another's answers, which
             # stall detection reads (PrefillNode.last_answer)
             self._refreshers = [asyncio.create_task(self._refresh_loop(n)) for n in self.pool.nodes]
             if self.pool.members.dynamic:   # dns: prefill targets, resolved again (pdserve.serving.discovery)
                 self._refreshers.append(asyncio.create_task(self._discover_loop()))
-            assert self.transfers is not None
-            self.transfers.start(self.pool)
+            self.transfers.start_rotation()
 
     def readiness(self) -> str:
         """'' when this node can take requests, else why not (pdserve.serving.node_server's readiness:

@@ -59,6 +59,8 @@ class TransferSettings:
         if not self.prefill_timeout_s > 0 or not self.stall_s > 0:
             raise ValueError(f"prefill_timeout_s and stall_s must be > 0, got {self.prefill_timeout_s!r}, "
                              f"{self.stall_s!r}")
+        if self.rotate_key_after_s is not None and not self.rotate_key_after_s > 0:
+            raise ValueError(f"rotate_key_after_s must be > 0 (or None: off), got {self.rotate_key_after_s!r}")
 
 
 class DecodeTransfers(ReceiverEvents):
@@ -92,11 +94,15 @@ class DecodeTransfers(ReceiverEvents):
         self.watch.model_name = engine.engine.info().model_name   # the transfer metrics' label
 
     def start(self, pool: PrefillClient) -> None:
-        """On the serving loop, once the pool is up: requests may begin; the rotation task starts
-        (--rotate-key-after, where it is measured to work)."""
-        assert self.engine is not None
+        """On the serving loop, once the pool is built (before its first refresh): requests may begin."""
         self.loop = self.holds.loop = asyncio.get_running_loop()
         self.pool = pool
+
+    def start_rotation(self) -> None:
+        """On the serving loop, after `start`: the rotation task (--rotate-key-after, where it is
+        measured to work; else a warning)."""
+        assert self.engine is not None and self.pool is not None
+        pool = self.pool
         if self.settings.rotate_key_after_s is None:
             return
         if rotation_supported(self.transport):
