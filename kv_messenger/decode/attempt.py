@@ -68,6 +68,7 @@ class Attempt:
 
     token_ids: tuple[int, ...]                # prompt minus its last token
     attempt: int = 0
+    ticket: TransferTicket | None = None      # as sent (addressed to its prefill node's TP split)
     task: asyncio.Task | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     node: PrefillTarget | None = None         # the prefill node it was sent to (None: not sent yet)

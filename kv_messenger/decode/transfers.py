@@ -325,7 +325,7 @@ class DecodeTransfers(ReceiverEvents):
                 self._abandon(rid, f"request {rid} cannot be prefilled on {node.address} (tp_size {node.tp_size}): {e}")
                 return
             state.tried.add(node.address)
-            t.node, t.prefill_engine_id = node, node.peer.engine_id
+            t.ticket, t.node, t.prefill_engine_id = ticket, node, node.peer.engine_id
             state.prefilled_on = node.address
             result = await self.watch.prefill_on(self.pool, node, state, ticket)
             self._after_call(state, t, ticket, node, result.ok, result.error)
