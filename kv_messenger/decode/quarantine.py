@@ -3,8 +3,9 @@ and tag until the prefill side has provably stopped (S5). Each `Quarantine` has 
 `HoldState` driven by events (an AbortPrefill answer, the peer gone, our connection closed, its key
 rotated, the node closing); `QuarantineHolds` runs one hold task per quarantine on the serving
 loop: AbortPrefill with backoff and a delivery fence, the optional close of our connection, the
-peer's death, a drain of what already arrived. Why each release is sound, and the state diagram:
-docs/transfer-safety.md ("The quarantine").
+peer's death, a drain of what already arrived. A hold still unanswered is visible as
+pdserve:kv_quarantine_oldest_seconds{peer} and a warning every QUARANTINE_LOG_S. Why each release
+is sound, and the state diagram: docs/transfer-safety.md ("The quarantine").
 
 Threads: `quarantine_attempt` and `release_quarantine` run on the engine thread (EngineThread.submit;
 they are the next slice's connector events); everything else on the serving loop.
