@@ -71,14 +71,20 @@ def run_once(tree: Path, tag: str, rnd: int, module: str, module_args: list[str]
 
 
 def metric(run: Run, path: str) -> float:
-    """The number at dotted `path` in the run's (first) JSON result file."""
+    """The number at dotted `path` in the run's (first) JSON result file (a list's element by its
+    index: `rows.0.server_ttft_s`)."""
     files = sorted(run.results_dir.glob("*.json"))
     if not files:
         raise SystemExit(f"--metric {path}: run {run.tree}-{run.round} wrote no JSON result in {run.results_dir}")
     value: Any = json.loads(files[0].read_text())
     for key in path.split("."):
+        if isinstance(value, list) and key.isdigit() and int(key) < len(value):
+            value = value[int(key)]
+            continue
         if not isinstance(value, dict) or key not in value:
-            raise SystemExit(f"--metric {path}: no {key!r} in {files[0]} (keys: {sorted(value)[:20]})")
+            have = sorted(value)[:20] if isinstance(value, dict) else f"a list of {len(value)}" \
+                if isinstance(value, list) else type(value).__name__
+            raise SystemExit(f"--metric {path}: no {key!r} in {files[0]} (there: {have})")
         value = value[key]
     if not isinstance(value, int | float):
         raise SystemExit(f"--metric {path}: {value!r} in {files[0]} is not a number")

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tcp;ofi_rxm: release a quarantine whose transfer ended on the prefill node without a "
                         "fence (after a long partition) by closing this node's connection to it; off by default: "
                         "libfabric 1.17's rxm can crash closing a connection with a write half received "
-                        "(decode_node.service); --rotate-key-after releases such quarantines without that risk")
+                        "(docs/transfer-safety.md); --rotate-key-after releases such quarantines without that risk")
     g.add_argument("--rotate-key-after", type=float, default=None, metavar="SECONDS",
                    help="tcp;ofi_rxm: when a quarantine is this old and its prefill node has answered nothing for "
                         "--prefill-stall seconds (a dead or partitioned host) or its transfer ended there without a "

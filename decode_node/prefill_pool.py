@@ -13,6 +13,10 @@ Version skew (NodeInfo.build, pdserve.serving.build_identity): a node whose mode
 differs from this decode node's (or that reports none) is never chosen; the skip is logged with both
 identities when it starts and ends, and pdserve:incompatible_peers{peer} is 1 while it lasts.
 
+The pool is the decode side's `PrefillClient` and each node its `PrefillTarget`
+(kv_messenger.decode.client): the transfer state machine calls `PrefillNode.prefill` / `abort`,
+which turn grpc.aio's errors into RpcError here, at the node's edge.
+
 Runs on the decode node's asyncio loop; not thread-safe.
 """
 
@@ -26,13 +30,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kv_messenger.decode.client import RpcError
 from kv_messenger.ticket import peer_from_bytes
 from pdserve.serving.build_identity import BuildIdentity, incompatibility
 from pdserve.serving.channels import PLAINTEXT, ChannelSecurity, open_channel
 from pdserve.serving.discovery import Membership
 from pdserve.serving.metrics import node_metrics
 from pdserve.serving.prefix_index import Candidate, LoadCap, PrefixIndex, chain_hashes, choose, token_blocks
-from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2_grpc
+from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +69,7 @@ class PrefixAffinity:
 class PrefillNode:
     address: str
     channel: grpc.aio.Channel
-    prefill: prefill_pb2_grpc.PrefillServiceStub
+    prefill_stub: prefill_pb2_grpc.PrefillServiceStub
     info: node_pb2_grpc.NodeServiceStub
     peer: object | None = None            # fabric PeerDescriptor, from NodeInfo
     tp_size: int = 1                      # its tensor-parallel size, from NodeInfo (fixes the write count, D14)
@@ -81,6 +86,21 @@ class PrefillNode:
     @property
     def load(self) -> int:
         return self.sent_tokens + self.reported_tokens
+
+    async def prefill(self, req: prefill_pb2.PrefillRequest, timeout: float) -> prefill_pb2.PrefillResponse:
+        """One Prefill call (deadline `timeout`); RpcError when it fails. Cancelling it cancels the call."""
+        try:
+            return await self.prefill_stub.Prefill(req, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise RpcError(e.code().name, e.details()) from e
+
+    async def abort(self, req: prefill_pb2.AbortPrefillRequest,
+                    timeout: float) -> prefill_pb2.AbortPrefillResponse:
+        """One AbortPrefill call (deadline `timeout`); RpcError when it fails."""
+        try:
+            return await self.prefill_stub.AbortPrefill(req, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise RpcError(e.code().name, e.details()) from e
 
 
 class PrefillPool:

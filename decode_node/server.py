@@ -6,7 +6,7 @@
 Metrics (pdserve.serving.metrics, R5): TTFT, inter-token gaps, E2E and request_success_total as
 this node streams them; request_queue_time_seconds from receipt to admission (pages allocated);
 KV transfer bytes received and seconds from the Prefill dispatch to the last write landed
-(side="decode", decode_node.service). The engine's gauges come from an EngineCollector over
+(side="decode", kv_messenger.decode.attempt). The engine's gauges come from an EngineCollector over
 `EngineThread.last_metrics`. Logs: every line of a request's handler or transfer task carries
 its request id.
 

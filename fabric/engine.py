@@ -56,6 +56,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Callable
 
@@ -71,6 +72,7 @@ from fabric.memory import MemoryRegion
 from fabric.peers import PeerTable
 from fabric.protocol import ControlChannel, ControlProtocol
 from fabric.regions import RegionTable
+from fabric.sockets import SocketShutdown, endpoint_of, fabric_sockets, shut_down
 from fabric.writes import FabricStats, WritePath
 
 logger = logging.getLogger(__name__)
@@ -373,6 +375,17 @@ class TransferEngine(TransferBackend):
         for rail in self._rails:
             for other in rail._peers.addresses_of(peer.engine_id):
                 rail._peers.disconnect(other)
+
+    def shut_down_sockets(self, peers: Iterable[PeerDescriptor]) -> SocketShutdown:
+        """End every TCP connection of this engine's endpoints (every rail's) from outside
+        libfabric: shutdown(2) of each socket whose local port is one of ours or whose remote end
+        is one of ``peers``' fabric endpoints (fabric.sockets). The provider then reads
+        end-of-stream and closes them as for a dead peer; poll the result's ``still_open`` for
+        that. Never fi_av_remove (rxm 1.17 crashes on a half-received write there). tcp only:
+        other address formats name no socket, so nothing is shut. Reads /proc; does not block."""
+        own = {e for e in (endpoint_of(r.peer.address) for r in self.rails) if e is not None}
+        remote = {e for e in (endpoint_of(p.address) for p in peers) if e is not None}
+        return SocketShutdown(frozenset(shut_down(fabric_sockets(own, remote))))
 
     def progress_mark(self) -> int:
         """A mark of every rail's progress round now (for ``progressed``), after waking them.

@@ -29,7 +29,7 @@ their libfabric sources and checked here (tests/fabric/test_imm_source.py):
   memory, process_vm_writev.)
 Where writers are not named, expectations count every write with their tag, as before: a third
 engine that knows a region's key and a live tag is indistinguishable from the engine it was sent
-to (the target-side defence there is the memory key: rotate it, decode_node.service).
+to (the target-side defence there is the memory key: rotate it, kv_messenger.decode.rotation).
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ pdserve.engine.kv_connector): `KvSender` (a PrefillConnector) on prefill nodes, 
 DecodeConnector) on decode nodes, the `TransferTicket` a decode node sends in its Prefill call,
 and the transfer arithmetic in `plan`. Engines and fabric never import each other, nor this
 package; nodes build the transport and the connector and hand the connector to their engine.
+The decode side's transfer protocol (attempts, quarantines, key rotation) is one state machine in
+`kv_messenger.decode` (docs/transfer-safety.md); nodes reach fabric only through `transport`.
 """
 
 from kv_messenger.context import Context, ContextCodec

@@ -215,7 +215,7 @@ class KvReceiver(DecodeConnector):
         """Register the KV pool (every rank, on its rail), the context landing area and the fence
         buffer again, under new memory keys; tickets and fences from now on name the new
         registrations. Returns the old ones, still registered: the caller closes them
-        (`TransferEngine.deregister`) once nothing may be sent them (decode_node.service's key
+        (`TransferEngine.deregister`) once nothing may be sent them (kv_messenger.decode.rotation's key
         rotation). Call on the engine thread (where `prepare` runs), so a ticket names one
         generation's regions. FabricError if a registration fails (the old ones stay in use)."""
         assert self._landing is not None and self.fence_region is not None

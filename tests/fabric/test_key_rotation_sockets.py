@@ -30,8 +30,8 @@ import pytest
 from support import netfault as nf
 from support.line_proc import ask, stop as stop_proc
 
-from decode_node.fabric_sockets import endpoint_of, fabric_sockets, open_inodes, shut_down
 from fabric import FabricConfig, TransferEngine
+from fabric.sockets import endpoint_of, fabric_sockets, open_inodes, shut_down
 from pdserve.engine.cache.hostmem import alloc_buffer
 
 REASON = nf.unavailable()

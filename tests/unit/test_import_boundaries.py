@@ -44,8 +44,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "fabric": frozenset(),                                 # knows nothing of ours
     "wire": frozenset(),                                   # the .proto contract, stubs, server helpers
     "kv_messenger": frozenset({"engine", "fabric", "wire"}),
-    "prefill_node": frozenset({"engine", "serving", "kv_messenger", "fabric", "wire"}),
-    "decode_node": frozenset({"engine", "serving", "kv_messenger", "fabric", "wire"}),
+    "prefill_node": frozenset({"engine", "serving", "kv_messenger", "wire"}),   # fabric only via kv_messenger
+    "decode_node": frozenset({"engine", "serving", "kv_messenger", "wire"}),    # fabric only via kv_messenger
     "router": frozenset({"serving", "wire"}),              # holds no model and runs no engine
     "tools": frozenset(ROOMS) - {"tools"},                 # the outermost room; nothing imports it
 }
@@ -165,6 +165,9 @@ def test_the_checker_sees_function_local_and_relative_imports():
     ("pdserve_api.servers", "kv_messenger.ticket"),            # the wire never depends on the messenger
     ("prefill_node.server", "decode_node.service"),            # the nodes meet only through the wire
     ("decode_node.service", "prefill_node.service"),
+    ("prefill_node.service", "fabric"),                         # nodes reach the transport only through kv_messenger
+    ("prefill_node.authz", "fabric.descriptors"),
+    ("decode_node.service", "fabric.engine"),
     ("kv_messenger.sender", "prefill_node.service"),           # the messenger is used by nodes, not the reverse
     ("router.service", "pdserve.model.llama"),                 # the router holds no model
     ("router.service", "pdserve.engine.llm_engine"),

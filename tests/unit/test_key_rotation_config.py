@@ -12,8 +12,8 @@ import struct
 import pytest
 
 from decode_node.__main__ import build_parser
-from decode_node.fabric_sockets import Endpoint, endpoint_of, fabric_sockets, open_inodes, own_tcp_sockets, shut_down
 from decode_node.service import DecodeNodeConfig
+from fabric.sockets import Endpoint, endpoint_of, fabric_sockets, open_inodes, own_tcp_sockets, shut_down
 from pdserve.engine.config import EngineConfig
 from pdserve.tools.launcher import ClusterConfig, plan
 

@@ -1,8 +1,9 @@
 """The kernel TCP sockets that carry this process's fabric connections (tcp;ofi_rxm), and ending
-them from outside libfabric (decode_node.service's key rotation).
+them from outside libfabric: `TransferEngine.shut_down_sockets` (the decode side's key rotation,
+kv_messenger.decode.rotation; docs/transfer-safety.md). Called from a worker thread of the caller's.
 
 Why not `TransferEngine.close_connection`: its fi_av_remove crashes libfabric 1.17's rxm when a
-connection has a write half received (decode_node.service), which is exactly the state a stalled
+connection has a write half received (docs/transfer-safety.md), which is exactly the state a stalled
 prefill process leaves behind. Here the socket itself is shut down (shutdown(2), SHUT_RDWR, through
 a duplicate of the provider's descriptor, checked to still name the same socket): our FIN goes out
 and the provider reads end-of-stream, which it handles as a peer that went away (the path a
@@ -17,7 +18,9 @@ of our fabric endpoints' ports (the connections peers opened to us) or whose rem
 known peer's fabric endpoint (the ones we opened). gRPC sockets use other ports.
 
 Bounds: reads of /proc/self/fd and /proc/self/net/tcp{,6}; shutdown(2) does not block. Nothing here
-waits (the caller polls `open_inodes`).
+waits (the caller polls `SocketShutdown.still_open`, or `open_inodes`).
+
+(Moved here from decode_node/fabric_sockets.py, issue 30: socket shutdown is a fabric operation.)
 """
 
 from __future__ import annotations
@@ -144,3 +147,14 @@ def shut_down(sockets: list[TcpSocket]) -> set[int]:
 def open_inodes(inodes: set[int]) -> set[int]:
     """Those of `inodes` that this process still holds a descriptor of."""
     return inodes & set(_socket_inodes())
+
+
+@dataclass(frozen=True)
+class SocketShutdown:
+    """The fabric sockets one `TransferEngine.shut_down_sockets` shut down (their inodes)."""
+
+    inodes: frozenset[int]
+
+    def still_open(self) -> set[int]:
+        """Those this process still holds a descriptor of (the provider has not closed them yet)."""
+        return open_inodes(set(self.inodes))
