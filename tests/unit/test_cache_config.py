@@ -75,7 +75,7 @@ def test_a_pool_too_small_for_one_request_of_max_model_len_fails_at_start(tiny):
 def test_without_max_model_len_a_small_pool_caps_it_and_a_sized_pool_logs_once(tiny, caplog):
     llm = LLM(model=tiny, num_blocks=11, page_size=16, num_threads=1)
     assert llm.engine.max_model_len == 160                              # 10 blocks x 16 tokens
-    with caplog.at_level(logging.INFO, logger="pdserve.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="pdserve.engine.builder"):   # the engine builder logs the sizing
         eng = LLM(model=tiny, page_size=16, max_memory_percent=0.05, num_threads=1).engine
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache:")]
     assert len(lines) == 1 and "minus weights" in lines[0] and "activations" in lines[0]
