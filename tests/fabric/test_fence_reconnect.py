@@ -128,6 +128,7 @@ if __name__ == "__main__":
 import pytest  # noqa: E402
 from support import netfault as nf  # noqa: E402
 from support.line_proc import ask as ask_line, stop as stop_proc  # noqa: E402
+from support.net_fixture import fault_net_fixture  # noqa: E402, F401  (the fixture "net")
 
 REASON = nf.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"network-fault harness unavailable: {REASON}")
@@ -155,12 +156,6 @@ def _counters(net: nf.FaultNet) -> dict[str, int]:
         if len(parts) >= 3:
             out[parts[2]] = out.get(parts[2], 0) + int(parts[0])
     return out
-
-
-@pytest.fixture(scope="module")
-def net():
-    with nf.fault_net() as n:
-        yield n
 
 
 @pytest.mark.timeout(120)
