@@ -16,6 +16,7 @@ import pytest
 import torch
 from support.kv_events import QueueEvents
 from support.sender_pair import SMALL, SenderPair
+from support.side_jobs import pump
 
 from fabric import FabricConfig, TransferEngine
 from kv_messenger import KvLayout, KvReceiver, KvSender, ShardingScheme, TransferTicket
@@ -85,23 +86,15 @@ def test_prefill_engine_pushes_kv_into_decode_engine(provider, kv_dtype):
                                 prefill_only=True, hold_blocks=True)
         while prefill.has_unfinished_requests():
             prefill.step()
-        ready = set()
-        deadline = time.monotonic() + 30
-        while (len(ready) < len(tickets) or prefill.num_held_requests) and time.monotonic() < deadline:
+        def still_waiting(ready: set[str]) -> None:
             assert all(decode._tracked[rid].request.status is RequestStatus.WAITING_FOR_KV
                        for rid in tickets if rid not in ready)
-            try:
-                kind, rid = engine_thread_jobs.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if kind == "ready":
-                ready.add(rid)
-                ctx = receiver.context(rid)
-                assert ctx.hidden.shape == (decode.arch.hidden_size,) and torch.isfinite(ctx.hidden).all()
-                receiver.finish(rid)
-                decode.kv_ready(rid)
-            else:
-                prefill.release_blocks(rid)
+
+        def landed(rid: str) -> None:
+            ctx = receiver.context(rid)
+            assert ctx.hidden.shape == (decode.arch.hidden_size,) and torch.isfinite(ctx.hidden).all()
+
+        ready = pump(prefill, decode, receiver, engine_thread_jobs, set(tickets), each=still_waiting, on_ready=landed)
         assert ready == set(tickets)
         results = {rid: f.result(timeout=10) for rid, f in futures.items()}
         for rid, res in results.items():
