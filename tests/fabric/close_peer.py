@@ -19,12 +19,13 @@ import json
 import os
 import pickle
 import sys
-import threading
 
-sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]   # tests/, the repository
 
-from fabric import FabricConfig, PageWrites, TransferEngine  # noqa: E402
-from pdserve.engine.cache.hostmem import alloc_buffer  # noqa: E402
+from support.writer_side import WriteCounts, reply, writer_endpoint  # noqa: E402
+
+from fabric import PageWrites  # noqa: E402
 
 POOL = 24 << 20
 WARM_MAX = 8 << 20      # the warm-up write's bytes start at 0, the burst's here
@@ -33,52 +34,30 @@ PATTERN = 0xAB          # every byte this writer sends
 WARM_TAG, BURST_TAG = 0x1111, 0x2222
 
 
-def out(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
 def main() -> int:
-    node = sys.argv[1]
-    with TransferEngine(FabricConfig(provider="tcp;ofi_rxm", node=node, peer_timeout_s=60.0)) as engine:
-        pool = alloc_buffer(POOL)
-        pool[:] = bytes([PATTERN]) * POOL
-        region = engine.register(pool.view)
-        msg = json.loads(sys.stdin.readline())
-        target = pickle.loads(base64.b64decode(msg["descriptor"]))
-        out({"peer": base64.b64encode(pickle.dumps(engine.peer_descriptor)).decode()})
-        lock = threading.Lock()
-        counts = {"done": 0, "failed": 0}
-        changed = threading.Condition(lock)
-
-        def settle(key: str) -> None:
-            with changed:
-                counts[key] += 1
-                changed.notify_all()
-
+    with writer_endpoint(sys.argv[1], POOL, PATTERN) as (engine, region, hello):
+        target = pickle.loads(base64.b64decode(hello["descriptor"]))
+        counts = WriteCounts("done", "failed")
         posted = 0
         for line in sys.stdin:
             cmd = json.loads(line)
             if "warm" in cmd:
                 engine.write_sync(PageWrites(region, [0], target, [0], [int(cmd["warm"])], WARM_TAG), timeout=30)
-                out({"warm": True})
+                reply({"warm": True})
             elif "burst" in cmd:
                 n = int(cmd["burst"]) // PIECE
                 for i in range(n):
                     off = WARM_MAX + i * PIECE
                     engine.write(PageWrites(region, [off], target, [off], [PIECE], BURST_TAG),
-                                 lambda: settle("done"), lambda _e: settle("failed"))
+                                 lambda: counts.settle("done"), lambda _e: counts.settle("failed"))
                 posted += n
-                out({"posted": n})
+                reply({"posted": n})
             elif "drop" in cmd:
                 engine.disconnect(target.peer)
-                out({"dropped": True})
+                reply({"dropped": True})
             elif "wait" in cmd:
-                with changed:
-                    changed.wait_for(lambda want=posted: counts["done"] + counts["failed"] >= want,
-                                     timeout=float(cmd["wait"]))
-                    out({"done": counts["done"], "failed": counts["failed"],
-                         "pending": posted - counts["done"] - counts["failed"]})
+                c = counts.wait_for(lambda c, want=posted: c["done"] + c["failed"] >= want, float(cmd["wait"]))
+                reply({"done": c["done"], "failed": c["failed"], "pending": posted - c["done"] - c["failed"]})
         return 0
 
 

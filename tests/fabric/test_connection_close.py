@@ -13,16 +13,15 @@ burst was in flight (nothing of it landed before the close), the partition dropp
 
 from __future__ import annotations
 
-import base64
 import os
-import pickle
-import subprocess
 import sys
 import time
 
 import pytest
 from support import netfault as nf
+from support.far_writer import drain, start_writer, warm_up
 from support.line_proc import ask, stop as stop_proc
+from support.net_fixture import fault_net_fixture  # noqa: F401  (the fixture "net")
 
 from fabric import FabricConfig, TransferEngine
 from pdserve.engine.cache.hostmem import alloc_buffer
@@ -45,12 +44,6 @@ def _landed(pool) -> int:
     return burst.count(cp.PATTERN)
 
 
-@pytest.fixture(scope="module")
-def net():
-    with nf.fault_net() as n:
-        yield n
-
-
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("close_here", [False, True], ids=["no-close:orphan-lands", "close:refused"])
 def test_orphaned_bytes_land_unless_we_close_our_side(net, close_here: bool) -> None:
@@ -58,17 +51,9 @@ def test_orphaned_bytes_land_unless_we_close_our_side(net, close_here: bool) -> 
         assert engine.closes_connections
         pool = alloc_buffer(cp.POOL)
         region = engine.register(pool.view)
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", net.far_ns, sys.executable, os.path.join(HERE, "close_peer.py"), net.far_addr],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc, writer = start_writer(net, region.descriptor)
         try:
-            writer = pickle.loads(base64.b64decode(
-                ask(proc, {"descriptor": base64.b64encode(pickle.dumps(region.descriptor)).decode()})["peer"]))
-            assert ask(proc, {"warm": WARM}) == {"warm": True}
-            deadline = time.monotonic() + 10.0   # completed there means handed to its socket
-            while bytes(pool[:WARM]).count(cp.PATTERN) < WARM and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert bytes(pool[:WARM]).count(cp.PATTERN) == WARM
+            warm_up(proc, pool, WARM, cp.PATTERN)
             with nf.partition(net) as hits:
                 assert ask(proc, {"burst": BURST})["posted"] == BURST // cp.PIECE
                 time.sleep(0.5)
@@ -76,10 +61,7 @@ def test_orphaned_bytes_land_unless_we_close_our_side(net, close_here: bool) -> 
                 time.sleep(0.2)
                 if close_here:
                     engine.close_connection(writer)
-                    mark = engine.progress_mark()
-                    deadline = time.monotonic() + 2.0
-                    while not engine.progressed(mark) and time.monotonic() < deadline:
-                        time.sleep(0.002)
+                    drain(engine)
                 before = _landed(pool)
                 snapshot = bytes(pool[cp.WARM_MAX : cp.WARM_MAX + BURST])
             assert hits.count > 0, "the partition dropped nothing: the burst was never held in flight"

@@ -44,6 +44,8 @@ for _path in (os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))):   
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from support.writer_side import WriteCounts, reply, writer_endpoint  # noqa: E402
+
 from fabric import FabricConfig, PageWrites, TransferEngine  # noqa: E402
 from pdserve.engine.cache.hostmem import alloc_buffer  # noqa: E402
 
@@ -64,57 +66,39 @@ WRITER_ANSWER_S = 30.0
 
 # --- the writer (far namespace) ---------------------------------------------------------------
 
-def _out(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
 def _writer(node: str) -> int:
     """A prefill-like endpoint. Commands (one JSON line each, one JSON answer):
     {"warm": 1} -> {"warm": true}; {"burst": 1} -> {"posted", "done", "failed"} after SETTLE_S;
     {"drop": 1} (disconnect: rxm closes C1, its kernel keeps the bytes) -> {"dropped": true};
     {"fence": 1} (a new connection) -> {"fence_posted": true}; {"wait": S} -> the counts."""
-    with TransferEngine(FabricConfig(provider="tcp;ofi_rxm", node=node, peer_timeout_s=60.0)) as engine:
-        pool = alloc_buffer(POOL)
-        pool[:] = bytes([PATTERN]) * POOL
-        region = engine.register(pool.view)
-        target, fence_dst = pickle.loads(base64.b64decode(json.loads(sys.stdin.readline())["target"]))
-        _out({"peer": base64.b64encode(pickle.dumps(engine.peer_descriptor)).decode()})
-        changed = threading.Condition()
-        counts = {"done": 0, "failed": 0, "fence_done": 0, "fence_failed": 0}
-
-        def settle(key: str) -> None:
-            with changed:
-                counts[key] += 1
-                changed.notify_all()
-
+    with writer_endpoint(node, POOL, PATTERN) as (engine, region, hello):
+        target, fence_dst = pickle.loads(base64.b64decode(hello["target"]))
+        counts = WriteCounts("done", "failed", "fence_done", "fence_failed")
         posted = 0
         for line in sys.stdin:
             cmd = json.loads(line)
             if "warm" in cmd:
                 engine.write_sync(PageWrites(region, [0], target, [0], [WARM], WARM_TAG), timeout=30)
-                _out({"warm": True})
+                reply({"warm": True})
             elif "burst" in cmd:
                 for i in range(BURST // PIECE):
                     off = BURST_AT + i * PIECE
                     engine.write(PageWrites(region, [off], target, [off], [PIECE], BURST_TAG),
-                                 lambda: settle("done"), lambda _e: settle("failed"))
+                                 lambda: counts.settle("done"), lambda _e: counts.settle("failed"))
                 posted = BURST // PIECE
                 time.sleep(SETTLE_S)
-                with changed:
-                    _out({"posted": posted, "done": counts["done"], "failed": counts["failed"]})
+                c = counts.snapshot()
+                reply({"posted": posted, "done": c["done"], "failed": c["failed"]})
             elif "drop" in cmd:
                 engine.disconnect(target.peer)
-                _out({"dropped": True})
+                reply({"dropped": True})
             elif "fence" in cmd:
                 engine.write(PageWrites(region, [0], fence_dst, [0], [FENCE_BYTES], FENCE_TAG, imm_mode="every"),
-                             lambda: settle("fence_done"), lambda _e: settle("fence_failed"))
-                _out({"fence_posted": True})
+                             lambda: counts.settle("fence_done"), lambda _e: counts.settle("fence_failed"))
+                reply({"fence_posted": True})
             elif "wait" in cmd:
-                with changed:
-                    changed.wait_for(lambda: counts["fence_done"] + counts["fence_failed"] >= 1,
-                                     timeout=float(cmd["wait"]))
-                    _out(dict(counts, posted=posted))
+                c = counts.wait_for(lambda c: c["fence_done"] + c["fence_failed"] >= 1, float(cmd["wait"]))
+                reply(dict(c, posted=posted))
     return 0
 
 
@@ -127,6 +111,7 @@ if __name__ == "__main__":
 import pytest  # noqa: E402
 from support import netfault as nf  # noqa: E402
 from support.line_proc import ask as ask_line, stop as stop_proc  # noqa: E402
+from support.net_fixture import fault_net_fixture  # noqa: E402, F401  (the fixture "net")
 
 REASON = nf.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"network-fault harness unavailable: {REASON}")
@@ -154,12 +139,6 @@ def _counters(net: nf.FaultNet) -> dict[str, int]:
         if len(parts) >= 3:
             out[parts[2]] = out.get(parts[2], 0) + int(parts[0])
     return out
-
-
-@pytest.fixture(scope="module")
-def net():
-    with nf.fault_net() as n:
-        yield n
 
 
 @pytest.mark.timeout(120)

@@ -19,16 +19,15 @@ Every wait is bounded; timings are printed, never asserted.
 
 from __future__ import annotations
 
-import base64
 import os
-import pickle
-import subprocess
 import sys
 import time
 
 import pytest
 from support import netfault as nf
+from support.far_writer import drain, start_writer, warm_up
 from support.line_proc import ask, stop as stop_proc
+from support.net_fixture import fault_net_fixture  # noqa: F401  (the fixture "net")
 
 from fabric import FabricConfig, TransferEngine
 from fabric.sockets import endpoint_of, fabric_sockets, open_inodes, shut_down
@@ -61,17 +60,8 @@ def _rotate(engine: TransferEngine, old, writer_peer) -> int:
     while open_inodes(inodes):
         assert time.monotonic() < deadline, "the provider kept a shut-down fabric socket open for 5 s"
         time.sleep(0.01)
-    mark = engine.progress_mark()
-    deadline = time.monotonic() + 2.0
-    while not engine.progressed(mark) and time.monotonic() < deadline:
-        time.sleep(0.002)
+    drain(engine)
     return len(inodes)
-
-
-@pytest.fixture(scope="module")
-def net():
-    with nf.fault_net() as n:
-        yield n
 
 
 @pytest.mark.timeout(90)
@@ -83,17 +73,9 @@ def test_a_write_streaming_in_under_the_old_key_stops_landing_once_rotated(net, 
         old = engine.register(pool.view)
         new = engine.register(address=old.address, length=old.length)   # the rotation's new registration
         assert new.key != old.key
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", net.far_ns, sys.executable, os.path.join(HERE, "close_peer.py"), net.far_addr],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc, writer = start_writer(net, old.descriptor)
         try:
-            writer = pickle.loads(base64.b64decode(
-                ask(proc, {"descriptor": base64.b64encode(pickle.dumps(old.descriptor)).decode()})["peer"]))
-            assert ask(proc, {"warm": WARM}) == {"warm": True}
-            deadline = time.monotonic() + 10.0
-            while bytes(pool[:WARM]).count(cp.PATTERN) < WARM and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert bytes(pool[:WARM]).count(cp.PATTERN) == WARM
+            warm_up(proc, pool, WARM, cp.PATTERN)
             with nf.squeeze(net, rate="40mbit") as hits:
                 assert ask(proc, {"burst": BURST})["posted"] == BURST // cp.PIECE
                 deadline = time.monotonic() + 10.0

@@ -33,12 +33,12 @@ import signal
 import time
 
 import pytest
+from support.batch import complete_all, complete_all_async
 from support.cluster import process_pid, running_cluster, transfer_leftovers, wait_busy
 from support.prometheus import fetch, parse, total
 from support.wait import wait_until
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.tools.client import AsyncClient, ClientError
 
 ROTATE_AFTER_S = 2.0
 FAULT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -66,20 +66,11 @@ def cluster(tmp_path_factory):
 
 
 async def _batch(url: str, prompts: list[str], params: SamplingParams, tag: str) -> dict[str, tuple[int, ...] | str]:
-    """Run prompts concurrently: request id -> generated token ids, or the error it ended with."""
-    async with AsyncClient(url, timeout=BATCH_TIMEOUT_S) as client:
-        async def one(i: int, prompt: str) -> tuple[int, ...] | str:
-            try:
-                return (await client.complete(prompt, params, request_id=f"{tag}-{i}")).token_ids
-            except ClientError as e:
-                return f"error: {e}"
-
-        outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    return {f"{tag}-{i}": o for i, o in enumerate(outs)}
+    return await complete_all_async(url, prompts, params, tag, BATCH_TIMEOUT_S)
 
 
 def batch(url: str, prompts: list[str], params: SamplingParams, tag: str) -> dict[str, tuple[int, ...] | str]:
-    return asyncio.run(asyncio.wait_for(_batch(url, prompts, params, tag), BATCH_TIMEOUT_S + 30))
+    return complete_all(url, prompts, params, tag, BATCH_TIMEOUT_S)
 
 
 def decode_metric(cluster, name: str, node: str = "decode-0", **labels: str) -> float:

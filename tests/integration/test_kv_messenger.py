@@ -15,18 +15,20 @@ import numpy as np
 import pytest
 import torch
 from support.kv_events import QueueEvents
+from support.sender_pair import SMALL, SenderPair
+from support.side_jobs import pump
 
 from fabric import FabricConfig, TransferEngine
-from kv_messenger import ContextCodec, KvLayout, KvReceiver, KvSender, ShardingScheme, TransferTicket
+from kv_messenger import KvLayout, KvReceiver, KvSender, ShardingScheme, TransferTicket
 from kv_messenger.context import ContextEncodeError, ContextRecordError, ExpectedRecord, TransferIdentity
 from kv_messenger.plan import completed_pages, expected_writes
 from kv_messenger.sender import PassFailedError, PostError
 from pdserve import LLM, SamplingParams
-from pdserve.engine.cache.hostmem import alloc_buffer, alloc_tensor
+from pdserve.engine.cache.hostmem import alloc_tensor
 from pdserve.engine.cache.kv_cache import KVCacheShape
-from pdserve.engine.kv_connector import AttentionGroupSpec, KvCacheSpec, PrefillDone
+from pdserve.engine.kv_connector import AttentionGroupSpec, KvCacheSpec
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.scheduler.output import ScheduledChunk, SchedulerOutput
+from pdserve.engine.scheduler.output import ScheduledChunk
 
 
 def test_completed_pages_and_expected_counts():
@@ -84,23 +86,15 @@ def test_prefill_engine_pushes_kv_into_decode_engine(provider, kv_dtype):
                                 prefill_only=True, hold_blocks=True)
         while prefill.has_unfinished_requests():
             prefill.step()
-        ready = set()
-        deadline = time.monotonic() + 30
-        while (len(ready) < len(tickets) or prefill.num_held_requests) and time.monotonic() < deadline:
+        def still_waiting(ready: set[str]) -> None:
             assert all(decode._tracked[rid].request.status is RequestStatus.WAITING_FOR_KV
                        for rid in tickets if rid not in ready)
-            try:
-                kind, rid = engine_thread_jobs.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if kind == "ready":
-                ready.add(rid)
-                ctx = receiver.context(rid)
-                assert ctx.hidden.shape == (decode.arch.hidden_size,) and torch.isfinite(ctx.hidden).all()
-                receiver.finish(rid)
-                decode.kv_ready(rid)
-            else:
-                prefill.release_blocks(rid)
+
+        def landed(rid: str) -> None:
+            ctx = receiver.context(rid)
+            assert ctx.hidden.shape == (decode.arch.hidden_size,) and torch.isfinite(ctx.hidden).all()
+
+        ready = pump(prefill, decode, receiver, engine_thread_jobs, set(tickets), each=still_waiting, on_ready=landed)
         assert ready == set(tickets)
         results = {rid: f.result(timeout=10) for rid, f in futures.items()}
         for rid, res in results.items():
@@ -224,64 +218,6 @@ def receiver_expected(decode, rid, tickets):
 
 # --- the sender on its own: two real fabric engines, hand-made scheduler passes -------------------
 
-SMALL = KvLayout(num_layers=3, num_pages=32, kv_heads=2, page_size=4, head_dim=8, dtype="float32")
-
-
-class _Pair:
-    """A prefill-side KvSender and a decode-side landing area, over shm in one process."""
-
-    def __init__(self, src_pages: list[int]) -> None:
-        cfg = FabricConfig(provider="shm")
-        self.fab_p, self.fab_d = TransferEngine(cfg), TransferEngine(cfg)
-        self.src_pages = tuple(src_pages)
-        # src: [layers, 2, pages, kv_heads, page_size, head_dim], random bytes, as an engine's pool
-        shape = KVCacheShape(SMALL.num_layers, SMALL.num_pages, SMALL.kv_heads, SMALL.page_size, SMALL.head_dim)
-        src = alloc_tensor((shape.num_layers, 2, shape.num_pages, shape.kv_heads, shape.page_size, shape.head_dim),
-                           torch.float32, huge_pages=False)
-        self.src = src.view(-1).view(torch.uint8).numpy()                      # [nbytes]
-        self.src[:] = np.random.default_rng(7).integers(0, 256, SMALL.nbytes, dtype=np.uint8)
-        self.dst_buf = alloc_buffer(SMALL.nbytes, huge_pages=False)
-        self.dst = self.dst_buf.numpy()                                          # [nbytes]
-        self.codec = ContextCodec(hidden_size=16)
-        self.landing = self.codec.alloc_staging(self.fab_d, slots=1)
-        self.released: list[str] = []
-        self.sender = KvSender(self.fab_p)
-        self.sender.register_kv_cache(KvCacheSpec(
-            buffer=src, shape=shape, dtype=torch.float32, groups=(AttentionGroupSpec("full", (0, 1, 2), None),),
-            hidden_size=16, model_name="test"))
-        self.dst_region = self.fab_d.register(self.dst_buf.view)
-        self.fired: queue.SimpleQueue = queue.SimpleQueue()
-
-    def target(self, rid: str, dst_pages: tuple[int, ...], n_prefill: int, tag: int) -> TransferTicket:
-        count = expected_writes(n_prefill, SMALL, ShardingScheme(), ShardingScheme())
-        self.fab_d.imm_counter.expect(tag, count, self.fired.put)
-        return TransferTicket(rid, self.dst_region.descriptor, SMALL, dst_pages, self.landing.region.descriptor, 0,
-                              tag, count, n_prefill)
-
-    def add(self, ticket: TransferTicket):
-        fut = self.sender.add(ticket)
-        fut.add_done_callback(lambda _f: self.released.append(ticket.request_id))
-        return fut
-
-    def run_pass(self, chunks: list[ScheduledChunk]) -> None:
-        self.sender.on_schedule(SchedulerOutput(tuple(chunks)), {c.request_id: (self.src_pages,) for c in chunks})
-        for layer in range(SMALL.num_layers):
-            self.sender.on_layer_done(layer)
-
-    def prefill_done(self, req: Request, hidden: torch.Tensor, logits: torch.Tensor) -> None:
-        self.sender.on_prefill_done(PrefillDone(req.request_id, self.src_pages, hidden, logits))
-
-    def page_bytes(self, buf, layer: int, kv: int, page: int) -> bytes:
-        k, v = SMALL.page_offsets(layer, np.asarray([page]))
-        off = int((k if kv == 0 else v)[0])
-        return bytes(buf[off : off + SMALL.page_nbytes])
-
-    def close(self) -> None:
-        self.sender.close()
-        self.fab_p.close()
-        self.fab_d.close()
-
-
 def _request(rid: str, prompt_len: int) -> Request:
     return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=1), max_total_tokens=4096,
                    prefill_only=True)
@@ -292,7 +228,7 @@ def test_prefix_hit_sends_cached_pages_with_the_first_chunk():
     # first computed chunk starts at token 8. Source pages 5, 6, 7 and destination pages 20, 21,
     # 22 are contiguous at both ends: the fabric merges them, and the counts stay exact.
     src_pages, dst_pages = [5, 6, 7, 12, 13, 14], (20, 21, 22, 23, 2, 3)
-    pair = _Pair(src_pages)
+    pair = SenderPair(src_pages)
     try:
         req = _request("r-prefix", 23)
         fut = pair.add(pair.target("r-prefix", dst_pages, 22, tag=0x5151))
@@ -319,7 +255,7 @@ def test_prefix_hit_sends_cached_pages_with_the_first_chunk():
 
 
 def test_targets_with_out_of_range_tags_are_refused():
-    pair = _Pair([0])
+    pair = SenderPair([0])
     try:
         with pytest.raises(ValueError, match=r"imm_tag=16777216 outside 0..16777215"):
             pair.sender.add(TransferTicket("r-big-tag", pair.dst_region.descriptor, SMALL, (0,),
@@ -330,7 +266,7 @@ def test_targets_with_out_of_range_tags_are_refused():
 
 def test_chunks_without_prefix_hit_send_each_page_once():
     src_pages, dst_pages = [3, 9, 4, 10], (0, 1, 2, 3)  # nothing contiguous at both ends
-    pair = _Pair(src_pages)
+    pair = SenderPair(src_pages)
     try:
         req = _request("r-plain", 15)  # 14 prefilled tokens: 4 pages
         fut = pair.add(pair.target("r-plain", dst_pages, 14, tag=77))
@@ -353,7 +289,7 @@ def test_the_context_record_lands_naming_its_transfer_and_a_bad_hidden_state_fai
     """D19: the record the sender posts is the checked record of the ticket's transfer (request,
     this decode engine, attempt, tag; position num_prefill_tokens - 1); a hidden state the record
     cannot hold fails that transfer (INTERNAL) and gives its staging slot back."""
-    pair = _Pair([3, 9])
+    pair = SenderPair([3, 9])
     try:
         req = _request("r-ctx", 8)   # 7 prefilled tokens: 2 pages of 4
         fut = pair.add(pair.target("r-ctx", (0, 1), 7, tag=91))
@@ -397,7 +333,7 @@ def test_receiver_tombstones_quarantines_fences_and_counts_stale_writes():
     as quarantined), one for a released, finished or unknown tag is stale (counted and reported, the
     unknown tag not kept); a fence lands through KvSender.fence; a fence landing after its wait is
     not stale."""
-    pair = _Pair([0, 1])
+    pair = SenderPair([0, 1])
     events = _Stale()
     rx = KvReceiver(pair.fab_d, events)
     shape = KVCacheShape(SMALL.num_layers, SMALL.num_pages, SMALL.kv_heads, SMALL.page_size, SMALL.head_dim)

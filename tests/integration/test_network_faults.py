@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import pytest
 from support import netfault as nf
+from support.net_fixture import fault_net_fixture  # noqa: F401  (the fixture "net")
 
 from pdserve.tools.launcher import health_status
 
@@ -36,12 +37,6 @@ PARTITION_SHORT_S = nf.STALL_S / 2        # shorter than the decode node's stall
 PARTITION_LONG_S = nf.STALL_S * 3         # three stall bounds
 FABRIC_PARTITION_S = nf.STALL_S * 2       # gRPC stays up: no health silence, only writes stop
 ROTATE_KEY_AFTER_S = 2.0                  # the decode node's --rotate-key-after (an unfenced hold's release)
-@pytest.fixture(scope="module")
-def net():
-    with nf.fault_net() as n:
-        yield n
-
-
 @pytest.fixture(scope="module")
 def cluster(net, tmp_path_factory):
     with nf.NetCluster(net, prefill=1, decode=1, port=0, num_blocks=160, threads_per_node=1,

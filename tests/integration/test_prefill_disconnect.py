@@ -32,6 +32,7 @@ import time
 import pytest
 from support import netfault as nf
 from support.cluster import node_info, transfer_leftovers
+from support.net_fixture import fault_net_fixture  # noqa: F401  (the fixture "net")
 from support.wait import wait_until
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -48,12 +49,6 @@ CANCEL_AFTER_S = 0.8      # after the transfer started: its writes posted, most 
 REQUEST_TIMEOUT_S = 90.0
 CLEAN_WITHIN_S = 30.0
 SEEN_WITHIN_S = 10.0      # the prefill node logs the caller's cancel within this
-
-
-@pytest.fixture(scope="module")
-def net():
-    with nf.fault_net() as n:
-        yield n
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,6 @@ Timings are printed, never asserted. Every wait is bounded.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import re
 import signal
@@ -37,13 +36,13 @@ import time
 
 import grpc
 import pytest
+from support.batch import complete_all
 from support.cluster import node_info, transfer_leftovers
 from support.prometheus import fetch, parse, total
 from support.wait import wait_until
 
 from kv_messenger.ticket import peer_from_bytes
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.tools.client import AsyncClient, ClientError
 from pdserve.tools.launcher import Cluster, _child_env, spawn
 from pdserve_api.v1 import prefill_pb2, prefill_pb2_grpc
 
@@ -104,21 +103,8 @@ def cluster(tmp_path_factory):
         yield c
 
 
-async def _batch(url: str, prompts: list[str], tag: str) -> dict[str, tuple[int, ...] | str]:
-    """Run prompts concurrently: request id -> generated token ids, or the error it ended with."""
-    async with AsyncClient(url, timeout=BATCH_TIMEOUT_S) as client:
-        async def one(i: int, prompt: str) -> tuple[int, ...] | str:
-            try:
-                return tuple((await client.complete(prompt, GREEDY, request_id=f"{tag}-{i}")).token_ids)
-            except ClientError as e:
-                return f"error: {e}"
-
-        outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    return {f"{tag}-{i}": o for i, o in enumerate(outs)}
-
-
 def batch(url: str, prompts: list[str], tag: str) -> dict[str, tuple[int, ...] | str]:
-    return asyncio.run(asyncio.wait_for(_batch(url, prompts, tag), BATCH_TIMEOUT_S + 30))
+    return complete_all(url, prompts, GREEDY, tag, BATCH_TIMEOUT_S)
 
 
 def _metric(cluster: Cluster, name: str, metric: str, **labels: str) -> float:

@@ -11,12 +11,10 @@ engine's.
 
 from __future__ import annotations
 
-import queue
-import time
-
 import grpc
 import pytest
 from support.kv_events import QueueEvents
+from support.side_jobs import pump
 
 from fabric import FabricConfig, TransferEngine
 from kv_messenger import KvReceiver, KvSender
@@ -25,24 +23,6 @@ from pdserve import LLM, SamplingParams
 
 PROMPT = "Once upon a time, in a land far away, there lived " * 3
 PLAIN = "The capital of France is"
-
-
-def _pump(prefill, decode, receiver, jobs: queue.SimpleQueue, want_ready: set[str], timeout: float = 30) -> set[str]:
-    """Run both engines' side jobs until `want_ready` landed and no prefill block is held (bounded)."""
-    ready: set[str] = set()
-    deadline = time.monotonic() + timeout
-    while (not want_ready <= ready or prefill.num_held_requests) and time.monotonic() < deadline:
-        try:
-            kind, rid = jobs.get(timeout=0.1)
-        except queue.Empty:
-            continue
-        if kind == "ready":
-            ready.add(rid)
-            receiver.finish(rid)
-            decode.kv_ready(rid)
-        else:
-            prefill.release_blocks(rid)
-    return ready
 
 
 @pytest.mark.timeout(300)
@@ -84,7 +64,7 @@ def test_full_staging_pool_fails_only_that_prefill():
             full.result(timeout=30)
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert outs["plain"].error is None and outs["plain"].completion.token_ids == want_plain.token_ids
-        _pump(prefill, decode, receiver, jobs, set())
+        pump(prefill, decode, receiver, jobs, set())
         assert prefill.pool.num_used_blocks == 0
         decode.abort_request("full")   # its KV never came (the decode node would retry it elsewhere)
 
@@ -92,7 +72,7 @@ def test_full_staging_pool_fails_only_that_prefill():
         later = start("later")
         while prefill.has_unfinished_requests():
             prefill.step()
-        assert _pump(prefill, decode, receiver, jobs, {"later"}) == {"later"}
+        assert pump(prefill, decode, receiver, jobs, {"later"}) == {"later"}
         assert later.result(timeout=10).num_writes == tickets["later"].expected_writes
         done = {}
         while decode.has_unfinished_requests():

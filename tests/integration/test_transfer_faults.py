@@ -32,6 +32,7 @@ import time
 
 import grpc
 import pytest
+from support.batch import complete_all, complete_all_async
 from support.cluster import (
     node_info,
     process_pid,
@@ -44,7 +45,6 @@ from support.wait import wait_until
 
 from kv_messenger.ticket import peer_from_bytes
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.tools.client import AsyncClient, ClientError
 from pdserve_api.v1 import prefill_pb2, prefill_pb2_grpc
 
 STALL_S = 3.0                         # the decode node's default --prefill-stall
@@ -69,20 +69,11 @@ def cluster(request, tmp_path_factory):
 
 
 async def _batch(url: str, prompts: list[str], tag: str) -> dict[str, tuple[int, ...] | str]:
-    """Run prompts concurrently: request id -> generated token ids, or the error it ended with."""
-    async with AsyncClient(url, timeout=BATCH_TIMEOUT_S) as client:
-        async def one(i: int, prompt: str) -> tuple[int, ...] | str:
-            try:
-                return (await client.complete(prompt, GREEDY, request_id=f"{tag}-{i}")).token_ids
-            except ClientError as e:
-                return f"error: {e}"
-
-        outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    return {f"{tag}-{i}": o for i, o in enumerate(outs)}
+    return await complete_all_async(url, prompts, GREEDY, tag, BATCH_TIMEOUT_S)
 
 
 def batch(url: str, prompts: list[str], tag: str) -> dict[str, tuple[int, ...] | str]:
-    return asyncio.run(asyncio.wait_for(_batch(url, prompts, tag), BATCH_TIMEOUT_S + 30))
+    return complete_all(url, prompts, GREEDY, tag, BATCH_TIMEOUT_S)
 
 
 def stale_writes(cluster) -> float:
