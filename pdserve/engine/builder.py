@@ -46,15 +46,9 @@ from pdserve.engine.sizing import (
 from pdserve.engine.spec_decode.decoder import SpeculativeDecoder
 from pdserve.engine.spec_decode.loader import make_speculator
 from pdserve.kernels.attention import get_backend
+from pdserve.model import loader as model_loader
 from pdserve.model.arch import ModelArch
-from pdserve.model.loader import (
-    ModelSource,
-    iter_weights,
-    load_config,
-    load_generation_eos,
-    load_tokenizer,
-    resolve_model,
-)
+from pdserve.model.loader import ModelSource
 from pdserve.model.registry import build_model
 from pdserve.model.tp import TensorParallelPlan
 from pdserve.parallel.group import TensorParallelGroup
@@ -146,11 +140,11 @@ def build_engine(config: EngineConfig, kv_connector: KvConnector | None) -> Engi
 
 def load_model(config: EngineConfig) -> LoadedModel:
     """The checkpoint's model with its weights (rank 0's shard under TP), tokenizer and limits."""
-    source = resolve_model(config.model)
-    hf_config = load_config(source)
+    source = model_loader.resolve_model(config.model)
+    hf_config = model_loader.load_config(source)
     arch = ModelArch.from_hf_config(hf_config)
-    tokenizer = load_tokenizer(source)
-    eos_token_ids = frozenset(load_generation_eos(source))
+    tokenizer = model_loader.load_tokenizer(source)
+    eos_token_ids = frozenset(model_loader.load_generation_eos(source))
     model_max = arch.max_position_embeddings
     max_model_len = min(config.max_model_len or model_max, model_max)
     available = available_memory_bytes(torch.device("cpu")) if config.cache.num_blocks is None else None
@@ -165,7 +159,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
                 "auto" if config.tp_invariant is None else config.tp_invariant, config.tensor_parallel_size)
     logger.info("layer loop: C ops bound to the weights for passes of at most %d float32 tokens "
                 "(small_batch_max_tokens; 0: never), where the model has them", config.small_batch_max_tokens)
-    model.load_weights(iter_weights(source))
+    model.load_weights(model_loader.iter_weights(source))
     model.eval()
     return LoadedModel(source=source, arch=arch, tokenizer=tokenizer, eos_token_ids=eos_token_ids,
                        max_model_len=max_model_len, tp_plan=tp_plan, model=model, available=available)

@@ -53,18 +53,7 @@ class TrackedRequest:
     def running_output(self, new_ids: tuple[int, ...], delta: str,
                        new_logprobs: tuple[SampleLogprobs, ...]) -> RequestOutput:
         """This step's output of a request that goes on."""
-        r = self.request
-        return RequestOutput(
-            request_id=r.request_id,
-            new_token_ids=new_ids,
-            delta_text=delta,
-            finished=False,
-            num_prompt_tokens=r.num_prompt_tokens,
-            num_output_tokens=len(r.output_token_ids),
-            new_logprobs=new_logprobs,
-            num_cached_tokens=r.num_reused_tokens or 0,
-            first_scheduled_time=r.first_scheduled_time,
-        )
+        return self._output(new_ids, delta, new_logprobs, finished=False)
 
     def finished_output(self, reason: FinishReason, new_ids: tuple[int, ...], delta: str,
                         new_logprobs: tuple[SampleLogprobs, ...], error: str | None) -> RequestOutput:
@@ -78,11 +67,19 @@ class TrackedRequest:
             logprobs=tuple(self.logprobs) if r.sampling.logprobs is not None else None,
             stop_reason=r.stop_reason,
         )
+        return self._output(new_ids, delta, new_logprobs, finished=True, completion=completion, error=error)
+
+    def _output(self, new_ids: tuple[int, ...], delta: str, new_logprobs: tuple[SampleLogprobs, ...], *,
+                finished: bool, completion: CompletionOutput | None = None,
+                error: str | None = None) -> RequestOutput:
+        """One step's `RequestOutput` of this request: the fields every output carries, plus the
+        completion and error a finished one adds."""
+        r = self.request
         return RequestOutput(
             request_id=r.request_id,
             new_token_ids=new_ids,
             delta_text=delta,
-            finished=True,
+            finished=finished,
             num_prompt_tokens=r.num_prompt_tokens,
             num_output_tokens=len(r.output_token_ids),
             new_logprobs=new_logprobs,

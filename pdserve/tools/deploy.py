@@ -64,39 +64,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pdserve.tools.k8s import spec as _spec
 from pdserve.tools.k8s.kustomize import HEADER, files_drift, json_patch, object_key, render_tree, write_files
 from pdserve.tools.k8s.objects import queue_queries, render, to_yaml
 from pdserve.tools.k8s.pods import leader_template, node_args, router_args, security_args
-from pdserve.tools.k8s.spec import (
-    AUTOSCALERS,
-    DECODE_PORT,
-    LABEL_NAME,
-    LABEL_PART,
-    LABEL_ROLE,
-    LWS_API,
-    LWS_GROUP_INDEX,
-    LWS_GROUP_KEY,
-    LWS_NAME,
-    LWS_WORKER_INDEX,
-    MODEL_CACHE,
-    NODE_METRICS_PORT,
-    PREFILL_PORT,
-    PRESTOP_S,
-    PROVIDERS,
-    PYTHON,
-    READINESS_SERVICES,
-    ROLE_MODULES,
-    ROLE_PORTS,
-    ROLES,
-    ROUTER_HTTP_PORT,
-    ROUTER_PORT,
-    TLS_DIR,
-    TOKEN_DIR,
-    TP_WORKLOADS,
-    DeploySpec,
-    RoleSpec,
-    drain_seconds,
-)
+from pdserve.tools.k8s.spec import AUTOSCALERS, PROVIDERS, ROLES, TP_WORKLOADS, DeploySpec, RoleSpec
+
+# The spec module's constants and `drain_seconds`, re-exported under this public path (callers and
+# tests read deploy.LABEL_ROLE, deploy.TLS_DIR, ...): the same objects, bound here by name.
+_SPEC_REEXPORTS = ("DECODE_PORT", "LABEL_NAME", "LABEL_PART", "LABEL_ROLE", "LWS_API", "LWS_GROUP_INDEX",
+                   "LWS_GROUP_KEY", "LWS_NAME", "LWS_WORKER_INDEX", "MODEL_CACHE", "NODE_METRICS_PORT",
+                   "PREFILL_PORT", "PRESTOP_S", "PYTHON", "READINESS_SERVICES", "ROLE_MODULES", "ROLE_PORTS",
+                   "ROUTER_HTTP_PORT", "ROUTER_PORT", "TLS_DIR", "TOKEN_DIR", "drain_seconds")
+globals().update({name: getattr(_spec, name) for name in _SPEC_REEXPORTS})
 
 # The spec of deploy/k8s/base/, and the checked-in overlays (the drift test re-renders all of them).
 BASE = DeploySpec()
@@ -245,10 +225,7 @@ def _cmd_tree(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["AUTOSCALERS", "DECODE_PORT", "HEADER", "LABEL_NAME", "LABEL_PART", "LABEL_ROLE", "LWS_API",
-           "LWS_GROUP_INDEX", "LWS_GROUP_KEY", "LWS_NAME", "LWS_WORKER_INDEX", "MODEL_CACHE", "NODE_METRICS_PORT",
-           "PREFILL_PORT", "PRESTOP_S", "PROVIDERS", "PYTHON", "READINESS_SERVICES", "ROLES", "ROLE_MODULES",
-           "ROLE_PORTS", "ROUTER_HTTP_PORT", "ROUTER_PORT", "TLS_DIR", "TOKEN_DIR", "TP_WORKLOADS",
-           "BASE", "OVERLAYS", "DeploySpec", "RoleSpec", "add_deploy_parser", "drain_seconds", "json_patch",
+__all__ = ["AUTOSCALERS", "HEADER", "PROVIDERS", "ROLES", "TP_WORKLOADS", *_SPEC_REEXPORTS,
+           "BASE", "OVERLAYS", "DeploySpec", "RoleSpec", "add_deploy_parser", "json_patch",
            "leader_template", "node_args", "object_key", "queue_queries", "render", "router_args", "security_args",
            "to_yaml", "tree", "tree_drift", "write_tree"]

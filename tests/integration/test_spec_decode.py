@@ -200,17 +200,26 @@ def tight_pool_workload(llm, reference):
     return prompts, expected
 
 
+def run_in_tight_pool(workload, speculative_config: dict) -> LLM:
+    """`workload`'s prompts through a speculating engine whose pool (20 blocks) is too small for the
+    batch: asserts requests were soft-reset or offloaded and the outputs equal `workload`'s expected
+    plain decoding; returns the engine for the caller's own checks."""
+    prompts, expected = workload
+    small = LLM(num_blocks=20, page_size=16, max_batch_tokens=64, max_requests_per_batch=8, num_threads=2,
+                speculative_config=speculative_config)
+    outs = small.generate(prompts, greedy(40))
+    assert small.engine.num_soft_resets + small.engine.num_offloads > 0
+    assert [list(o.token_ids) for o in outs] == expected
+    return small
+
+
 def test_preemption_with_speculation_matches_plain_decoding(llm, tight_pool_workload):
     """A pool too small for the batch: requests are soft-reset or offloaded and recomputed while
     others speculate; outputs equal plain decoding in a pool that holds them all (whose first
     MAX_NEW tokens are transformers'; at 40 tokens one of these prompts meets a float32 near-tie
     where the engine and transformers part, with or without speculation) and the pool balances."""
-    prompts, expected = tight_pool_workload
-    small = LLM(num_blocks=20, page_size=16, max_batch_tokens=64, max_requests_per_batch=8, num_threads=2,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
-    outs = small.generate(prompts, greedy(40))
-    assert small.engine.num_soft_resets + small.engine.num_offloads > 0
-    assert [list(o.token_ids) for o in outs] == expected
+    small = run_in_tight_pool(tight_pool_workload,
+                              {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
     assert small.engine.speculator.num_accepted_tokens > 0
     check_idle(small)
 
@@ -264,12 +273,8 @@ def test_random_draft_model_through_preemption_matches_plain_decoding(tight_pool
     pool too small for the batch, whose requests are soft-reset and come back (the draft's pages
     move with the target's; its progress restarts; an offload moves the draft's pages with the
     target's, tests/unit/test_offload.py) gives plain decoding's tokens."""
-    prompts, expected = tight_pool_workload
-    small = LLM(num_blocks=20, page_size=16, max_batch_tokens=64, max_requests_per_batch=8, num_threads=2,
-                speculative_config={"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 2})
-    outs = small.generate(prompts, greedy(40))
-    assert small.engine.num_soft_resets + small.engine.num_offloads > 0
-    assert [list(o.token_ids) for o in outs] == expected
+    small = run_in_tight_pool(tight_pool_workload,
+                              {"method": "draft_model", "model": tiny_draft, "num_speculative_tokens": 2})
     assert small.engine.speculator.num_draft_tokens > 0
     check_idle(small)
 
