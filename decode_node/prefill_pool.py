@@ -226,13 +226,17 @@ class PrefillPool:
         return self.by_address(picked.key)
 
     def retry_in(self, exclude: set[str] = frozenset()) -> float | None:
-        """When `choose(exclude)` found nothing: seconds until a node marked down (and known, not
-        excluded) may be tried again; None when there is none (a busy node's missed GetNodeInfo
-        also marks it down, and its request should wait for it rather than fail)."""
+        """When `choose(exclude)` found nothing: seconds until a node marked down (not excluded, not
+        incompatible; known or never answered yet) may be tried again; None when there is none (a
+        busy node's missed GetNodeInfo also marks it down, and its request should wait for it rather
+        than fail)."""
         now = time.monotonic()
+        # A node that has never answered (its fabric engine unknown: it was still starting when it
+        # was first polled) is waited for the same way: its refresh loop polls it every
+        # POOL_REFRESH_S meanwhile, and choose() takes it once it answered (a request arriving just
+        # after the cluster came up must not fail because the one untried node was polled too early).
         waits = [max(0.0, n.down_since + RETRY_DOWN_AFTER_S - now) for n in self.nodes
-                 if n.address not in exclude and n.peer is not None and n.down_since is not None
-                 and not n.incompatible]
+                 if n.address not in exclude and n.down_since is not None and not n.incompatible]
         return min(waits) if waits else None
 
     def by_address(self, address: str) -> PrefillNode:
