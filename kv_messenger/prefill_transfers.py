@@ -57,10 +57,11 @@ from typing import Protocol
 
 import grpc
 
-from fabric import FabricConfig, FabricError, PeerDescriptor, RemoteDescriptor, TransferEngine
+from fabric import FabricError, PeerDescriptor, RemoteDescriptor, TransferEngine
 from kv_messenger.prefill_peers import DecodePeers
 from kv_messenger.sender import KvSender, PostError, TransferResult
 from kv_messenger.ticket import TransferKey, TransferTicket
+from kv_messenger.transport import open_transfer_engine
 from pdserve.engine.engine_thread import EngineDeadError
 from pdserve.engine.faults import NO_FAULTS, FaultPlan
 from pdserve_api.servers import StatusError, UnavailableError
@@ -161,8 +162,7 @@ class PrefillTransfers:
     def open(cls, provider: str | None, fabric_node: str | None, faults: FaultPlan = NO_FAULTS) -> PrefillTransfers:
         """The fabric endpoint (provider None: $FI_PROVIDER or the default; fabric_node: the local
         address it binds) and its sender, not started; the endpoint is closed if the sender fails."""
-        transport = TransferEngine(FabricConfig(provider=provider, node=fabric_node,
-                                                close_timeout_s=FABRIC_CLOSE_WAIT_S))
+        transport = open_transfer_engine(provider, fabric_node, close_timeout_s=FABRIC_CLOSE_WAIT_S)
         try:
             return cls(transport, KvSender(transport, faults=faults))
         except BaseException:

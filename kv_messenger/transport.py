@@ -10,7 +10,9 @@ __all__ = ["FabricConfig", "FabricError", "MemoryRegion", "PeerDescriptor", "Rem
            "TransferEngine", "open_transfer_engine"]
 
 
-def open_transfer_engine(provider: str | None, node: str | None) -> TransferEngine:
+def open_transfer_engine(provider: str | None, node: str | None,
+                         close_timeout_s: float = FabricConfig.close_timeout_s) -> TransferEngine:
     """A node's fabric endpoint: libfabric `provider` (None: $FI_PROVIDER or the default), bound to
-    the local address `node` (None: the provider's choice). Close it with `TransferEngine.close`."""
-    return TransferEngine(FabricConfig(provider=provider, node=node))
+    the local address `node` (None: the provider's choice); `close_timeout_s`: how long its close
+    waits for outstanding writes. Close it with `TransferEngine.close`."""
+    return TransferEngine(FabricConfig(provider=provider, node=node, close_timeout_s=close_timeout_s))

@@ -113,17 +113,6 @@ class FaultPlan:
                    bad_shard_key=parse_bad_shard_keys(env.get(BAD_SHARD_KEY_ENV, "")),
                    engine_death_file=death)
 
-    @property
-    def empty(self) -> bool:
-        return self == NO_FAULTS
-
-    def describe(self) -> str:
-        """One line for the warning a process logs when it runs with faults."""
-        parts = [f"{k}={v!r}" for k, v in (("corrupt_kv", self.corrupt_kv), ("bad_context", self.bad_context),
-                                          ("bad_shard_key", self.bad_shard_key),
-                                          ("engine_death_file", self.engine_death_file)) if v]
-        return ", ".join(parts) or "none"
-
     def corrupts_kv(self, request_id: str, attempt: int) -> bool:
         return any(request_id.startswith(c.prefix) and attempt < c.attempts for c in self.corrupt_kv)
 
