@@ -66,7 +66,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         state = node.begin(rid)   # ValueError for an id in use here
         timer = RequestTimer(request_metrics(), node.model_name, start=t0)
         first = None
-        gen = prepared.outputs(node.engine.generate(prompt, params, rid, remote_prefill=not node.colocated))
+        gen = prepared.outputs(node.engine.generate(prompt, params, rid, role=node.request_role))
         try:
             ticket = self._gate.enter()  # S8: RESOURCE_EXHAUSTED past --max-waiting-requests (serving.admission)
         except ResourceExhaustedError:

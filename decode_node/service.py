@@ -65,6 +65,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_thread import EngineThread
 from pdserve.engine.faults import BAD_SHARD_KEY_ENV, NO_FAULTS, FaultPlan
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.request import TransferRole
 from pdserve.serving.build_identity import engine_identity
 from pdserve.serving.channels import PLAINTEXT, ChannelSecurity
 from pdserve.serving.logs import bind_request_id
@@ -132,6 +133,8 @@ class DecodeNode:
         self.config = config
         self.node_id = config.node_id
         self.colocated = config.colocated
+        # every request's role: its prompt KV comes from a prefill node unless this node is colocated
+        self.request_role = TransferRole.LOCAL if config.colocated else TransferRole.REMOTE_PREFILL
         self.metrics = node_metrics()
         request_metrics()  # registered now, so that /metrics names every family before the first request
         self.requests = RequestTable()

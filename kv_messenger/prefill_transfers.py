@@ -116,8 +116,8 @@ class HeldPages(Protocol):
     async def stop(self, engine_request_id: str) -> bool:
         """End the engine request if it still runs (its blocks stay held); True if it ran."""
 
-    async def free(self, engine_request_id: str) -> int:
-        """Free the blocks the request held (none if the engine never admitted it); how many."""
+    async def free(self, engine_request_id: str) -> None:
+        """Free the pages the request held (none if the engine never admitted it)."""
 
 
 @dataclass
@@ -217,7 +217,7 @@ class PrefillTransfers:
 
     async def _stop_engine(self, t: PrefillTransfer) -> None:
         await t.queued.wait()   # never abort before the add: the add would then run unchecked
-        await self._pages.stop(t.request_id)   # hold_blocks: the blocks stay until the release
+        await self._pages.stop(t.request_id)   # a PREFILL request's pages stay held until the release
 
     async def released_within(self, t: PrefillTransfer, timeout: float) -> bool:
         try:
@@ -298,8 +298,8 @@ class PrefillTransfers:
                     self.peers.retire(t.peer)   # before its source pages are freed
             if await self._pages.stop(request_id):
                 logger.info("request %s: stopped its prefill (transfer ended before the prefill did)", request_id)
-            freed = await self._pages.free(request_id)
-            logger.debug("request %s: released %d blocks", request_id, freed)
+            await self._pages.free(request_id)
+            logger.debug("request %s: released its pages", request_id)
         except EngineDeadError as e:
             logger.warning("request %s: engine gone, blocks not released: %s", request_id, e)
         finally:

@@ -80,7 +80,7 @@ import logging
 import random
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,7 +93,7 @@ from kv_messenger.pool import register_pool
 from kv_messenger.shard_plan import KvShards, ShardPlan, plan_transfer
 from kv_messenger.ticket import GroupTarget, TransferTicket
 from pdserve.engine.faults import CORRUPT_KV_ENV, NO_FAULTS, FaultPlan
-from pdserve.engine.kv_connector import DecodeConnector, KvCacheSpec, KvWait
+from pdserve.engine.kv_connector import DecodeConnector, KvCacheSpec, KvEvent, KvWait
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +158,11 @@ class ReceiverEvents(abc.ABC):
 
     def kv_stale_write(self, tag: int, count: int) -> None:  # noqa: B027 (optional hook)
         """Fabric progress thread: `count` writes landed for a tag no transfer holds. Must not block."""
+
+    def completions(self) -> Iterator[KvEvent]:
+        """Engine thread: the engine's events (KvLanded, KvFailed, ...) the owner queued since the
+        last call (the receiver's `kv_events`). None by default."""
+        return iter(())
 
 
 class KvReceiver(DecodeConnector):
@@ -238,6 +243,10 @@ class KvReceiver(DecodeConnector):
     def current_key(self, ticket: TransferTicket) -> bool:
         """Whether `ticket` names the pool's current registration (not one `rotate_keys` replaced)."""
         return ticket.kv == self.kv_regions[0].descriptor
+
+    def kv_events(self) -> Iterator[KvEvent]:
+        """Engine thread: the owner's completions (ReceiverEvents.completions)."""
+        return self.events.completions()
 
     def on_kv_wait(self, wait: KvWait) -> None:
         try:

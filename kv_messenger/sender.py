@@ -97,12 +97,13 @@ import random
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
 from fabric import FabricError, MemoryRegion, PageWrites, RemoteDescriptor, TransferEngine
 from kv_messenger import checksum
+from kv_messenger.completions import EngineInbox
 from kv_messenger.context import (
     ContextCodec,
     ContextEncodeError,
@@ -130,7 +131,7 @@ from pdserve.engine.faults import (
     FaultPlan,
     parse_bad_contexts as _parse_bad_contexts,
 )
-from pdserve.engine.kv_connector import KvCacheSpec, PrefillConnector, PrefillDone
+from pdserve.engine.kv_connector import KvCacheSpec, KvEvent, KvReleased, PrefillConnector, PrefillDone
 from pdserve.engine.scheduler.output import SchedulerOutput
 
 __all__ = ["CLOSE_JOIN_S", "FENCE_BYTES", "STAGING_SLOTS", "TEST_BAD_CONTEXT_ENV", "KvSender", "PassFailedError",
@@ -173,6 +174,9 @@ class KvSender(PrefillConnector):
         self.placements: tuple[ShardPlacement, ...] = ()   # D16, set by register_kv_cache
         self._pin: ShardPlacement | None = None            # taken once by the messenger thread
         self.codec: ContextCodec | None = None          # set by register_kv_cache
+        # the releases of the engine's held source pages (KvReleased), taken by the engine's kv_events;
+        # the node binds it to its engine thread
+        self.inbox = EngineInbox()
         self.staging_slots = SlotPool(staging_slots)   # full: that prefill fails alone (S8)
         self.context_staging = ContextStaging(self.staging_slots, faults)   # ValueError: a bad fault plan
         self._lock = threading.Condition()
@@ -359,6 +363,21 @@ class KvSender(PrefillConnector):
                         if it.last_chunk:
                             it.transfer.last_layer = now
                 self._lock.notify()
+
+    def kv_events(self) -> Iterator[KvEvent]:
+        """Engine thread: the releases posted since the last call (`release_pages`)."""
+        return self.inbox.drain()
+
+    def post_release(self, request_id: str) -> None:
+        """Any thread: the engine frees the request's pages when it next takes its events (its
+        next step or idle tick); EngineDeadError if its thread no longer serves."""
+        self.inbox.post(lambda: (KvReleased(request_id=request_id),))
+
+    async def release_pages(self, request_id: str) -> None:
+        """On a loop: nothing of the request's transfer reads its pages any more: the engine frees
+        them (held since it ended; one still running is not held when it ends). Returns once the
+        engine applied it; EngineDeadError if its thread stops first (kv_messenger.completions)."""
+        await self.inbox.applied(lambda: (KvReleased(request_id=request_id),))
 
     def on_prefill_done(self, done: PrefillDone) -> None:
         with self._lock:

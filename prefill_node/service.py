@@ -9,7 +9,7 @@ request and turns a transfer's end into the Prefill's answer.
 
 Lifecycle of one request:
     validate -> PrefillTransfers.begin (connect the decode peer once, refuse an aborted or repeated
-    key, sender.add) -> engine request (prefill_only, hold_blocks) queued on the engine thread in
+    key, sender.add) -> engine request (TransferRole.PREFILL) queued on the engine thread in
     the same loop turn, so the sender sees its first chunk -> the sender posts the writes layer by
     layer -> once nothing of the transfer is in flight the transfers' release ends the engine
     request if it still runs and frees its held blocks (`_EnginePages`) -> the key is tombstoned ->
@@ -77,6 +77,7 @@ from kv_messenger.prefill_transfers import (
     PrefillTransfer,
     PrefillTransfers,
 )
+from kv_messenger.sender import KvSender
 from kv_messenger.ticket import TransferKey
 from kv_messenger.transport import PeerDescriptor
 from pdserve.engine.config import EngineConfig
@@ -84,6 +85,7 @@ from pdserve.engine.engine_thread import EngineDeadError, EngineThread
 from pdserve.engine.faults import NO_FAULTS, FaultPlan
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.request import TransferRole
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.build_identity import engine_identity
 from pdserve.serving.metrics import node_metrics
@@ -166,24 +168,18 @@ class _EngineEnd:
 
 
 class _EnginePages:
-    """The transfers' HeldPages over the engine thread (kv_messenger.prefill_transfers)."""
+    """The transfers' HeldPages (kv_messenger.prefill_transfers): the request is stopped through the
+    engine thread, its pages released through the sender's KvReleased event (the connector's way back)."""
 
-    def __init__(self, engine: EngineThread) -> None:
+    def __init__(self, engine: EngineThread, sender: KvSender) -> None:
         self.engine = engine
+        self.sender = sender
 
     async def stop(self, engine_request_id: str) -> bool:
         return await self.engine.abort(engine_request_id)
 
-    async def free(self, engine_request_id: str) -> int:
-        return await self.engine.call(lambda: self._release_blocks(engine_request_id))
-
-    def _release_blocks(self, request_id: str) -> int:
-        """Engine thread: free the blocks the request held (none if the engine never admitted it)."""
-        try:
-            return self.engine.engine.release_blocks(request_id)
-        except KeyError:   # refused at add, or ended before it held anything
-            logger.debug("request %s held no blocks", request_id)
-            return 0
+    async def free(self, engine_request_id: str) -> None:
+        await self.sender.release_pages(engine_request_id)
 
 
 class PrefillNode:
@@ -205,6 +201,7 @@ class PrefillNode:
         except BaseException:
             self.transfers.close()
             raise
+        self.sender.inbox.bind(self.engine)   # the connector's events reach this engine thread
         eng = self.engine.engine
         info = eng.info()
         self.layout = self.sender.layout
@@ -227,7 +224,7 @@ class PrefillNode:
                     self.node_id, self.model_name, info.num_blocks, self.page_size, self.transfers.transport)
 
     async def start(self) -> None:
-        self.transfers.start(asyncio.get_running_loop(), _EnginePages(self.engine))
+        self.transfers.start(asyncio.get_running_loop(), _EnginePages(self.engine, self.sender))
 
     @property
     def peer(self) -> PeerDescriptor:
@@ -298,7 +295,7 @@ class PrefillNode:
         could leave the engine thread setting a result on a cancelled future.
         """
         stream = self.engine.generate(token_ids, SamplingParams(max_tokens=1), request_id=t.request_id,
-                                      prefill_only=True, hold_blocks=True)
+                                      role=TransferRole.PREFILL)
         t.queued.set()   # waiters run after this step, which submits the add below
         final: RequestOutput | None = None
         try:

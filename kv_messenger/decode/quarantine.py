@@ -7,8 +7,9 @@ peer's death, a drain of what already arrived. A hold still unanswered is visibl
 pdserve:kv_quarantine_oldest_seconds{peer} and a warning every QUARANTINE_LOG_S. Why each release
 is sound, and the state diagram: docs/transfer-safety.md ("The quarantine").
 
-Threads: `quarantine_attempt` and `release_quarantine` run on the engine thread (EngineThread.submit;
-they are the next slice's connector events); everything else on the serving loop.
+Threads: `quarantine_attempt` and `release_quarantine` are work for the engine thread (posted to
+DecodeTransfers' inbox, kv_messenger.completions: they update the receiver and yield the engine's
+KvQuarantined / KvReleased events); everything else on the serving loop.
 
 Blocking waits (all on the loop, no thread parked), with their bounds: one AbortPrefill
 (ABORT_RPC_TIMEOUT_S, cut short when the peer is gone or its key rotated, looked at every
@@ -25,6 +26,7 @@ import asyncio
 import enum
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,10 +34,11 @@ from kv_messenger.decode.client import PrefillTarget, RpcError, TransferTelemetr
 from kv_messenger.receiver import KvReceiver
 from kv_messenger.ticket import remote_to_bytes
 from kv_messenger.transport import TransferEngine
-from pdserve.engine.request import RequestStatus
+from pdserve.engine.kv_connector import KvEvent, KvFailure, KvQuarantined, KvReleased
 from pdserve_api.v1 import prefill_pb2
 
 if TYPE_CHECKING:
+    from kv_messenger.completions import Work
     from kv_messenger.decode.rotation import KeyRotation
     from pdserve.engine.engine_thread import EngineThread
 
@@ -86,7 +89,7 @@ class Quarantine:
 
     request_id: str
     attempt: int
-    quarantine_id: str                        # LLMEngine.quarantine_blocks's id
+    quarantine_id: str                        # the KvQuarantined / KvReleased hold id
     node: PrefillTarget
     decode_engine_id: str
     prefill_engine_id: str
@@ -167,6 +170,7 @@ class QuarantineHolds:
         self.telemetry = telemetry
         self.release_unfenced_by_close = release_unfenced_by_close
         self.engine: EngineThread | None = None      # set once the engine is built (DecodeTransfers.attach)
+        self.post: Callable[[Work], None] | None = None   # engine-thread work: DecodeTransfers.inbox.post
         self.loop: asyncio.AbstractEventLoop | None = None
         self._holds: dict[str, asyncio.Task] = {}   # quarantine id -> its hold
         self._held: dict[str, Quarantine] = {}       # quarantine id -> what it holds (ages: the gauge)
@@ -183,35 +187,25 @@ class QuarantineHolds:
 
     # --- engine thread (the next slice's connector events) ---------------------------------------
 
-    def quarantine_attempt(self, q: Quarantine, retry: bool, error: str) -> None:
-        """Engine thread: an attempt whose writes may still land. Its tag and pages go to
-        quarantine (S5); the request is admitted again into fresh pages for a new attempt
+    def quarantine_attempt(self, q: Quarantine, retry: bool, error: str) -> Iterator[KvEvent]:
+        """Engine thread (posted work): an attempt whose writes may still land. Its tag and pages
+        go to quarantine (S5); the request is admitted again into fresh pages for a new attempt
         (retry) or ends with `error`; the hold runs on the loop."""
-        assert self.engine is not None and self.loop is not None
-        llm = self.engine.engine
-        rid = q.request_id
-        q.tag = self.receiver.quarantine(rid)
-        r = llm.get_request(rid)
-        waiting = r is not None and r.status is RequestStatus.WAITING_FOR_KV
-        if waiting and not retry:
-            out = llm.kv_abandoned(rid, prefill_locally=False, error=error)   # keeps the pages held
-            if out is not None:
-                self.engine.deliver(out)
-        try:
-            q.blocks = llm.quarantine_blocks(rid, q.quarantine_id)
-        except KeyError:   # the request ended and its pages were released (its KV had landed)
-            q.blocks = -1
-        if waiting and retry:
-            llm.kv_retry(rid)   # fresh pages, a new KvWait -> ticket_ready -> a new attempt
+        assert self.loop is not None
+        q.tag = self.receiver.quarantine(q.request_id)
+        yield KvQuarantined(q.request_id, q.quarantine_id, KvFailure.RETRY if retry else KvFailure.END, error)
+        # what the engine moved: nothing if the request ended and its pages were freed (its KV had
+        # landed); a retry's fresh pages come with a new KvWait -> ticket_ready -> a new attempt
+        blocks = self.engine.engine.quarantined_blocks(q.quarantine_id) if self.engine is not None else None
+        q.blocks = -1 if blocks is None else blocks
         if q.tag is None and q.blocks < 0:
             return
         self.loop.call_soon_threadsafe(self._start_hold, q)
 
-    def release_quarantine(self, q: Quarantine) -> None:
-        """Engine thread: the prefill side has provably stopped writing into q's pages."""
-        assert self.engine is not None
+    def release_quarantine(self, q: Quarantine) -> Iterator[KvEvent]:
+        """Engine thread (posted work): the prefill side has provably stopped writing into q's pages."""
         if q.blocks >= 0:
-            self.engine.engine.release_quarantine(q.quarantine_id)
+            yield KvReleased(hold_id=q.quarantine_id)
         if q.tag is not None:
             self.receiver.release_quarantined(q.tag)
 
@@ -262,7 +256,8 @@ class QuarantineHolds:
         assert q.released_by is not None and self.engine is not None
         logger.info("request %s attempt %d: %s after %.2f s; %d quarantined pages released", q.request_id,
                     q.attempt, q.released_by.value, time.monotonic() - q.since, max(q.blocks, 0))
-        self.engine.submit(lambda: self.release_quarantine(q))
+        assert self.post is not None
+        self.post(lambda: self.release_quarantine(q))
 
     async def _hold_rounds(self, q: Quarantine) -> None:
         """The hold's rounds, until q is RELEASED (each event drives q's state)."""

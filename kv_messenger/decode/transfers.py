@@ -8,9 +8,11 @@ the engine, and starts it on the serving loop with the prefill pool.
 The correctness argument and the state diagrams: docs/transfer-safety.md.
 
 Threads: the receiver's events arrive on the engine thread (`ticket_ready`, `ticket_refused`) and
-the fabric progress thread (`kv_landed_tag`, `kv_stale_write`); the engine-thread callbacks
-(`_kv_ready`, `_checksum_failed`, `_fail_waiting`, `_abandoned`, and the quarantine's) run through
-EngineThread.submit; everything else on the serving loop.
+the fabric progress thread (`kv_landed_tag`, `kv_stale_write`); the engine-thread work
+(`_kv_ready`, `_checksum_failed`, `_fail_waiting`, `_abandoned`, and the quarantine's) is posted to
+`inbox` (kv_messenger.completions) and run when the engine takes the receiver's `kv_events`: it
+updates the receiver and yields the engine's events (KvLanded, KvFailed, KvQuarantined,
+KvReleased); the engine is never called. Everything else runs on the serving loop.
 
 Blocking waits: none of its own beyond those of the attempt (attempt.py), the holds
 (quarantine.py) and the rotation (rotation.py); an attempt whose only untried prefill nodes are
@@ -22,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kv_messenger.completions import EngineInbox, Work
 from kv_messenger.context import ContextRecordError
 from kv_messenger.decode.attempt import Attempt, PrefillWatch, RequestState, RequestTable, WatchSettings
 from kv_messenger.decode.client import PrefillClient, PrefillTarget, TransferTelemetry
@@ -34,6 +38,7 @@ from kv_messenger.ticket import TransferTicket
 from kv_messenger.transport import TransferEngine
 from pdserve.engine.engine_thread import EngineThread
 from pdserve.engine.faults import NO_FAULTS, FaultPlan
+from pdserve.engine.kv_connector import KvEvent, KvFailed, KvFailure, KvLanded
 from pdserve.engine.request import RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -83,6 +88,8 @@ class DecodeTransfers(ReceiverEvents):
                                      settings.release_unfenced_by_close)
         watch = WatchSettings(settings.node_id, settings.prefill_timeout_s, settings.stall_s, settings.faults)
         self.watch = PrefillWatch(watch, transport, self.receiver, self.rotation, telemetry, self._verified)
+        self.inbox = EngineInbox()   # the engine-thread work behind the receiver's kv_events
+        self.holds.post = self.inbox.post
         self.engine: EngineThread | None = None
         self.pool: PrefillClient | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -91,6 +98,7 @@ class DecodeTransfers(ReceiverEvents):
     def attach(self, engine: EngineThread) -> None:
         """The engine built with `self.receiver` as its connector (before any request)."""
         self.engine = self.holds.engine = engine
+        self.inbox.bind(engine)
         self.watch.model_name = engine.engine.info().model_name   # the transfer metrics' label
 
     def start(self, pool: PrefillClient) -> None:
@@ -154,23 +162,30 @@ class DecodeTransfers(ReceiverEvents):
         """Fabric progress thread: writes landed for a tag nothing holds (S5; must stay 0)."""
         self.telemetry.kv_stale_writes.inc(count)
 
-    def _submit(self, fn) -> None:
-        assert self.engine is not None
-        self.engine.submit(fn)
+    def _submit(self, work: Work) -> None:
+        """Any thread: run `work` (a generator of engine events) on the engine thread."""
+        self.inbox.post(work)
+
+    def completions(self) -> Iterator[KvEvent]:
+        """Engine thread (the receiver's kv_events): the posted work, run in order."""
+        return self.inbox.drain()
 
     def _verified(self, rid: str, tag: int) -> None:
         """Loop (S7): the attempt's landed runs match: now it may become schedulable."""
         self._submit(lambda: self._kv_ready(rid, tag))
 
-    # --- engine thread (the next slice's connector events: landed, failed, released) ----------------
+    # --- engine thread: the work behind the connector's events (landed, failed, released) ------------
 
-    def _kv_ready(self, rid: str, tag: int) -> None:
-        assert self.engine is not None and self.loop is not None
+    def _waiting(self, rid: str) -> bool:
+        assert self.engine is not None
+        r = self.engine.engine.get_request(rid)
+        return r is not None and r.status is RequestStatus.WAITING_FOR_KV
+
+    def _kv_ready(self, rid: str, tag: int) -> Iterator[KvEvent]:
+        assert self.loop is not None
         if self.receiver.tag_of(rid) != tag:
             return   # an attempt quarantined meanwhile: its pages are released by its hold
-        llm = self.engine.engine
-        r = llm.get_request(rid)
-        waiting = r is not None and r.status is RequestStatus.WAITING_FOR_KV
+        waiting = self._waiting(rid)
         try:   # D19: every transfer's record is checked, read before the slot goes
             ctx = self.receiver.context(rid)
         except ContextRecordError as e:
@@ -181,55 +196,38 @@ class DecodeTransfers(ReceiverEvents):
                 self.loop.call_soon_threadsafe(self._context_rejected, rid, tag, f"context record rejected: {e}")
                 return
             ctx = None    # aborted meanwhile: nothing decodes from it, its pages are released below
-        spec = llm.speculator
-        # a draft head starts from the prefill node's hidden state (D17)
-        hidden = ctx.hidden if ctx is not None and spec is not None and spec.uses_hidden else None
-        history = ctx.history if hidden is not None else None   # and its history rows write the head's (E20)
         self.receiver.finish(rid)
-        if waiting:
-            llm.kv_ready(rid, context_hidden=hidden, context_history=history)
-        elif llm.is_held(rid):
-            llm.release_blocks(rid)  # aborted while its KV was landing: now nothing can land
+        # a draft head starts from the prefill node's hidden state and history rows (D17, E20); the
+        # engine ignores them without one. Ended meanwhile: its held pages are freed (nothing can land).
+        yield KvLanded(rid, ctx.hidden if ctx is not None else None, ctx.history if ctx is not None else None)
         self.loop.call_soon_threadsafe(self._mark_ready, rid)
 
-    def _checksum_failed(self, rid: str, tag: int, retry: bool, error: str) -> None:
-        """Engine thread: the attempt with `tag` landed completely but its bytes do not match (S7),
-        or its context record was rejected (D19).
-        Nothing more can land, so its pages are freed now, unused: kv_ready is never called for
-        them, so they never join the prefix cache. Re-admitted into fresh pages (retry) or failed."""
-        assert self.engine is not None
+    def _checksum_failed(self, rid: str, tag: int, retry: bool, error: str) -> Iterator[KvEvent]:
+        """The attempt with `tag` landed completely but its bytes do not match (S7), or its context
+        record was rejected (D19). Nothing more can land, so its pages are freed now, unused (never
+        landed: they never join the prefix cache). Admitted again into fresh pages (retry) or failed."""
         if self.receiver.tag_of(rid) != tag:
             return   # quarantined meanwhile (the client went away): its hold releases the pages
-        r = self.engine.engine.get_request(rid)
-        if retry and r is not None and r.status is RequestStatus.WAITING_FOR_KV:
+        if retry and self._waiting(rid):
             self.receiver.finish(rid)          # tag tombstoned, slot freed
-            self.engine.engine.kv_retry(rid)   # frees the pages (uncommitted: no prefix-cache entry), a new attempt
+            yield KvFailed(rid, KvFailure.RETRY, error)
             return
-        self._fail_waiting(rid, error)
+        yield from self._fail_waiting(rid, error)
 
-    def _fail_waiting(self, rid: str, error: str) -> None:
-        """Engine thread: end a waiting request with an error and free its pages (no write of it
-        can land: it was never sent, or its sender provably stopped)."""
-        assert self.engine is not None
-        llm = self.engine.engine
+    def _fail_waiting(self, rid: str, error: str) -> Iterator[KvEvent]:
+        """End a waiting request with an error and free its pages (no write of it can land: it was
+        never sent, or its sender provably stopped)."""
         self.receiver.abandon(rid)
-        out = llm.kv_abandoned(rid, prefill_locally=False, error=error)
-        if out is not None:
-            self.engine.deliver(out)
-        if llm.is_held(rid):
-            llm.release_blocks(rid)
+        yield KvFailed(rid, KvFailure.END, error)
 
-    def _abandoned(self, rid: str, error: str, locally: bool) -> None:
-        """Engine thread: no prefill node is left for this attempt, which was sent nowhere (its
-        pages are safe): prefill here, or fail."""
-        assert self.engine is not None
-        llm = self.engine.engine
-        r = llm.get_request(rid)
-        if r is not None and r.status is RequestStatus.WAITING_FOR_KV and locally:
+    def _abandoned(self, rid: str, error: str, locally: bool) -> Iterator[KvEvent]:
+        """No prefill node is left for this attempt, which was sent nowhere (its pages are safe):
+        prefill here, or fail."""
+        if locally and self._waiting(rid):
             self.receiver.abandon(rid)
-            llm.kv_abandoned(rid, prefill_locally=True, error=error)
+            yield KvFailed(rid, KvFailure.PREFILL_LOCALLY, error)
             return
-        self._fail_waiting(rid, error)
+        yield from self._fail_waiting(rid, error)
 
     # --- the loop: transfers ---------------------------------------------------------------------
 

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pdserve.engine.faults import ENGINE_DEATH_FILE_ENV, NO_FAULTS, FaultPlan
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.request import TransferRole
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stats import EngineLoad, EngineMetrics
 
@@ -101,15 +102,16 @@ class EngineThread:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        **options: bool,
+        role: TransferRole = TransferRole.LOCAL,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; raises ValueError (from the engine's validation) for bad input.
 
-        options: the engine's add_request flags (prefill_only, remote_prefill, hold_blocks).
+        role: the request's TransferRole (LOCAL; PREFILL on prefill nodes; REMOTE_PREFILL on
+        decode nodes), as in LLMEngine.add_request.
         """
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue())
-        add = asyncio.ensure_future(self.call(lambda: self._add(prompt, params, request_id, stream, options)))
+        add = asyncio.ensure_future(self.call(lambda: self._add(prompt, params, request_id, stream, role)))
         try:
             rid = await asyncio.shield(add)
         except asyncio.CancelledError:
@@ -175,6 +177,10 @@ class EngineThread:
             self._commands.put(fn)
         self._wake.set()
 
+    def wake(self) -> None:
+        """Any thread: wake an idle engine thread (a connector queued events for it to take)."""
+        self._wake.set()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()
@@ -193,8 +199,8 @@ class EngineThread:
 
     # --- engine thread ---------------------------------------------------------------------------
 
-    def _add(self, prompt, params, request_id, stream: _Stream, options: dict) -> str:
-        r = self.engine.add_request(prompt, params, request_id, **options)
+    def _add(self, prompt, params, request_id, stream: _Stream, role: TransferRole) -> str:
+        r = self.engine.add_request(prompt, params, request_id, role)
         self._streams[r.request_id] = stream
         return r.request_id
 
@@ -260,6 +266,13 @@ class EngineThread:
                     cmd()
                 except Exception:  # a failed command must not take the engine down; it is logged
                     logger.exception("engine command %r failed", cmd)
+            try:   # the transfer's completions (step() takes them too; here also when idle)
+                ended = self.engine.apply_kv_events()
+            except Exception:  # like a failed command: logged, and the engine goes on
+                logger.exception("applying the KV connector's events failed")
+                ended = []
+            for out in ended:
+                self.deliver(out)
             if self.engine.has_schedulable_work():
                 try:
                     outputs = self.engine.step()

@@ -23,13 +23,36 @@ and the engine calls it at fixed points of its life and of each `step()`:
                                      the hidden state and logits of its last position (D12)
     DecodeConnector
       on_kv_wait(KvWait)             a remote-prefill request got its pages and now waits for
-                                     its KV (D3); the engine schedules it only after `kv_ready`
+                                     its KV (D3); the engine schedules it only after its KvLanded
+    both
+      kv_events() -> Iterator[KvEvent]
+                                     at the start of every step and at every idle tick of the
+                                     engine thread: the transfer's completions since the last
+                                     call, in order. The engine applies each event before it
+                                     takes the next, so a connector may read the engine between
+                                     them (e.g. `quarantined_blocks`)
+
+The way back is typed events, never calls into the engine: a connector gives the engine
+    KvLanded      every write of a request's KV landed: it decodes next (its first step may verify
+                  drafts from the prefill node's hidden state); one that ended meanwhile has its
+                  held pages freed
+    KvFailed      its remote prefill failed and no write can land in its pages: it is admitted
+                  again into fresh pages (RETRY), computed here (PREFILL_LOCALLY) or ended with the
+                  error (END); pages it no longer needs are freed
+    KvQuarantined its remote prefill failed and writes may still land: its pages move into a
+                  quarantine under the connector's hold id (owned by nobody), and it goes on in
+                  fresh pages (RETRY) or ends (END)
+    KvReleased    no transfer touches these pages any more: a held request's (a prefill node's
+                  source pages once its transfer ended) or a quarantine's; freed
+An event naming a request the engine no longer has is applied to what is left of it (its held
+pages) and is otherwise a no-op, so a connector never needs to know the engine's state exactly.
+The engine keeps those pages in its cache manager's holds (pdserve.engine.cache.holds).
 
 Threads: every method runs on the thread that drives the engine (the caller of `LLMEngine.step`,
 which is `EngineThread`'s thread in servers), except `register_kv_cache`, which runs on the thread
 that constructs the engine. They must not block: they record, notify another thread and return.
-Whatever they start on other threads reports back through the engine's own calls (`kv_ready`,
-`kv_abandoned`, `release_blocks`), which the connector's owner runs on the engine thread.
+Whatever they start on other threads comes back as events, queued by the connector and handed over
+by `kv_events` (the connector's owner wakes an idle engine thread: `EngineThread.wake`).
 
 The KV-head split (`shard_kv_heads`, written once in pdserve/model/tp.py) is part of this seam: the
 spec carries this engine's split (`KvShardPool.kv_heads`), and a connector applies the same rule to
@@ -41,7 +64,8 @@ layering lets a connector import the engine, not the model. A pure function: any
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+import enum
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +79,12 @@ __all__ = [
     "DecodeConnector",
     "KvCacheSpec",
     "KvConnector",
+    "KvEvent",
+    "KvFailed",
+    "KvFailure",
+    "KvLanded",
+    "KvQuarantined",
+    "KvReleased",
     "KvShardPool",
     "KvWait",
     "PrefillConnector",
@@ -132,13 +162,85 @@ class KvWait:
     tables: tuple[tuple[int, ...], ...] = ()
 
 
+class KvFailure(enum.Enum):
+    """What becomes of a request waiting for its KV whose remote prefill failed."""
+
+    RETRY = "retry"                        # admitted again into fresh pages: a new KvWait, a new attempt
+    PREFILL_LOCALLY = "prefill_locally"    # its prompt is computed here, in the pages it holds (S3)
+    END = "end"                            # it ends with the error (FinishReason.ERROR)
+
+
+@dataclass(frozen=True)
+class KvLanded:
+    """Every write of the request's KV landed (and was verified, S7): schedule its first decode;
+    its complete prompt blocks join the prefix cache. If it ended meanwhile, its held pages go."""
+
+    request_id: str
+    # context_hidden: [hidden], the prefill node's final-norm state of the position before the last
+    # prompt token (D12/D17); a draft head starts from it. None: not shipped or not wanted.
+    context_hidden: torch.Tensor | None = None
+    # context_history: [n, hidden], the states of the n positions before that one (E20)
+    context_history: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class KvFailed:
+    """The request's remote prefill failed and no write can land in its pages any more."""
+
+    request_id: str
+    then: KvFailure
+    error: str
+
+
+@dataclass(frozen=True)
+class KvQuarantined:
+    """The request's remote prefill failed while writes may still land in its pages: they move
+    into quarantine `hold_id` (until a KvReleased names it), and the request goes on in fresh
+    pages (RETRY) or ends (END). A request that holds no pages any more makes no quarantine."""
+
+    request_id: str
+    hold_id: str
+    then: KvFailure
+    error: str
+
+    def __post_init__(self) -> None:
+        if self.then is KvFailure.PREFILL_LOCALLY:
+            raise ValueError(f"request {self.request_id}: a quarantined attempt cannot prefill locally in "
+                             f"its pages (writes may still land there): RETRY or END")
+
+
+@dataclass(frozen=True)
+class KvReleased:
+    """No transfer reads or writes these pages any more: free them. Exactly one of `request_id`
+    (a finished request's held pages; a PREFILL request still running is not held when it ends)
+    or `hold_id` (a quarantine)."""
+
+    request_id: str | None = None
+    hold_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.request_id is None) == (self.hold_id is None):
+            raise ValueError(f"KvReleased names exactly one of request_id or hold_id, got "
+                             f"request_id={self.request_id!r}, hold_id={self.hold_id!r}")
+
+
+KvEvent = KvLanded | KvFailed | KvQuarantined | KvReleased
+
+
 class KvConnector(abc.ABC):
-    """What both roles share: the engine hands over its KV pool once."""
+    """What both roles share: the engine hands over its KV pool once, and takes the transfer's
+    completions as events at every step."""
 
     @abc.abstractmethod
     def register_kv_cache(self, spec: KvCacheSpec) -> None:
         """Constructing thread, once: the pool exists; register it, or raise ValueError naming why
         this cache cannot be moved (the engine's construction then fails with it)."""
+
+    def kv_events(self) -> Iterator[KvEvent]:
+        """Engine thread, at the start of every step and at every idle tick: the completions queued
+        since the last call, in order (the engine applies each before taking the next). None by
+        default."""
+        return iter(())
 
 
 class PrefillConnector(KvConnector):
@@ -157,7 +259,7 @@ class PrefillConnector(KvConnector):
     @abc.abstractmethod
     def on_prefill_done(self, done: PrefillDone) -> None:
         """Engine thread, after the pass that computed a prefill-only request's last chunk (D12);
-        the request finishes (PREFILLED) right after, its blocks held if it asked for that."""
+        the request finishes (PREFILLED) right after, its pages held until a KvReleased names it."""
 
 
 class DecodeConnector(KvConnector):
@@ -165,4 +267,5 @@ class DecodeConnector(KvConnector):
 
     @abc.abstractmethod
     def on_kv_wait(self, wait: KvWait) -> None:
-        """Engine thread, in the step that admitted the request (D3)."""
+        """Engine thread, in the step that admitted the request (D3). Its KvLanded (or KvFailed,
+        KvQuarantined) comes back through `kv_events`."""

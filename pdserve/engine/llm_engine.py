@@ -37,13 +37,13 @@ from collections.abc import Sequence
 
 import torch
 
+from pdserve.engine import snapshots
 from pdserve.engine.builder import build_engine
-from pdserve.engine.cache.block_pool import CacheIntegrityError
-from pdserve.engine.cache.groups import PADDING_BLOCK
+from pdserve.engine.completions import KvCompletions
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_connector import DecodeConnector, KvConnector, KvWait, PrefillConnector, PrefillDone
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.request import FinishReason, Request, RequestStatus
+from pdserve.engine.request import FinishReason, Request, RequestStatus, TransferRole
 from pdserve.engine.runner import ModelOutput
 from pdserve.engine.sampling.detokenizer import IncrementalDetokenizer
 from pdserve.engine.sampling.sampler import SampleLogprobs, Sampler, SamplerOutput
@@ -51,8 +51,6 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from pdserve.engine.spec_decode.decoder import (
     DecodedRow,
-    Handoff,
-    SpecCounters,
     SpeculativeDecoder,
     TargetPass,
     TargetRows,
@@ -63,9 +61,6 @@ from pdserve.engine.stats import EngineInfo, EngineLoad, EngineMetrics
 from pdserve.engine.tracked import TrackedRequest
 
 logger = logging.getLogger(__name__)
-
-QUARANTINE_PREFIX = "\x00quarantine:"   # cache tables of quarantined pages (no request id starts so)
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, kv_connector: KvConnector | None = None) -> None:
@@ -93,13 +88,9 @@ class LLMEngine:
         self._tracked: dict[str, TrackedRequest] = {}
         # a prefill node's last hidden states per prefill-only request, for its context record (D17/D19)
         self._tails = ContextTails(config.context_history_rows) if config.context_history_rows else None
-        self._hold_on_finish: set[str] = set()
-        self._held: dict[str, Request] = {}  # finished, blocks kept until release_blocks
-        # Pages of abandoned transfers that a write may still land in (S5), by quarantine id:
-        # owned by no request, reused by nobody, until release_quarantine. Their tables live in
-        # the cache under QUARANTINE_PREFIX + id, so the pool's own balance check counts them.
-        self._quarantine: dict[str, int] = {}   # quarantine id -> blocks
-        self.num_quarantined_blocks = 0
+        # the connector's events, applied (landed, failed, quarantined, released) and the PREFILL
+        # requests whose pages are held when they end
+        self.completions = KvCompletions(self.scheduler, self.cache_manager, self._fail)
         self._ids = itertools.count()
         # The load as of the last scheduled pass (or `load()` call by the driving thread): a frozen
         # snapshot other threads may read at any time (EngineThread.last_load).
@@ -128,24 +119,20 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        prefill_only: bool = False,
-        remote_prefill: bool = False,
-        hold_blocks: bool = False,
+        role: TransferRole = TransferRole.LOCAL,
     ) -> Request:
         """Validate and queue a request; raises ValueError (nothing queued) for bad input.
 
-        prefill_only: compute the KV of every given token and sample nothing (prefill nodes: the
-            decode node sends the prompt minus its last token, D17).
-        remote_prefill: the prompt's KV arrives from elsewhere (decode nodes): admission allocates
-            its pages and parks it in WAITING_FOR_KV until `kv_ready` (or `kv_abandoned`).
-        hold_blocks: when the request finishes or is aborted, keep its blocks until
-            `release_blocks` (a transfer may still read from them, D11).
+        role: what the request is to a KV transfer (pdserve.engine.request.TransferRole): LOCAL,
+        PREFILL (prefill nodes: compute every given token's KV, sample nothing; with a prefill
+        connector its pages are held when it ends, until a KvReleased) or REMOTE_PREFILL (decode
+        nodes: admission allocates its pages and parks it in WAITING_FOR_KV until its KvLanded).
         """
-        if prefill_only and remote_prefill:
-            raise ValueError("a request cannot be both prefill_only and remote_prefill")
+        if not isinstance(role, TransferRole):
+            raise ValueError(f"role must be a TransferRole, got {role!r}")
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._tracked:
+        if request_id in self._tracked or self.cache_manager.holds.holds_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
         if not ids:
@@ -161,17 +148,10 @@ class LLMEngine:
                 f"prompt of {len(ids)} tokens needs {need} KV blocks but the cache has only "
                 f"{self.pool.num_usable_blocks}"
             )
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=ids,
-            sampling=params,
-            max_total_tokens=self.max_model_len,
-            eos_token_ids=self.eos_token_ids,
-            prefill_only=prefill_only,
-            remote_prefill=remote_prefill,
-        )
-        if hold_blocks:
-            self._hold_on_finish.add(request_id)
+        request = Request(request_id=request_id, prompt_token_ids=ids, sampling=params,
+                          max_total_tokens=self.max_model_len, eos_token_ids=self.eos_token_ids, role=role)
+        if role is TransferRole.PREFILL and self._prefill_conn is not None:
+            self.completions.hold_on_finish.add(request_id)   # the sender reads its pages until the transfer ends (D11)
         self._tracked[request_id] = TrackedRequest(request, IncrementalDetokenizer(self.tokenizer, ids, params), [])
         self.scheduler.add_request(request)
         return request
@@ -184,99 +164,37 @@ class LLMEngine:
         reason = FinishReason.ERROR if error is not None else FinishReason.ABORT
         return self._finish(tracked, reason, new_ids=(), delta="", error=error)
 
-    def kv_ready(self, request_id: str, context_hidden: torch.Tensor | None = None,
-                 context_history: torch.Tensor | None = None) -> None:
-        """All of a remote-prefill request's KV writes have landed: schedule its first decode.
+    # --- the transfer's completions (pdserve.engine.kv_connector's events) -------------------------
 
-        From now on its complete prompt blocks are valid, so they join the prefix cache.
-        context_hidden: the prefill node's final-norm hidden state of the position before the
-        last prompt token ([hidden], D12/D17): a draft head starts from it, so the first decode
-        step already verifies drafts. context_history: [n, hidden] the states of the n positions
-        before that one (EngineConfig.context_history_rows), from which a draft head writes its
-        history rows for the end of the prompt."""
-        request = self._tracked[request_id].request
-        self.scheduler.kv_ready(request)
-        self.cache_manager.commit(request)
-        if context_hidden is not None and self.speculator is not None:
-            self.speculator.handoff(Handoff(request, request.num_computed_tokens - 1, context_hidden, context_history))
+    def apply_kv_events(self) -> list[RequestOutput]:
+        """Apply the connector's queued events (engine thread; step() does at its start, EngineThread
+        at every idle tick); returns the outputs of the requests they ended."""
+        conn = self._prefill_conn or self._decode_conn
+        if conn is None:
+            return []
+        outputs = []
+        for event in conn.kv_events():
+            tracked = self._tracked.get(event.request_id) if event.request_id is not None else None
+            out = self.completions.apply(event, tracked, self.speculator)
+            if out is not None:
+                outputs.append(out)
+        return outputs
 
-    def kv_abandoned(self, request_id: str, prefill_locally: bool, error: str) -> RequestOutput | None:
-        """The remote prefill of a request waiting for its KV failed (S3, S5).
+    def quarantined_blocks(self, hold_id: str) -> int | None:
+        """Blocks in the quarantine `hold_id` (a KvQuarantined's), None if it made none or was released."""
+        return self.cache_manager.holds.quarantined_blocks(hold_id)
 
-        prefill_locally: no write can land any more; compute the prompt here in the pages already
-        held. Otherwise the request ends with `error` and its pages stay held (a write may still
-        land in them): the owner frees them with `release_blocks` once none can, or moves them to
-        quarantine (`quarantine_blocks`).
-        """
-        tracked = self._tracked.get(request_id)
-        if tracked is None:
-            return None
-        if prefill_locally:
-            logger.warning("request %s: remote prefill abandoned (%s); prefilling locally", request_id, error)
-            self.scheduler.prefill_locally(tracked.request)
-            return None
-        return self._finish(tracked, FinishReason.ERROR, new_ids=(), delta="", error=error, keep_blocks=True)
-
-    def kv_retry(self, request_id: str, prefill_locally: bool = False) -> bool:
-        """A request waiting for its KV, whose pages were moved to quarantine (or that never had
-        a write in flight), goes back to the head of the waiting queue, to be admitted again into
-        fresh pages: remote (a new KvWait, so a new ticket) or, prefill_locally, computed here.
-        Pages it still holds are freed (the caller vouches that no write can land in them).
-        False if the request is not waiting for KV."""
-        tracked = self._tracked.get(request_id)
-        if tracked is None or tracked.request.status is not RequestStatus.WAITING_FOR_KV:
-            return False
-        r = tracked.request
-        self.scheduler.detach(r)
-        self.cache_manager.free(r)
-        r.num_computed_tokens = 0
-        r.remote_prefill = not prefill_locally
-        r.status = RequestStatus.PENDING
-        self.scheduler.waiting.appendleft(r)
-        return True
-
-    def quarantine_blocks(self, request_id: str, quarantine_id: str) -> int:
-        """Move the pages of `request_id` (waiting for KV, or finished and held) out of it into
-        quarantine under `quarantine_id`: nobody owns or reuses them until `release_quarantine`.
-        The request keeps running without pages (`kv_retry`) or is forgotten (held). Returns the
-        number of blocks moved."""
-        if quarantine_id in self._quarantine:
-            raise ValueError(f"quarantine id {quarantine_id!r} is in use")
-        held = self._held.pop(request_id, None)
-        tracked = self._tracked.get(request_id)
-        if held is None and (tracked is None or tracked.request.status is not RequestStatus.WAITING_FOR_KV):
-            raise KeyError(f"request {request_id!r} neither waits for KV nor holds blocks")
-        qkey = QUARANTINE_PREFIX + quarantine_id
-        n = 0
-        for g in self.cache_manager.groups:
-            table = g.tables.pop(request_id, [])
-            n += sum(1 for b in table if b != PADDING_BLOCK)
-            g.replace(qkey, table)
-        self._quarantine[quarantine_id] = n
-        self.num_quarantined_blocks += n
-        return n
-
-    def release_quarantine(self, quarantine_id: str) -> int:
-        """No write can land in the quarantined pages any more: free them. Returns how many."""
-        n = self._quarantine.pop(quarantine_id, None)
-        if n is None:
-            raise KeyError(f"no quarantine {quarantine_id!r}")
-        qkey = QUARANTINE_PREFIX + quarantine_id
-        for g in self.cache_manager.groups:
-            self.pool.free(g.pop(qkey))
-        self.num_quarantined_blocks -= n
-        return n
+    def holds_pages(self, request_id: str) -> bool:
+        """True while a finished request's pages are held for a transfer (until its KvReleased)."""
+        return self.cache_manager.holds.holds_request(request_id)
 
     @property
     def num_quarantines(self) -> int:
-        return len(self._quarantine)
+        return self.cache_manager.holds.num_quarantines
 
-    def release_blocks(self, request_id: str) -> int:
-        """Free the blocks a finished request kept (hold_blocks, or aborted while waiting for KV)."""
-        request = self._held.pop(request_id, None)
-        if request is None:
-            raise KeyError(f"request {request_id!r} holds no blocks")
-        return self.cache_manager.free(request)
+    @property
+    def num_quarantined_blocks(self) -> int:
+        return self.cache_manager.holds.num_quarantined_blocks
 
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request with this id, if any."""
@@ -285,10 +203,6 @@ class LLMEngine:
 
     def unfinished_requests(self) -> list[Request]:
         return [t.request for t in self._tracked.values()]
-
-    def is_held(self, request_id: str) -> bool:
-        """True while a finished request's blocks wait for release_blocks."""
-        return request_id in self._held
 
     def block_table(self, request_id: str) -> list[int]:
         return list(self.cache_manager.block_table(request_id))
@@ -307,7 +221,7 @@ class LLMEngine:
 
     @property
     def num_held_requests(self) -> int:
-        return len(self._held)
+        return self.cache_manager.holds.num_requests
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -316,10 +230,11 @@ class LLMEngine:
     # --- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        ended = self.apply_kv_events()   # the transfer's completions (kv_connector's events)
         self.preemptor.restore()
         sched = self._schedule()
         if sched.is_empty:
-            return self._stalled()
+            return ended + self._stalled()
         began = time.perf_counter()
         if self.speculator is not None:
             sched = self.speculator.fill(sched)   # a draft model drafts into its granted slots
@@ -330,7 +245,7 @@ class LLMEngine:
         results = self._update(sched, out)
         if sched.stalled:
             self.preemptor.relieve(sched.stalled)  # they run next step
-        return results
+        return ended + results
 
     def _schedule(self) -> SchedulerOutput:
         """This step's pass; when nothing could run, room is made and it is scheduled again (E15).
@@ -460,19 +375,17 @@ class LLMEngine:
         delta: str,
         new_logprobs: tuple[SampleLogprobs, ...] = (),
         error: str | None = None,
-        keep_blocks: bool | None = None,
     ) -> RequestOutput:
         r = tracked.request
-        # A request still waiting for its KV may have writes in flight into its pages (S5): its
-        # blocks are kept until the owner has abandoned the transfer and calls release_blocks.
-        if keep_blocks is None:
-            keep_blocks = r.request_id in self._hold_on_finish or r.status is RequestStatus.WAITING_FOR_KV
-        self._hold_on_finish.discard(r.request_id)
-        if keep_blocks:
-            self.scheduler.detach(r)
-            self._held[r.request_id] = r
+        # A request still waiting for its KV may have writes in flight into its pages (S5), and a
+        # PREFILL request's pages are still read by its transfer (D11): they are held until the
+        # connector's KvReleased (or KvQuarantined, KvLanded, KvFailed) names them.
+        hold = self.completions.holds_at_finish(r)
+        self.scheduler.detach(r)
+        if hold:
+            self.cache_manager.hold(r)
         else:
-            self.scheduler.remove_request(r)
+            self.cache_manager.free(r)
         self.preemptor.forget(r)
         r.status = RequestStatus.FINISHED
         r.finish_reason = reason
@@ -481,10 +394,13 @@ class LLMEngine:
             self._tails.forget(r.request_id)
         return tracked.finished_output(reason, new_ids, delta, new_logprobs, error)
 
+    def _fail(self, tracked: TrackedRequest, error: str) -> RequestOutput:
+        return self._finish(tracked, FinishReason.ERROR, new_ids=(), delta="", error=error)
+
     def _stalled(self) -> list[RequestOutput]:
         """Nothing could be scheduled. If requests wait that can never fit, fail them explicitly."""
         s = self.scheduler
-        if s.running or s.waiting_for_kv or s.offloaded or self._held or self._quarantine or not s.waiting:
+        if s.running or s.waiting_for_kv or s.offloaded or not self.cache_manager.holds.empty or not s.waiting:
             return []
         # Nothing runs or holds pages, so the whole pool is free: a head that cannot start never will.
         head = self.scheduler.waiting[0]
@@ -503,72 +419,21 @@ class LLMEngine:
         return self.preemptor.num_offloads
 
     def info(self) -> EngineInfo:
-        a = self.arch
-        return EngineInfo(model_name=self.source.name, vocab_size=a.vocab_size, hidden_size=a.hidden_size,
-                          num_layers=a.num_layers, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
-                          page_size=self.cache_manager.page_size, max_model_len=self.max_model_len,
-                          num_blocks=self.pool.num_usable_blocks)
+        return snapshots.engine_info(self)
 
     def load(self) -> EngineLoad:
         """How busy the engine is now (engine thread; from another thread, a snapshot that may
         straddle one step)."""
-        s = self.scheduler
-        prompt_left = output_left = 0
-        for t in self._tracked.values():
-            r = t.request
-            prompt_left += max(0, r.target_computed_tokens - r.num_computed_tokens)
-            if not r.prefill_only:
-                output_left += max(0, (r.sampling.max_tokens or self.max_model_len) - len(r.output_token_ids))
-        return EngineLoad(num_unfinished=len(self._tracked), num_waiting=len(s.waiting) + len(s.waiting_for_kv),
-                          num_running=len(s.running), prompt_tokens_left=prompt_left, output_tokens_left=output_left,
-                          free_blocks=self.pool.num_free_blocks, total_blocks=self.pool.num_usable_blocks)
+        return snapshots.engine_load(self)
 
     def metrics(self) -> EngineMetrics:
         """A snapshot of the engine's gauges and counters (call from the engine thread, or accept
         a snapshot that may straddle one step when called from another thread)."""
-        s = self.scheduler
-        pc = self.cache_manager.prefix_cache
-        sc = self.speculator.counters() if self.speculator is not None else SpecCounters()
-        return EngineMetrics(
-            num_running=len(s.running),
-            num_waiting=len(s.waiting),
-            num_waiting_for_kv=len(s.waiting_for_kv),
-            num_offloaded=len(s.offloaded),
-            total_blocks=self.pool.num_usable_blocks,
-            free_blocks=self.pool.num_empty_blocks,
-            cached_blocks=self.pool.num_cached_blocks,
-            kv_cache_usage=self.pool.usage,
-            prefix_cache_queries=pc.num_queried_tokens if pc is not None else 0,
-            prefix_cache_hits=pc.num_hit_tokens if pc is not None else 0,
-            num_offloads=self.preemptor.num_offloads,
-            num_soft_resets=self.preemptor.num_soft_resets,
-            num_prompt_tokens_computed=self.num_prompt_tokens_computed,
-            num_generated_tokens=self.num_generated_tokens,
-            num_steps=self.num_steps,
-            num_first_steps=self.num_first_steps,
-            num_first_step_tokens=self.num_first_step_tokens,
-            spec_handoff_history_rows=sc.handoff_history_rows,
-            spec_num_drafts=sc.num_drafts,
-            spec_num_draft_tokens=sc.num_draft_tokens,
-            spec_num_accepted_tokens=sc.num_accepted_tokens,
-            spec_accepted_per_pos=sc.accepted_per_pos,
-        )
+        return snapshots.engine_metrics(self)
 
     def check_integrity(self) -> None:
-        """The pool balances (empty + used + cached == total; quarantined pages count as used),
-        every block's reference count matches the tables that hold it, the swap pool balances, and
-        exactly the requests that may hold blocks do (running, waiting for KV, finished but held,
-        and the quarantines)."""
-        self.cache_manager.check_integrity()
-        if self.swap is not None:
-            self.swap.check_integrity()
-        s = self.scheduler
-        may_hold = ({r.request_id for r in s.running} | set(s.waiting_for_kv) | set(self._held)
-                    | {QUARANTINE_PREFIX + q for q in self._quarantine})
-        holders = {rid for g in self.cache_manager.groups for rid in g.tables}
-        if not holders <= may_hold:
-            raise CacheIntegrityError(f"requests hold blocks but are not running, waiting for KV or held: "
-                                      f"{sorted(holders - may_hold)[:10]}")
-        swapped = self.swap.num_offloaded if self.swap is not None else 0
-        if swapped != len(s.offloaded):
-            raise CacheIntegrityError(f"the swap pool holds {swapped} requests but {len(s.offloaded)} are offloaded")
+        """The pool balances (empty + used + cached == total; held and quarantined pages count as
+        used), every block's reference count matches the tables that hold it (the holds' included),
+        the swap pool balances, and only requests running or waiting for KV have tables
+        (CacheIntegrityError otherwise)."""
+        snapshots.check_engine_integrity(self)

@@ -36,6 +36,20 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class TransferRole(enum.Enum):
+    """What a request is to a KV transfer: one role per request, fixed at add_request (a decode
+    node's REMOTE_PREFILL becomes LOCAL when its prompt is computed here after all, S3)."""
+
+    LOCAL = "local"                      # computed and sampled here (colocated nodes, offline use)
+    # Prefill nodes: compute the KV of every given token and sample nothing (the decode node sends
+    # the prompt minus its last token, D17). With a PrefillConnector attached, its pages are held
+    # when it finishes, until the connector releases them (a transfer may still read them, D11).
+    PREFILL = "prefill"
+    # Decode nodes: the prompt's KV (all tokens but the last) arrives over the fabric into pages
+    # allocated at admission; the request waits in WAITING_FOR_KV until the connector's KvLanded.
+    REMOTE_PREFILL = "remote_prefill"
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"        # EOS, a stop token id or a stop string
     LENGTH = "length"    # max_tokens or the context limit
@@ -54,12 +68,7 @@ class Request:
     max_total_tokens: int  # prompt + output may not exceed this (model context)
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
-    # Prefill-only requests (prefill nodes) compute the KV of every given token and never sample;
-    # the decode node sends the prompt minus its last token (D17).
-    prefill_only: bool = False
-    # Remote-prefill requests (decode nodes): the prompt's KV (all tokens but the last) arrives
-    # over the fabric into pages allocated at admission; the request waits in WAITING_FOR_KV.
-    remote_prefill: bool = False
+    role: TransferRole = TransferRole.LOCAL
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -94,6 +103,16 @@ class Request:
             index = self.sampling.rng_skip_tokens + len(self.output_token_ids)
             self.generator.manual_seed(token_seed(self.sampling.seed, index))
         return self.generator
+
+    @property
+    def prefill_only(self) -> bool:
+        """TransferRole.PREFILL: computes its given tokens' KV and never samples."""
+        return self.role is TransferRole.PREFILL
+
+    @property
+    def remote_prefill(self) -> bool:
+        """TransferRole.REMOTE_PREFILL: its prompt's KV arrives from a prefill node."""
+        return self.role is TransferRole.REMOTE_PREFILL
 
     @property
     def num_tokens(self) -> int:

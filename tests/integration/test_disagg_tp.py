@@ -40,6 +40,7 @@ from kv_messenger import KvReceiver, KvSender
 from pdserve import LLM, SamplingParams
 from pdserve.engine.cache.kv_cache import KVCacheShape
 from pdserve.engine.kv_connector import AttentionGroupSpec, KvCacheSpec, KvShardPool
+from pdserve.engine.request import TransferRole
 from pdserve.tools.client import Client
 
 PROMPTS = [
@@ -160,8 +161,7 @@ def test_one_shards_writes_failing_fail_the_transfer_only_once_every_sibling_is_
         future = sender.add(ticket)
         released = queue.SimpleQueue()
         future.add_done_callback(lambda f: released.put(sender.outstanding_requests()))
-        prefill.add_request(ids[:-1], SamplingParams(max_tokens=1), request_id="split", prefill_only=True,
-                            hold_blocks=True)
+        prefill.add_request(ids[:-1], SamplingParams(max_tokens=1), request_id="split", role=TransferRole.PREFILL)
         while prefill.has_unfinished_requests():
             prefill.step()
         with pytest.raises(FabricError):
@@ -175,7 +175,8 @@ def test_one_shards_writes_failing_fail_the_transfer_only_once_every_sibling_is_
         assert 0 < landed < ticket.expected_writes
         assert bufs[0][0, 0, 3].abs().sum() > 0 and bufs[1].abs().sum() == 0
         assert receiver.tag_of("split") is not None   # still waiting: never schedulable
-        prefill.release_blocks("split")
+        sender.post_release("split")   # the connector's KvReleased
+        prefill.apply_kv_events()
         prefill.check_integrity()
         assert prefill.pool.num_used_blocks == 0
         receiver.quarantine("split")
@@ -193,8 +194,7 @@ def test_writes_landing_before_the_receiver_set_its_count_still_count():
         unaddressed = receiver.prepare("early", len(ids), list(range(5, 5 + n_pages)), prefill_tp=None)
         count = sender.expected_writes(dataclasses.replace(unaddressed, expected_writes=1))
         future = sender.add(dataclasses.replace(unaddressed, expected_writes=count))
-        prefill.add_request(ids[:-1], SamplingParams(max_tokens=1), request_id="early", prefill_only=True,
-                            hold_blocks=True)
+        prefill.add_request(ids[:-1], SamplingParams(max_tokens=1), request_id="early", role=TransferRole.PREFILL)
         while prefill.has_unfinished_requests():
             prefill.step()
         future.result(timeout=30)
@@ -212,7 +212,8 @@ def test_writes_landing_before_the_receiver_set_its_count_still_count():
         pool1 = llm.engine.runner.tp.pool_tensors()[0]   # prefill rank 1's pool: [L, 2, pages, 1, P, D]
         assert torch.equal(bufs[1][:, :, 5:5 + n_pages], pool1[:, :, src[:n_pages]])
         receiver.finish("early")
-        prefill.release_blocks("early")
+        sender.post_release("early")
+        prefill.apply_kv_events()
 
 
 def test_a_decode_split_off_the_head_rule_is_refused_before_any_write():

@@ -27,7 +27,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.cache.hostmem import alloc_tensor
 from pdserve.engine.cache.kv_cache import KVCacheShape
 from pdserve.engine.kv_connector import AttentionGroupSpec, KvCacheSpec
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus, TransferRole
 from pdserve.engine.scheduler.output import ScheduledChunk
 
 
@@ -74,7 +74,7 @@ def test_prefill_engine_pushes_kv_into_decode_engine(provider, kv_dtype):
         fab_p.connect(fab_d.peer_descriptor)
 
         for i, p in enumerate(PROMPTS):
-            decode.add_request(p, params, request_id=f"r{i}", remote_prefill=True)
+            decode.add_request(p, params, request_id=f"r{i}", role=TransferRole.REMOTE_PREFILL)
         decode.step()
         tickets = {rid: receiver.address(t, 1) for rid, t in events.tickets.items()}   # a TP 1 prefill side
         futures = {}
@@ -83,7 +83,7 @@ def test_prefill_engine_pushes_kv_into_decode_engine(provider, kv_dtype):
             futures[rid] = sender.add(t)
             futures[rid].add_done_callback(lambda _f, rid=rid: engine_thread_jobs.put(("release", rid)))
             prefill.add_request(r.prompt_token_ids[:-1], SamplingParams(max_tokens=1), request_id=rid,
-                                prefill_only=True, hold_blocks=True)
+                                role=TransferRole.PREFILL)
         while prefill.has_unfinished_requests():
             prefill.step()
         def still_waiting(ready: set[str]) -> None:
@@ -94,7 +94,8 @@ def test_prefill_engine_pushes_kv_into_decode_engine(provider, kv_dtype):
             ctx = receiver.context(rid)
             assert ctx.hidden.shape == (decode.arch.hidden_size,) and torch.isfinite(ctx.hidden).all()
 
-        ready = pump(prefill, decode, receiver, engine_thread_jobs, set(tickets), each=still_waiting, on_ready=landed)
+        ready = pump(prefill, sender, decode, receiver, engine_thread_jobs, set(tickets), each=still_waiting,
+                     on_ready=landed)
         assert ready == set(tickets)
         results = {rid: f.result(timeout=10) for rid, f in futures.items()}
         for rid, res in results.items():
@@ -137,13 +138,13 @@ def test_a_failed_pass_or_a_raising_post_fails_only_its_transfer(monkeypatch):
         fab_p.connect(fab_d.peer_descriptor)
 
         def start(rid: str, prompt: str):
-            decode.add_request(prompt, params, request_id=rid, remote_prefill=True)
+            decode.add_request(prompt, params, request_id=rid, role=TransferRole.REMOTE_PREFILL)
             decode.step()
             ticket = receiver.address(events.tickets[rid], 1)
             future = sender.add(ticket)
             r = decode._tracked[rid].request
             prefill.add_request(r.prompt_token_ids[:-1], SamplingParams(max_tokens=1), request_id=rid,
-                                prefill_only=True, hold_blocks=True)
+                                role=TransferRole.PREFILL)
             return ticket, future
 
         def prefill_all() -> None:
@@ -201,7 +202,8 @@ def test_a_failed_pass_or_a_raising_post_fails_only_its_transfer(monkeypatch):
             f4.result(timeout=10)
         assert sender.staging_slots.free == sender.staging_slots.capacity
         for rid in ("r0", "r1", "r2", "r3", "r4"):
-            prefill.release_blocks(rid)
+            sender.post_release(rid)   # the connector's KvReleased, taken by the engine's next step
+        prefill.apply_kv_events()
         prefill.check_integrity()
         assert prefill.pool.num_used_blocks == 0
     finally:
@@ -220,7 +222,7 @@ def receiver_expected(decode, rid, tickets):
 
 def _request(rid: str, prompt_len: int) -> Request:
     return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=1), max_total_tokens=4096,
-                   prefill_only=True)
+                   role=TransferRole.PREFILL)
 
 
 def test_prefix_hit_sends_cached_pages_with_the_first_chunk():

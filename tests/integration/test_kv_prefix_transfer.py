@@ -16,6 +16,8 @@ from support.kv_events import QueueEvents
 from fabric import FabricConfig, TransferEngine
 from kv_messenger import KvReceiver, KvSender
 from pdserve import LLM, SamplingParams
+from pdserve.engine.kv_connector import KvLanded
+from pdserve.engine.request import TransferRole
 
 PROMPT = "Once upon a time, in a land far away, there lived a king who " * 5
 
@@ -37,14 +39,14 @@ def test_prefix_cached_prompt_sends_every_page():
 
         cached_tokens = []
         for rid in ("cold", "warm"):
-            decode.add_request(PROMPT, params, request_id=rid, remote_prefill=True)
+            decode.add_request(PROMPT, params, request_id=rid, role=TransferRole.REMOTE_PREFILL)
             decode.step()
             r = decode.get_request(rid)
             t = receiver.address(events.tickets[rid], 1)   # a TP 1 prefill side
             fut = sender.add(t)
             fut.add_done_callback(lambda _f, rid=rid: jobs.put(("release", rid)))
             pr = prefill.add_request(r.prompt_token_ids[:-1], SamplingParams(max_tokens=1), request_id=rid,
-                                     prefill_only=True, hold_blocks=True)
+                                     role=TransferRole.PREFILL)
             while prefill.has_unfinished_requests():
                 prefill.step()
             cached_tokens.append(pr.num_prefix_hit_tokens)
@@ -60,10 +62,11 @@ def test_prefix_cached_prompt_sends_every_page():
                     ready = True
                     assert torch.isfinite(receiver.context(rid).hidden).all()
                     receiver.finish(rid)
-                    decode.kv_ready(rid)
+                    events.apply(decode, KvLanded(rid))
                 else:
                     released = True
-                    prefill.release_blocks(rid)
+                    sender.post_release(rid)
+                    prefill.apply_kv_events()
             assert ready, f"{rid}: the decode side's write count never completed"
             assert released
             assert fut.result(timeout=10).num_writes == t.expected_writes

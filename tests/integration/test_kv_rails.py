@@ -30,7 +30,7 @@ from kv_messenger.sender import KvSender
 from kv_messenger.ticket import TransferTicket
 from pdserve.engine.cache.kv_cache import KVCacheShape
 from pdserve.engine.kv_connector import AttentionGroupSpec, KvCacheSpec, KvShardPool, PrefillDone
-from pdserve.engine.request import Request
+from pdserve.engine.request import Request, TransferRole
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler.output import ScheduledChunk, SchedulerOutput
 from tests.unit.test_shard_placement import on_nodes
@@ -82,7 +82,7 @@ def test_each_ranks_writes_go_rail_to_rail(tmp_path):
         before = [fab_p.rail_stats(i).entries for i in (0, 1)]
         fut = sender.add(ticket)
         req = Request("r", list(range(1, n_prefill + 2)), SamplingParams(max_tokens=1), max_total_tokens=4096,
-                      prefill_only=True)
+                      role=TransferRole.PREFILL)
         sender.on_schedule(SchedulerOutput((ScheduledChunk(req, start=0, num_tokens=n_prefill, samples=False),)),
                            {"r": (src_pages,)})
         for layer in range(LAYERS):

@@ -26,12 +26,15 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support.kv_events import EngineEvents
 from support.wait import wait_until
 
 from fabric import FabricConfig, TransferEngine
 from kv_messenger import KvReceiver, ReceiverEvents, TransferTicket
 from kv_messenger.ticket import peer_from_bytes, remote_to_bytes
 from pdserve import LLM, SamplingParams
+from pdserve.engine.kv_connector import KvFailed, KvFailure, KvLanded
+from pdserve.engine.request import TransferRole
 from pdserve_api.v1 import node_pb2, node_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
@@ -120,10 +123,11 @@ class NodeProcess:
             os.unlink(self.stderr.name)
 
 
-class DecodeSide(ReceiverEvents):
+class DecodeSide(EngineEvents, ReceiverEvents):
     """The decode node's half, in this process: remote-prefill engine, fabric endpoint, receiver."""
 
     def __init__(self, provider: str) -> None:
+        super().__init__()
         self.tickets: dict[str, TransferTicket] = {}
         self.ready: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.fab = TransferEngine(FabricConfig(provider=provider, node="127.0.0.1" if provider != "shm" else None))
@@ -153,7 +157,7 @@ class DecodeSide(ReceiverEvents):
         """Admit remote-prefill requests (pages allocated) and build their Prefill calls."""
         for rid, prompt in prompts.items():
             self.prompt_ids[rid] = self.engine.tokenize(prompt)
-            self.engine.add_request(prompt, PARAMS, request_id=rid, remote_prefill=True)
+            self.engine.add_request(prompt, PARAMS, request_id=rid, role=TransferRole.REMOTE_PREFILL)
         self.engine.step()
         calls = {}
         for rid in prompts:
@@ -172,7 +176,7 @@ class DecodeSide(ReceiverEvents):
                 pytest.fail(f"KV of {sorted(pending)} did not arrive in {timeout} s "
                             f"(landed: {[self.receiver.landed(r) for r in sorted(pending)]})")
             self.receiver.finish(rid)
-            self.engine.kv_ready(rid)
+            self.apply(self.engine, KvLanded(rid))
             pending.discard(rid)
         done = {}
         while self.engine.has_unfinished_requests() and time.monotonic() < deadline:
@@ -184,8 +188,7 @@ class DecodeSide(ReceiverEvents):
     def abandon(self, rid: str) -> None:
         """No write can land any more (the prefill node confirmed): free the request's pages."""
         self.receiver.abandon(rid)
-        self.engine.kv_abandoned(rid, prefill_locally=False, error="test: prefill abandoned")  # pages kept
-        self.engine.release_blocks(rid)
+        self.apply(self.engine, KvFailed(rid, KvFailure.END, "test: prefill abandoned"))   # pages freed
         self.engine.check_integrity()
 
     def abort(self, node: NodeProcess, rid: str, attempt: int = 0, engine_id: str | None = None
@@ -299,7 +302,7 @@ def test_same_request_id_from_two_decode_engines_and_a_second_attempt(shm_node, 
             shm_node.prefill.Prefill(first, timeout=CALL_TIMEOUT_S)
         assert e.value.code() == grpc.StatusCode.ABORTED, e.value.details()
         shm_side.receiver.abandon("again")
-        assert shm_side.engine.kv_retry("again")
+        shm_side.apply(shm_side.engine, KvFailed("again", KvFailure.RETRY, "test: aborted"))   # fresh pages
         shm_side.engine.step()
         ticket = shm_side.tickets.pop("again")
         assert ticket.attempt == 1 and ticket.imm_tag != first.imm_tag

@@ -21,7 +21,7 @@ from kv_messenger.prefill_transfers import AbortedError, AbortOutcome, AbortSpec
 from kv_messenger.ticket import TransferKey
 from pdserve import SamplingParams
 from pdserve.engine.cache.hostmem import alloc_buffer
-from pdserve.engine.request import Request
+from pdserve.engine.request import Request, TransferRole
 from pdserve.engine.scheduler.output import ScheduledChunk
 
 WAIT_S = 10.0
@@ -73,7 +73,7 @@ class _Rig:
     def prefill(self, t: pt.PrefillTransfer) -> None:
         """The engine's one pass over the transfer's prompt, then its prefill's end."""
         req = Request(t.request_id, list(range(1, N_PREFILL + 1)), SamplingParams(max_tokens=1),
-                      max_total_tokens=4096, prefill_only=True)
+                      max_total_tokens=4096, role=TransferRole.PREFILL)
         self.pair.run_pass([ScheduledChunk(req, start=0, num_tokens=N_PREFILL, samples=False)])
         self.pair.prefill_done(req, torch.zeros(16), torch.zeros(50))   # hidden [16], logits [50]
 

@@ -20,6 +20,7 @@ from fabric import FabricConfig, TransferEngine
 from kv_messenger import KvReceiver, KvSender
 from kv_messenger.context import StagingFullError
 from pdserve import LLM, SamplingParams
+from pdserve.engine.request import TransferRole
 
 PROMPT = "Once upon a time, in a land far away, there lived " * 3
 PLAIN = "The capital of France is"
@@ -44,7 +45,7 @@ def test_full_staging_pool_fails_only_that_prefill():
 
         held = sender.staging_slots.take("a context still being written")   # the pool is now full
         for rid in ("full", "later"):
-            decode.add_request(PROMPT, params, request_id=rid, remote_prefill=True)
+            decode.add_request(PROMPT, params, request_id=rid, role=TransferRole.REMOTE_PREFILL)
         decode.step()
         tickets = {rid: receiver.address(t, 1) for rid, t in events.tickets.items()}   # a TP 1 prefill side
 
@@ -52,7 +53,7 @@ def test_full_staging_pool_fails_only_that_prefill():
             fut = sender.add(tickets[rid])
             fut.add_done_callback(lambda _f, rid=rid: jobs.put(("release", rid)))
             prefill.add_request(decode._tracked[rid].request.prompt_token_ids[:-1], SamplingParams(max_tokens=1),
-                                request_id=rid, prefill_only=True, hold_blocks=True)
+                                request_id=rid, role=TransferRole.PREFILL)
             return fut
 
         full = start("full")
@@ -64,7 +65,7 @@ def test_full_staging_pool_fails_only_that_prefill():
             full.result(timeout=30)
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert outs["plain"].error is None and outs["plain"].completion.token_ids == want_plain.token_ids
-        pump(prefill, decode, receiver, jobs, set())
+        pump(prefill, sender, decode, receiver, jobs, set())
         assert prefill.pool.num_used_blocks == 0
         decode.abort_request("full")   # its KV never came (the decode node would retry it elsewhere)
 
@@ -72,7 +73,7 @@ def test_full_staging_pool_fails_only_that_prefill():
         later = start("later")
         while prefill.has_unfinished_requests():
             prefill.step()
-        assert pump(prefill, decode, receiver, jobs, {"later"}) == {"later"}
+        assert pump(prefill, sender, decode, receiver, jobs, {"later"}) == {"later"}
         assert later.result(timeout=10).num_writes == tickets["later"].expected_writes
         done = {}
         while decode.has_unfinished_requests():

@@ -9,11 +9,14 @@ import queue
 import time
 from collections.abc import Callable
 
+from pdserve.engine.kv_connector import KvLanded
 
-def pump(prefill, decode, receiver, jobs: queue.SimpleQueue, want_ready: set[str], timeout: float = 30, *,
+
+def pump(prefill, sender, decode, receiver, jobs: queue.SimpleQueue, want_ready: set[str], timeout: float = 30, *,
          each: Callable[[set[str]], None] | None = None,
          on_ready: Callable[[str], None] | None = None) -> set[str]:
-    """Run the jobs ("ready", rid) and ("release", rid) from `jobs` until `want_ready` landed and no
+    """Run the jobs ("ready", rid) and ("release", rid) from `jobs` (as the connectors' events: a
+    KvLanded through the receiver's QueueEvents, a KvReleased through the sender) until `want_ready` landed and no
     prefill block is held, or `timeout` s passed; the ids that landed. `each(ready)` runs before
     every wait for a job, `on_ready(rid)` when rid landed, before the receiver lets it go."""
     ready: set[str] = set()
@@ -30,7 +33,8 @@ def pump(prefill, decode, receiver, jobs: queue.SimpleQueue, want_ready: set[str
             if on_ready is not None:
                 on_ready(rid)
             receiver.finish(rid)
-            decode.kv_ready(rid)
+            receiver.events.apply(decode, KvLanded(rid))   # the connector's event (tests.support.kv_events)
         else:
-            prefill.release_blocks(rid)
+            sender.post_release(rid)
+            prefill.apply_kv_events()
     return ready

@@ -10,19 +10,38 @@ the HTTP API in test_http_api.py).
 from __future__ import annotations
 
 import pytest
+from support.kv_events import EngineEvents
 from support.tiny_models import make_tiny_checkpoint
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.kv_connector import DecodeConnector, KvFailed, KvFailure
+from pdserve.engine.request import TransferRole
 from pdserve.serving.convert import output_to_pb
 
 PAGE = 4
 PARAMS = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
 
+class Events(EngineEvents, DecodeConnector):
+    """The decode connector of `engine`: its remote-prefill requests' events come from the test."""
+
+    def register_kv_cache(self, spec) -> None:
+        pass
+
+    def on_kv_wait(self, wait) -> None:
+        pass
+
+
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def conn():
+    return Events()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, conn):
     path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama") / "tiny")
-    return LLM(str(path), num_blocks=64, page_size=PAGE, num_threads=1, max_batch_tokens=64).engine
+    return LLM(str(path), num_blocks=64, page_size=PAGE, num_threads=1, max_batch_tokens=64,
+               kv_connector=conn).engine
 
 
 def run(engine, ids, rid, **flags):
@@ -47,15 +66,15 @@ def test_a_repeated_prompt_reports_its_cached_tokens(engine):
     engine.check_integrity()
 
 
-def test_prefill_only_reports_its_hit_and_remote_prefill_reports_none(engine):
+def test_prefill_only_reports_its_hit_and_remote_prefill_reports_none(engine, conn):
     ids = list(range(2000, 2013))  # 13 tokens
     run(engine, ids, "warm")
-    (prefilled,) = run(engine, ids[:-1], "prefill-only", prefill_only=True)
+    (prefilled,) = run(engine, ids[:-1], "prefill-only", role=TransferRole.PREFILL)
     assert prefilled.finish_reason == "prefilled" and prefilled.num_cached_tokens == 8
 
-    engine.add_request(ids, PARAMS, request_id="remote", remote_prefill=True)
+    engine.add_request(ids, PARAMS, request_id="remote", role=TransferRole.REMOTE_PREFILL)
     engine.step()  # admitted, waiting for KV: no prefix lookup on this side
-    engine.kv_abandoned("remote", prefill_locally=True, error="test: prefill here")
+    conn.apply(engine, KvFailed("remote", KvFailure.PREFILL_LOCALLY, "test: prefill here"))
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()

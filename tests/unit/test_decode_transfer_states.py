@@ -22,6 +22,7 @@ from kv_messenger.decode.quarantine import (
     QuarantineHolds,
     Release,
 )
+from pdserve.engine.kv_connector import KvReleased
 from pdserve_api.v1 import prefill_pb2
 
 ENGINE = "prefill-engine-1"
@@ -96,20 +97,16 @@ class FakeReceiver:
         self.released.append(tag)
 
 
-class FakeLLM:
+class FakeEngine:
+    """The engine as the holds see it: the events of their posted work, applied at once."""
+
     def __init__(self) -> None:
         self.released: list[str] = []
 
-    def release_quarantine(self, qid: str) -> None:
-        self.released.append(qid)
-
-
-class FakeEngineThread:
-    def __init__(self) -> None:
-        self.engine = FakeLLM()
-
-    def submit(self, fn) -> None:
-        fn()
+    def post(self, work) -> None:
+        for event in work():
+            assert isinstance(event, KvReleased), event
+            self.released.append(event.hold_id)
 
 
 class FakeRotation:
@@ -145,12 +142,12 @@ def quarantine(node: FakeNode, key_gen: int = 0) -> Quarantine:
 
 def run_hold(q: Quarantine, transport: FakeTransport, close: bool = False, rotation: FakeRotation | None = None,
              cancel_after_s: float | None = None):
-    receiver, engine = FakeReceiver(), FakeEngineThread()
+    receiver, engine = FakeReceiver(), FakeEngine()
     transport.node = q.node
 
     async def main():
         holds = QuarantineHolds(transport, receiver, rotation or FakeRotation(), FakeTelemetry(), close)
-        holds.engine, holds.loop = engine, asyncio.get_running_loop()
+        holds.engine, holds.post, holds.loop = engine, engine.post, asyncio.get_running_loop()
         task = asyncio.create_task(holds._hold(q))
         if cancel_after_s is None:
             await asyncio.wait_for(task, 10)
@@ -219,7 +216,7 @@ def test_hold_released_once_the_abort_is_confirmed():
     assert (q.state, q.released_by) == (HoldState.RELEASED, Release.ABORT_CONFIRMED)
     assert len(node.asked) == 4 and q.rounds == 3
     assert all(r.prefill_engine_id == ENGINE and r.attempt == 0 for r in node.asked)
-    assert engine.engine.released == ["r1#0"] and receiver.released == [7]
+    assert engine.released == ["r1#0"] and receiver.released == [7]
     assert receiver.retired == receiver.fences   # every fence tag retired
     assert node.holds == 0
 
@@ -237,7 +234,7 @@ def test_unfenced_end_is_released_by_a_close_only_when_enabled():
     transport = FakeTransport()
     receiver, engine = run_hold(q, transport, close=False, cancel_after_s=0.2)
     assert q.state is HoldState.LEFT_HELD and transport.closed == []
-    assert engine.engine.released == [] and receiver.released == []   # never released unproven
+    assert engine.released == [] and receiver.released == []   # never released unproven
 
 
 def test_confirmed_fence_that_never_lands_is_an_unfenced_end(monkeypatch):
@@ -254,7 +251,7 @@ def test_peer_gone_releases_after_the_drain():
     q = quarantine(node)
     receiver, engine = run_hold(q, FakeTransport(gone_after_rounds=2))
     assert (q.state, q.released_by) == (HoldState.RELEASED, Release.PEER_GONE)
-    assert engine.engine.released == ["r1#0"]
+    assert engine.released == ["r1#0"]
 
 
 def test_rotated_key_releases_without_asking():

@@ -4,6 +4,7 @@ and the engine skipping the prefill of a shared prefix with output equal to a co
 from __future__ import annotations
 
 import pytest
+from support.kv_events import EngineEvents
 from support.tiny_models import make_tiny_checkpoint
 
 from pdserve import LLM, SamplingParams
@@ -13,8 +14,8 @@ from pdserve.engine.cache.groups import FULL, AttentionGroup
 from pdserve.engine.cache.manager import KVCacheManager
 from pdserve.engine.cache.prefix_cache import request_block_hashes
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.kv_connector import DecodeConnector, KvCacheSpec, KvWait, PrefillConnector, PrefillDone
-from pdserve.engine.request import Request
+from pdserve.engine.kv_connector import DecodeConnector, KvCacheSpec, KvLanded, KvWait, PrefillConnector, PrefillDone
+from pdserve.engine.request import Request, TransferRole
 from pdserve.engine.sampling_params import SamplingParams as SP
 from pdserve.engine.scheduler import make_scheduler
 
@@ -65,7 +66,7 @@ def test_second_request_reuses_complete_blocks_and_never_the_block_of_its_last_t
     c = _req("c", list(range(8)))
     assert mgr.lookup_prefix(c).block_ids == (1,)
     # A remote-prefill request looks nothing up (its KV comes from elsewhere).
-    assert mgr.lookup_prefix(_req("d", list(range(12)), remote_prefill=True)).num_blocks == 0
+    assert mgr.lookup_prefix(_req("d", list(range(12)), role=TransferRole.REMOTE_PREFILL)).num_blocks == 0
     mgr.check_integrity()
     assert mgr.prefix_cache.num_queried_tokens == 10 + 11 and mgr.prefix_cache.num_hit_tokens == 8
 
@@ -161,10 +162,11 @@ class _ChunkStarts(PrefillConnector):
         pass
 
 
-class _Waits(DecodeConnector):
+class _Waits(EngineEvents, DecodeConnector):
     """Records the pages of each request that waits for its KV."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.waits: dict[str, list[int]] = {}
 
     def register_kv_cache(self, spec: KvCacheSpec) -> None:
@@ -212,13 +214,13 @@ def test_remote_prefill_blocks_join_the_cache_only_when_their_kv_has_landed(tiny
     recorder = _Waits()
     eng = _llm(tiny, kv_connector=recorder).engine
     waits = recorder.waits
-    remote = eng.add_request(PREFIX, GREEDY, request_id="remote", remote_prefill=True)
+    remote = eng.add_request(PREFIX, GREEDY, request_id="remote", role=TransferRole.REMOTE_PREFILL)
     eng.step()
     assert len(waits["remote"]) == 10                  # 159 tokens: 10 pages
     assert all(eng.pool.block_hash(b) is None for b in waits["remote"])
     probe = _req("probe", PREFIX + [5])
     assert eng.cache_manager.lookup_prefix(probe).num_blocks == 0   # nothing to hit while KV is in flight
-    eng.kv_ready("remote")
+    recorder.apply(eng, KvLanded("remote"))
     hashed = [eng.pool.block_hash(b) is not None for b in waits["remote"]]
     assert hashed == [True] * 9 + [False]              # complete prompt blocks (the 10th is partial)
     assert remote.num_computed_tokens == 159

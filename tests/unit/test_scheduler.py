@@ -8,7 +8,7 @@ E11 (safety margin).
 from pdserve.engine.cache.block_pool import BlockPool
 from pdserve.engine.cache.manager import KVCacheManager
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus, TransferRole
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import FifoScheduler, PrefillFirstScheduler, make_scheduler
 
@@ -191,7 +191,7 @@ def test_park_and_unpark_keep_offloaded_requests_ahead_of_new_ones():
 
 def test_prefill_only_request_computes_every_given_token_and_never_samples():
     s, _ = _setup(max_batch_tokens=5)
-    r = Request("p", list(range(8)), SamplingParams(), max_total_tokens=100, prefill_only=True)
+    r = Request("p", list(range(8)), SamplingParams(), max_total_tokens=100, role=TransferRole.PREFILL)
     s.add_request(r)
     out = s.schedule()
     assert _plan(out) == [("p", 0, 5, False)]

@@ -8,7 +8,7 @@ import pytest
 from pdserve.engine.cache.block_pool import BlockPool
 from pdserve.engine.cache.groups import FULL, PADDING_BLOCK, AttentionGroup, attention_groups
 from pdserve.engine.cache.manager import KVCacheManager
-from pdserve.engine.request import Request
+from pdserve.engine.request import Request, TransferRole
 from pdserve.engine.sampling_params import SamplingParams
 
 P, W = 4, 10
@@ -86,7 +86,7 @@ def test_recycled_pages_are_reused_and_the_first_chunk_keeps_every_page():
 
 def test_prefill_only_requests_recycle_nothing_while_they_run():
     mgr = KVCacheManager(BlockPool(32, 1), P, (SLIDING,))
-    r = _req("r", 40, prefill_only=True)
+    r = _req("r", 40, role=TransferRole.PREFILL)
     assert len(mgr.allocate_slots(r, 40)) == 10                        # reserved whole at admission
     r.num_computed_tokens = 32
     assert mgr.allocate_slots(r, 8) == []

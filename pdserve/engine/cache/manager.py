@@ -7,6 +7,8 @@ every group's table grows (and a sliding group recycles what left its window) so
 allocated in that case (E10). At admission, `lookup_prefix` finds the blocks of the prefix cache
 the request can reuse; passing that hit to `allocate_slots` takes them (reference-counted) along
 with the new ones. After a step, `commit` publishes the request's newly completed blocks.
+Pages a KV transfer may still touch after their request let go of them (held requests,
+quarantines) live in the `holds` component (pdserve.engine.cache.holds), counted in the balance.
 
 Prefix caching is off when any group slides (E12): sliding blocks drop their content.
 
@@ -29,6 +31,7 @@ from pdserve.engine.cache.groups import (
     GrowthPlan,
     max_blocks_per_request,
 )
+from pdserve.engine.cache.holds import PageHolds
 from pdserve.engine.cache.prefix_cache import NO_HIT, PrefixCache, PrefixHit
 from pdserve.engine.cache.sliding import SlidingWindowTables
 from pdserve.engine.request import Request
@@ -73,6 +76,8 @@ class KVCacheManager:
             PrefixCache(pool, page_size) if enable_prefix_caching and not sliding else None
         )
         self._registered: dict[str, int] = {}  # request id -> blocks already offered to the prefix cache
+        # pages a transfer may still read or write that no request owns: held requests, quarantines
+        self.holds = PageHolds(pool, self.groups)
 
     # --- sizes ---------------------------------------------------------------------------------
 
@@ -188,9 +193,14 @@ class KVCacheManager:
     # --- tables --------------------------------------------------------------------------------
 
     def block_table(self, request_id: str, group: str = "full") -> list[int]:
+        """A request's table in `group`: a running one's, else its held pages' (holds), else []."""
         g = self._by_name.get(group)
         if g is None:
             raise KeyError(f"unknown attention group {group!r}; this cache has {self.group_names}")
+        if request_id not in g.tables:
+            held = self.holds.held_table(request_id, self.groups.index(g))
+            if held is not None:
+                return held
         return g.table(request_id)
 
     def has(self, request_id: str) -> bool:
@@ -226,6 +236,17 @@ class KVCacheManager:
         self._registered.pop(rid, None)
         return pairs
 
+    def hold(self, request: Request) -> int:
+        """Keep a finished request's blocks out of the pool, in `holds`, until
+        `holds.free_request`; returns how many it held."""
+        self._registered.pop(request.request_id, None)
+        return self.holds.hold_request(request.request_id)
+
+    def quarantine(self, request: Request, hold_id: str) -> int:
+        """Move a request's blocks (it keeps running without any) into quarantine `hold_id`."""
+        self._registered.pop(request.request_id, None)
+        return self.holds.quarantine(request.request_id, hold_id)
+
     def free(self, request: Request) -> int:
         """Release every block the request holds; returns how many it held."""
         rid = request.request_id
@@ -245,10 +266,11 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """The pool balances, and every block's reference count equals the number of table
-        entries (over all requests and groups) that hold it."""
+        entries (over all requests and groups, held requests and quarantines) that hold it."""
         self.pool.check_integrity()
         holders: Counter[int] = Counter(b for g in self.groups for t in g.tables.values() for b in t
                                         if b != PADDING_BLOCK)
+        holders.update(self.holds.table_blocks())
         held = sum(holders.values())
         refs = sum(self.pool.ref_count(b) for b in range(self.pool.num_padding_blocks, self.pool.num_blocks))
         if held != refs:

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 
 from pdserve.engine.cache.manager import KVCacheManager
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request, RequestStatus, TransferRole
 from pdserve.engine.scheduler.output import ScheduledChunk, SchedulerOutput, StalledRequest
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class Scheduler(abc.ABC):
         if self.waiting_for_kv.pop(request.request_id, None) is None:
             raise KeyError(f"request {request.request_id!r} is not waiting for KV")
         request.num_computed_tokens = 0
-        request.remote_prefill = False
+        request.role = TransferRole.LOCAL
         request.status = RequestStatus.PREFILLING
         self.running.append(request)
 

@@ -18,7 +18,7 @@ lets the engine's CPU swap pool carry a drafting model's own KV. The only implem
 speculator (pdserve.engine.spec_decode.speculator), over one proposer
 (pdserve.engine.spec_decode.proposers); docs/speculative-handoff.md walks through it.
 
-Threading: every method runs on the engine thread (the caller of LLMEngine.step, or of kv_ready).
+Threading: every method runs on the engine thread (the caller of LLMEngine.step, or of apply_kv_events).
 Nothing here waits.
 """
 
