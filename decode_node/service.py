@@ -9,8 +9,9 @@ deadline and stall watch, S7 / D19, quarantine holds with AbortPrefill, fences a
 rotation) is kv_messenger.decode's; its correctness argument and state diagrams are
 docs/transfer-safety.md.
 
-Threads and tasks: the engine thread (EngineThread) runs schedule -> run -> update and calls the
-receiver's events (kv_messenger.decode.transfers); the asyncio loop serves gRPC, runs this node's
+Threads and tasks: the engine thread (EngineThread) runs schedule -> run -> update, calls the
+receiver's hooks and takes its events back (the transfer's completions: kv_messenger.decode.transfers,
+kv_messenger.completions); the asyncio loop serves gRPC, runs this node's
 pool refresh loops and the transfers' tasks; the fabric progress thread reports landed writes.
 
 Blocking waits, with their bounds (all on the loop; no executor thread is parked): GetNodeInfo of

@@ -37,7 +37,8 @@ Blocking waits and their bounds:
   unconfirmed. The fence is posted on the loop and never awaited: its write does not wait
   (the endpoint shook hands at the transfer's connect; else at most that handshake, 5 s).
 - `HeldPages.stop` / `free` (in the release and in background tasks nobody awaits without a bound):
-  one engine step, or EngineDeadError at once; each first waits for the transfer's engine add to be
+  one engine step, or EngineDeadError (at once for `stop`; `free`, the sender's KvReleased, within
+  kv_messenger.completions.ENGINE_POLL_S); each first waits for the transfer's engine add to be
   queued (`PrefillTransfer.queued`, one loop turn). Only a hung step holds them.
 - peer retirement (kv_messenger.prefill_peers.DecodePeers.retire): no wait on the peer. The
   sender's lock (add, abort, fence): bookkeeping only (kv_messenger.sender).

@@ -12,14 +12,16 @@ Lifecycle of one request:
     key, sender.add) -> engine request (TransferRole.PREFILL) queued on the engine thread in
     the same loop turn, so the sender sees its first chunk -> the sender posts the writes layer by
     layer -> once nothing of the transfer is in flight the transfers' release ends the engine
-    request if it still runs and frees its held blocks (`_EnginePages`) -> the key is tombstoned ->
+    request if it still runs and frees its held pages (`_EnginePages`: the sender's KvReleased event,
+    applied by the engine) -> the key is tombstoned ->
     the Prefill answers. Every accepted request ends in exactly one release (S2).
 
 Threads:
 - the asyncio loop (gRPC handlers) owns the node and its PrefillTransfers; it validates, begins
-  transfers and talks to the engine only through `EngineThread` (`generate`, `call`, `abort`).
-- the engine thread (EngineThread) runs forward passes and the sender's engine events (the
-  sender is the engine's PrefillConnector).
+  transfers and talks to the engine only through `EngineThread` (`generate`, `abort`) and the
+  sender's events (`KvSender.release_pages`).
+- the engine thread (EngineThread) runs forward passes, calls the sender's hooks and takes its
+  events (the sender is the engine's PrefillConnector).
 - the sender's messenger thread and the fabric progress thread resolve the transfers' futures,
   whose callbacks only hand the release to the loop (kv_messenger.prefill_transfers).
 
