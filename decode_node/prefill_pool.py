@@ -130,19 +130,26 @@ class PrefillPool:
         await asyncio.gather(*(self.refresh_node(n, timeout) for n in self.nodes))
 
     async def refresh_node(self, n: PrefillNode, timeout: float = 2.0) -> None:
-        """Poll one node's NodeInfo; a failure marks it down."""
+        """Poll one node's NodeInfo; a failure (no answer, or a fabric peer we cannot read) marks it down."""
         try:
             info = await n.info.GetNodeInfo(node_pb2.GetNodeInfoRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             self.mark_down(n, f"GetNodeInfo: {e.code().name}")
+            return
+        try:   # a malformed or version-skewed descriptor marks the node down; its poll goes on
+            peer = peer_from_bytes(info.fabric_peer) if info.fabric_peer else None
+        except ValueError as e:
+            if n.down_since is None:
+                logger.error("prefill node %s (%s) answered an unusable fabric peer: %s", n.address,
+                             info.node_id or "?", e)
+            self.mark_down(n, f"GetNodeInfo: unusable fabric_peer ({e})")
             return
         n.last_answer = time.monotonic()
         n.node_id = info.node_id
         self._check_build(n, info)
         n.reported_tokens = int(info.load.outstanding_tokens)
         n.tp_size = max(1, int(info.sharding.tp_size)) if info.HasField("sharding") else 1
-        if info.fabric_peer:
-            peer = peer_from_bytes(info.fabric_peer)
+        if peer is not None:
             if n.peer is not None and peer.engine_id != n.peer.engine_id:
                 logger.info("prefill node %s restarted (fabric engine %s, was %s)", n.address, peer.engine_id[:8],
                             n.peer.engine_id[:8])

@@ -181,6 +181,37 @@ def test_the_prefill_pool_never_chooses_a_node_of_another_kv_layout_or_model(tmp
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+@pytest.mark.parametrize("bad_peer", [b"not json", b'{"provider": "shm"}', json.dumps(
+    {"provider": "shm", "address": "zz", "engine_id": "e", "host_id": "h", "pid": 1, "start_time": 1}).encode()])
+def test_a_malformed_fabric_peer_marks_the_node_down_and_its_poll_goes_on(tmp_path, bad_peer):
+    """Issue 33: an unreadable (or version-skewed) fabric_peer in a GetNodeInfo answer killed the
+    refresh with an exception (the node's refresh loop died, and every later Prefill to it
+    stalled). It marks the node down, the next poll still runs, and a good answer brings it back."""
+    from fabric import PeerDescriptor
+
+    own = _identity(tmp_path)
+    good = peer_to_bytes(PeerDescriptor(provider="shm", address=b"\x01", engine_id="e" * 32, host_id="h", pid=1,
+                                        start_time=1))
+
+    async def main() -> None:
+        node = _Prefill("skewed", own, bad_peer)
+        server, address = await _serve(node)
+        pool = PrefillPool([address], identity=own)
+        try:
+            await pool.refresh()   # raised ValueError here before
+            (n,) = pool.nodes
+            assert n.down_since is not None and "unusable fabric_peer" in n.down_reason
+            assert n.peer is None and pool.choose(exclude=set()) is None and not pool.usable()
+            node.peer = good
+            await pool.refresh_node(n)
+            assert n.down_since is None and n.peer is not None and pool.choose(exclude=set()).address == address
+        finally:
+            await pool.close()
+            await server.stop(0)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
 def test_the_prefill_pool_never_chooses_a_node_of_another_context_record_layout(tmp_path):
     """D19: a prefill node whose context record this decode node cannot consume (another header
     version, another hidden kind, another count of history rows) is skipped like another KV layout,
