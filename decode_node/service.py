@@ -228,7 +228,11 @@ class DecodeNode:
         assert self.pool is not None
         while node in self.pool.nodes:   # a node that left discovery is polled no more
             await asyncio.sleep(POOL_REFRESH_S)
-            await self.pool.refresh_node(node)
+            try:
+                await self.pool.refresh_node(node)
+            except Exception as e:   # a bug must not end this node's polls unseen: logged, marked down
+                logger.exception("prefill node %s: refresh failed", node.address)
+                self.pool.mark_down(node, f"refresh failed: {type(e).__name__}: {e}")
 
     async def _discover_loop(self) -> None:
         """Resolve the dns: prefill targets every POOL_REFRESH_S; a node that joins is polled at once,
