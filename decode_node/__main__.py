@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from decode_node.prefill_pool import PREFILL_ROUTING
 from decode_node.server import node_server
 from decode_node.service import DecodeNodeConfig
+from kv_messenger.decode.rotation import DEFAULT_ROTATE_KEY_AFTER_S
 from pdserve.engine.faults import FaultPlan
 from pdserve.serving.engine_args import add_engine_args, engine_config
 from pdserve.serving.node_server import DECODE_PORT, NodeServer, add_node_args, run_main, serve_options
@@ -52,16 +53,31 @@ def build_parser() -> argparse.ArgumentParser:
                         "fence (after a long partition) by closing this node's connection to it; off by default: "
                         "libfabric 1.17's rxm can crash closing a connection with a write half received "
                         "(docs/transfer-safety.md); --rotate-key-after releases such quarantines without that risk")
-    g.add_argument("--rotate-key-after", type=float, default=None, metavar="SECONDS",
+    g.add_argument("--rotate-key-after", type=_seconds_or_off, default=DEFAULT_ROTATE_KEY_AFTER_S,
+                   metavar="SECONDS|off",
                    help="tcp;ofi_rxm: when a quarantine is this old and its prefill node has answered nothing for "
                         "--prefill-stall seconds (a dead or partitioned host) or its transfer ended there without a "
-                        "fence (a fabric-only partition, heavy loss), register the KV pool under a new "
-                        "memory key, close the old one and every fabric connection, and release every quarantine "
-                        "held under it; every transfer then in flight, from any prefill node, fails over and is "
-                        "prefilled again (counted in pdserve:kv_key_rotations_total). Ignored on shm (its target "
-                        "checks no key). Default: off (such quarantines stay held)")
+                        "fence (a fabric-only partition, heavy loss, a process restarted in its place), register the "
+                        "KV pool under a new memory key, close the old one and every fabric connection, and release "
+                        "every quarantine held under it; every transfer then in flight, from any prefill node, fails "
+                        "over and is prefilled again (counted in pdserve:kv_key_rotations_total). Ignored on shm (its "
+                        "target checks no key). 'off': such quarantines stay held until the cluster stops (default: "
+                        f"{DEFAULT_ROTATE_KEY_AFTER_S:g})")
     add_engine_args(p)
     return p
+
+
+def _seconds_or_off(text: str) -> float | None:
+    """--rotate-key-after: seconds (> 0) or 'off'."""
+    if text.strip().lower() == "off":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or 'off', got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0 or 'off', got {text!r}")
+    return value
 
 
 def make(args: argparse.Namespace) -> NodeServer:

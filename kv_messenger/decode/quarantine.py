@@ -371,10 +371,15 @@ class QuarantineHolds:
         """What an AbortPrefill answer proves (abort_answer), waiting for its fence if it posted one."""
         state = prefill_pb2.TransferState.Name(resp.state)
         if resp.prefill_engine_id != q.prefill_engine_id:
-            logger.info("AbortPrefill of %s attempt %d on %s: answered by engine %s, not %s (state %s)",
+            # Another process serves that address now (restarted in place, maybe on another host or
+            # in another pid namespace, where peer_gone cannot tell): the engine we sent to can
+            # never confirm or fence this attempt. Like an unfenced end: released by a key rotation
+            # (or, opted in, a close of our connection to it), never freed on this answer alone.
+            logger.info("AbortPrefill of %s attempt %d on %s: answered by engine %s, not %s (state %s): the "
+                        "process it was sent to is gone from that address; released by the next rotation",
                         q.request_id, q.attempt, q.node.address, resp.prefill_engine_id[:8],
                         q.prefill_engine_id[:8], state)
-            return ABORT_NOT_YET
+            return ABORT_ENDED_UNFENCED
         if not resp.confirmed:
             logger.info("AbortPrefill of %s attempt %d on %s: not confirmed (state %s)", q.request_id,
                         q.attempt, q.node.address, state)

@@ -1,5 +1,6 @@
-"""Key rotation (--rotate-key-after, DecodeNodeConfig.rotate_key_after_s; OFF by default): the
-crash-free release of holds whose prefill side went silent or ended unfenced. A rotation registers
+"""Key rotation (--rotate-key-after, DecodeNodeConfig.rotate_key_after_s; on by default,
+DEFAULT_ROTATE_KEY_AFTER_S, issue 33): the crash-free release of holds whose prefill side went
+silent, ended unfenced, or was replaced at its address by another process. A rotation registers
 the KV pool, the context landing area and the fence buffer again under new keys, fails over every
 transfer in flight under the old ones, closes the old registrations, ends every fabric connection
 open now (`TransferEngine.shut_down_sockets`) and drains; then every hold of an older generation is
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# A hold this old whose prefill side is silent or ended unfenced asks for a rotation, by default: long
+# enough that a slow but live prefill node answers first (its abort is re-sent with backoff up to
+# HOLD_BACKOFF_MAX_S), short enough that a dead host's pages come back within seconds.
+DEFAULT_ROTATE_KEY_AFTER_S = 10.0
 ROTATE_POLL_S = 0.5          # --rotate-key-after: the holds are looked at this often
 ROTATE_CLOSE_WAIT_S = 5.0    # a rotation's shut-down fabric sockets are closed within this, or it retries
 

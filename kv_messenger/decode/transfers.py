@@ -32,7 +32,7 @@ from kv_messenger.context import ContextRecordError
 from kv_messenger.decode.attempt import Attempt, PrefillWatch, RequestState, RequestTable, WatchSettings
 from kv_messenger.decode.client import PrefillClient, PrefillTarget, TransferTelemetry
 from kv_messenger.decode.quarantine import Quarantine, QuarantineHolds
-from kv_messenger.decode.rotation import KeyRotation, rotation_supported
+from kv_messenger.decode.rotation import DEFAULT_ROTATE_KEY_AFTER_S, KeyRotation, rotation_supported
 from kv_messenger.receiver import CONTEXT_SLOTS, KvReceiver, ReceiverEvents
 from kv_messenger.ticket import TransferTicket
 from kv_messenger.transport import TransferEngine
@@ -57,7 +57,7 @@ class TransferSettings:
     max_waiting_requests: int = 2048
     release_unfenced_by_close: bool = False
     kv_checksum: bool = False
-    rotate_key_after_s: float | None = None
+    rotate_key_after_s: float | None = DEFAULT_ROTATE_KEY_AFTER_S
     faults: FaultPlan = NO_FAULTS
 
     def __post_init__(self) -> None:
@@ -116,9 +116,10 @@ class DecodeTransfers(ReceiverEvents):
         if rotation_supported(self.transport):
             self._tasks.append(asyncio.create_task(self.rotation.run(self.engine, pool, self.holds.held)))
         else:   # shm checks no key; verbs/efa: not measured here (docs/transfer-safety.md)
-            logger.warning("--rotate-key-after is ignored on provider %s: only on tcp;ofi_rxm is it measured "
-                           "that a closed key and our ended connections stop every old write (shm checks "
-                           "no key at all); a dead host's quarantines stay held", self.transport.provider)
+            logger.warning("key rotation (--rotate-key-after) does not apply on provider %s: only on tcp;ofi_rxm "
+                           "is it measured that a closed key and our ended connections stop every old write (shm "
+                           "checks no key at all); a quarantine whose prefill process neither confirms its abort "
+                           "nor dies stays held", self.transport.provider)
 
     def cancel(self) -> None:
         """The node is closing: cancel every transfer task, hold and the rotation (pages stay held)."""

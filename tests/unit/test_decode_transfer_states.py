@@ -254,6 +254,33 @@ def test_peer_gone_releases_after_the_drain():
     assert engine.released == ["r1#0"]
 
 
+def test_another_engine_at_the_address_is_an_unfenced_end_that_a_rotation_releases(monkeypatch):
+    """Issue 33: a prefill process restarted in place (another engine answers at its address; on
+    another host or pid namespace peer_gone cannot tell) was counted as not-yet for ever. It is an
+    unfenced end: never released on that answer, but a key rotation (on by default) releases it."""
+    rotation = FakeRotation()
+    node = FakeNode([answer(False, prefill_pb2.TRANSFER_STATE_UNKNOWN, engine="prefill-engine-2")] * 3)
+    q = quarantine(node, key_gen=0)
+    transport = FakeTransport()
+
+    async def rotate_later():
+        await asyncio.sleep(0.3)
+        assert q.state is HoldState.ENDED_UNFENCED and q.ended_unfenced   # what asks for a rotation
+        rotation.dead_below = 1
+
+    async def main():
+        receiver, engine = FakeReceiver(), FakeEngine()
+        holds = QuarantineHolds(transport, receiver, rotation, FakeTelemetry(), False)
+        holds.engine, holds.post, holds.loop = engine, engine.post, asyncio.get_running_loop()
+        await asyncio.gather(asyncio.wait_for(holds._hold(q), 10), rotate_later())
+        return engine
+
+    monkeypatch.setattr(qmod, "HOLD_BACKOFF_S", 0.05)
+    engine = asyncio.run(main())
+    assert (q.state, q.released_by) == (HoldState.RELEASED, Release.KEY_ROTATED)
+    assert engine.released == ["r1#0"] and transport.closed == []
+
+
 def test_rotated_key_releases_without_asking():
     rotation = FakeRotation()
     rotation.dead_below = 1
