@@ -13,8 +13,8 @@ import pytest
 
 from decode_node.__main__ import build_parser
 from decode_node.service import DecodeNodeConfig
-from kv_messenger.decode.rotation import DEFAULT_ROTATE_KEY_AFTER_S
 from fabric.sockets import Endpoint, endpoint_of, fabric_sockets, open_inodes, own_tcp_sockets, shut_down
+from kv_messenger.decode.rotation import DEFAULT_ROTATE_KEY_AFTER_S
 from pdserve.engine.config import EngineConfig
 from pdserve.tools.launcher import ClusterConfig, plan
 
