@@ -55,55 +55,6 @@ def test_batch_invariant_across_rows_and_threads() -> None:
     assert torch.equal(small_linear(x[3:10], w, b), full[3:10])
 
 
-def test_the_thread_pool_gives_every_job_its_own_result() -> None:
-    """Back-to-back calls of alternating shapes and thread counts through the kernel's thread pool
-    (csrc/pool.c): a worker that is late for one job must never compute a row of the next. Each
-    result is the single-thread one, bit for bit."""
-    g = torch.Generator().manual_seed(7)
-    cases = [(torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)) for m, n, k in
-             ((1, 4099, 64), (3, 1537, 96), (8, 2400, 40), (2, 600, 576))]
-    refs = [small_linear(x, w, num_threads=1) for x, w in cases]
-    for i in range(400):
-        j = i % len(cases)
-        x, w = cases[j]
-        assert torch.equal(small_linear(x, w, num_threads=2 + i % 3), refs[j]), (i, j)
-
-
-def test_concurrent_callers_and_a_forked_child_get_the_same_results() -> None:
-    """Several Python threads calling at once (one job runs on the pool, the others inline), and a
-    child forked after the pool's workers started (it has none: it computes inline): all
-    bit-identical to one thread. Waits: each thread and the child are joined within 60 s."""
-    import multiprocessing
-    import threading
-
-    x, w = torch.randn(4, 576), torch.randn(3000, 576)
-    ref = small_linear(x, w, num_threads=1)
-    small_linear(x, w, num_threads=2)   # the pool's worker exists before the fork
-    bad: list[int] = []
-
-    def caller(t: int) -> None:
-        for _ in range(50):
-            if not torch.equal(small_linear(x, w, num_threads=2), ref):
-                bad.append(t)
-
-    threads = [threading.Thread(target=caller, args=(t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads) and bad == []
-    child = multiprocessing.get_context("fork").Process(target=_check_in_child, args=(x, w, ref))
-    child.start()
-    child.join(timeout=60)
-    assert child.exitcode == 0, f"forked child: exit code {child.exitcode}"
-
-
-def _check_in_child(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor) -> None:
-    for threads in (2, 3, 1, 2):
-        if not torch.equal(small_linear(x, w, num_threads=threads), ref):
-            raise SystemExit(3)
-
-
 def test_dispatch() -> None:
     w = torch.randn(64, 32)
     few = torch.randn(max_rows(), 32)

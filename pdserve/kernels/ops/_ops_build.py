@@ -1,5 +1,4 @@
-"""cffi (API mode) builder for pdserve's CPU ops: csrc/small_linear.c (its thread pool: csrc/pool.c),
-csrc/norm_act.c, csrc/rope_kv.c.
+"""cffi (API mode) builder for pdserve's CPU ops: csrc/small_linear.c, csrc/norm_act.c, csrc/rope_kv.c.
 
 setup.py lists ``"pdserve/kernels/ops/_ops_build.py:ffibuilder"`` in ``cffi_modules`` so that
 ``pip install -e .`` compiles ``pdserve.kernels.ops._cpu_ops``. For development, compile in place:
@@ -20,7 +19,7 @@ _CSRC = os.path.join(_HERE, "csrc")
 _SHARED_CSRC = os.path.join(os.path.dirname(_HERE), "csrc")  # pdserve/kernels/csrc: vec8.h, exp8.h, bf16.h
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))
 _HEADER = os.path.join(_CSRC, "cpu_ops.h")
-_SOURCES = ("small_linear.c", "pool.c", "norm_act.c", "rope_kv.c")
+_SOURCES = ("small_linear.c", "norm_act.c", "rope_kv.c")
 
 # Exception to the common flags: no contraction of a * b + c into fused multiply-adds. The
 # kernels fuse only where the source says (fma8 in small_linear.c): left to itself GCC fused some

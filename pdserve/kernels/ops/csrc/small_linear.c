@@ -16,15 +16,17 @@
  * over k = 0, 8, 16, ..., a fixed lane reduction, then the k tail, then the bias. So a row's
  * result does not depend on which other rows share the call (batch invariance).
  *
- * Threads: bands of W rows claimed one at a time by the caller and the pool's workers (pool.c);
- * `num_threads` <= 1 runs inline.
+ * Threads: OpenMP over bands of W rows, claimed CHUNK_BANDS at a time; `num_threads` <= 1 runs
+ * inline.
  * Vector code uses GCC vector extensions (8 x float), compiled for the -march the build allows.
  */
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "cpu_ops.h"
-#include "pool.h"
 #include "vec8.h" /* pdserve/kernels/csrc */
 
 /*
@@ -46,12 +48,13 @@ ALWAYS_INLINE float fma1(float a, float b, float acc) { return acc + a * b; }
 /* W rows per band: the unit of work split across threads; a multiple of every tile height. */
 #define BAND 24
 /*
- * Threads: the calling thread and the CPU ops' pool (pool.c) claim one band at a time. Each band
- * is computed alike whoever takes it, so results are the same bit for bit at any thread count.
- * (Before the pool: an OpenMP loop claiming 2 bands at a time; on the shared 2-core VM its end
- * barrier waited for a descheduled thread a time slice per call: paired runs in
- * bench/results/engine/small_linear_pool.md.)
+ * Bands a thread claims at a time. A static split (one half of W per thread) waits at the end
+ * for the slower core, and on a shared VM the two cores' speeds differ from moment to moment:
+ * claiming 2 bands at a time made a decode step's 121 products faster there (paired passes at
+ * 32 rows, commit 989e4fb); each band is computed alike whoever takes it, so results are
+ * unchanged bit for bit.
  */
+#define CHUNK_BANDS 2
 /*
  * Software prefetch, in bytes ahead of the tile's start (0 = off). A tile's nb W rows are one
  * contiguous span of nb * K floats (W is row-major), read as nb streams of one short row each
@@ -167,19 +170,6 @@ static void bands(float *y, int64_t ldy, const float *x, int64_t ldx, const floa
     rows(y, ldy, x, ldx, w, bias, M, K, kb, ps, n0, n1);
 }
 
-/* One call's arguments, for the pool's items (an item: one band). */
-typedef struct {
-    float *y;
-    const float *x, *w, *bias;
-    int64_t ldx, ldy, ps;
-    int M, N, K, kb;
-} call_args;
-
-static void band_item(void *p, int64_t b) {
-    const call_args *a = (const call_args *)p;
-    bands(a->y, a->ldy, a->x, a->ldx, a->w, a->bias, a->M, a->N, a->K, a->kb, a->ps, b, b + 1);
-}
-
 /*
  * The blocked form (tensor-parallel invariance, pdserve/model/tp.py): K splits into blocks of kb
  * (the last may be shorter); each output's dot product over a block is summed as the unblocked
@@ -199,11 +189,13 @@ int sl_linear_blocked(float *y, const float *x, const float *w, const float *bia
     /* Below ~8 bands (192 W rows) per thread the fork/join costs more than the split saves. */
     int64_t nt = num_threads;
     if (nt > nbands / 8) nt = nbands / 8;
+#ifdef _OPENMP
     if (nt > 1) {
-        call_args a = {y, x, w, bias, ldx, ldy, pstride, M, N, K, kb};
-        pool_run(band_item, &a, nbands, (int)nt);
+#pragma omp parallel for num_threads((int)nt) schedule(dynamic, CHUNK_BANDS)
+        for (int64_t b = 0; b < nbands; b++) bands(y, ldy, x, ldx, w, bias, M, N, K, kb, pstride, b, b + 1);
         return SL_OK;
     }
+#endif
     bands(y, ldy, x, ldx, w, bias, M, N, K, kb, pstride, 0, nbands);
     return SL_OK;
 }
