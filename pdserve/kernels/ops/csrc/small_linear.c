@@ -63,7 +63,8 @@ ALWAYS_INLINE float fma1(float a, float b, float acc) { return acc + a * b; }
  * tile consumes it (nb * 32 bytes per k step): past the tile's end, into the next tile's rows.
  * Into every cache level (locality 3): prefetching each row 2 KB ahead with the
  * non-temporal hint, as before, was 18-37% slower at M = 1..8 than this on one thread, and
- * slower than no prefetch at all at M = 1 (paired runs, bench/results/engine/small_linear_prefetch.md).
+ * slower than no prefetch at all at M = 1 (paired runs,
+ * bench/results/engine/small_linear_prefetch.md).
  */
 #ifndef SL_PREFETCH
 #define SL_PREFETCH 8192
