@@ -89,3 +89,29 @@ def test_prefix_cache(bench, tiny_model):
     assert on["prompt_tokens_computed"] < off["prompt_tokens_computed"] and on["hit_rate"] > 0, data
     assert positive(off["seconds"]) and data["requests_timed"] == 2
     assert_json_stamped(data, "bench.engine.prefix_cache")
+
+
+def test_decode_bandwidth_reports_the_stream_and_the_profile(bench, tiny_model):
+    run = bench("bench.engine.decode_bandwidth", "--model", tiny_model, "--batches", "1,2", "--steps", "2",
+                "--ctx", "8", "--threads", "1", "--array-mb", "8", "--bw-repeats", "1", "--tag", "smoke",
+                "--results-dir", "{out}")
+    data = run.json("decode_bandwidth-smoke")
+    assert len(data["bandwidth"]) == 3   # before each batch size, and at the end
+    for bw in data["bandwidth"]:
+        assert positive(bw["read_gbs"]) and positive(bw["triad_gbs"]), bw
+    assert positive(data["weight_bytes"]) and data["target_fraction"] == 0.85
+    assert [p["batch"] for p in data["points"]] == [1, 2]
+    for p in data["points"]:
+        for key in ("step_s", "execute_s", "forward_s", "build_batches_s", "attention_s", "kv_write_s", "sample_s",
+                    "kernel_matmul_s", "small_ops_s", "matmul_s", "weight_stream_gbs", "fraction_of_read",
+                    "kernel_stream_gbs", "kernel_fraction_of_read", "outside_matmul_share"):
+            assert positive(p[key]), (key, p)
+        assert p["weight_stream_gbs"] == pytest.approx(data["weight_bytes"] / p["step_s"] / 1e9)
+        assert p["kernel_matmul_s"] < p["forward_s"] < p["execute_s"] < p["step_s"], p
+        assert p["timed_steps"] == 2 and 0 < p["outside_matmul_share"] < 1, p
+    assert_json_stamped(data, "bench.engine.decode_bandwidth")
+    md = run.md("decode_bandwidth-smoke")
+    assert "| 1 |" in md and "| 2 |" in md and "## Where a batch-1 step goes" in md and "Outside the matmuls: " in md
+    for label in ("whole engine.step()", "attention backend", "sampler", "build_batches"):
+        assert label in md, label
+    assert_stamped(md, "bench.engine.decode_bandwidth")

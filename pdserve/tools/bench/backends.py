@@ -13,7 +13,14 @@ task that awaits `send` cancels the call, which aborts the request on the server
   last message has the finish reason and usage.
 - OpenAIBackend: POST /v1/completions with stream=true and stream_options.include_usage; a token
   message is an SSE event whose choice has non-empty text (vLLM's rule: an empty delta carries no
-  visible token); usage arrives in the last event before `data: [DONE]`.
+  visible token); usage arrives in the last event before `data: [DONE]`. A server may close an
+  idle keep-alive connection just as the next request goes out on it (llama-server does, between
+  back-to-back requests): a request whose pooled connection breaks (ClientOSError,
+  ServerDisconnectedError) before any part of the response head arrived is sent once more on a
+  fresh connection. Nothing else is retried: not a request on a fresh connection (its failure is no
+  idle close), not one after the response began, not a timeout, not a retry. The one case this
+  rule cannot tell apart: a server that reads a request on a reused connection and dies without a
+  byte of answer gets it a second time (RFC 9112 section 9.3.1 names this risk of retries).
 
 Both belong to the event loop that enters them.
 """
@@ -170,16 +177,24 @@ class OpenAIBackend(Backend):
         super().__init__(base)
         self._session = None
 
+        self._fresh = None     # the retries' session: a new connection per request, closed after it
+        self.retried = 0       # requests sent again after their pooled connection broke
+
     async def open(self) -> None:
         import aiohttp
 
+        reuse = aiohttp.TraceConfig()
+        reuse.on_connection_reuseconn.append(_mark_reused)
         # limit=0: as many connections as requests in flight; no total timeout (SendOptions has one).
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                              timeout=aiohttp.ClientTimeout(total=None))
+                                              timeout=aiohttp.ClientTimeout(total=None), trace_configs=[reuse])
+        self._fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                            timeout=aiohttp.ClientTimeout(total=None))
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
 
     def _errors(self) -> tuple[type[BaseException], ...]:
         import aiohttp
@@ -187,7 +202,7 @@ class OpenAIBackend(Backend):
         return (aiohttp.ClientError, OSError, ValueError)
 
     async def _stream(self, request: BenchRequest, options: SendOptions, trace: _TraceBuilder) -> None:
-        if self._session is None:
+        if self._session is None or self._fresh is None:
             raise RuntimeError("OpenAIBackend used outside `async with`")
         body = {
             "model": options.model,
@@ -200,7 +215,16 @@ class OpenAIBackend(Backend):
         }
         if not options.model:
             del body["model"]
-        async with self._session.post(f"{self.url}/v1/completions", json=body) as resp:
+        url = f"{self.url}/v1/completions"
+        attempt = _Attempt()
+        try:
+            resp = await self._session.post(url, json=body, trace_request_ctx=attempt)
+        except Exception as e:  # re-raised unless _never_reached says the server cannot have had it
+            if not _never_reached(attempt, e):
+                raise
+            self.retried += 1
+            resp = await self._fresh.post(url, json=body)
+        async with resp:
             if resp.status != 200:
                 text = (await resp.text())[:500]
                 trace.fail(f"HTTP {resp.status}: {text}")
@@ -234,6 +258,34 @@ class OpenAIBackend(Backend):
         if usage:
             trace.prompt_tokens = usage.get("prompt_tokens")
             trace.completion_tokens = usage.get("completion_tokens")
+
+
+class _Attempt:
+    """What one POST learned of its connection, filled by the session's trace hook."""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False   # the connection came from the pool (it had carried an earlier request)
+
+
+async def _mark_reused(session: object, ctx: object, params: object) -> None:
+    attempt = getattr(ctx, "trace_request_ctx", None)
+    if isinstance(attempt, _Attempt):
+        attempt.reused = True
+
+
+def _never_reached(attempt: _Attempt, error: BaseException) -> bool:
+    """True when `error`, raised before the response head, is a pooled connection the server had
+    closed: a reset or a close with no part of a response head parsed (ServerDisconnectedError
+    carries the partial head it saw, else a plain message). Not a timeout, not a connect failure."""
+    import aiohttp
+
+    if not attempt.reused or isinstance(error, aiohttp.ServerTimeoutError | aiohttp.ClientConnectorError):
+        return False
+    if isinstance(error, aiohttp.ServerDisconnectedError):
+        return isinstance(error.message, str)
+    return isinstance(error, aiohttp.ClientOSError | aiohttp.ClientConnectionResetError)
 
 
 def make_backend(kind: str, url: str, security: ChannelSecurity = PLAINTEXT) -> Backend:

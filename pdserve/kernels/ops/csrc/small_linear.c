@@ -55,15 +55,26 @@ ALWAYS_INLINE float fma1(float a, float b, float acc) { return acc + a * b; }
  * unchanged bit for bit.
  */
 #define CHUNK_BANDS 2
-/* Software prefetch distance along each W row, in floats (0 = off). */
+/*
+ * Software prefetch, in bytes ahead of the tile's start (0 = off). A tile's nb W rows are one
+ * contiguous span of nb * K floats (W is row-major), read as nb streams of one short row each
+ * (K = 576: 36 cache lines), too short for the hardware prefetcher to train on. So the first
+ * m-tile of each W tile prefetches that span linearly, SL_PREFETCH bytes ahead, as fast as the
+ * tile consumes it (nb * 32 bytes per k step): past the tile's end, into the next tile's rows.
+ * Into every cache level (locality 3): prefetching each row 2 KB ahead with the
+ * non-temporal hint, as before, was 18-37% slower at M = 1..8 than this on one thread, and
+ * slower than no prefetch at all at M = 1 (paired runs,
+ * bench/results/engine/small_linear_prefetch.md).
+ */
 #ifndef SL_PREFETCH
-#define SL_PREFETCH 512
+#define SL_PREFETCH 8192
 #endif
 
 /*
  * One tile: rows n0 .. n0+nb-1 of W against rows m0 .. m0+mb-1 of x (nb <= NB, mb <= MB, both
  * compile-time constants at every call site so the loops unroll and the accumulators stay in
  * registers). Only the first m-tile of a W tile prefetches (later ones find W in L1).
+ * Prefetching never reads past what the hint names: a prefetch beyond W's end does not fault.
  */
 ALWAYS_INLINE void tile(float *y, int64_t ldy, const float *x, int64_t ldx, const float *w,
                         const float *bias, int K, int kb, int64_t pstride, int n0, int m0, const int nb,
@@ -76,6 +87,9 @@ ALWAYS_INLINE void tile(float *y, int64_t ldy, const float *x, int64_t ldx, cons
     for (int j = 0; j < mb; j++) xr[j] = x + (int64_t)(m0 + j) * ldx;
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < mb; j++) s[i][j] = 0.0f; /* K == 0: y = bias */
+    /* the prefetch cursor: the next cache line to prefetch, and how far this tile has read */
+    const char *pf = (const char *)((uintptr_t)((const char *)(w + (int64_t)n0 * K) + SL_PREFETCH) & ~(uintptr_t)63);
+    const char *pf_end = pf;
     /* One K block at a time (kb == K: the whole row, the unblocked kernel); see sl_linear_blocked. */
     for (int b0 = 0, blk = 0; b0 < K; b0 += kb, blk++) {
         const int kend = K - b0 > kb ? b0 + kb : K;
@@ -84,8 +98,10 @@ ALWAYS_INLINE void tile(float *y, int64_t ldy, const float *x, int64_t ldx, cons
         const int k8 = b0 + ((kend - b0) & ~7);
         for (int k = b0; k < k8; k += 8) {
             v8f wv[NB];
-            if (SL_PREFETCH > 0 && m0 == 0 && (k & 15) == 0)
-                for (int i = 0; i < nb; i++) __builtin_prefetch(wr[i] + k + SL_PREFETCH, 0, 0);
+            if (SL_PREFETCH > 0 && m0 == 0) {
+                pf_end += nb * 32; /* the bytes of W this k step reads */
+                for (; pf < pf_end; pf += 64) __builtin_prefetch(pf, 0, 3);
+            }
             for (int i = 0; i < nb; i++) wv[i] = load8(wr[i] + k);
             for (int j = 0; j < mb; j++) {
                 const v8f xv = load8(xr[j] + k);
