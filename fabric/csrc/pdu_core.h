@@ -1,0 +1,79 @@
+/* pdu_core: fabric's UCX core (UCP one-sided puts, active messages, progress), bound by cffi as
+ * fabric._ucx (fabric/_ucx_build.py). The region between the cffi markers is the cdef.
+ *
+ * One pdu_ctx = one ucp_context + one worker. Every UCP call happens under the context's mutex
+ * (worker thread mode SERIALIZED), from the progress thread (pdu_progress) or a caller thread
+ * (pdu_submit, pdu_send, ...). Completions, arrivals and failures become pdu_event values that
+ * pdu_progress hands back to Python: nothing is called back into Python from C.
+ *
+ * A batch (pdu_submit) is a run of ucp_put_nbx (entries contiguous at both ends merged, up to
+ * max_write bytes each), then ucp_ep_flush_nbx on the peer's endpoint; once the flush completed
+ * (the puts are in the target's memory), an active message PDU_AM_IMM with header
+ * {tag, units} when the batch carries a tag. The batch is done when the flush (and that
+ * message) completed: PDU_EV_BATCH_DONE means the data is in the target's memory.
+ */
+#ifndef PDU_CORE_H
+#define PDU_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* cffi:begin */
+#define PDU_EV_BATCH_DONE 1
+#define PDU_EV_BATCH_FAILED 2
+#define PDU_EV_IMM 3
+#define PDU_EV_MSG 4
+#define PDU_EV_PEER_FAILED 5
+#define PDU_EV_SEND_FAILED 6
+
+#define PDU_ERR_NO_PEER -1000
+#define PDU_ERR_PEER_FAILED -1001
+#define PDU_ERR_TOO_MANY -1002
+#define PDU_ERR_NO_REGION -1003
+#define PDU_ERR_NOMEM -1004
+
+typedef struct {
+    int kind;          /* PDU_EV_* */
+    int code;          /* failures: the ucs_status_t (negative) */
+    uint64_t id;       /* BATCH_*: batch id; IMM: tag; PEER_FAILED / SEND_FAILED: peer index */
+    uint64_t count;    /* IMM: units; MSG: payload bytes; BATCH_FAILED: entries of the batch */
+    uint64_t aux;      /* BATCH_FAILED: peer index */
+    void *data;        /* MSG: the payload (malloc'd: pdu_free_data) */
+} pdu_event;
+
+typedef struct pdu_ctx pdu_ctx;
+
+/* net_devices: UCX_NET_DEVICES for this context ("" or NULL: UCX's own choice / environment).
+ * peer_timeout_us: a peer with outstanding batches and no completion for this long fails
+ * (0: never). errbuf receives the reason when it returns < 0. */
+int pdu_open(const char *net_devices, uint64_t peer_timeout_us, pdu_ctx **out, char *errbuf, size_t errlen);
+int pdu_address(pdu_ctx *h, uint8_t *buf, size_t cap, size_t *len);
+const char *pdu_transports(pdu_ctx *h);
+/* Map [addr, addr+len) and pack its remote key into rkey (cap bytes); returns the region index. */
+int pdu_mem_map(pdu_ctx *h, uint64_t addr, uint64_t len, uint8_t *rkey, size_t cap, size_t *rkey_len);
+int pdu_mem_unmap(pdu_ctx *h, int region);
+/* An endpoint to the worker address; returns the peer index (>= 0) or a negative status. */
+int pdu_connect(pdu_ctx *h, const uint8_t *addr, size_t len);
+/* Fail the peer's outstanding batches (events) and close its endpoint. */
+int pdu_peer_fail(pdu_ctx *h, int peer, int status);
+int pdu_peer_failed(pdu_ctx *h, int peer);
+/* Unpack a packed remote key on the peer's endpoint; returns the key index. */
+int pdu_rkey_unpack(pdu_ctx *h, int peer, const uint8_t *buf, size_t len);
+/* Post one batch; returns the number of puts posted (>= 1) or a negative status (nothing posted). */
+int64_t pdu_submit(pdu_ctx *h, uint64_t batch_id, int peer, int region, uint64_t src_base, int rkey,
+                   uint64_t dst_base, const uint64_t *src, const uint64_t *dst, const uint64_t *lens, size_t n,
+                   int has_imm, uint32_t tag, uint32_t units, uint64_t max_write, int coalesce);
+/* A control message (best effort, eager active message PDU_AM_CTRL). */
+int pdu_send(pdu_ctx *h, int peer, const uint8_t *data, size_t len);
+/* Progress the worker; when nothing happened for spin_us, arm it and sleep on its event fd for
+ * at most timeout_us (sleep_busy_us while batches are outstanding). Returns events written. */
+int pdu_progress(pdu_ctx *h, pdu_event *evs, int max, uint64_t spin_us, uint64_t timeout_us, uint64_t sleep_busy_us);
+void pdu_signal(pdu_ctx *h);
+int pdu_outstanding(pdu_ctx *h);
+void pdu_free_data(void *p);
+/* Close every endpoint (force), destroy keys, unmap regions, destroy the worker and context. */
+void pdu_close(pdu_ctx *h);
+const char *pdu_strerror(int status);
+/* cffi:end */
+
+#endif
