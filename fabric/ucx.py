@@ -81,6 +81,9 @@ _DRAIN_POLL_S = 0.002
 _BYE_TIMEOUT_S = 1.0
 _RKEY_MAX = 4096          # bytes of a packed remote key
 _ADDR_MAX = 65536         # bytes of a worker address
+# Bytes of posted, unfinished batches per peer (csrc/pdu_core.h pdu_open): a flush completes only
+# after everything posted before it, so this bounds how long one batch waits behind the others.
+WINDOW_BYTES = 64 << 20
 _UCS_ERR_TIMED_OUT = -20
 _UCS_ERR_CANCELED = -16
 
@@ -125,7 +128,7 @@ class UcxBackend(TransferBackend):
         devices = ucx_net.net_devices(config.node)
         out = ffi.new("pdu_ctx **")
         errbuf = ffi.new("char[]", 512)
-        rc = lib.pdu_open(devices.encode(), int(config.peer_timeout_s * 1e6), out, errbuf, 512)
+        rc = lib.pdu_open(devices.encode(), int(config.peer_timeout_s * 1e6), WINDOW_BYTES, out, errbuf, 512)
         if rc < 0:
             raise FabricError(errno.ENODEV, f"opening provider 'ucx' (UCX_NET_DEVICES={devices or 'any'}): "
                                             f"{ffi.string(errbuf).decode()}")
@@ -171,9 +174,9 @@ class UcxBackend(TransferBackend):
         with self._lock:
             return FabricStats(*self._stats)
 
-    def outstanding(self) -> int:
-        """Batches and control messages not finished yet."""
-        return int(self._lib.pdu_outstanding(self._h))
+    def outstanding(self, *, with_sends: bool = True) -> int:
+        """Batches and (with_sends) control messages not finished yet."""
+        return int(self._lib.pdu_outstanding(self._h, int(with_sends)))
 
     def _check_open(self) -> None:
         if self.closed or self._closing:
@@ -221,6 +224,7 @@ class UcxBackend(TransferBackend):
             self._revoked.append(region.region_id)
         stale.mark_region_revoked(self.engine_id, region.region_id)
         self._lib.pdu_mem_unmap(self._h, region._desc)
+        region._keepalive = None
         for p in self._peers.known_peers():
             try:
                 self._peers.send_control(p, control.REVOKE, region.region_id)
@@ -311,7 +315,8 @@ class UcxBackend(TransferBackend):
         units = 1 if mode == "last" else n
         puts = self._lib.pdu_submit(
             self._h, batch_id, p.index, src_region._desc, src_region.address, rkey, dst.base,
-            *(ffi.from_buffer("uint64_t[]", a) for a in (src, dsto, lens)), n, int(imm is not None), imm or 0, units, self.config.max_write_bytes, int(self.config.coalesce))
+            *(ffi.from_buffer("uint64_t[]", a) for a in (src, dsto, lens)), n, int(imm is not None), imm or 0,
+            units, self.config.max_write_bytes, int(self.config.coalesce))
         if puts < 0:
             self._drop_batch(batch_id)
             raise FabricError(errno.EHOSTUNREACH if puts == self._lib.PDU_ERR_PEER_FAILED else errno.EINVAL,
@@ -370,6 +375,8 @@ class UcxBackend(TransferBackend):
     def send(self, peer: PeerDescriptor, payload: bytes) -> None:
         """Send ``payload`` to ``peer``'s on_message handler (best effort, one eager message)."""
         self._check_open()
+        if stale.engine_closed(peer.engine_id) or self._peers.is_gone(peer.engine_id):
+            raise FabricError(errno.ENOENT, f"send: {peer!r} is closed")
         p = self._peers.find(peer.engine_id) or self._peers.peer(peer)
         self._peers.send_control(p, control.USER, 0, bytes(payload))
 
@@ -421,7 +428,8 @@ class UcxBackend(TransferBackend):
             raise RuntimeError("UcxBackend.close() called from a fabric callback")
         self._closing = True
         deadline = time.monotonic() + self.config.close_timeout_s
-        while self.outstanding() and time.monotonic() < deadline:
+        # batches only: a message to a peer that went away silently (shared memory) never completes
+        while self.outstanding(with_sends=False) and time.monotonic() < deadline:
             time.sleep(_DRAIN_POLL_S)
         for p in self._peers.known_peers():
             try:
@@ -439,11 +447,16 @@ class UcxBackend(TransferBackend):
                          self.engine_id[:8], _STOP_TIMEOUT_S)
             return
         stale.mark_engine_closed(self.engine_id)
-        self._lib.pdu_close(self._h)
+        self._lib.pdu_close(self._h)   # unmaps what is still mapped
         self.closed = True
         with self._lock:
             left = list(self._batches.items())
             self._batches.clear()
+            regions = list(self._regions.values())
+            self._regions.clear()
+        for region in regions:   # as the libfabric engine does: the buffers are the owner's again
+            region.closed = True
+            region._keepalive = None
         for batch_id, rec in left:
             rec.region.inflight -= 1
             rec.on_error(FabricError(errno.ECANCELED, f"write batch {batch_id} to {rec.dst!r}: backend closed"))

@@ -28,6 +28,12 @@ typedef struct pdu_batch {
     int written_off;       /* its failure was already reported (peer failed) */
     uint64_t entries;
     uint32_t header[2];    /* PDU_AM_IMM header: tag, units; lives until the message completed */
+    /* what pump() posts once the peer's window has room (pdu_submit copied the entries) */
+    struct pdu_batch *queued_next;
+    int posted;
+    int region, rkey, coalesce;
+    uint64_t src_base, dst_base, max_write, bytes;
+    uint64_t *ent;         /* [3 * entries]: src offsets, dst offsets, lengths */
 } pdu_batch;
 
 typedef struct {
@@ -37,6 +43,9 @@ typedef struct {
     void *close_req;
     uint64_t outstanding;  /* live batches */
     uint64_t last_ns;      /* last completion, or the submit that made outstanding non-zero */
+    uint64_t inflight;     /* bytes of posted batches not finished */
+    pdu_batch *queue, *queue_tail;   /* submitted, not posted yet (FIFO) */
+    int pumping;
     pdu_ctx *h;
     int index;
 } pdu_peer;
@@ -52,6 +61,7 @@ struct pdu_ctx {
     ucp_worker_h worker;
     int efd;
     uint64_t peer_timeout_ns;
+    uint64_t window;       /* bytes of posted, unfinished batches per peer before the next waits */
     uint64_t last_check_ns;
     uint64_t last_activity_ns;
     pdu_peer *peers[PDU_MAX_PEERS];
@@ -116,11 +126,20 @@ static void batch_unlink(pdu_batch *b) {
     b->next->prev = b->prev;
 }
 
+static void batch_free(pdu_batch *b) {
+    free(b->ent);
+    free(b);
+}
+
+static void pump(pdu_peer *p);
+
 /* The batch's last request completed (status) or it could not be posted further. */
 static void batch_finish(pdu_batch *b, ucs_status_t status) {
     pdu_ctx *h = b->h;
     pdu_peer *p = h->peers[b->peer];
     batch_unlink(b);
+    if (b->posted)
+        p->inflight -= b->bytes;
     if (!b->written_off) {
         p->outstanding--;
         p->last_ns = now_ns();
@@ -129,7 +148,8 @@ static void batch_finish(pdu_batch *b, ucs_status_t status) {
         else
             push(h, PDU_EV_BATCH_FAILED, status, b->id, b->entries, (uint64_t)b->peer, NULL);
     }
-    free(b);
+    batch_free(b);
+    pump(p);
 }
 
 static void am_done(void *req, ucs_status_t status, void *user) {
@@ -187,6 +207,14 @@ static void peer_fail(pdu_ctx *h, pdu_peer *p, int status) {
     if (p->failed)
         return;
     p->failed = 1;
+    while (p->queue) {   /* never posted: reported and freed now */
+        pdu_batch *b = p->queue;
+        p->queue = b->queued_next;
+        batch_unlink(b);
+        push(h, PDU_EV_BATCH_FAILED, status, b->id, b->entries, (uint64_t)p->index, NULL);
+        batch_free(b);
+    }
+    p->queue_tail = NULL;
     for (pdu_batch *b = h->batches.next; b != &h->batches; b = b->next) {
         if (b->peer == p->index && !b->written_off) {
             b->written_off = 1;
@@ -252,7 +280,8 @@ static void describe_transports(pdu_ctx *h) {
              tls && *tls ? tls : "(all)");
 }
 
-int pdu_open(const char *net_devices, uint64_t peer_timeout_us, pdu_ctx **out, char *errbuf, size_t errlen) {
+int pdu_open(const char *net_devices, uint64_t peer_timeout_us, uint64_t window_bytes, pdu_ctx **out, char *errbuf,
+             size_t errlen) {
     pdu_ctx *h = calloc(1, sizeof(*h));
     ucp_config_t *cfg = NULL;
     ucs_status_t st;
@@ -261,6 +290,7 @@ int pdu_open(const char *net_devices, uint64_t peer_timeout_us, pdu_ctx **out, c
     pthread_mutex_init(&h->lock, NULL);
     h->batches.next = h->batches.prev = &h->batches;
     h->peer_timeout_ns = peer_timeout_us * 1000ull;
+    h->window = window_bytes;
     h->efd = -1;
     st = ucp_config_read(NULL, NULL, &cfg);
     if (st != UCS_OK) {
@@ -503,10 +533,76 @@ static ucs_status_t post_puts(pdu_peer *p, ucp_mem_h memh, uint64_t src_base, uc
     return UCS_OK;
 }
 
+/* Post a batch's puts and its flush (its window bytes count from now). Under the lock. */
+static void post_batch(pdu_peer *p, pdu_batch *b) {
+    pdu_ctx *h = p->h;
+    int64_t puts = 0;
+    size_t n = b->entries;
+    b->posted = 1;
+    p->inflight += b->bytes;
+    ucs_status_t st = post_puts(p, h->regions[b->region], b->src_base, h->rkeys[b->rkey].rkey, b->dst_base, b->ent,
+                                b->ent + n, b->ent + 2 * n, n, b->max_write, b->coalesce, &puts);
+    if (st != UCS_OK && puts == 0) {
+        batch_finish(b, st);
+        return;
+    }
+    if (st != UCS_OK) {   /* part posted: the flush waits for it, the batch fails now */
+        b->has_imm = 0;
+        b->written_off = 1;
+        p->outstanding--;
+        push(h, PDU_EV_BATCH_FAILED, st, b->id, b->entries, (uint64_t)p->index, NULL);
+    }
+    ucp_request_param_t rp;
+    memset(&rp, 0, sizeof(rp));
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.cb.send = flush_done;
+    rp.user_data = b;
+    ucs_status_ptr_t fs = ucp_ep_flush_nbx(p->ep, &rp);
+    if (fs == NULL)
+        flush_done(NULL, UCS_OK, b);
+    else if (UCS_PTR_IS_ERR(fs))
+        flush_done(NULL, UCS_PTR_STATUS(fs), b);
+}
+
+/* Post queued batches while the peer's window has room (always one when nothing is in flight):
+ * a flush covers everything posted on the endpoint before it, so the window bounds how long a
+ * batch waits behind the others. Not re-entered from the completions it causes. */
+static void pump(pdu_peer *p) {
+    if (p->pumping)
+        return;
+    p->pumping = 1;
+    while (p->queue && !p->failed && p->ep && (p->inflight == 0 || p->inflight + p->queue->bytes <= p->h->window)) {
+        pdu_batch *b = p->queue;
+        p->queue = b->queued_next;
+        if (!p->queue)
+            p->queue_tail = NULL;
+        post_batch(p, b);
+    }
+    p->pumping = 0;
+}
+
+/* How many puts post_puts makes of these entries. */
+static int64_t count_puts(const uint64_t *src, const uint64_t *dst, const uint64_t *lens, size_t n,
+                          uint64_t max_write, int coalesce) {
+    int64_t puts = 0;
+    size_t i = 0;
+    while (i < n) {
+        uint64_t len = lens[i];
+        size_t j = i + 1;
+        while (coalesce && j < n && src[j] == src[j - 1] + lens[j - 1] && dst[j] == dst[j - 1] + lens[j - 1] &&
+               (!max_write || len + lens[j] <= max_write)) {
+            len += lens[j];
+            j++;
+        }
+        puts += max_write ? (int64_t)((len + max_write - 1) / max_write) : 1;
+        i = j;
+    }
+    return puts;
+}
+
 int64_t pdu_submit(pdu_ctx *h, uint64_t batch_id, int peer, int region, uint64_t src_base, int rkey,
                    uint64_t dst_base, const uint64_t *src, const uint64_t *dst, const uint64_t *lens, size_t n,
                    int has_imm, uint32_t tag, uint32_t units, uint64_t max_write, int coalesce) {
-    int64_t puts = 0;
     pthread_mutex_lock(&h->lock);
     pdu_peer *p = peer_at(h, peer);
     int64_t rc = 0;
@@ -519,56 +615,40 @@ int64_t pdu_submit(pdu_ctx *h, uint64_t batch_id, int peer, int region, uint64_t
         rc = PDU_ERR_NO_REGION;
     }
     pdu_batch *b = rc ? NULL : calloc(1, sizeof(*b));
-    if (!rc && !b)
+    uint64_t *ent = b ? malloc(3 * n * sizeof(uint64_t)) : NULL;
+    if (!rc && (!b || !ent)) {
+        free(b);
         rc = PDU_ERR_NOMEM;
+    }
     if (rc) {
         pthread_mutex_unlock(&h->lock);
         return rc;
     }
-    b->h = h;
-    b->id = batch_id;
-    b->peer = peer;
-    b->has_imm = has_imm;
-    b->entries = n;
-    b->header[0] = tag;
-    b->header[1] = units;
+    memcpy(ent, src, n * sizeof(uint64_t));
+    memcpy(ent + n, dst, n * sizeof(uint64_t));
+    memcpy(ent + 2 * n, lens, n * sizeof(uint64_t));
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < n; i++)
+        bytes += lens[i];
+    *b = (pdu_batch){.h = h, .id = batch_id, .peer = peer, .has_imm = has_imm, .entries = n, .header = {tag, units},
+                     .region = region, .rkey = rkey, .coalesce = coalesce, .src_base = src_base,
+                     .dst_base = dst_base, .max_write = max_write, .bytes = bytes, .ent = ent};
     b->next = &h->batches;
     b->prev = h->batches.prev;
     h->batches.prev->next = b;
     h->batches.prev = b;
     if (p->outstanding++ == 0)
         p->last_ns = now_ns();
-    ucs_status_t st = post_puts(p, h->regions[region], src_base, h->rkeys[rkey].rkey, dst_base, src, dst, lens, n,
-                                max_write, coalesce, &puts);
-    if (st != UCS_OK && puts == 0) {
-        /* nothing posted: the caller gets the status, no event */
-        batch_unlink(b);
-        p->outstanding--;
-        free(b);
-        pthread_mutex_unlock(&h->lock);
-        return st;
-    }
-    if (st != UCS_OK) {
-        /* part posted: the flush waits for it, the batch fails */
-        b->has_imm = 0;
-        b->written_off = 1;
-        p->outstanding--;
-        push(h, PDU_EV_BATCH_FAILED, st, b->id, b->entries, (uint64_t)peer, NULL);
-    }
-    ucp_request_param_t rp;
-    memset(&rp, 0, sizeof(rp));
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    rp.cb.send = flush_done;
-    rp.user_data = b;
-    ucs_status_ptr_t fs = ucp_ep_flush_nbx(p->ep, &rp);
-    if (fs == NULL)
-        flush_done(NULL, UCS_OK, b);
-    else if (UCS_PTR_IS_ERR(fs))
-        flush_done(NULL, UCS_PTR_STATUS(fs), b);
+    if (p->queue_tail)
+        p->queue_tail->queued_next = b;
+    else
+        p->queue = b;
+    p->queue_tail = b;
+    pump(p);
     h->last_activity_ns = now_ns();
     pthread_mutex_unlock(&h->lock);
     ucp_worker_signal(h->worker);
-    return puts;
+    return count_puts(src, dst, lens, n, max_write, coalesce);
 }
 
 static void send_done(void *req, ucs_status_t status, void *user) {
@@ -683,9 +763,9 @@ int pdu_progress(pdu_ctx *h, pdu_event *evs, int max, uint64_t spin_us, uint64_t
 
 void pdu_signal(pdu_ctx *h) { ucp_worker_signal(h->worker); }
 
-int pdu_outstanding(pdu_ctx *h) {
+int pdu_outstanding(pdu_ctx *h, int with_sends) {
     pthread_mutex_lock(&h->lock);
-    int n = h->sends;
+    int n = with_sends ? h->sends : 0;
     for (pdu_batch *b = h->batches.next; b != &h->batches; b = b->next)
         n += !b->written_off;
     pthread_mutex_unlock(&h->lock);
@@ -726,7 +806,7 @@ void pdu_close(pdu_ctx *h) {
     while (h->batches.next != &h->batches) {
         pdu_batch *b = h->batches.next;
         batch_unlink(b);
-        free(b);
+        batch_free(b);
     }
     for (int i = 0; i < h->npeers; i++)
         free(h->peers[i]);

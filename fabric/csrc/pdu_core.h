@@ -45,8 +45,12 @@ typedef struct pdu_ctx pdu_ctx;
 
 /* net_devices: UCX_NET_DEVICES for this context ("" or NULL: UCX's own choice / environment).
  * peer_timeout_us: a peer with outstanding batches and no completion for this long fails
- * (0: never). errbuf receives the reason when it returns < 0. */
-int pdu_open(const char *net_devices, uint64_t peer_timeout_us, pdu_ctx **out, char *errbuf, size_t errlen);
+ * (0: never). window_bytes: bytes of posted, unfinished batches per peer; later batches wait in
+ * a queue (their entries copied) until earlier ones finish (a flush covers everything posted
+ * before it: without a window the first batch would wait for all the others). errbuf receives
+ * the reason when it returns < 0. */
+int pdu_open(const char *net_devices, uint64_t peer_timeout_us, uint64_t window_bytes, pdu_ctx **out, char *errbuf,
+             size_t errlen);
 int pdu_address(pdu_ctx *h, uint8_t *buf, size_t cap, size_t *len);
 const char *pdu_transports(pdu_ctx *h);
 /* Map [addr, addr+len) and pack its remote key into rkey (cap bytes); returns the region index. */
@@ -59,7 +63,8 @@ int pdu_peer_fail(pdu_ctx *h, int peer, int status);
 int pdu_peer_failed(pdu_ctx *h, int peer);
 /* Unpack a packed remote key on the peer's endpoint; returns the key index. */
 int pdu_rkey_unpack(pdu_ctx *h, int peer, const uint8_t *buf, size_t len);
-/* Post one batch; returns the number of puts posted (>= 1) or a negative status (nothing posted). */
+/* Queue one batch (posted at once when the peer's window has room); returns the number of puts
+ * it becomes (>= 1) or a negative status (nothing queued, no event). */
 int64_t pdu_submit(pdu_ctx *h, uint64_t batch_id, int peer, int region, uint64_t src_base, int rkey,
                    uint64_t dst_base, const uint64_t *src, const uint64_t *dst, const uint64_t *lens, size_t n,
                    int has_imm, uint32_t tag, uint32_t units, uint64_t max_write, int coalesce);
@@ -69,7 +74,8 @@ int pdu_send(pdu_ctx *h, int peer, const uint8_t *data, size_t len);
  * at most timeout_us (sleep_busy_us while batches are outstanding). Returns events written. */
 int pdu_progress(pdu_ctx *h, pdu_event *evs, int max, uint64_t spin_us, uint64_t timeout_us, uint64_t sleep_busy_us);
 void pdu_signal(pdu_ctx *h);
-int pdu_outstanding(pdu_ctx *h);
+/* Batches not finished (and with_sends: control messages in flight). */
+int pdu_outstanding(pdu_ctx *h, int with_sends);
 void pdu_free_data(void *p);
 /* Close every endpoint (force), destroy keys, unmap regions, destroy the worker and context. */
 void pdu_close(pdu_ctx *h);
