@@ -88,8 +88,13 @@ _UCS_ERR_TIMED_OUT = -20
 _UCS_ERR_CANCELED = -16
 
 
-def _native():
-    """fabric._ucx, after the libucx wheel's libraries are loaded (see the module docstring)."""
+def load_native():
+    """fabric._ucx, after the libucx wheel's libraries are loaded (see the module docstring).
+
+    UCX logs to stdout unless told otherwise, which corrupts a program's own output (a peer's
+    goodbye can make it log a flush error): UCX_LOG_FILE=stderr unless the environment sets it,
+    before UCX reads its global options (when libucs loads)."""
+    os.environ.setdefault("UCX_LOG_FILE", "stderr")
     try:
         import libucx
     except ImportError:   # a system UCX (Debian libucx0): the loader finds it
@@ -122,7 +127,7 @@ class UcxBackend(TransferBackend):
         self.config = config = config or FabricConfig(provider=PROVIDER)
         if config.resolved_provider() != PROVIDER:
             raise ValueError(f"provider={config.resolved_provider()!r}: UcxBackend needs provider 'ucx'")
-        self._ffi, self._lib = ffi, lib = _native()
+        self._ffi, self._lib = ffi, lib = load_native()
         self.provider = PROVIDER
         self.engine_id = uuid.uuid4().hex
         devices = ucx_net.net_devices(config.node)
@@ -387,8 +392,9 @@ class UcxBackend(TransferBackend):
         evs = ffi.new("pdu_event[]", _EVENTS)
         cfg = self.config
         spin = 1 << 40 if cfg.busy_poll else cfg.spin_us
+        busy_spin = max(spin, cfg.busy_spin_us)
         while not self._stop:
-            n = lib.pdu_progress(h, evs, _EVENTS, spin, _IDLE_SLEEP_US, cfg.sleep_max_us)
+            n = lib.pdu_progress(h, evs, _EVENTS, spin, busy_spin, _IDLE_SLEEP_US, cfg.sleep_max_us)
             for i in range(n):
                 try:
                     self._dispatch(evs[i])
@@ -487,4 +493,4 @@ def check_offsets(src: np.ndarray, dsto: np.ndarray, lens: np.ndarray, src_len: 
                              f"region of {size} bytes")
 
 
-__all__ = ["IMM_MAX", "PROVIDER", "UcxBackend", "check_offsets"]
+__all__ = ["PROVIDER", "WINDOW_BYTES", "UcxBackend", "check_offsets", "load_native"]

@@ -79,7 +79,8 @@ class UcxPeers:
             if p is not None and not (p.failed and fresh_if_failed):
                 return p
             addr = bytes(desc.address)
-            index = self._lib.pdu_connect(self._h, addr, len(addr))
+            # same host: UCP_ERR_HANDLING_MODE_NONE, so UCX may take shared memory (csrc/pdu_core.h)
+            index = self._lib.pdu_connect(self._h, addr, len(addr), int(desc.host_id != self._me.host_id))
             if index < 0:
                 raise FabricError(errno.EHOSTUNREACH, f"ucp_ep_create to {desc!r}: {self._err(index)}")
             fresh = UcxPeer(desc, index)

@@ -41,6 +41,7 @@ typedef struct {
     int failed;
     int closing;           /* a close request is in flight */
     void *close_req;
+    int peer_errors;       /* UCP_ERR_HANDLING_MODE_PEER (else NONE: see pdu_connect) */
     uint64_t outstanding;  /* live batches */
     uint64_t last_ns;      /* last completion, or the submit that made outstanding non-zero */
     uint64_t inflight;     /* bytes of posted batches not finished */
@@ -192,7 +193,7 @@ static void start_close(pdu_peer *p) {
     ucp_request_param_t rp;
     memset(&rp, 0, sizeof(rp));
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    rp.flags = p->peer_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0;   /* UCX allows FORCE only in PEER mode */
     ucs_status_ptr_t s = ucp_ep_close_nbx(p->ep, &rp);
     p->closing = 1;
     if (UCS_PTR_IS_PTR(s))
@@ -418,7 +419,7 @@ int pdu_mem_unmap(pdu_ctx *h, int region) {
     return rc;
 }
 
-int pdu_connect(pdu_ctx *h, const uint8_t *addr, size_t len) {
+int pdu_connect(pdu_ctx *h, const uint8_t *addr, size_t len, int peer_errors) {
     (void)len;
     int rc;
     pthread_mutex_lock(&h->lock);
@@ -433,12 +434,13 @@ int pdu_connect(pdu_ctx *h, const uint8_t *addr, size_t len) {
     }
     p->h = h;
     p->index = h->npeers;
+    p->peer_errors = peer_errors;
     ucp_ep_params_t ep;
     memset(&ep, 0, sizeof(ep));
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
     ep.address = (const ucp_address_t *)addr;
-    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_mode = peer_errors ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
     ep.err_handler.cb = ep_error;
     ep.err_handler.arg = p;
     ucs_status_t st = ucp_ep_create(h->worker, &ep, &p->ep);
@@ -730,7 +732,8 @@ static int busy(pdu_ctx *h) {
     return h->batches.next != &h->batches || h->sends > 0;
 }
 
-int pdu_progress(pdu_ctx *h, pdu_event *evs, int max, uint64_t spin_us, uint64_t timeout_us, uint64_t sleep_busy_us) {
+int pdu_progress(pdu_ctx *h, pdu_event *evs, int max, uint64_t spin_us, uint64_t busy_spin_us, uint64_t timeout_us,
+                 uint64_t sleep_busy_us) {
     pthread_mutex_lock(&h->lock);
     unsigned made = 0;
     for (int r = 0; r < PDU_PROGRESS_ROUNDS && h->qlen < (size_t)max; r++) {
@@ -747,7 +750,8 @@ int pdu_progress(pdu_ctx *h, pdu_event *evs, int max, uint64_t spin_us, uint64_t
         check_peers(h, now);
     }
     int n = drain(h, evs, max);
-    if (n || made || now - h->last_activity_ns < spin_us * 1000ull) {
+    uint64_t spin_ns = (busy(h) ? busy_spin_us : spin_us) * 1000ull;
+    if (n || made || now - h->last_activity_ns < spin_ns) {
         pthread_mutex_unlock(&h->lock);
         return n;
     }

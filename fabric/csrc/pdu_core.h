@@ -56,8 +56,12 @@ const char *pdu_transports(pdu_ctx *h);
 /* Map [addr, addr+len) and pack its remote key into rkey (cap bytes); returns the region index. */
 int pdu_mem_map(pdu_ctx *h, uint64_t addr, uint64_t len, uint8_t *rkey, size_t cap, size_t *rkey_len);
 int pdu_mem_unmap(pdu_ctx *h, int region);
-/* An endpoint to the worker address; returns the peer index (>= 0) or a negative status. */
-int pdu_connect(pdu_ctx *h, const uint8_t *addr, size_t len);
+/* An endpoint to the worker address; returns the peer index (>= 0) or a negative status.
+ * peer_errors: UCP_ERR_HANDLING_MODE_PEER (transport errors fail the peer at once, force close);
+ * 0: MODE_NONE, which UCX 1.22 needs to put through shared memory (cma, posix: with PEER it
+ * picks software-emulated puts over tcp even on one host); such a peer's death is found by the
+ * peer timeout (check_peers) and, in Python, its pid. */
+int pdu_connect(pdu_ctx *h, const uint8_t *addr, size_t len, int peer_errors);
 /* Fail the peer's outstanding batches (events) and close its endpoint. */
 int pdu_peer_fail(pdu_ctx *h, int peer, int status);
 int pdu_peer_failed(pdu_ctx *h, int peer);
@@ -70,9 +74,11 @@ int64_t pdu_submit(pdu_ctx *h, uint64_t batch_id, int peer, int region, uint64_t
                    int has_imm, uint32_t tag, uint32_t units, uint64_t max_write, int coalesce);
 /* A control message (best effort, eager active message PDU_AM_CTRL). */
 int pdu_send(pdu_ctx *h, int peer, const uint8_t *data, size_t len);
-/* Progress the worker; when nothing happened for spin_us, arm it and sleep on its event fd for
- * at most timeout_us (sleep_busy_us while batches are outstanding). Returns events written. */
-int pdu_progress(pdu_ctx *h, pdu_event *evs, int max, uint64_t spin_us, uint64_t timeout_us, uint64_t sleep_busy_us);
+/* Progress the worker; when nothing happened for spin_us (busy_spin_us while batches or messages
+ * are outstanding), arm it and sleep on its event fd for at most timeout_us (sleep_busy_us while
+ * outstanding). Returns events written. */
+int pdu_progress(pdu_ctx *h, pdu_event *evs, int max, uint64_t spin_us, uint64_t busy_spin_us, uint64_t timeout_us,
+                 uint64_t sleep_busy_us);
 void pdu_signal(pdu_ctx *h);
 /* Batches not finished (and with_sends: control messages in flight). */
 int pdu_outstanding(pdu_ctx *h, int with_sends);

@@ -59,7 +59,9 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def _need_ucx() -> None:
+    from fabric.ucx import load_native
+
     try:
-        import fabric._ucx  # noqa: F401
-    except ImportError:
-        pytest.fail("fabric._ucx is not built: run `python fabric/_ucx_build.py` or scripts/setup.sh")
+        load_native()   # the libucx wheel's libraries, then the extension
+    except ImportError as exc:
+        pytest.fail(f"fabric._ucx does not import ({exc}): run `python fabric/_ucx_build.py` or scripts/setup.sh")
