@@ -24,25 +24,27 @@ What differs from the libfabric engine (TransferEngine), precisely:
 - No writer naming (ImmCounter.names_writers False, as with rxm and shm).
 - imm_mode "every" has no per-entry size limit (there is no 8-bit unit field to fill: the count
   travels as 32 bits).
-- One endpoint (no rails, no open_rail / pin_rail), no write_sync spin on the caller's thread
-  (TransferBackend's default write_sync: it waits for the callbacks), no close_connection /
-  shut_down_sockets / progress_mark.
+- One endpoint: ``rails`` holds one, ``open_rail`` refuses (UCX spreads over devices itself),
+  ``pin_rail`` pins the progress thread. No write_sync spin on the caller's thread
+  (TransferBackend's default write_sync: it waits for the callbacks). No ``close_connection`` or
+  ``shut_down_sockets``: a receiver cannot end the writer's UCP endpoint, so ``closes_connections``
+  is False and the KV messenger's key rotation (which needs them) is not available over UCX.
 - A batch costs one flush round trip before its tag is sent.
 - UCP has no target-side revocation of a single key once packed: deregister unmaps the memory
   (ucp_mem_unmap), after which the target refuses a late put where the transport checks keys
   (rc, and tcp's software RMA looks the key up); cma writes by virtual address
   (process_vm_writev), so, as with libfabric's shm, memory may be reused only once its writers
   are gone (wait_peer_gone).
-- UCX_TLS=tcp between peers on one host puts through tcp with MODE_NONE (no emulation either);
-  a dead such peer is found by the peer timeout, as above.
+- UCX_TLS=tcp between peers on one host: MODE_NONE too, so tcp's zero-copy put (UCX_PROTO_INFO;
+  with MODE_PEER it was software emulation); a dead such peer is found by the peer timeout.
 
 Peer death: every outstanding batch of a dead peer gets on_error, and later writes to it are
 refused before posting. Peers on other hosts: their endpoint uses UCP_ERR_HANDLING_MODE_PEER, so
 a broken connection (a killed process's TCP connection resets at once) fails the peer in the
-next progress round. Peers on this host (same PeerDescriptor.host_id): MODE_NONE, because UCX
-1.22 with MODE_PEER emulates puts over tcp even between processes of one host (the shared-memory
-transports offer no peer-failure handling; measured here: 0.45 GB/s emulated against 4.3 GB/s
-through cma at 256 KiB); their death is found by the peer timeout below and, in wait_peer_gone,
+next progress round. Peers on this host (same PeerDescriptor.host_id): MODE_NONE, because with
+MODE_PEER UCX 1.22 chose software-emulated puts over tcp/lo even between processes of one host
+(UCX_PROTO_INFO=y; with MODE_NONE: cma zero-copy; measured here 0.45 against 4.3 GB/s at
+256 KiB, bench/results/fabric/ucx-loaded.md); their death is found by the peer timeout below and, in wait_peer_gone,
 by their pid. For both: a peer holding batches without completing any for config.peer_timeout_s
 fails (checked every 50 ms in C), so on_error comes within peer_timeout_s + 0.1 s of the last
 completion.
@@ -137,6 +139,8 @@ class UcxBackend(TransferBackend):
             raise ValueError(f"provider={config.resolved_provider()!r}: UcxBackend needs provider 'ucx'")
         self._ffi, self._lib = ffi, lib = load_native()
         self.provider = PROVIDER
+        self.domain = PROVIDER          # one endpoint; UCX picks its devices (TransferEngine.domain's place)
+        self.delivery_complete = True   # on_done follows the flush: the data is in the target's memory
         self.engine_id = uuid.uuid4().hex
         devices = ucx_net.net_devices(config.node)
         out = ffi.new("pdu_ctx **")
@@ -324,17 +328,19 @@ class UcxBackend(TransferBackend):
         if p is not None:
             self._peers.fail(p, _UCS_ERR_CANCELED)
 
+    def peer_gone(self, peer: PeerDescriptor) -> bool:
+        """True if ``peer`` said goodbye, its endpoint failed at the transport, or (same host) its
+        process ended. Never blocks."""
+        p = self._peers.find(peer.engine_id)
+        if p is not None and (p.gone or (p.failed and p.failed != _UCS_ERR_TIMED_OUT)):
+            return True
+        return peer.host_id == host_id() and not process_alive(peer.pid, peer.start_time)
+
     def wait_peer_gone(self, peer: PeerDescriptor, timeout: float) -> bool:
         """True once ``peer`` said goodbye, its endpoint failed at the transport, or (same host)
         its process ended; then two progress rounds drain what it had sent. False at ``timeout``."""
         deadline = time.monotonic() + timeout
-
-        def gone(p: UcxPeer) -> bool:
-            if p.gone or (p.failed and p.failed != _UCS_ERR_TIMED_OUT):
-                return True
-            return peer.host_id == host_id() and not process_alive(peer.pid, peer.start_time)
-
-        if not self._peers.probe_until(peer, deadline, gone):
+        if not self._peers.probe_until(peer, deadline, lambda p: self.peer_gone(peer)):
             return False
         start = self.generation
         self._lib.pdu_signal(self._h)
