@@ -131,13 +131,15 @@ def cflags(openmp: bool) -> tuple[list[str], list[str]]:
 
 def ffi_builder(module: str, preamble: str, *, cdef: str, sources: list[str], include_dirs: list[str],
                 openmp: bool, absolute_sources: bool, extra_compile_args: tuple[str, ...] = (),
-                libraries: tuple[str, ...] = ()):
+                libraries: tuple[str, ...] = (), library_dirs: tuple[str, ...] = (),
+                extra_link_args: tuple[str, ...] = ()):
     """One cffi (API mode) builder: `module` compiled from `preamble` plus `sources` (absolute paths)
     with this machine's `cflags(openmp)` and then the builder's own `extra_compile_args`.
 
     absolute_sources: setuptools wants the C files relative to its working directory (the
     repository root; it refuses absolute paths), cffi's own compile() runs in a temporary directory
-    and needs them absolute."""
+    and needs them absolute. library_dirs / extra_link_args: where `libraries` live when not on
+    the system's path (fabric._ucx: the libucx wheel's lib/, with its rpath)."""
     from cffi import FFI
 
     compile_args, link_args = cflags(openmp)
@@ -149,8 +151,9 @@ def ffi_builder(module: str, preamble: str, *, cdef: str, sources: list[str], in
         sources=list(sources) if absolute_sources else [os.path.relpath(p) for p in sources],
         include_dirs=list(include_dirs),
         libraries=list(libraries),
+        library_dirs=list(library_dirs),
         extra_compile_args=[*compile_args, *extra_compile_args],
-        extra_link_args=link_args,
+        extra_link_args=[*link_args, *extra_link_args],
     )
     return builder
 

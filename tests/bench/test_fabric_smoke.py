@@ -37,6 +37,17 @@ def test_transfer_one_row(bench):
     assert_stamped(md, "bench.fabric.transfer")
 
 
+def test_ucx_one_row(bench):
+    run = bench("bench.fabric.ucx", "--sizes", "262144", "--bytes", str(4 << 20), "--repeat", "1",
+                "--backends", "ucx-tcp", "--no-perftest", "--record", "--tag", "smoke", "--results-dir", "{out}")
+    data = run.json("ucx-smoke")
+    assert positive(data["rows"]["ucx-tcp"]["262144"][0]), data
+    assert_json_stamped(data, "bench.fabric.ucx")
+    md = run.md("ucx-smoke")
+    assert "| 256 KiB |" in md
+    assert_stamped(md, "bench.fabric.ucx")
+
+
 @native.skip_unless_built(checksum.available(), "the checksum extension", checksum.unavailable_reason())
 def test_checksum(bench):
     run = bench("bench.fabric.checksum", "--repeat", "3", "--record", "--results-dir", "{out}")

@@ -14,6 +14,10 @@ for path in (_HERE, _ROOT):
         sys.path.insert(0, path)
 
 PROVIDERS = ["shm", "tcp;ofi_rxm"]
+# The TransferBackends (fabric.open_backend) the seam-level tests run over: the libfabric providers,
+# and UCX (issue 32) with the transports it picks itself (on one host: shared memory) and with
+# UCX_TLS=tcp (its TCP path, as between hosts).
+BACKENDS = [*PROVIDERS, "ucx", "ucx-tcp"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -40,3 +44,24 @@ def _need_extension() -> None:
 @pytest.fixture(params=PROVIDERS)
 def provider(request: pytest.FixtureRequest) -> str:
     return request.param
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The provider name for FabricConfig: "ucx-tcp" is "ucx" with UCX_TLS=tcp in the environment
+    (this process's and the peer processes' it spawns)."""
+    if request.param.startswith("ucx"):
+        _need_ucx()
+    if request.param == "ucx-tcp":
+        monkeypatch.setenv("UCX_TLS", "tcp")
+        return "ucx"
+    return request.param
+
+
+def _need_ucx() -> None:
+    from fabric.ucx import load_native
+
+    try:
+        load_native()   # the libucx wheel's libraries, then the extension
+    except ImportError as exc:
+        pytest.fail(f"fabric._ucx does not import ({exc}): run `python fabric/_ucx_build.py` or scripts/setup.sh")

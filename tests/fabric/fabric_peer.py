@@ -26,10 +26,10 @@ def digest(buf: memoryview, offset: int, length: int) -> str:
 
 
 def _serve(conn: Any, config: FabricConfig, pool_bytes: int, netns: str | None) -> None:
-    from fabric import TransferEngine
+    from fabric import open_backend
     from pdserve.engine.cache.hostmem import alloc_buffer
 
-    engine = TransferEngine(config)
+    engine = open_backend(config)
     pool = alloc_buffer(pool_bytes)
     region = engine.register(pool.view)
     fired: dict[int, int] = {}

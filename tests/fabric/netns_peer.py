@@ -1,7 +1,9 @@
 """One side of the cross-namespace transfer test; run inside `ip netns exec`.
 
-    python netns_peer.py receive NODE SEED   -> prints its descriptor, then digests
-    python netns_peer.py send NODE SEED      -> reads the receiver's descriptor on stdin
+    python netns_peer.py receive NODE SEED PROVIDER   -> prints its descriptor, then digests
+    python netns_peer.py send NODE SEED PROVIDER      -> reads the receiver's descriptor on stdin
+
+PROVIDER: "tcp;ofi_rxm" or "ucx" (fabric.open_backend picks the backend).
 
 Lines on stdout are JSON; descriptors travel pickled in base64.
 """
@@ -19,7 +21,7 @@ import threading
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
 
-from fabric import FabricConfig, PageWrites, TransferEngine  # noqa: E402
+from fabric import FabricConfig, PageWrites, open_backend  # noqa: E402
 from pdserve.engine.cache.hostmem import alloc_buffer  # noqa: E402
 
 POOL = 32 << 20
@@ -46,10 +48,10 @@ def out(obj: dict) -> None:
 
 
 def main() -> int:
-    role, node, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    config = FabricConfig(provider="tcp;ofi_rxm", node=node, peer_timeout_s=5.0)
+    role, node, seed, provider = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    config = FabricConfig(provider=provider, node=node, peer_timeout_s=5.0)
     batches = plan(seed)
-    with TransferEngine(config) as engine:
+    with open_backend(config) as engine:
         pool = alloc_buffer(POOL)
         region = engine.register(pool.view)
         if role == "receive":

@@ -10,7 +10,7 @@ import pytest
 from fabric_peer import PeerProcess
 from support.wait import wait_until
 
-from fabric import FabricConfig, FabricError, ImmCounter, PageWrites, TransferEngine
+from fabric import FabricConfig, FabricError, ImmCounter, PageWrites, TransferEngine, open_backend
 from fabric.errors import fi_strerror
 from pdserve.engine.cache.hostmem import alloc_buffer
 
@@ -24,10 +24,10 @@ def _never(*args: object) -> None:
 
 
 @pytest.fixture
-def pair(provider: str):
-    config = FabricConfig(provider=provider, node="127.0.0.1")
-    a = TransferEngine(config)
-    b = TransferEngine(config)
+def pair(backend: str):
+    config = FabricConfig(provider=backend, node="127.0.0.1")
+    a = open_backend(config)
+    b = open_backend(config)
     src = a.register(alloc_buffer(MiB, huge_pages=False).view)
     dst = b.register(alloc_buffer(MiB, huge_pages=False).view)
     yield a, b, src, dst
@@ -35,7 +35,7 @@ def pair(provider: str):
     b.close()
 
 
-def _assert_nothing_posted(a: TransferEngine, b: TransferEngine, src, dst) -> None:
+def _assert_nothing_posted(a, b, src, dst) -> None:
     """Fence: a good write with another tag, posted after the refused ones, lands; anything the
     refused calls had posted on the same connection would have landed before it."""
     assert a.outstanding() == 0
@@ -94,7 +94,7 @@ def test_unregistered_memory_is_refused(pair) -> None:
 
 
 @pytest.mark.timeout(30)
-def test_stale_descriptors_in_process(pair, provider: str) -> None:
+def test_stale_descriptors_in_process(pair, backend: str) -> None:
     a, b, src, dst = pair
     other = b.register(alloc_buffer(MiB).view)
     stale_region = other.descriptor
@@ -102,7 +102,7 @@ def test_stale_descriptors_in_process(pair, provider: str) -> None:
     with pytest.raises(FabricError, match="region .* was deregistered") as info:
         a.write(PageWrites(src, [0], stale_region, [0], [4096], 5), _never, _never)
     assert info.value.code == 2  # FI_ENOENT
-    c = TransferEngine(FabricConfig(provider=provider, node="127.0.0.1"))
+    c = open_backend(FabricConfig(provider=backend, node="127.0.0.1"))
     gone = c.register(alloc_buffer(MiB).view).descriptor
     c.close()
     with pytest.raises(FabricError, match="engine .* is closed"):
@@ -111,10 +111,10 @@ def test_stale_descriptors_in_process(pair, provider: str) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_stale_descriptors_from_another_process(provider: str) -> None:
+def test_stale_descriptors_from_another_process(backend: str) -> None:
     """The owner tells the peers it knows: deregistered regions and closed engines."""
-    config = FabricConfig(provider=provider, node="127.0.0.1")
-    engine = TransferEngine(config)
+    config = FabricConfig(provider=backend, node="127.0.0.1")
+    engine = open_backend(config)
     peer = PeerProcess.start(config, MiB)
     try:
         src = engine.register(alloc_buffer(MiB).view)
@@ -144,15 +144,15 @@ def test_stale_descriptors_from_another_process(provider: str) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_stale_descriptor_refused_by_a_writer_that_connects_later(provider: str) -> None:
+def test_stale_descriptor_refused_by_a_writer_that_connects_later(backend: str) -> None:
     """The owner never knew this writer when it deregistered; the handshake tells it.
 
     On shm nothing at the target would stop the write (no key check: process_vm_writev into the
     old addresses), so the refusal before posting is the protection.
     """
-    config = FabricConfig(provider=provider, node="127.0.0.1")
+    config = FabricConfig(provider=backend, node="127.0.0.1")
     owner = PeerProcess.start(config, MiB)
-    engine = TransferEngine(config)
+    engine = open_backend(config)
     try:
         stale = owner.descriptor  # obtained before the deregistration, never used yet
         owner.call("deregister")
@@ -190,8 +190,8 @@ def test_config_validation_names_values() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_register_checks_buffers(provider: str) -> None:
-    with TransferEngine(FabricConfig(provider=provider, node="127.0.0.1")) as engine:
+def test_register_checks_buffers(backend: str) -> None:
+    with open_backend(FabricConfig(provider=backend, node="127.0.0.1")) as engine:
         with pytest.raises(ValueError, match="read-only"):
             engine.register(b"immutable bytes")
         with pytest.raises(ValueError, match="not contiguous"):

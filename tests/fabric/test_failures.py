@@ -10,10 +10,13 @@ import numpy as np
 import pytest
 from fabric_peer import PeerProcess, digest
 
-from fabric import FabricConfig, FabricError, PageWrites, TransferEngine
+from fabric import FabricConfig, FabricError, PageWrites, TransferEngine, open_backend
 from pdserve.engine.cache.hostmem import alloc_buffer
 
 MiB = 1 << 20
+# batches posted to the peer that is killed: ~4.8 GB, more than a fast transport (UCX over tcp
+# zero-copy, ~4 GB/s here) lands while a loaded machine delays the kill
+DOOMED = 600
 
 
 class _Outcomes:
@@ -36,10 +39,10 @@ class _Outcomes:
 
 
 @pytest.mark.timeout(60)
-def test_receiver_killed_mid_transfer_fails_every_batch(provider: str) -> None:
-    config = FabricConfig(provider=provider, node="127.0.0.1", peer_timeout_s=2.0, close_timeout_s=2.0)
+def test_receiver_killed_mid_transfer_fails_every_batch(backend: str) -> None:
+    config = FabricConfig(provider=backend, node="127.0.0.1", peer_timeout_s=2.0, close_timeout_s=2.0)
     peer = PeerProcess.start(config, 32 * MiB)
-    engine = TransferEngine(config)
+    engine = open_backend(config)
     try:
         src = alloc_buffer(32 * MiB)
         region = engine.register(src.view)
@@ -80,16 +83,16 @@ def test_receiver_killed_mid_transfer_fails_every_batch(provider: str) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_other_peers_keep_working_after_one_dies(provider: str) -> None:
+def test_other_peers_keep_working_after_one_dies(backend: str) -> None:
     """A peer killed with hundreds of writes outstanding must not jam the endpoint.
 
     shm retires an endpoint's completions in order, so the dead peer's writes would hold back
     every later completion; the engine gives each shm peer its own transmit endpoint.
     """
-    config = FabricConfig(provider=provider, node="127.0.0.1", peer_timeout_s=2.0, close_timeout_s=2.0)
+    config = FabricConfig(provider=backend, node="127.0.0.1", peer_timeout_s=2.0, close_timeout_s=2.0)
     doomed = PeerProcess.start(config, 32 * MiB)
     healthy = PeerProcess.start(config, 32 * MiB)
-    engine = TransferEngine(config)
+    engine = open_backend(config)
     try:
         src = alloc_buffer(32 * MiB)
         src.numpy()[:] = np.arange(32 * MiB, dtype=np.uint64).astype(np.uint8)
@@ -100,7 +103,7 @@ def test_other_peers_keep_working_after_one_dies(provider: str) -> None:
         first = _Outcomes()
         engine.write(PageWrites(region, [0], healthy.descriptor, [0], [4096], 1), first.on_done, first.on_error)
         doomed_out = _Outcomes()
-        for i in range(300):
+        for i in range(DOOMED):
             engine.write(PageWrites(region, offs, doomed.descriptor, offs[::-1].copy(), lens, i),
                          doomed_out.on_done, doomed_out.on_error)
         deadline = time.monotonic() + 20
@@ -108,9 +111,10 @@ def test_other_peers_keep_working_after_one_dies(provider: str) -> None:
             time.sleep(0.001)
         doomed.kill()
         deadline = time.monotonic() + 10
-        while doomed_out.count() < 300 and time.monotonic() < deadline:
+        while doomed_out.count() < DOOMED and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert doomed_out.count() == 300 and doomed_out.errors, (doomed_out.count(), engine.shm_locks_released)
+        locks = getattr(engine, "shm_locks_released", None)   # libfabric's shm watchdog (not UCX)
+        assert doomed_out.count() == DOOMED and doomed_out.errors, (doomed_out.count(), locks)
         # the healthy peer still gets writes and messages, byte for byte
         healthy.call("expect", [(0x77, 3 * 32)])
         out = _Outcomes()
@@ -126,7 +130,7 @@ def test_other_peers_keep_working_after_one_dies(provider: str) -> None:
         want = [digest(src.view, int(o), page) for o in offs]
         assert got == want
         assert engine.outstanding() == 0
-        print(f"dead peer's region locks released by the watchdog: {engine.shm_locks_released}")
+        print(f"dead peer's region locks released by the watchdog: {getattr(engine, 'shm_locks_released', None)}")
     finally:
         engine.close()
         healthy.stop()
@@ -135,9 +139,9 @@ def test_other_peers_keep_working_after_one_dies(provider: str) -> None:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["kill", "close"])
-def test_cancel_then_reuse_only_after_sender_gone(provider: str, how: str) -> None:
-    config = FabricConfig(provider=provider, node="127.0.0.1", imm_mode="last")
-    receiver = TransferEngine(config)
+def test_cancel_then_reuse_only_after_sender_gone(backend: str, how: str) -> None:
+    config = FabricConfig(provider=backend, node="127.0.0.1", imm_mode="last")
+    receiver = open_backend(config)
     sender = PeerProcess.start(config, 8 * MiB)
     try:
         pool = alloc_buffer(8 * MiB)

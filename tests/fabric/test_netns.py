@@ -55,9 +55,14 @@ def namespaces():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
 
-def _start(ns: str, role: str, node: str, seed: int) -> subprocess.Popen:
+def _start(ns: str, role: str, node: str, seed: int, provider: str) -> subprocess.Popen:
+    # ucx: UCX_TLS=tcp, so that the bytes cross the veth pair (the namespaces share a kernel and
+    # /dev/shm: UCX would otherwise pick shared memory between them)
+    env = dict(os.environ, UCX_TLS="tcp") if provider == "ucx" else None
     return subprocess.Popen(
-        ["ip", "netns", "exec", ns, sys.executable, os.path.join(HERE, "netns_peer.py"), role, node, str(seed)],
+        ["ip", "netns", "exec", ns, sys.executable, os.path.join(HERE, "netns_peer.py"), role, node, str(seed),
+         provider],
+        env=env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -80,15 +85,16 @@ def _line(proc: subprocess.Popen, timeout: float) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_transfer_between_network_namespaces(namespaces) -> None:
+@pytest.mark.parametrize("provider", ["tcp;ofi_rxm", "ucx"])
+def test_transfer_between_network_namespaces(namespaces, provider: str) -> None:
     (ns_a, addr_a), (ns_b, addr_b) = namespaces
     seed = 20251
-    receiver = _start(ns_a, "receive", addr_a, seed)
+    receiver = _start(ns_a, "receive", addr_a, seed, provider)
     sender = None
     try:
         desc = _line(receiver, 30)
         assert "descriptor" in desc, desc
-        sender = _start(ns_b, "send", addr_b, seed)
+        sender = _start(ns_b, "send", addr_b, seed, provider)
         sender.stdin.write(json.dumps(desc) + "\n")
         sender.stdin.flush()
         sent = _line(sender, 60)
