@@ -14,6 +14,8 @@ cannot take every slot), and Health answers with every decode node's state. A gR
 message must be taken by the client within RouterConfig.write_timeout_s (router.clients.write_deadline):
 a client that reads nothing is cut (DEADLINE_EXCEEDED), its slots freed and the forwarded call
 closed, which cancels it on the decode node; the HTTP API applies the same deadline to SSE events.
+A gRPC RESOURCE_EXHAUSTED answer carries the retry hint (HTTP's Retry-After, whole seconds) as
+trailing metadata `retry-after`.
 Generate, Abort and ListModels are otherwise the forwarder's, unchanged, for gRPC and HTTP alike:
 an HTTP request is one more Generate call, whose cancellation reaches the nodes the same way (R4).
 
@@ -35,6 +37,8 @@ from router.config import RouterConfig
 from router.limits import RequestLimits, check_request
 from router.nodes import NodePool
 from router.service import RouterGenerateService
+
+RETRY_AFTER_KEY = "retry-after"   # trailing metadata of a RESOURCE_EXHAUSTED answer: seconds to wait
 
 
 class _NoDeadline:
@@ -78,11 +82,15 @@ class RouterFront(generate_pb2_grpc.GenerateServiceServicer):
     ) -> None:
         # Written with context.write, not yielded, so that each write has its deadline.
         check_request(request, self.limits, self.context_length())
-        with self.admit(grpc_client(context.invocation_metadata(), context.peer()), "grpc"):
-            async with contextlib.aclosing(self.forward.Generate(request, context)) as stream:
-                async for response in stream:
-                    async with write_deadline(self.write_timeout_s, "grpc", request.request_id):
-                        await context.write(response)
+        try:
+            with self.admit(grpc_client(context.invocation_metadata(), context.peer()), "grpc"):
+                async with contextlib.aclosing(self.forward.Generate(request, context)) as stream:
+                    async for response in stream:
+                        async with write_deadline(self.write_timeout_s, "grpc", request.request_id):
+                            await context.write(response)
+        except ResourceExhaustedError as e:   # HTTP's Retry-After, as trailing metadata (whole seconds)
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, e.retry_after_header),))
+            raise
 
     async def Abort(  # gRPC method name
         self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -98,14 +98,14 @@ class Rig:
         self.ports = free_ports(nodes)
         self.fakes = [FakeDecode(f"fake-{i}") for i in range(nodes)]
         self.limits = limits
-        self.config = {"write_timeout_s": WRITE_TIMEOUT_S, **config}
+        self.config = {"write_timeout_s": WRITE_TIMEOUT_S, "health_interval_s": 0.2, "health_timeout_s": 2.0,
+                       **config}
         self.servers: list[grpc.aio.Server] = []
 
     async def __aenter__(self) -> Rig:
         for fake, port in zip(self.fakes, self.ports, strict=True):
             self.servers.append(await start_fake(fake, port))
-        config = RouterConfig(port=0, decode_nodes=tuple(f"127.0.0.1:{p}" for p in self.ports),
-                              health_interval_s=0.2, health_timeout_s=2.0, **self.config)
+        config = RouterConfig(port=0, decode_nodes=tuple(f"127.0.0.1:{p}" for p in self.ports), **self.config)
         self.router = RouterServer(config, HttpConfig(port=0), self.limits)
         port = await self.router.start()
         await async_wait_until(lambda: len(self.router.pool.healthy()) == len(self.fakes), WAIT, "every fake healthy")
@@ -276,11 +276,13 @@ def test_one_client_is_capped_by_key_or_peer_on_http_and_grpc_together():
             await async_wait_until(lambda: len(fake.seen) == 1, WAIT, "key a's request running")
             status, headers, text = await rig.post({"prompt": "hi", "max_tokens": 2}, headers=key_a)
             assert status == 429 and headers["Retry-After"] == "3", text
+            assert "rate_limit_error" in text
             assert "per-client cap (max 1)" in json.loads(text)["error"]["message"]
             assert "key-a" not in text   # the key is named by its hash only
             with pytest.raises(grpc.aio.AioRpcError) as err:   # the same key over gRPC: the same client
                 await rig.complete_grpc(metadata=(("authorization", key_a["Authorization"]),))
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert ("retry-after", "3") in tuple(err.value.trailing_metadata())
             # Another key, and this host without a key, are other clients.
             status, _, text = await rig.post({"prompt": "hi", "max_tokens": 2},
                                              headers={"Authorization": "Bearer key-b-0123456789"})
@@ -357,6 +359,7 @@ def test_decode_nodes_answering_resource_exhausted_reach_clients_as_429_with_ret
                 await rig.complete_grpc()
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "fake-0 has 4 requests waiting" in err.value.details()
+            assert ("retry-after", "2") in tuple(err.value.trailing_metadata())
             assert all(n.healthy for n in rig.router.pool.nodes)   # full is not down
             assert rig.router.gate.inflight == 0 and rig.router.clients.inflight == {}
             rig.fakes[1].full = None
@@ -364,3 +367,22 @@ def test_decode_nodes_answering_resource_exhausted_reach_clients_as_429_with_ret
 
     run(go())
 
+
+
+def test_one_node_full_and_the_other_unreachable_is_back_pressure_not_unavailable():
+    # No poll after the first (health_interval_s far beyond the test): the router still counts the
+    # stopped node healthy, so the request reaches the full node first (first by rank when idle),
+    # then the stopped one, which fails UNAVAILABLE before answering: with nowhere left to go, the
+    # answer is the full node's back-pressure.
+    async def go():
+        async with Rig(nodes=2, retry_after_s=2.0, health_interval_s=600.0) as rig:
+            rig.fakes[0].full = "fake-0 has 4 requests waiting for their first token, its cap (max 4)"
+            await rig.servers[1].stop(0)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await rig.complete_grpc()
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+            assert "fake-0 has 4 requests waiting" in err.value.details()
+            status, headers, text = await rig.post({"prompt": "hi", "max_tokens": 2})
+            assert status == 429 and headers["Retry-After"] == "2", text
+
+    run(go())
