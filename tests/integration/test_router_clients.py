@@ -386,3 +386,14 @@ def test_one_node_full_and_the_other_unreachable_is_back_pressure_not_unavailabl
             assert status == 429 and headers["Retry-After"] == "2", text
 
     run(go())
+
+
+def test_the_new_settings_are_validated_naming_the_value():
+    with pytest.raises(ValueError, match=r"max_inflight_per_client must be an integer >= 1, got 0"):
+        RouterConfig(decode_nodes=("127.0.0.1:1",), max_inflight_per_client=0)
+    with pytest.raises(ValueError, match=r"write_timeout_s must be > 0, got 0"):
+        RouterConfig(decode_nodes=("127.0.0.1:1",), write_timeout_s=0)
+    with pytest.raises(ValueError, match=r"message_bytes must be an integer >= 1024 .* got 10"):
+        RequestLimits(message_bytes=10)
+    assert RequestLimits(max_prompt_bytes=1024).max_message_bytes == 6 * 1024 + (1 << 20)
+    assert RequestLimits(message_bytes=4096).max_message_bytes == 4096
