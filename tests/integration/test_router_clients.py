@@ -299,7 +299,9 @@ def test_one_client_is_capped_by_key_or_peer_on_http_and_grpc_together():
             assert (await stream.read()).finish_reason == generate_pb2.FINISH_REASON_LENGTH
             assert counter("pdserve:router_client_cap_refusals_total", api="http") == refused0["http"] + 2
             assert counter("pdserve:router_client_cap_refusals_total", api="grpc") == refused0["grpc"] + 1
-            assert rig.router.clients.inflight == {} and rig.router.gate.inflight == 0
+            # the handlers end just after their last message: wait for them
+            await async_wait_until(lambda: rig.router.clients.inflight == {} and rig.router.gate.inflight == 0,
+                                   WAIT, "every slot released")
 
     run(go())
 
