@@ -1,6 +1,6 @@
 """Slow clients cannot pin a real cluster (issue 33 item 3, S8): a router process with
 `--stream-write-timeout-s 2 --max-inflight-requests 2` in front of one colocated node (a tiny
-model: fast tokens). Two raw TCP clients with a small receive buffer each start a long SSE stream
+model: fast tokens). Two raw TCP clients with a small receive buffer and MSS each start a long SSE stream
 and never read; once their socket buffers are full the router's writes wait, and past the write
 deadline the router drops them: the metric counts both cuts, the decode node aborts both requests
 (every page free, nothing outstanding), the cut streams never got their `[DONE]`, and a normal
@@ -24,6 +24,7 @@ from support.wait import wait_until
 WRITE_TIMEOUT_S = 2.0
 WAIT = 120.0          # every wait in this file is bounded by this many seconds
 SMALL_RCVBUF = 4096
+SMALL_MSS = 536       # the minimum IPv4 MSS
 MAX_TOKENS = 1900     # the tiny model's context is 2048: far more SSE bytes than the buffers hold
 
 
@@ -48,9 +49,12 @@ def _post(url: str, body: dict) -> tuple[int, str]:
 
 
 def _slow_client(host: str, port: int, prompt: str) -> socket.socket:
-    """Connects with a small receive buffer (set before connecting), sends one SSE request, never reads."""
+    """Connects with a small receive buffer and segment size (set before connecting), sends one SSE
+    request, never reads. The small MSS keeps the router's send buffer small: on loopback (MTU 64 KiB)
+    the kernel otherwise grows it to megabytes, more than the whole answer."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_RCVBUF)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, SMALL_MSS)
     sock.settimeout(WAIT)
     sock.connect((host, port))
     payload = json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0,
