@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="N",
                    help="Generate calls one client may have in flight at once (HTTP and gRPC together); more are "
                         "refused with RESOURCE_EXHAUSTED / HTTP 429. A client is its API key (Authorization: "
-                        "Bearer KEY) when it sends one, else its peer address "
+                        "Bearer KEY; not the router's own --auth-token) when it sends one, else its peer address "
                         f"(default {RouterConfig.max_inflight_per_client})")
     p.add_argument("--stream-write-timeout-s", type=float, default=RouterConfig.write_timeout_s, metavar="S",
                    help="cut a streamed answer (SSE or gRPC) whose client takes no message for S seconds (it reads "

@@ -8,7 +8,9 @@ and the write deadline of a streamed answer (RouterConfig.write_timeout_s).
 
 A client is its API key when it sends one (`Authorization: Bearer KEY`: HTTP header or gRPC
 metadata), named by a short SHA-256 of the key so that no secret reaches a log line or an error
-message; else its peer address without the port (every connection of one host is one client).
+message; else its peer address without the port (every connection of one host is one client). The router's own
+gRPC token (--auth-token-file), which every gRPC client of a token-secured router sends, is no
+client's key: such calls are keyed by peer.
 Clients behind one proxy, or sharing one key, share one cap.
 
 A write deadline bounds one wait: the write of one streamed message, which blocks only once the
@@ -71,12 +73,15 @@ def peer_host(peer: str | None) -> str:
     return peer
 
 
-def grpc_client(metadata: Sequence[tuple[str, str | bytes]] | None, peer: str | None) -> str:
-    """The client of a gRPC call: its bearer key's hash (`authorization` metadata), else 'peer:<host>'."""
+def grpc_client(metadata: Sequence[tuple[str, str | bytes]] | None, peer: str | None,
+                shared_token: str | None = None) -> str:
+    """The client of a gRPC call: its bearer key's hash (`authorization` metadata), else 'peer:<host>'.
+    shared_token: the router's own --auth-token (every gRPC client of that router sends it, so it
+    names no one client): a call bearing it is keyed by its peer."""
     for name, value in metadata or ():
         if name.lower() == AUTH_KEY:
             key = _bearer(value)
-            if key is not None:
+            if key is not None and key != shared_token:
                 return _key_name(key)
     return f"peer:{peer_host(peer)}"
 

@@ -39,7 +39,8 @@ class RouterConfig:
     max_inflight_per_client: Generate calls one client may have in flight at once (HTTP and gRPC
         together); one more is refused like a full router. A client is its API key when it sends
         one (`Authorization: Bearer KEY`, on HTTP or as gRPC metadata), else its peer address
-        (the host, without the port): clients sharing one key, or one proxy, share one cap.
+        (the host, without the port; the router's own gRPC token names no client): clients sharing
+        one key, or one proxy, share one cap.
     write_timeout_s: how long one streamed message (an SSE event, a gRPC stream message) may wait
         for the client to take it (its socket buffers full: it reads nothing); past it the stream
         is cut, its admission slots freed and its downstream call cancelled (the decode node

@@ -54,13 +54,14 @@ class RouterFront(generate_pb2_grpc.GenerateServiceServicer):
 
     def __init__(self, forward: RouterGenerateService, pool: NodePool, limits: RequestLimits,
                  gate: AdmissionGate | None = None, clients: ClientGate | None = None,
-                 write_timeout_s: float = RouterConfig.write_timeout_s) -> None:
+                 write_timeout_s: float = RouterConfig.write_timeout_s, shared_token: str | None = None) -> None:
         self.forward = forward
         self.pool = pool
         self.limits = limits
         self.gate = gate or AdmissionGate("the router", max_inflight=RouterConfig.max_inflight_requests)
         self.clients = clients or ClientGate("the router", max_per_client=RouterConfig.max_inflight_per_client)
         self.write_timeout_s = write_timeout_s
+        self._shared_token = shared_token   # the router's gRPC --auth-token: names no one client
 
     @contextlib.contextmanager
     def admit(self, client: str, api: str) -> Iterator[None]:
@@ -83,7 +84,7 @@ class RouterFront(generate_pb2_grpc.GenerateServiceServicer):
         # Written with context.write, not yielded, so that each write has its deadline.
         check_request(request, self.limits, self.context_length())
         try:
-            with self.admit(grpc_client(context.invocation_metadata(), context.peer()), "grpc"):
+            with self.admit(grpc_client(context.invocation_metadata(), context.peer(), self._shared_token), "grpc"):
                 async with contextlib.aclosing(self.forward.Generate(request, context)) as stream:
                     async for response in stream:
                         async with write_deadline(self.write_timeout_s, "grpc", request.request_id):

@@ -57,7 +57,8 @@ class RouterServer:
                                   retry_after_s=config.retry_after_s)
         self.clients = ClientGate("the router", max_per_client=config.max_inflight_per_client,
                                   retry_after_s=config.retry_after_s)
-        self.front = RouterFront(self.service, self.pool, self.limits, self.gate, self.clients, config.write_timeout_s)
+        self.front = RouterFront(self.service, self.pool, self.limits, self.gate, self.clients, config.write_timeout_s,
+                                 config.security.token)
         self.http = HttpApi(self.front, http, self.limits, config.shutdown_grace_s,
                             config.write_timeout_s) if http is not None else None
         self._server: grpc.aio.Server | None = None

@@ -263,6 +263,9 @@ def test_client_keys_are_the_api_key_hash_or_the_peer_host():
     assert a != http_client("Bearer sk-secret-b", "10.0.0.7")
     assert http_client(None, "10.0.0.7") == http_client("Basic abc", "10.0.0.7") == "peer:10.0.0.7"
     assert grpc_client([], "ipv4:10.0.0.7:5123") == "peer:10.0.0.7"
+    # the router's own gRPC token is every client's: keyed by peer
+    assert grpc_client([("authorization", "Bearer cluster-token")], "ipv4:10.0.0.7:1", "cluster-token") == \
+        "peer:10.0.0.7"
     assert peer_host("ipv6:[::1]:5123") == "::1" and peer_host("unix:/tmp/s") == "unix:/tmp/s"
 
 
