@@ -12,7 +12,7 @@ from pdserve.serving.channels import add_security_args, security_from_args
 from pdserve.serving.logs import add_log_args, setup_logging
 from router.config import RouterConfig
 from router.http_api import HttpConfig
-from router.limits import RequestLimits
+from router.limits import RequestLimits, default_message_bytes
 from router.policy import add_routing_args, routing_from_args
 
 logger = logging.getLogger("router")
@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-bytes", type=int, default=RequestLimits.max_prompt_bytes, metavar="N",
                    help="refuse prompts larger than N bytes before tokenizing them "
                         f"(default {RequestLimits.max_prompt_bytes})")
+    p.add_argument("--max-message-bytes", type=int, default=None, metavar="N",
+                   help="refuse a request larger than N bytes on the wire before parsing it: HTTP 413, gRPC "
+                        "RESOURCE_EXHAUSTED (default: 6 x --max-prompt-bytes + 1 MiB, "
+                        f"{default_message_bytes(RequestLimits.max_prompt_bytes)} with the default prompt limit)")
     p.add_argument("--decode", required=True, metavar="HOST:PORT[,HOST:PORT...]",
                    help="decode (or colocated) nodes to forward to")
     p.add_argument("--health-interval", type=float, default=1.0, metavar="S",
@@ -44,6 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inflight-requests", type=int, default=RouterConfig.max_inflight_requests, metavar="N",
                    help="Generate calls served at once; more are refused with RESOURCE_EXHAUSTED / HTTP 429 "
                         f"(default {RouterConfig.max_inflight_requests})")
+    p.add_argument("--max-inflight-per-client", type=int, default=RouterConfig.max_inflight_per_client,
+                   metavar="N",
+                   help="Generate calls one client may have in flight at once (HTTP and gRPC together); more are "
+                        "refused with RESOURCE_EXHAUSTED / HTTP 429. A client is its API key (Authorization: "
+                        "Bearer KEY; not the router's own --auth-token) when it sends one, else its peer address "
+                        f"(default {RouterConfig.max_inflight_per_client})")
+    p.add_argument("--stream-write-timeout-s", type=float, default=RouterConfig.write_timeout_s, metavar="S",
+                   help="cut a streamed answer (SSE or gRPC) whose client takes no message for S seconds (it reads "
+                        "nothing, its socket buffers are full): its slot is freed and the request cancelled on "
+                        f"the decode node (default {RouterConfig.write_timeout_s:g})")
     p.add_argument("--max-migrations", type=int, default=RouterConfig.max_migrations, metavar="N",
                    help="times a request may move to another decode node after its node failed mid-stream "
                         f"(default {RouterConfig.max_migrations})")
@@ -69,10 +83,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                               load_timeout_s=args.load_timeout, routing=routing_from_args(args),
                               request_timeout_s=args.request_timeout_s,
                               max_inflight_requests=args.max_inflight_requests, max_migrations=args.max_migrations,
+                              max_inflight_per_client=args.max_inflight_per_client,
+                              write_timeout_s=args.stream_write_timeout_s,
                               security=security_from_args(args))
         http = HttpConfig(host=args.host, port=args.http_port, idle_timeout_s=args.http_idle_timeout_s,
                           body_timeout_s=args.http_body_timeout_s) if args.http_port is not None else None
-        limits = RequestLimits(max_prompt_bytes=args.max_prompt_bytes)
+        limits = RequestLimits(max_prompt_bytes=args.max_prompt_bytes, message_bytes=args.max_message_bytes)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

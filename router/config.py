@@ -36,6 +36,15 @@ class RouterConfig:
     max_inflight_requests: Generate calls (HTTP and gRPC together) the router serves at once; one
         more is refused with RESOURCE_EXHAUSTED / HTTP 429 and Retry-After (S8).
     retry_after_s: the retry hint of such a refusal (HTTP Retry-After, whole seconds).
+    max_inflight_per_client: Generate calls one client may have in flight at once (HTTP and gRPC
+        together); one more is refused like a full router. A client is its API key when it sends
+        one (`Authorization: Bearer KEY`, on HTTP or as gRPC metadata), else its peer address
+        (the host, without the port; the router's own gRPC token names no client): clients sharing
+        one key, or one proxy, share one cap.
+    write_timeout_s: how long one streamed message (an SSE event, a gRPC stream message) may wait
+        for the client to take it (its socket buffers full: it reads nothing); past it the stream
+        is cut, its admission slots freed and its downstream call cancelled (the decode node
+        aborts the request), counted in pdserve:router_stream_write_timeouts_total.
     max_migrations: how many times one request may move to another decode node after the one
         serving it failed mid-stream (S10); 0 ends such a request with an error.
     routing: the decode-node selection policy and its knobs (least-loaded or prefix-aware).
@@ -53,6 +62,8 @@ class RouterConfig:
     request_timeout_s: float = 300.0
     max_inflight_requests: int = 4096
     retry_after_s: float = 1.0
+    max_inflight_per_client: int = 1024
+    write_timeout_s: float = 30.0
     max_migrations: int = 2
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     security: ChannelSecurity = PLAINTEXT  # its gRPC port and its channels to the nodes (mTLS, token; S9)
@@ -70,7 +81,7 @@ class RouterConfig:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         for name in ("health_interval_s", "health_timeout_s", "load_timeout_s", "shutdown_grace_s",
-                     "request_timeout_s", "retry_after_s"):
+                     "request_timeout_s", "retry_after_s", "write_timeout_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
@@ -81,6 +92,9 @@ class RouterConfig:
         if isinstance(self.max_inflight_requests, bool) or not isinstance(self.max_inflight_requests, int) \
                 or self.max_inflight_requests < 1:
             raise ValueError(f"max_inflight_requests must be an integer >= 1, got {self.max_inflight_requests!r}")
+        if isinstance(self.max_inflight_per_client, bool) or not isinstance(self.max_inflight_per_client, int) \
+                or self.max_inflight_per_client < 1:
+            raise ValueError(f"max_inflight_per_client must be an integer >= 1, got {self.max_inflight_per_client!r}")
         if isinstance(self.max_migrations, bool) or not isinstance(self.max_migrations, int) or self.max_migrations < 0:
             raise ValueError(f"max_migrations must be an integer >= 0, got {self.max_migrations!r}")
 

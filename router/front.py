@@ -8,7 +8,14 @@ What it adds to forwarding (router.service): every Generate request is checked f
 (router.limits.check_request: INVALID_ARGUMENT for malformed requests, before any node is
 bothered), then admitted through one AdmissionGate for gRPC and HTTP together (S8: more than
 RouterConfig.max_inflight_requests at once are refused with RESOURCE_EXHAUSTED, HTTP 429 with
-Retry-After; pdserve.serving.admission), and Health answers with every decode node's state.
+Retry-After; pdserve.serving.admission), after a per-client cap (RouterConfig.max_inflight_per_client:
+one client, by API key or peer address, router.clients, is refused the same way past it, so that it
+cannot take every slot), and Health answers with every decode node's state. A gRPC stream's every
+message must be taken by the client within RouterConfig.write_timeout_s (router.clients.write_deadline):
+a client that reads nothing is cut (DEADLINE_EXCEEDED), its slots freed and the forwarded call
+closed, which cancels it on the decode node; the HTTP API applies the same deadline to SSE events.
+A gRPC RESOURCE_EXHAUSTED answer carries the retry hint (HTTP's Retry-After, whole seconds) as
+trailing metadata `retry-after`.
 Generate, Abort and ListModels are otherwise the forwarder's, unchanged, for gRPC and HTTP alike:
 an HTTP request is one more Generate call, whose cancellation reaches the nodes the same way (R4).
 
@@ -18,15 +25,20 @@ Runs on the router's asyncio loop, like everything in the router.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
-from pdserve.serving.admission import AdmissionGate
+from pdserve.serving.admission import AdmissionGate, ClientGate, ResourceExhaustedError
+from pdserve.serving.metrics import router_metrics
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
+from router.clients import grpc_client, write_deadline
+from router.config import RouterConfig
 from router.limits import RequestLimits, check_request
 from router.nodes import NodePool
 from router.service import RouterGenerateService
+
+RETRY_AFTER_KEY = "retry-after"   # trailing metadata of a RESOURCE_EXHAUSTED answer: seconds to wait
 
 
 class _NoDeadline:
@@ -41,23 +53,45 @@ class RouterFront(generate_pb2_grpc.GenerateServiceServicer):
     """GenerateService as clients see it; also the HTTP API's backend (router.http_api.Backend)."""
 
     def __init__(self, forward: RouterGenerateService, pool: NodePool, limits: RequestLimits,
-                 gate: AdmissionGate | None = None) -> None:
+                 gate: AdmissionGate | None = None, clients: ClientGate | None = None,
+                 write_timeout_s: float = RouterConfig.write_timeout_s, shared_token: str | None = None) -> None:
         self.forward = forward
         self.pool = pool
         self.limits = limits
-        self.gate = gate or AdmissionGate("the router", max_inflight=4096)
+        self.gate = gate or AdmissionGate("the router", max_inflight=RouterConfig.max_inflight_requests)
+        self.clients = clients or ClientGate("the router", max_per_client=RouterConfig.max_inflight_per_client)
+        self.write_timeout_s = write_timeout_s
+        self._shared_token = shared_token   # the router's gRPC --auth-token: names no one client
+
+    @contextlib.contextmanager
+    def admit(self, client: str, api: str) -> Iterator[None]:
+        """One Generate call of `client` in flight: its per-client slot, then the router's
+        (ResourceExhaustedError when either is full); both released on leaving."""
+        try:
+            mine = self.clients.enter(client)
+        except ResourceExhaustedError:
+            router_metrics().client_refused.labels(api=api).inc()
+            raise
+        with mine, self.gate.enter() as ticket:
+            ticket.started()
+            yield
 
     # --- gRPC -------------------------------------------------------------------------------------
 
     async def Generate(  # gRPC method name
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    ) -> None:
+        # Written with context.write, not yielded, so that each write has its deadline.
         check_request(request, self.limits, self.context_length())
-        with self.gate.enter() as ticket:  # ResourceExhaustedError when full
-            ticket.started()
-            async with contextlib.aclosing(self.forward.Generate(request, context)) as stream:
-                async for response in stream:
-                    yield response
+        try:
+            with self.admit(grpc_client(context.invocation_metadata(), context.peer(), self._shared_token), "grpc"):
+                async with contextlib.aclosing(self.forward.Generate(request, context)) as stream:
+                    async for response in stream:
+                        async with write_deadline(self.write_timeout_s, "grpc", request.request_id):
+                            await context.write(response)
+        except ResourceExhaustedError as e:   # HTTP's Retry-After, as trailing metadata (whole seconds)
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, e.retry_after_header),))
+            raise
 
     async def Abort(  # gRPC method name
         self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -76,11 +110,12 @@ class RouterFront(generate_pb2_grpc.GenerateServiceServicer):
 
     # --- the HTTP API's backend -------------------------------------------------------------------
 
-    async def stream(self, request: generate_pb2.GenerateRequest) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        """Generate for an HTTP request; errors surface at the first `anext`, closing cancels it."""
+    async def stream(self, request: generate_pb2.GenerateRequest,
+                     client: str) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """Generate for an HTTP request of `client` (router.clients.http_client); errors surface at
+        the first `anext`, closing cancels it."""
         check_request(request, self.limits, self.context_length())
-        with self.gate.enter() as ticket:  # ResourceExhaustedError when full
-            ticket.started()
+        with self.admit(client, "http"):
             async with contextlib.aclosing(self.forward.Generate(request, _NoDeadline())) as stream:  # type: ignore[arg-type]
                 async for response in stream:
                     yield response

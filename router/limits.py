@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pdserve.serving.convert import Prompt, fit_context, sampling_from_pb
 from pdserve_api.v1 import generate_pb2
 
+MIN_MESSAGE_BYTES = 1024  # room for a request's fields besides its prompt
 MAX_ID_CHARS = 256  # request_id and model: they go into logs and metrics labels
 
 
@@ -25,21 +26,36 @@ MAX_ID_CHARS = 256  # request_id and model: they go into logs and metrics labels
 class RequestLimits:
     """max_prompt_bytes: the most UTF-8 bytes a text prompt (or all chat contents together) may
     have; 4 bytes per token-id entry count against it for token-id prompts. A guard in front of
-    tokenization, not the context length: a prompt under it can still be refused by the node."""
+    tokenization, not the context length: a prompt under it can still be refused by the node.
+
+    message_bytes: the most bytes one request may have on the wire (an HTTP body, a gRPC message),
+    enforced before it is parsed: HTTP 413 (a declared Content-Length over it is refused before
+    the body is read), gRPC RESOURCE_EXHAUSTED (the server's max receive message length). None:
+    `default_message_bytes(max_prompt_bytes)`, which lets a prompt somewhat over max_prompt_bytes
+    through to be refused with a clear INVALID_ARGUMENT naming its size."""
 
     max_prompt_bytes: int = 1 << 20
+    message_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_prompt_bytes, bool) or not isinstance(self.max_prompt_bytes, int) \
                 or self.max_prompt_bytes < 1:
             raise ValueError(f"max_prompt_bytes must be an integer >= 1, got {self.max_prompt_bytes!r}")
+        if self.message_bytes is not None and (isinstance(self.message_bytes, bool) or not isinstance(
+                self.message_bytes, int) or self.message_bytes < MIN_MESSAGE_BYTES):
+            raise ValueError(f"message_bytes must be an integer >= {MIN_MESSAGE_BYTES} (or None: derived from "
+                             f"max_prompt_bytes), got {self.message_bytes!r}")
 
     @property
     def max_message_bytes(self) -> int:
-        """A receive limit for whole messages that lets a too-large prompt through to be refused with
-        a clear INVALID_ARGUMENT (instead of the transport's RESOURCE_EXHAUSTED): a JSON body may
-        escape each prompt byte into up to 6 bytes (\\uXXXX), plus room for the other fields."""
-        return 6 * self.max_prompt_bytes + (1 << 20)
+        """The receive limit of whole messages (message_bytes, or its default)."""
+        return self.message_bytes if self.message_bytes is not None else default_message_bytes(self.max_prompt_bytes)
+
+
+def default_message_bytes(max_prompt_bytes: int) -> int:
+    """A JSON body may escape each prompt byte into up to 6 bytes (\\uXXXX), plus room for the other
+    fields: a prompt over max_prompt_bytes, but under this, is refused naming its size."""
+    return 6 * max_prompt_bytes + (1 << 20)
 
 
 def check_request(request: generate_pb2.GenerateRequest, limits: RequestLimits,

@@ -12,8 +12,10 @@ handler tasks and the NodePool's poller task. Both APIs go through one RouterFro
 requests checked against `limits` (router.limits), then forwarded (router.service). Health: the
 whole server ("") is SERVING while the router runs, and only once the HTTP API (if any) listens;
 the GenerateService entry is SERVING only while at least one decode node is healthy (a readiness
-probe can watch it). The gRPC server accepts messages up to 64 MiB (or `limits.max_message_bytes`
-if larger), so that a too-large prompt gets INVALID_ARGUMENT naming its size, not a transport error.
+probe can watch it). Both APIs refuse a request larger than `limits.max_message_bytes` before
+parsing it (gRPC: the server's max receive message length, RESOURCE_EXHAUSTED; HTTP: 413); that
+limit is above max_prompt_bytes, so that a prompt a little too large gets INVALID_ARGUMENT naming
+its size.
 `run(config, http, limits)` serves until SIGTERM or SIGINT, then stops gracefully and returns 0.
 """
 
@@ -26,7 +28,7 @@ import signal
 import grpc
 from grpc_health.v1 import health_pb2
 
-from pdserve.serving.admission import AdmissionGate
+from pdserve.serving.admission import AdmissionGate, ClientGate
 from pdserve.serving.channels import add_server_port, aio_server
 from pdserve_api.servers import AioExceptionToStatusInterceptor, add_standard_services_aio
 from pdserve_api.v1 import generate_pb2, generate_pb2_grpc
@@ -40,7 +42,6 @@ from router.service import RouterGenerateService
 logger = logging.getLogger(__name__)
 
 GENERATE_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
-GRPC_MAX_MESSAGE_BYTES = 64 << 20  # as the router's channels to the nodes (router.nodes.CHANNEL_OPTIONS)
 
 
 class RouterServer:
@@ -54,8 +55,12 @@ class RouterServer:
         self.service = RouterGenerateService(config, self.pool)
         self.gate = AdmissionGate("the router", max_inflight=config.max_inflight_requests,
                                   retry_after_s=config.retry_after_s)
-        self.front = RouterFront(self.service, self.pool, self.limits, self.gate)
-        self.http = HttpApi(self.front, http, self.limits, config.shutdown_grace_s) if http is not None else None
+        self.clients = ClientGate("the router", max_per_client=config.max_inflight_per_client,
+                                  retry_after_s=config.retry_after_s)
+        self.front = RouterFront(self.service, self.pool, self.limits, self.gate, self.clients, config.write_timeout_s,
+                                 config.security.token)
+        self.http = HttpApi(self.front, http, self.limits, config.shutdown_grace_s,
+                            config.write_timeout_s) if http is not None else None
         self._server: grpc.aio.Server | None = None
         self._health = None
         self.port: int | None = None
@@ -67,8 +72,8 @@ class RouterServer:
 
     async def start(self) -> int:
         """Bind, register services, poll the nodes once, serve; returns the bound gRPC port."""
-        # Room for a prompt far over the limit, so that it is refused by check_request with its size named.
-        options = [("grpc.max_receive_message_length", max(GRPC_MAX_MESSAGE_BYTES, self.limits.max_message_bytes))]
+        # Checked by gRPC before the message is parsed: RESOURCE_EXHAUSTED naming both sizes.
+        options = [("grpc.max_receive_message_length", self.limits.max_message_bytes)]
         server = aio_server(self.config.security, interceptors=[AioExceptionToStatusInterceptor()], options=options)
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(self.front, server)
         self._health = await add_standard_services_aio(server, [GENERATE_SERVICE], serving=False)

@@ -6,7 +6,8 @@ Runs on the router's asyncio event loop; each Generate call is one grpc.aio hand
   healthy node (least-loaded or prefix-aware, router/policy.py), forwards the request and streams
   every response back. A node found unreachable before it answered anything (UNAVAILABLE) is taken
   out and the request goes to the next node; a node whose queue is full (RESOURCE_EXHAUSTED) is
-  skipped for this request (RESOURCE_EXHAUSTED once every node refused). Any other downstream
+  skipped for this request (RESOURCE_EXHAUSTED once every node refused, or every other one was
+  unreachable: back-pressure, which the HTTP API answers 429 with Retry-After). Any other downstream
   status is re-raised and keeps its code (the server's AioExceptionToStatusInterceptor maps a
   grpc.RpcError to its own code).
 - Migration (S10): when the node serving a request fails mid-stream (its stream breaks with
@@ -217,6 +218,11 @@ class RouterGenerateService(generate_pb2_grpc.GenerateServiceServicer):
                 usage=generate_pb2.Usage(completion_tokens=len(progress.token_ids)))
         except grpc.aio.AioRpcError as e:
             failed = True
+            if full and e.code() == grpc.StatusCode.UNAVAILABLE:  # the others were full: back-pressure
+                router_metrics().rejected.labels(code=grpc.StatusCode.RESOURCE_EXHAUSTED.name).inc()
+                raise ResourceExhaustedError(
+                    f"every decode node is full or unreachable ({'; '.join(full)}; {tried[-1].address}: "
+                    f"{e.code().name}: {e.details()})", self._config.retry_after_s) from e
             router_metrics().rejected.labels(code=e.code().name).inc()
             raise
         except (UnavailableError, ResourceExhaustedError, TimeoutError) as e:

@@ -12,6 +12,14 @@ prefilling: DecodeNodeConfig.max_waiting_requests). A request over the cap is re
 with RESOURCE_EXHAUSTED naming the count and the cap, and a retry hint (`retry_after_s`, the HTTP
 API's `Retry-After`), instead of waiting behind an unbounded queue. It never blocks: no wait here.
 
+    clients = ClientGate("the router", max_per_client=64)
+    with clients.enter("peer:10.0.0.7"):   # ResourceExhaustedError past 64 at once for that client
+        ...
+
+A ClientGate caps the requests one client has in flight (the router: RouterConfig.
+max_inflight_per_client, keyed by API key or peer address), so that one client cannot take every
+slot of the AdmissionGate behind it. It holds an entry only for clients with a request in flight.
+
 Not thread-safe: each gate is used from one asyncio event loop (its server's).
 """
 
@@ -100,3 +108,59 @@ class AdmissionGate:
         self.inflight += 1
         self.waiting += 1
         return Ticket(self)
+
+
+class ClientTicket:
+    """One request's place in a ClientGate; released by `close()` (idempotent)."""
+
+    def __init__(self, gate: ClientGate, client: str) -> None:
+        self._gate = gate
+        self.client = client
+        self.closed = False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._gate._leave(self.client)
+
+    def __enter__(self) -> ClientTicket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ClientGate:
+    """Counts each client's requests in flight; refuses one over `max_per_client` for that client.
+
+    A client is whatever string the caller keys it by (the router: 'key:<hash of its API key>' or
+    'peer:<address>'); it is named in the refusal, so it must carry no secret."""
+
+    def __init__(self, name: str, max_per_client: int, retry_after_s: float = 1.0) -> None:
+        if isinstance(max_per_client, bool) or not isinstance(max_per_client, int) or max_per_client < 1:
+            raise ValueError(f"{name}: max_per_client must be an integer >= 1, got {max_per_client!r}")
+        if not retry_after_s > 0:
+            raise ValueError(f"{name}: retry_after_s must be > 0, got {retry_after_s!r}")
+        self.name = name
+        self.max_per_client = max_per_client
+        self.retry_after_s = retry_after_s
+        self.inflight: dict[str, int] = {}   # client -> requests in flight (no entry: none)
+        self.refused = 0
+
+    def enter(self, client: str) -> ClientTicket:
+        """A ticket for one more request of `client`, or ResourceExhaustedError when it is at its cap."""
+        held = self.inflight.get(client, 0)
+        if held >= self.max_per_client:
+            self.refused += 1
+            raise ResourceExhaustedError(
+                f"{self.name}: client {client} has {held} requests in flight, the per-client cap "
+                f"(max {self.max_per_client}); retry in {self.retry_after_s:g} s", self.retry_after_s)
+        self.inflight[client] = held + 1
+        return ClientTicket(self, client)
+
+    def _leave(self, client: str) -> None:
+        left = self.inflight[client] - 1
+        if left:
+            self.inflight[client] = left
+        else:
+            del self.inflight[client]

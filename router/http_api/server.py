@@ -21,7 +21,16 @@ statuses reach streaming clients too. A failure after streaming began ends the s
 Cancellation (R4): the server runs with aiohttp's handler_cancellation, so a client that
 disconnects cancels its handler task at once (mid-stream, or while waiting for the first token);
 closing `backend.stream` then cancels the downstream gRPC call, and the decode node aborts the
-request, its prefill included. aiohttp sets TCP_NODELAY on every accepted connection
+request, its prefill included.
+
+Slow clients (S8): every SSE event must be taken by the client within `write_timeout_s`
+(RouterConfig.write_timeout_s, router.clients.write_deadline; a write waits only once the
+client's socket buffers and the transport's are full): past it the connection is dropped, the
+stream closed (freeing its admission slots and cancelling it on the decode node) and the cut
+counted. A body larger than `limits.max_message_bytes` is answered 413 before it is parsed (one
+whose Content-Length says so before it is read). Each request's client (router.clients.http_client:
+its `Authorization: Bearer` key, else its peer address) is passed to `backend.stream` for the
+per-client cap. aiohttp sets TCP_NODELAY on every accepted connection
 (base_protocol.connection_made), so streamed chunks are not held back by Nagle.
 """
 
@@ -42,6 +51,7 @@ from aiohttp import web
 from pdserve.serving.convert import FieldError
 from pdserve.serving.metrics import render
 from pdserve_api.v1 import generate_pb2
+from router.clients import WriteTimeoutError, http_client, write_deadline
 from router.http_api.errors import ApiError, from_exception
 from router.http_api.parse import ApiCall, parse_chat, parse_completion
 from router.http_api.render import Renderer
@@ -73,8 +83,10 @@ def json_depth(value: Any, limit: int) -> int:
 class Backend(Protocol):
     """What the HTTP API needs from the router (router.server.RouterFront provides it)."""
 
-    def stream(self, request: generate_pb2.GenerateRequest) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        """Forward a request; closing the iterator early cancels it on every node."""
+    def stream(self, request: generate_pb2.GenerateRequest,
+               client: str) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """Forward a request of `client` (its per-client cap); closing the iterator early cancels it
+        on every node."""
 
     async def list_models(self) -> generate_pb2.ListModelsResponse: ...
 
@@ -128,11 +140,14 @@ class HttpApi:
     """The aiohttp application and its site; `start()` binds, `stop()` closes."""
 
     def __init__(self, backend: Backend, config: HttpConfig, limits: RequestLimits,
-                 shutdown_grace_s: float = 5.0) -> None:
+                 shutdown_grace_s: float = 5.0, write_timeout_s: float = 30.0) -> None:
+        if not write_timeout_s > 0:
+            raise ValueError(f"write_timeout_s must be > 0, got {write_timeout_s!r}")
         self.backend = backend
         self.config = config
         self.limits = limits
         self.shutdown_grace_s = shutdown_grace_s
+        self.write_timeout_s = write_timeout_s
         self.app = web.Application(client_max_size=limits.max_message_bytes, middlewares=[_json_errors])
         self.app.add_routes([
             web.post("/v1/completions", self._completions),
@@ -174,7 +189,14 @@ class HttpApi:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat")
 
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"request body is larger than {self.limits.max_message_bytes} bytes "
+                        f"(router --max-message-bytes; prompts may have at most {self.limits.max_prompt_bytes} bytes)")
+
     async def _read_json(self, request: web.Request) -> dict[str, Any]:
+        declared = request.content_length
+        if declared is not None and declared > self.limits.max_message_bytes:
+            raise self._too_large()   # before reading any of it
         try:
             async with asyncio.timeout(self.config.body_timeout_s):
                 raw = await request.read()
@@ -182,8 +204,7 @@ class HttpApi:
             raise ApiError(408, f"the request body was not received within {self.config.body_timeout_s:g} s "
                                 "(router --http-body-timeout-s)") from e
         except web.HTTPRequestEntityTooLarge as e:
-            raise ApiError(413, f"request body is larger than {self.limits.max_message_bytes} bytes "
-                           f"(prompts may have at most {self.limits.max_prompt_bytes} bytes)") from e
+            raise self._too_large() from e
         # As FastAPI (vLLM): no Content-Type is read as JSON, another media type than JSON is refused.
         media = request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
         if media and media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
@@ -219,7 +240,8 @@ class HttpApi:
         response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         call.request.request_id = response_id
         renderer = Renderer(call, response_id, call.model or self.backend.default_model(), int(time.time()))
-        async with contextlib.aclosing(self.backend.stream(call.request)) as stream:
+        client = http_client(request.headers.get("Authorization"), request.remote)
+        async with contextlib.aclosing(self.backend.stream(call.request, client)) as stream:
             try:
                 first = await anext(stream)
             except StopAsyncIteration:
@@ -251,13 +273,15 @@ class HttpApi:
     async def _stream(self, request: web.Request, renderer: Renderer, first: generate_pb2.GenerateResponse,
                       stream: AsyncIterator[generate_pb2.GenerateResponse]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
 
         async def send(event: Any) -> None:
             data = event if isinstance(event, str) else json.dumps(event)
-            await response.write(f"data: {data}\n\n".encode())
+            async with write_deadline(self.write_timeout_s, "http", renderer.id):
+                await response.write(f"data: {data}\n\n".encode())
 
         try:
+            async with write_deadline(self.write_timeout_s, "http", renderer.id):
+                await response.prepare(request)
             msg: generate_pb2.GenerateResponse | None = first
             while msg is not None:
                 if msg.finish_reason == generate_pb2.FINISH_REASON_ERROR:
@@ -276,6 +300,11 @@ class HttpApi:
             await response.write_eof()
         except ConnectionResetError:
             logger.info("request_id=%s: the client went away mid-stream; cancelling", renderer.id)
+        except WriteTimeoutError:
+            # Drop the connection (what is buffered for it is discarded): nothing more is written,
+            # and returning closes `stream`, which frees the slots and cancels the request downstream.
+            if request.transport is not None:
+                request.transport.abort()
         return response
 
     # --- the rest ---------------------------------------------------------------------------------

@@ -164,7 +164,9 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(cluster, client):
         (empty_chat, invalid, "messages is empty"),
         (no_role, invalid, "messages[0].role is empty"),
         (req(request_id="x" * 300), invalid, "request_id is 300 characters long"),
-        (req(text="x" * (10 * 1024 * 1024)), invalid, "prompt is 10485760 bytes"),
+        (req(text="x" * (2 * 1024 * 1024)), invalid, "prompt is 2097152 bytes"),
+        # over the router's message limit (--max-message-bytes, default 7 MiB): refused before parsing
+        (req(text="x" * (10 * 1024 * 1024)), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
         (req(token_ids=generate_pb2.TokenIds(ids=[10 ** 6])), invalid, "token ids must be integers in [0, "),
         (req(text="hello " * 9000), invalid, "context"),
         (req(model="no-such-model"), grpc.StatusCode.NOT_FOUND, "unknown model 'no-such-model'"),

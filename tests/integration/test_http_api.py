@@ -62,10 +62,12 @@ class FakeBackend:
         self.error = error
         self.delay_s = delay_s
         self.requests: list[generate_pb2.GenerateRequest] = []
+        self.clients: list[str] = []   # the client of each request (router.clients.http_client)
         self.closed = asyncio.Event()
 
-    async def stream(self, request):
+    async def stream(self, request, client):
         self.requests.append(request)
+        self.clients.append(client)
         try:
             if self.error is not None:
                 raise self.error

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from pdserve.serving.admission import AdmissionGate, ResourceExhaustedError
+from pdserve.serving.admission import AdmissionGate, ClientGate, ResourceExhaustedError
 from pdserve_api.servers import status_for
 
 
@@ -42,3 +42,28 @@ def test_bad_caps_are_refused_naming_them():
     with pytest.raises(ValueError, match="retry_after_s must be > 0"):
         AdmissionGate("x", retry_after_s=0)
     assert AdmissionGate("x").enter().waiting  # no caps: never refuses
+
+
+def test_client_gate_caps_each_client_alone_and_forgets_idle_clients():
+    gate = ClientGate("the router", max_per_client=2, retry_after_s=1.5)
+    a1, a2, b1 = gate.enter("peer:10.0.0.1"), gate.enter("peer:10.0.0.1"), gate.enter("key:ab12")
+    with pytest.raises(ResourceExhaustedError) as err:
+        gate.enter("peer:10.0.0.1")
+    assert str(err.value) == ("the router: client peer:10.0.0.1 has 2 requests in flight, the per-client cap "
+                              "(max 2); retry in 1.5 s")
+    assert err.value.retry_after_header == "2" and gate.refused == 1
+    with gate.enter("key:ab12"):   # another client is not affected
+        assert gate.inflight == {"peer:10.0.0.1": 2, "key:ab12": 2}
+    for t in (a1, a1, a2, b1):   # close is idempotent
+        t.close()
+    assert gate.inflight == {}
+    with gate.enter("peer:10.0.0.1"), gate.enter("peer:10.0.0.1"):
+        pass
+    assert gate.inflight == {}
+
+
+def test_client_gate_refuses_bad_settings_naming_them():
+    with pytest.raises(ValueError, match=r"x: max_per_client must be an integer >= 1, got 0"):
+        ClientGate("x", max_per_client=0)
+    with pytest.raises(ValueError, match=r"x: retry_after_s must be > 0, got 0"):
+        ClientGate("x", max_per_client=1, retry_after_s=0)

@@ -49,6 +49,8 @@ class RouterMetrics:
     routed: Counter      # pdserve:router_requests_routed_total{node, reason}: the policy's choices
     rejected: Counter    # pdserve:router_request_errors_total{code}: calls that ended with a gRPC error
     migrations: Counter  # pdserve:router_request_migrations_total{node}: requests resumed off a failed node (S10)
+    write_timeouts: Counter  # pdserve:router_stream_write_timeouts_total{api}: streams cut, the client read nothing
+    client_refused: Counter  # pdserve:router_client_cap_refusals_total{api}: refused at the per-client cap
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,14 @@ def router_metrics(registry: CollectorRegistry) -> RouterMetrics:
         migrations=Counter("pdserve:router_request_migrations_total",
                            "Requests resumed on another decode node after the node serving them failed mid-stream, "
                            "by the node that failed.", ["node"], registry=registry),
+        write_timeouts=Counter("pdserve:router_stream_write_timeouts",
+                               "Streams (api=http: SSE, api=grpc) cut because the client took no message for "
+                               "router --stream-write-timeout-s; their slots were freed and their requests "
+                               "cancelled on the decode node.", ["api"], registry=registry),
+        client_refused=Counter("pdserve:router_client_cap_refusals",
+                               "Generate calls refused (HTTP 429 / RESOURCE_EXHAUSTED) because their client "
+                               "already had router --max-inflight-per-client in flight.", ["api"],
+                               registry=registry),
     )
 
 
