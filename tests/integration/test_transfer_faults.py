@@ -12,8 +12,7 @@ node while it has transfers in flight. Every test asserts, never assumes:
 
 Faults: (a) a prefill node SIGKILLed mid-transfer; (b) one SIGSTOPped for 3x the decode node's
 stall bound (`--prefill-stall`, 3 s) then SIGCONTed: the requests complete via the other node while
-it is stopped; its attempts' pages stay quarantined until it resumes and confirms (shm), or, on
-tcp, are released while it is still stopped by a key rotation (on by default, issue 33); (d) after (a),
+it is stopped, its attempts' pages stay quarantined until it resumes and confirms; (d) after (a),
 AbortPrefill to the restarted process at the same address, naming the old process, is not a
 confirmation. (c), the same request id from two decode engines / a second attempt on one prefill
 node, is test_prefill_node's test_same_request_id_from_two_decode_engines_and_a_second_attempt; here
@@ -44,7 +43,6 @@ from support.cluster import (
 from support.prometheus import fetch, parse, total
 from support.wait import wait_until
 
-from kv_messenger.decode.rotation import DEFAULT_ROTATE_KEY_AFTER_S
 from kv_messenger.ticket import peer_from_bytes
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve_api.v1 import prefill_pb2, prefill_pb2_grpc
@@ -84,12 +82,6 @@ def stale_writes(cluster) -> float:
     samples = parse(text)
     assert any(name == "pdserve:kv_stale_writes_total" for name, _ in samples), "no kv_stale_writes_total"
     return total(samples, "pdserve:kv_stale_writes_total")
-
-
-def key_rotations(cluster) -> float:
-    """The decode node's pdserve:kv_key_rotations_total."""
-    text, _ = fetch(cluster.metrics_urls["decode-0"])
-    return total(parse(text), "pdserve:kv_key_rotations_total")
 
 
 def quarantine_age(cluster, peer: str) -> float | None:
@@ -178,8 +170,6 @@ def test_prefill_sigstop_for_three_stall_bounds_recovers_via_the_other_node(clus
     name = "prefill-1"
     pid = process_pid(cluster, name)
     decode = cluster.processes["decode-0"].address
-    peer = cluster.processes[name].address
-    rotates = (cluster.config.provider or "").startswith("tcp")   # key rotation (on by default) applies on tcp only
     stopped_at: list[float] = []
 
     def sigstop() -> None:
@@ -193,22 +183,13 @@ def test_prefill_sigstop_for_three_stall_bounds_recovers_via_the_other_node(clus
         _all_completed(results)
         time.sleep(max(0.0, stopped_at[0] + 3 * STALL_S - time.monotonic()))
         held = node_info(decode).transfers
-        if rotates:
-            # issue 33, safe by default: the silent node's quarantines are released while it is still
-            # stopped, by a key rotation once they are DEFAULT_ROTATE_KEY_AFTER_S old (its old writes
-            # can never land: the key is closed and every connection ended)
-            wait_until(lambda: node_info(decode).transfers.quarantined_transfers == 0
-                       and key_rotations(cluster) >= 1, DEFAULT_ROTATE_KEY_AFTER_S + 20,
-                       "the stopped node's quarantines released by a key rotation")
-        else:
-            # shm checks no key: the stopped node's attempts may still write, so their pages stay out
-            # of use while it is stopped
-            assert held.quarantined_transfers > 0 and held.quarantined_kv_blocks > 0, held
-            # and the hold is visible with its age (updated each round of the hold)
-            age = wait_until(lambda: quarantine_age(cluster, peer), 20,
-                             f"pdserve:kv_quarantine_oldest_seconds{{{peer}}}")
-            assert 0 < age < time.monotonic() - stopped_at[0] + 1, age
+        # the stopped node's attempts may still write: their pages stay out of use while it is stopped
+        assert held.quarantined_transfers > 0 and held.quarantined_kv_blocks > 0, held
         assert stale_writes(cluster) == 0
+        # and the hold is visible with its age (updated each round of the hold)
+        peer = cluster.processes[name].address
+        age = wait_until(lambda: quarantine_age(cluster, peer), 20, f"pdserve:kv_quarantine_oldest_seconds{{{peer}}}")
+        assert 0 < age < time.monotonic() - stopped_at[0] + 1, age
     finally:
         os.kill(pid, signal.SIGCONT)
     resumed = time.monotonic()
@@ -216,6 +197,5 @@ def test_prefill_sigstop_for_three_stall_bounds_recovers_via_the_other_node(clus
     released = time.monotonic() - resumed
     assert quarantine_age(cluster, peer) is None, "the age gauge outlived the quarantine"
     print(f"\nprefill SIGSTOP {3 * STALL_S:.0f} s: {len(results)} requests, 0 lost, last one done {recovery:.2f} s "
-          f"after the stop; {held.quarantined_kv_blocks} quarantined pages at 3 stall bounds, all released "
-          f"{'by a key rotation while stopped' if rotates else f'{released:.2f} s after SIGCONT'}")
+          f"after the stop; {held.quarantined_kv_blocks} quarantined pages released {released:.2f} s after SIGCONT")
     _victims_match(cluster, reference)
