@@ -59,7 +59,6 @@ from kv_messenger.decode import (  # noqa: F401 (re-exported: the names' old hom
     TransferTelemetry,
 )
 from kv_messenger.decode.attempt import Attempt
-from kv_messenger.decode.rotation import DEFAULT_ROTATE_KEY_AFTER_S
 from kv_messenger.placement import placement_info
 from kv_messenger.ticket import peer_to_bytes
 from kv_messenger.transport import TransferEngine, open_transfer_engine
@@ -102,7 +101,7 @@ class DecodeNodeConfig:
     release_unfenced_by_close: bool = False   # ended-unfenced holds released by closing our connection
     kv_checksum: bool = False                 # S7: verify CRC32C of every landed run before scheduling
     # a hold this old, prefill silent or end unfenced: rotate the key (None: off; docs/transfer-safety.md)
-    rotate_key_after_s: float | None = DEFAULT_ROTATE_KEY_AFTER_S
+    rotate_key_after_s: float | None = None
     faults: FaultPlan = NO_FAULTS             # TEST ONLY: the injected fault plan (pdserve.engine.faults)
 
     def __post_init__(self) -> None:

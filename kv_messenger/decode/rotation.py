@@ -1,6 +1,7 @@
-"""Key rotation (--rotate-key-after, DecodeNodeConfig.rotate_key_after_s; on by default,
-DEFAULT_ROTATE_KEY_AFTER_S, issue 33): the crash-free release of holds whose prefill side went
-silent, ended unfenced, or was replaced at its address by another process. A rotation registers
+"""Key rotation (--rotate-key-after, DecodeNodeConfig.rotate_key_after_s; off by default: a
+rotation's failover of every transfer in flight is not yet retried on the same node, issue 33): the
+crash-free release of holds whose prefill side went silent, ended unfenced, or was replaced at its
+address by another process. A rotation registers
 the KV pool, the context landing area and the fence buffer again under new keys, fails over every
 transfer in flight under the old ones, closes the old registrations, ends every fabric connection
 open now (`TransferEngine.shut_down_sockets`) and drains; then every hold of an older generation is
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# A hold this old whose prefill side is silent or ended unfenced asks for a rotation, by default: long
+# A suggested --rotate-key-after: a hold this old whose prefill side is silent or ended unfenced: long
 # enough that a slow but live prefill node answers first (its abort is re-sent with backoff up to
 # HOLD_BACKOFF_MAX_S), short enough that a dead host's pages come back within seconds.
 DEFAULT_ROTATE_KEY_AFTER_S = 10.0

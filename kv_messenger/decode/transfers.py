@@ -32,7 +32,7 @@ from kv_messenger.context import ContextRecordError
 from kv_messenger.decode.attempt import Attempt, PrefillWatch, RequestState, RequestTable, WatchSettings
 from kv_messenger.decode.client import PrefillClient, PrefillTarget, TransferTelemetry
 from kv_messenger.decode.quarantine import Quarantine, QuarantineHolds
-from kv_messenger.decode.rotation import DEFAULT_ROTATE_KEY_AFTER_S, KeyRotation, rotation_supported
+from kv_messenger.decode.rotation import KeyRotation, rotation_supported
 from kv_messenger.receiver import CONTEXT_SLOTS, KvReceiver, ReceiverEvents
 from kv_messenger.ticket import TransferTicket
 from kv_messenger.transport import TransferEngine
@@ -57,7 +57,7 @@ class TransferSettings:
     max_waiting_requests: int = 2048
     release_unfenced_by_close: bool = False
     kv_checksum: bool = False
-    rotate_key_after_s: float | None = DEFAULT_ROTATE_KEY_AFTER_S
+    rotate_key_after_s: float | None = None
     faults: FaultPlan = NO_FAULTS
 
     def __post_init__(self) -> None:

@@ -19,10 +19,10 @@ from pdserve.engine.config import EngineConfig
 from pdserve.tools.launcher import ClusterConfig, plan
 
 
-def test_config_on_by_default_and_a_bad_value_is_named():
-    """Issue 33: safe by default, a silent or replaced prefill host's quarantines come back."""
-    assert DecodeNodeConfig(engine=EngineConfig(), node_id="d").rotate_key_after_s == DEFAULT_ROTATE_KEY_AFTER_S > 0
-    assert DecodeNodeConfig(engine=EngineConfig(), node_id="d", rotate_key_after_s=None).rotate_key_after_s is None
+def test_config_off_by_default_and_a_bad_value_is_named():
+    assert DecodeNodeConfig(engine=EngineConfig(), node_id="d").rotate_key_after_s is None
+    cfg = DecodeNodeConfig(engine=EngineConfig(), node_id="d", rotate_key_after_s=DEFAULT_ROTATE_KEY_AFTER_S)
+    assert cfg.rotate_key_after_s == DEFAULT_ROTATE_KEY_AFTER_S
     for bad in (0, -1.5):
         with pytest.raises(ValueError, match=f"rotate_key_after_s must be > 0.*{bad}"):
             DecodeNodeConfig(engine=EngineConfig(), node_id="d", rotate_key_after_s=bad)
@@ -30,7 +30,7 @@ def test_config_on_by_default_and_a_bad_value_is_named():
 
 def test_cli_flag_and_help():
     p = build_parser()
-    assert p.parse_args(["--prefill", "h:1"]).rotate_key_after == DEFAULT_ROTATE_KEY_AFTER_S
+    assert p.parse_args(["--prefill", "h:1"]).rotate_key_after is None
     assert p.parse_args(["--prefill", "h:1", "--rotate-key-after", "2.5"]).rotate_key_after == 2.5
     assert p.parse_args(["--prefill", "h:1", "--rotate-key-after", "off"]).rotate_key_after is None
     for bad in ("0", "-1", "soon"):
