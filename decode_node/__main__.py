@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from decode_node.prefill_pool import PREFILL_ROUTING
 from decode_node.server import node_server
 from decode_node.service import DecodeNodeConfig
-from kv_messenger.decode.rotation import DEFAULT_ROTATE_KEY_AFTER_S
+from kv_messenger.decode.rotation import SUGGESTED_ROTATE_KEY_AFTER_S
 from pdserve.engine.faults import FaultPlan
 from pdserve.serving.engine_args import add_engine_args, engine_config
 from pdserve.serving.node_server import DECODE_PORT, NodeServer, add_node_args, run_main, serve_options
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "every quarantine held under it; every transfer then in flight, from any prefill node, fails "
                         "over and is prefilled again (counted in pdserve:kv_key_rotations_total). Ignored on shm (its "
                         "target checks no key). Default off (such quarantines stay held until the cluster stops); "
-                        f"{DEFAULT_ROTATE_KEY_AFTER_S:g} is the value we test with")
+                        f"a suggested value: {SUGGESTED_ROTATE_KEY_AFTER_S:g}")
     add_engine_args(p)
     return p
 

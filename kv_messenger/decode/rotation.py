@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 # A suggested --rotate-key-after: a hold this old whose prefill side is silent or ended unfenced: long
 # enough that a slow but live prefill node answers first (its abort is re-sent with backoff up to
 # HOLD_BACKOFF_MAX_S), short enough that a dead host's pages come back within seconds.
-DEFAULT_ROTATE_KEY_AFTER_S = 10.0
+SUGGESTED_ROTATE_KEY_AFTER_S = 10.0
 ROTATE_POLL_S = 0.5          # --rotate-key-after: the holds are looked at this often
 ROTATE_CLOSE_WAIT_S = 5.0    # a rotation's shut-down fabric sockets are closed within this, or it retries
 

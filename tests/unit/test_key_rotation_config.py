@@ -14,15 +14,15 @@ import pytest
 from decode_node.__main__ import build_parser
 from decode_node.service import DecodeNodeConfig
 from fabric.sockets import Endpoint, endpoint_of, fabric_sockets, open_inodes, own_tcp_sockets, shut_down
-from kv_messenger.decode.rotation import DEFAULT_ROTATE_KEY_AFTER_S
+from kv_messenger.decode.rotation import SUGGESTED_ROTATE_KEY_AFTER_S
 from pdserve.engine.config import EngineConfig
 from pdserve.tools.launcher import ClusterConfig, plan
 
 
 def test_config_off_by_default_and_a_bad_value_is_named():
     assert DecodeNodeConfig(engine=EngineConfig(), node_id="d").rotate_key_after_s is None
-    cfg = DecodeNodeConfig(engine=EngineConfig(), node_id="d", rotate_key_after_s=DEFAULT_ROTATE_KEY_AFTER_S)
-    assert cfg.rotate_key_after_s == DEFAULT_ROTATE_KEY_AFTER_S
+    cfg = DecodeNodeConfig(engine=EngineConfig(), node_id="d", rotate_key_after_s=SUGGESTED_ROTATE_KEY_AFTER_S)
+    assert cfg.rotate_key_after_s == SUGGESTED_ROTATE_KEY_AFTER_S
     for bad in (0, -1.5):
         with pytest.raises(ValueError, match=f"rotate_key_after_s must be > 0.*{bad}"):
             DecodeNodeConfig(engine=EngineConfig(), node_id="d", rotate_key_after_s=bad)
